@@ -1,0 +1,139 @@
+//! Checkpoint directories in the Hugging Face GPT-2 layout: `config.json`, `model.safetensors`
+//! (memory-mapped on load) and `tokenizer.json`. Tensor names are `transformers`' with or without
+//! the `transformer.` prefix; the `attn.bias`/`attn.masked_bias` buffers of older checkpoints and
+//! a stored `lm_head.weight` (tied) are ignored. Files are written to a temporary name and renamed.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::gpt::Gpt;
+use crate::tokenizer::Tokenizer;
+
+pub const CONFIG_FILE: &str = "config.json";
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
+/// reader never sees a half-written file and a crash leaves the old file in place.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    result.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(path, e)
+    })
+}
+
+/// Turns candle's loading errors into ours, naming the file and the tensor.
+fn loading_error(path: &Path, err: candle_core::Error) -> Error {
+    match err {
+        candle_core::Error::WithBacktrace { inner, .. } => loading_error(path, *inner),
+        candle_core::Error::Context { inner, .. } => loading_error(path, *inner),
+        candle_core::Error::CannotFindTensor { path: name }
+        | candle_core::Error::SafeTensor(safetensors::SafeTensorError::TensorNotFound(name)) => Error::MissingTensor {
+            path: path.to_path_buf(),
+            name,
+        },
+        candle_core::Error::UnexpectedShape { msg, expected, got } => Error::ShapeMismatch {
+            name: msg.trim_start_matches("shape mismatch for ").to_string(),
+            expected: expected.dims().to_vec(),
+            actual: got.dims().to_vec(),
+        },
+        other => Error::Candle(other),
+    }
+}
+
+/// Loads the network of a checkpoint directory in `dtype` on `device`.
+pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
+    let cfg = Config::from_file(&dir.join(CONFIG_FILE))?;
+    let path = dir.join(WEIGHTS_FILE);
+    if !path.exists() {
+        return Err(Error::MissingFile { path });
+    }
+    // SAFETY: the file is mapped read-only; as with any memory-mapped checkpoint, it must not be
+    // modified by another process while the model is being loaded.
+    let st = unsafe { MmapedSafetensors::new(&path) }.map_err(|e| Error::CorruptCheckpoint {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    let prefixed = st.get("transformer.wte.weight").is_ok();
+    let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
+    let vb = if prefixed { vb.pp("transformer") } else { vb };
+    Gpt::new(vb, &cfg).map_err(|e| match e {
+        Error::Candle(err) => loading_error(&path, err),
+        other => other,
+    })
+}
+
+/// Loads a checkpoint directory: the model and its tokenizer, checked against each other.
+pub fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<(Gpt, Tokenizer)> {
+    if !dir.is_dir() {
+        return Err(Error::MissingFile {
+            path: dir.to_path_buf(),
+        });
+    }
+    let model = load_model(dir, dtype, device)?;
+    let tokenizer = Tokenizer::from_file(&dir.join(TOKENIZER_FILE))?;
+    if tokenizer.vocab_size() > model.config().vocab_size {
+        return Err(Error::VocabMismatch {
+            tokenizer: tokenizer.vocab_size(),
+            model: model.config().vocab_size,
+        });
+    }
+    Ok((model, tokenizer))
+}
+
+fn torch_dtype(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        _ => "float32",
+    }
+}
+
+/// Serialises `model`'s weights in `dtype` as `transformers`' `save_pretrained` does (with the
+/// `{"format": "pt"}` metadata it requires).
+pub fn weights_bytes(model: &Gpt, dtype: DType) -> Result<Vec<u8>> {
+    let tensors = model
+        .named_tensors()
+        .into_iter()
+        .map(|(name, t)| Ok((name, t.to_dtype(dtype)?.contiguous()?)))
+        .collect::<Result<Vec<(String, Tensor)>>>()?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize(tensors, Some(metadata)).map_err(|e| Error::Candle(candle_core::Error::wrap(e)))
+}
+
+/// Saves `model` (in `dtype`) and `tokenizer` to `dir` in the GPT-2 layout, each file atomically.
+pub fn save_dir(dir: &Path, model: &Gpt, tokenizer: &Tokenizer, dtype: DType) -> Result<()> {
+    if tokenizer.vocab_size() > model.config().vocab_size {
+        return Err(Error::VocabMismatch {
+            tokenizer: tokenizer.vocab_size(),
+            model: model.config().vocab_size,
+        });
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let weights = weights_bytes(model, dtype)?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&model.config().to_hf_json()?).map_err(|e| Error::InvalidConfig(e.to_string()))?;
+    config["torch_dtype"] = torch_dtype(dtype).into();
+    let config = serde_json::to_string_pretty(&config).map_err(|e| Error::InvalidConfig(e.to_string()))?;
+    write_atomic(&dir.join(WEIGHTS_FILE), &weights)?;
+    tokenizer.save(&dir.join(TOKENIZER_FILE))?;
+    write_atomic(&dir.join(CONFIG_FILE), config.as_bytes())
+}

@@ -1,0 +1,20 @@
+//! `gpt`: a GPT-2-style decoder-only transformer on candle.
+//!
+//! Data flow at inference: text → [`Tokenizer`] → token ids → [`Gpt::forward_step`] (with one
+//! [`KvCache`] per sequence) → logits. At training: token windows → [`Gpt::forward_t`] → logits →
+//! cross-entropy. Checkpoints are Hugging Face GPT-2 directories (`config.json`,
+//! `model.safetensors`, `tokenizer.json`), see [`checkpoint`].
+
+pub mod attention;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod gpt;
+pub mod tokenizer;
+
+pub use attention::KvCache;
+pub use checkpoint::{load_dir, load_model, save_dir};
+pub use config::{Activation, Config, PositionEmbedding};
+pub use error::{Error, Result};
+pub use gpt::{Gpt, LogitsFor, SeqStep};
+pub use tokenizer::Tokenizer;

@@ -1,0 +1,173 @@
+//! Tokenizers through the `tokenizers` crate: GPT-2's byte-level BPE (trained with its
+//! `BpeTrainer`), or nanoGPT's character-level vocabulary; both saved as `tokenizer.json`.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::models::bpe::{BpeTrainer, Vocab, BPE};
+use tokenizers::models::TrainerWrapper;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, DecoderWrapper};
+
+use crate::checkpoint::write_atomic;
+use crate::error::{Error, Result};
+
+/// GPT-2's end-of-text token, added to trained BPE vocabularies.
+pub const END_OF_TEXT: &str = "<|endoftext|>";
+
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// A character-level vocabulary silently drops unknown characters; we report them instead.
+    char_level: bool,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("char_level", &self.char_level)
+            .finish()
+    }
+}
+
+fn read_utf8(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    String::from_utf8(bytes).map_err(|e| Error::Tokenizer {
+        path: path.to_path_buf(),
+        reason: format!(
+            "not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ),
+    })
+}
+
+impl Tokenizer {
+    fn wrap(inner: tokenizers::Tokenizer) -> Self {
+        let char_level = matches!(inner.get_decoder(), Some(DecoderWrapper::Fuse(_)));
+        Self { inner, char_level }
+    }
+
+    /// Loads a `tokenizer.json` (GPT-2's own, or one saved here).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        if !path.exists() {
+            return Err(Error::MissingFile {
+                path: path.to_path_buf(),
+            });
+        }
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self::wrap(inner))
+    }
+
+    /// Writes `tokenizer.json` atomically.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let json = self.inner.to_string(true).map_err(|e| Error::Tokenizer {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        write_atomic(path, json.as_bytes())
+    }
+
+    /// nanoGPT's character vocabulary: the sorted set of characters in the corpus. This is a
+    /// BPE model without merges, so each character is one token, and a `Fuse` decoder that joins
+    /// them back without separators.
+    pub fn train_char(files: &[PathBuf]) -> Result<Self> {
+        let mut chars = BTreeSet::new();
+        for path in files {
+            chars.extend(read_utf8(path)?.chars());
+        }
+        if chars.is_empty() {
+            return Err(Error::EmptyInput("the corpus for the character vocabulary is empty"));
+        }
+        let vocab: Vocab = chars
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.to_string(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, vec![])
+            .build()
+            .map_err(|e| Error::Tokenize(e.to_string()))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_decoder(Some(Fuse::new()));
+        Ok(Self::wrap(inner))
+    }
+
+    /// GPT-2's byte-level BPE, trained on `files` up to `vocab_size` tokens (256 byte tokens,
+    /// `<|endoftext|>`, then merges).
+    pub fn train_bpe(files: &[PathBuf], vocab_size: usize) -> Result<Self> {
+        let min = ByteLevel::alphabet().len() + 1;
+        if vocab_size < min {
+            return Err(Error::Tokenize(format!(
+                "a byte-level BPE vocabulary needs at least {min} tokens (256 bytes + {END_OF_TEXT}), got {vocab_size}"
+            )));
+        }
+        for path in files {
+            if read_utf8(path)?.is_empty() {
+                return Err(Error::Tokenizer {
+                    path: path.clone(),
+                    reason: "file is empty".into(),
+                });
+            }
+        }
+        let mut trainer: TrainerWrapper = BpeTrainer::builder()
+            .vocab_size(vocab_size)
+            .min_frequency(2)
+            .show_progress(false)
+            .special_tokens(vec![AddedToken::from(END_OF_TEXT, true)])
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .build()
+            .into();
+        let mut inner = tokenizers::Tokenizer::new(BPE::default());
+        inner.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
+        inner.with_post_processor(Some(ByteLevel::default().trim_offsets(false)));
+        inner.with_decoder(Some(ByteLevel::default()));
+        let files = files.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+        inner
+            .train_from_files(&mut trainer, files)
+            .map_err(|e| Error::Tokenize(format!("training BPE: {e}")))?;
+        Ok(Self::wrap(inner))
+    }
+
+    /// Number of token ids, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn is_char_level(&self) -> bool {
+        self.char_level
+    }
+
+    /// `<|endoftext|>`'s id, where the vocabulary has it.
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.inner.token_to_id(END_OF_TEXT)
+    }
+
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        if self.char_level {
+            if let Some(ch) = text.chars().find(|c| self.inner.token_to_id(&c.to_string()).is_none()) {
+                return Err(Error::UnknownCharacter { ch });
+            }
+        }
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenize(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| Error::Tokenize(e.to_string()))
+    }
+
+    /// The `tokenizers` object, for what this wrapper does not cover.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}

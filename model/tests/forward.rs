@@ -1,0 +1,238 @@
+//! The forward pass: causality, KV-cache parity (one and several sequences), limits, dtypes.
+
+mod common;
+
+use candle_core::{DType, IndexOp, Tensor};
+use common::{batch, max_abs_diff, random_model, tokens};
+use gpt::{Config, Error, LogitsFor, PositionEmbedding, SeqStep};
+
+fn cfg() -> Config {
+    Config::tiny(97)
+}
+
+#[test]
+fn changing_later_tokens_leaves_earlier_logits_unchanged() -> anyhow::Result<()> {
+    for pe in [PositionEmbedding::Learned, PositionEmbedding::Sinusoidal] {
+        let cfg = Config {
+            position_embedding: pe,
+            ..cfg()
+        };
+        let (_vm, model) = random_model(&cfg)?;
+        let a = tokens(24, cfg.vocab_size, 1);
+        let mut b = a.clone();
+        let t = 10;
+        for (i, id) in b.iter_mut().enumerate().skip(t + 1) {
+            *id = (*id + 1 + i as u32) % cfg.vocab_size as u32;
+        }
+        let la = model.forward(&batch(&[a])?)?;
+        let lb = model.forward(&batch(&[b])?)?;
+        let prefix = max_abs_diff(&la.i((.., ..=t, ..))?, &lb.i((.., ..=t, ..))?)?;
+        assert_eq!(prefix, 0.0, "{pe:?}: logits at positions <= {t} changed");
+        // The check has teeth: later positions do change.
+        let suffix = max_abs_diff(&la.i((.., t + 1.., ..))?, &lb.i((.., t + 1.., ..))?)?;
+        assert!(suffix > 1e-3, "{pe:?}: later logits did not change ({suffix})");
+    }
+    Ok(())
+}
+
+#[test]
+fn prefill_then_decode_matches_full_forward() -> anyhow::Result<()> {
+    let cfg = cfg();
+    let (_vm, model) = random_model(&cfg)?;
+    let ids = tokens(40, cfg.vocab_size, 7);
+    let full = model.forward(&batch(std::slice::from_ref(&ids))?)?.squeeze(0)?; // (T, V)
+
+    let mut cache = model.new_cache();
+    let prompt = 17;
+    let mut steps = vec![model.forward_step(
+        &mut [SeqStep {
+            tokens: &ids[..prompt],
+            cache: &mut cache,
+        }],
+        LogitsFor::All,
+    )?];
+    for id in &ids[prompt..] {
+        let step = SeqStep {
+            tokens: std::slice::from_ref(id),
+            cache: &mut cache,
+        };
+        steps.push(model.forward_step(&mut [step], LogitsFor::Last)?);
+    }
+    assert_eq!(cache.len(), ids.len());
+    let incremental = Tensor::cat(&steps, 0)?;
+    let diff = max_abs_diff(&full, &incremental)?;
+    assert!(diff < 1e-4, "cache vs full forward: max abs diff {diff}");
+    Ok(())
+}
+
+#[test]
+fn sequences_of_different_lengths_step_together() -> anyhow::Result<()> {
+    let cfg = cfg();
+    let (_vm, model) = random_model(&cfg)?;
+    let seqs: Vec<Vec<u32>> = [(5, 11), (23, 12), (1, 13), (31, 14)]
+        .iter()
+        .map(|&(n, seed)| tokens(n + 6, cfg.vocab_size, seed))
+        .collect();
+    let prompt_lens = [5, 23, 1, 31];
+    let mut caches: Vec<_> = seqs.iter().map(|_| model.new_cache()).collect();
+
+    // Prefill all four prompts in one step, then decode six tokens for all of them together.
+    let mut step: Vec<SeqStep> = seqs
+        .iter()
+        .zip(&prompt_lens)
+        .zip(caches.iter_mut())
+        .map(|((s, &n), cache)| SeqStep { tokens: &s[..n], cache })
+        .collect();
+    let mut last = vec![model.forward_step(&mut step, LogitsFor::Last)?]; // (4, V)
+    for k in 0..6 {
+        let mut step: Vec<SeqStep> = seqs
+            .iter()
+            .zip(&prompt_lens)
+            .zip(caches.iter_mut())
+            .map(|((s, &n), cache)| SeqStep {
+                tokens: &s[n + k..n + k + 1],
+                cache,
+            })
+            .collect();
+        last.push(model.forward_step(&mut step, LogitsFor::Last)?);
+    }
+
+    for (s, seq) in seqs.iter().enumerate() {
+        let full = model.forward(&batch(std::slice::from_ref(seq))?)?.squeeze(0)?; // (T, V)
+        for (k, logits) in last.iter().enumerate() {
+            let pos = prompt_lens[s] - 1 + k;
+            let diff = max_abs_diff(&logits.i(s)?, &full.i(pos)?)?;
+            assert!(diff < 1e-4, "sequence {s}, position {pos}: diff {diff}");
+        }
+        assert_eq!(caches[s].len(), seq.len());
+    }
+    Ok(())
+}
+
+#[test]
+fn batched_windows_equal_one_at_a_time() -> anyhow::Result<()> {
+    let cfg = cfg();
+    let (_vm, model) = random_model(&cfg)?;
+    let rows: Vec<Vec<u32>> = (0..3).map(|s| tokens(16, cfg.vocab_size, 100 + s)).collect();
+    let together = model.forward(&batch(&rows)?)?;
+    for (i, row) in rows.iter().enumerate() {
+        let alone = model.forward(&batch(std::slice::from_ref(row))?)?;
+        assert!(max_abs_diff(&together.i(i)?, &alone.squeeze(0)?)? < 1e-5);
+    }
+    Ok(())
+}
+
+#[test]
+fn training_path_equals_inference_path_without_dropout() -> anyhow::Result<()> {
+    let cfg = cfg(); // tiny() has zero dropout
+    let (_vm, model) = random_model(&cfg)?;
+    let idx = batch(&[tokens(20, cfg.vocab_size, 3)])?;
+    let diff = max_abs_diff(&model.forward_t(&idx, true)?, &model.forward(&idx)?)?;
+    assert!(diff < 1e-4, "fused vs differentiable ops: {diff}");
+    Ok(())
+}
+
+#[test]
+fn going_past_the_context_is_an_error_and_leaves_the_cache_alone() -> anyhow::Result<()> {
+    let cfg = cfg();
+    let (_vm, model) = random_model(&cfg)?;
+    let too_long = batch(&[tokens(cfg.n_positions + 1, cfg.vocab_size, 1)])?;
+    assert!(matches!(
+        model.forward(&too_long),
+        Err(Error::ContextOverflow { needed: 65, max: 64 })
+    ));
+
+    let mut cache = model.new_cache();
+    let ids = tokens(cfg.n_positions, cfg.vocab_size, 2);
+    model.forward_step(
+        &mut [SeqStep {
+            tokens: &ids,
+            cache: &mut cache,
+        }],
+        LogitsFor::Last,
+    )?;
+    let err = model
+        .forward_step(
+            &mut [SeqStep {
+                tokens: &[1],
+                cache: &mut cache,
+            }],
+            LogitsFor::Last,
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::ContextOverflow { needed: 65, max: 64 }), "{err}");
+    assert!(err.to_string().contains("64"), "{err}");
+    assert_eq!(cache.len(), cfg.n_positions);
+    Ok(())
+}
+
+#[test]
+fn bad_step_inputs_are_errors_not_panics() -> anyhow::Result<()> {
+    let cfg = cfg();
+    let (_vm, model) = random_model(&cfg)?;
+    let mut cache = model.new_cache();
+    let err = model
+        .forward_step(
+            &mut [SeqStep {
+                tokens: &[3, 97],
+                cache: &mut cache,
+            }],
+            LogitsFor::Last,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::TokenOutOfVocab { id: 97, vocab_size: 97 }),
+        "{err}"
+    );
+    assert!(matches!(
+        model.forward_step(
+            &mut [SeqStep {
+                tokens: &[],
+                cache: &mut cache
+            }],
+            LogitsFor::Last
+        ),
+        Err(Error::EmptyInput(_))
+    ));
+    assert!(matches!(
+        model.forward_step(&mut [], LogitsFor::Last),
+        Err(Error::EmptyInput(_))
+    ));
+    assert!(cache.is_empty());
+    Ok(())
+}
+
+#[test]
+fn half_precision_inference_stays_close_to_f32() -> anyhow::Result<()> {
+    let cfg = cfg();
+    let (_vm, model) = random_model(&cfg)?;
+    let dir = tempfile::tempdir()?;
+    let tok = gpt::Tokenizer::train_char(&[write_corpus(dir.path())?])?;
+    gpt::save_dir(dir.path(), &model, &tok, DType::F32)?;
+    let idx = batch(&[tokens(30, cfg.vocab_size, 5)])?;
+    let reference = model.forward(&idx)?;
+    for (dtype, tol) in [(DType::F16, 0.05), (DType::BF16, 0.3)] {
+        let half = gpt::load_model(dir.path(), dtype, &candle_core::Device::Cpu)?;
+        assert_eq!(half.dtype(), dtype);
+        let diff = max_abs_diff(&half.forward(&idx)?, &reference)?;
+        assert!(diff < tol, "{dtype:?}: max abs diff {diff}");
+        // The cached path runs in half precision too.
+        let mut cache = half.new_cache();
+        let ids = tokens(30, cfg.vocab_size, 5);
+        let last = half.forward_step(
+            &mut [SeqStep {
+                tokens: &ids,
+                cache: &mut cache,
+            }],
+            LogitsFor::Last,
+        )?;
+        assert!(max_abs_diff(&last.squeeze(0)?, &reference.i((0, 29))?)? < tol);
+    }
+    Ok(())
+}
+
+fn write_corpus(dir: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
+    let path = dir.join("corpus.txt");
+    std::fs::write(&path, "abcdefghij klmnopqrstuvwxyz\n")?;
+    Ok(path)
+}

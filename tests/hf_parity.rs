@@ -1,0 +1,169 @@
+//! Parity with the reference implementation: `tests/fixtures/tiny-gpt2` was written by
+//! `transformers` (`make_gpt2_fixture.py`), with the logits it computes for a few texts.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use gpt::{LogitsFor, SeqStep};
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-gpt2")
+}
+
+struct Case {
+    text: String,
+    ids: Vec<u32>,
+    decoded: String,
+    logits: Tensor, // (T, V)
+}
+
+fn cases() -> anyhow::Result<Vec<Case>> {
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture().join("expected.json"))?)?;
+    let mut logits = candle_core::safetensors::load(fixture().join("expected.safetensors"), &Device::Cpu)?;
+    let cases = json["cases"].as_array().ok_or_else(|| anyhow::anyhow!("no cases"))?;
+    cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            Ok(Case {
+                text: c["text"].as_str().unwrap_or_default().to_string(),
+                ids: serde_json::from_value(c["ids"].clone())?,
+                decoded: c["decoded"].as_str().unwrap_or_default().to_string(),
+                logits: logits
+                    .remove(&format!("logits_{i}"))
+                    .ok_or_else(|| anyhow::anyhow!("logits_{i}"))?,
+            })
+        })
+        .collect()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
+    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
+fn check_logits(model: &gpt::Gpt, what: &str) -> anyhow::Result<()> {
+    for (i, case) in cases()?.iter().enumerate() {
+        let idx = Tensor::new(vec![case.ids.clone()], &Device::Cpu)?;
+        let full = model.forward(&idx)?.squeeze(0)?;
+        let diff = max_abs_diff(&full, &case.logits)?;
+        assert!(
+            diff < 1e-4,
+            "{what}, case {i}: max abs diff {diff} against transformers"
+        );
+
+        // And through the KV cache: a prefill of half, then one token at a time.
+        let mut cache = model.new_cache();
+        let half = case.ids.len() / 2;
+        let mut rows = vec![model.forward_step(
+            &mut [SeqStep {
+                tokens: &case.ids[..half],
+                cache: &mut cache,
+            }],
+            LogitsFor::All,
+        )?];
+        for id in &case.ids[half..] {
+            rows.push(model.forward_step(
+                &mut [SeqStep {
+                    tokens: std::slice::from_ref(id),
+                    cache: &mut cache,
+                }],
+                LogitsFor::Last,
+            )?);
+        }
+        let diff = max_abs_diff(&Tensor::cat(&rows, 0)?, &case.logits)?;
+        assert!(diff < 1e-4, "{what}, case {i} with cache: max abs diff {diff}");
+    }
+    Ok(())
+}
+
+#[test]
+fn logits_match_transformers() -> anyhow::Result<()> {
+    let (model, _) = gpt::load_dir(&fixture(), DType::F32, &Device::Cpu)?;
+    assert_eq!(model.num_parameters(), 37_760); // as printed by make_gpt2_fixture.py
+    check_logits(&model, "fixture")
+}
+
+#[test]
+fn tokenizer_matches_python_tokenizers() -> anyhow::Result<()> {
+    let (_, tok) = gpt::load_dir(&fixture(), DType::F32, &Device::Cpu)?;
+    for case in cases()? {
+        assert_eq!(tok.encode(&case.text)?, case.ids, "{:?}", case.text);
+        assert_eq!(tok.decode(&case.ids)?, case.decoded);
+        assert_eq!(case.decoded, case.text);
+    }
+    Ok(())
+}
+
+/// The Hub's own GPT-2 files have no `transformer.` prefix and carry `attn.bias` /
+/// `attn.masked_bias` buffers (and sometimes `lm_head.weight`); they must load unchanged.
+#[test]
+fn hub_layout_without_prefix_and_with_buffers_loads() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(fixture().join(file), dir.path().join(file))?;
+    }
+    let tensors = candle_core::safetensors::load(fixture().join("model.safetensors"), &Device::Cpu)?;
+    let mut hub: HashMap<String, Tensor> = HashMap::new();
+    for (name, t) in tensors {
+        if name == "transformer.wte.weight" {
+            hub.insert("lm_head.weight".into(), t.clone());
+        }
+        hub.insert(name.trim_start_matches("transformer.").to_string(), t);
+    }
+    for layer in 0..2 {
+        hub.insert(
+            format!("h.{layer}.attn.bias"),
+            Tensor::tril2(64, DType::F32, &Device::Cpu)?.reshape((1, 1, 64, 64))?,
+        );
+        hub.insert(
+            format!("h.{layer}.attn.masked_bias"),
+            Tensor::new(-1e4f32, &Device::Cpu)?,
+        );
+    }
+    candle_core::safetensors::save(&hub, dir.path().join("model.safetensors"))?;
+    let (model, _) = gpt::load_dir(dir.path(), DType::F32, &Device::Cpu)?;
+    check_logits(&model, "hub layout")
+}
+
+/// What we save has exactly the names, shapes, dtypes and metadata `save_pretrained` wrote.
+/// With GPT_SAVE_FOR_HF=DIR the re-saved checkpoint is also left in DIR, for
+/// `tests/fixtures/check_hf_load.py` to load in `transformers`.
+#[test]
+fn saved_checkpoint_has_the_transformers_layout() -> anyhow::Result<()> {
+    let (model, tok) = gpt::load_dir(&fixture(), DType::F32, &Device::Cpu)?;
+    let tmp = tempfile::tempdir()?;
+    let out = std::env::var_os("GPT_SAVE_FOR_HF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tmp.path().to_path_buf());
+    gpt::save_dir(&out, &model, &tok, DType::F32)?;
+
+    let ours = std::fs::read(out.join("model.safetensors"))?;
+    let theirs = std::fs::read(fixture().join("model.safetensors"))?;
+    let metadata = |bytes: &[u8]| -> anyhow::Result<_> {
+        Ok(safetensors::SafeTensors::read_metadata(bytes)?.1.metadata().clone())
+    };
+    assert_eq!(metadata(&ours)?, metadata(&theirs)?);
+    let (ours, theirs) = (
+        safetensors::SafeTensors::deserialize(&ours)?,
+        safetensors::SafeTensors::deserialize(&theirs)?,
+    );
+    let mut names: Vec<_> = ours.names();
+    names.sort();
+    let mut expected: Vec<_> = theirs.names();
+    expected.sort();
+    assert_eq!(names, expected);
+    for name in names {
+        let (a, b) = (ours.tensor(name)?, theirs.tensor(name)?);
+        assert_eq!((a.shape(), a.dtype()), (b.shape(), b.dtype()), "{name}");
+        assert_eq!(a.data(), b.data(), "{name}: values changed in the round trip");
+    }
+    // Half-precision saves convert every tensor.
+    gpt::save_dir(tmp.path(), &model, &tok, DType::F16)?;
+    let half = gpt::load_model(tmp.path(), DType::F32, &Device::Cpu)?;
+    let diff = max_abs_diff(&half.named_tensors()[0].1, &model.named_tensors()[0].1)?;
+    assert!(diff > 0.0 && diff < 1e-2, "f16 save: {diff}");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json"))?)?;
+    assert_eq!(cfg["torch_dtype"], "float16");
+    Ok(())
+}
