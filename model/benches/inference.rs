@@ -39,7 +39,13 @@ fn main() -> anyhow::Result<()> {
     for _ in 0..=REPEATS {
         let mut cache = model.new_cache();
         let start = Instant::now();
-        let logits = model.forward_step(&mut [SeqStep { tokens: &ids, cache: &mut cache }], LogitsFor::Last)?;
+        let logits = model.forward_step(
+            &mut [SeqStep {
+                tokens: &ids,
+                cache: &mut cache,
+            }],
+            LogitsFor::Last,
+        )?;
         argmax(&logits)?;
         prefill_s.push(start.elapsed().as_secs_f64());
     }
@@ -49,11 +55,20 @@ fn main() -> anyhow::Result<()> {
     let mut decode_s = Vec::new();
     for _ in 0..REPEATS.min(3) {
         let mut cache = model.new_cache();
-        let logits = model.forward_step(&mut [SeqStep { tokens: &ids, cache: &mut cache }], LogitsFor::Last)?;
+        let logits = model.forward_step(
+            &mut [SeqStep {
+                tokens: &ids,
+                cache: &mut cache,
+            }],
+            LogitsFor::Last,
+        )?;
         let mut next = argmax(&logits)?;
         let start = Instant::now();
         for _ in 0..NEW_TOKENS {
-            let step = SeqStep { tokens: std::slice::from_ref(&next), cache: &mut cache };
+            let step = SeqStep {
+                tokens: std::slice::from_ref(&next),
+                cache: &mut cache,
+            };
             next = argmax(&model.forward_step(&mut [step], LogitsFor::Last)?)?;
         }
         decode_s.push(start.elapsed().as_secs_f64());
