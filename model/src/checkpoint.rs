@@ -108,19 +108,31 @@ fn torch_dtype(dtype: DType) -> &'static str {
 }
 
 /// Serialises `model`'s weights in `dtype` as `transformers`' `save_pretrained` does (with the
-/// `{"format": "pt"}` metadata it requires).
-pub fn weights_bytes(model: &Gpt, dtype: DType) -> Result<Vec<u8>> {
+/// `{"format": "pt"}` metadata it requires), plus any `extra` metadata.
+pub fn weights_bytes(model: &Gpt, dtype: DType, extra: &HashMap<String, String>) -> Result<Vec<u8>> {
     let tensors = model
         .named_tensors()
         .into_iter()
         .map(|(name, t)| Ok((name, t.to_dtype(dtype)?.contiguous()?)))
         .collect::<Result<Vec<(String, Tensor)>>>()?;
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut metadata = extra.clone();
+    metadata.insert("format".to_string(), "pt".to_string());
     safetensors::serialize(tensors, Some(metadata)).map_err(|e| Error::Candle(candle_core::Error::wrap(e)))
 }
 
 /// Saves `model` (in `dtype`) and `tokenizer` to `dir` in the GPT-2 layout, each file atomically.
 pub fn save_dir(dir: &Path, model: &Gpt, tokenizer: &Tokenizer, dtype: DType) -> Result<()> {
+    save_dir_with_metadata(dir, model, tokenizer, dtype, &HashMap::new())
+}
+
+/// [`save_dir`], with `metadata` added to the safetensors header (the trainer records its step).
+pub fn save_dir_with_metadata(
+    dir: &Path,
+    model: &Gpt,
+    tokenizer: &Tokenizer,
+    dtype: DType,
+    metadata: &HashMap<String, String>,
+) -> Result<()> {
     if tokenizer.vocab_size() > model.config().vocab_size {
         return Err(Error::VocabMismatch {
             tokenizer: tokenizer.vocab_size(),
@@ -128,12 +140,33 @@ pub fn save_dir(dir: &Path, model: &Gpt, tokenizer: &Tokenizer, dtype: DType) ->
         });
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let weights = weights_bytes(model, dtype)?;
+    let weights = weights_bytes(model, dtype, metadata)?;
     let mut config: serde_json::Value =
         serde_json::from_str(&model.config().to_hf_json()?).map_err(|e| Error::InvalidConfig(e.to_string()))?;
-    config["torch_dtype"] = torch_dtype(dtype).into();
+    config["torch_dtype"] = torch_dtype(dtype).into(); // transformers < 5
+    config["dtype"] = torch_dtype(dtype).into();
     let config = serde_json::to_string_pretty(&config).map_err(|e| Error::InvalidConfig(e.to_string()))?;
     write_atomic(&dir.join(WEIGHTS_FILE), &weights)?;
     tokenizer.save(&dir.join(TOKENIZER_FILE))?;
     write_atomic(&dir.join(CONFIG_FILE), config.as_bytes())
+}
+
+/// The `__metadata__` strings of a safetensors file, reading only its header.
+pub fn read_metadata(path: &Path) -> Result<HashMap<String, String>> {
+    use std::io::Read;
+    let corrupt = |reason: String| Error::CorruptCheckpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|e| corrupt(e.to_string()))?;
+    let len = u64::from_le_bytes(len);
+    if len > 100_000_000 {
+        return Err(corrupt(format!("header of {len} bytes")));
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header).map_err(|e| corrupt(e.to_string()))?;
+    let header: serde_json::Value = serde_json::from_slice(&header).map_err(|e| corrupt(e.to_string()))?;
+    Ok(serde_json::from_value(header["__metadata__"].clone()).unwrap_or_default())
 }

@@ -53,6 +53,9 @@ pub enum Error {
     #[error("sequence needs {needed} positions but the context length (n_positions) is {max}")]
     ContextOverflow { needed: usize, max: usize },
 
+    #[error("device: {0}")]
+    Device(String),
+
     #[error("empty input: {0}")]
     EmptyInput(&'static str),
 

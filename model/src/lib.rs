@@ -8,6 +8,7 @@
 pub mod attention;
 pub mod checkpoint;
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod gpt;
 pub mod tokenizer;
@@ -15,6 +16,7 @@ pub mod tokenizer;
 pub use attention::KvCache;
 pub use checkpoint::{load_dir, load_model, save_dir};
 pub use config::{Activation, Config, PositionEmbedding};
+pub use device::{device_name, parse_device};
 pub use error::{Error, Result};
 pub use gpt::{Gpt, LogitsFor, SeqStep};
 pub use tokenizer::Tokenizer;

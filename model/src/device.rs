@@ -1,0 +1,64 @@
+//! `--device auto|cpu|cuda[:N]`, shared by the binaries.
+
+use candle_core::Device;
+
+use crate::error::{Error, Result};
+
+/// Parses a device name. `auto` is the first CUDA GPU when this build has CUDA and one answers,
+/// else the CPU. Asking for CUDA from a CPU-only build is an error that says how to get one.
+pub fn parse_device(spec: &str) -> Result<Device> {
+    let spec = spec.trim().to_ascii_lowercase();
+    let ordinal = match spec.as_str() {
+        "cpu" => return Ok(Device::Cpu),
+        "auto" => {
+            return Ok(if candle_core::utils::cuda_is_available() {
+                Device::new_cuda(0).unwrap_or(Device::Cpu)
+            } else {
+                Device::Cpu
+            })
+        }
+        "cuda" | "gpu" => 0,
+        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => n,
+            _ => {
+                return Err(Error::Device(format!(
+                    "unknown device {spec:?}; expected auto, cpu, cuda or cuda:N"
+                )))
+            }
+        },
+    };
+    if !candle_core::utils::cuda_is_available() {
+        return Err(Error::Device(format!(
+            "cuda:{ordinal} requested, but this binary was built without CUDA support; rebuild with \
+             `cargo build --release --features cuda` (see the README), or use --device cpu"
+        )));
+    }
+    Device::new_cuda(ordinal).map_err(|e| Error::Device(format!("cuda:{ordinal}: {e}")))
+}
+
+/// A short name for logs: `cpu` or `cuda:N`.
+pub fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_parse_or_explain() {
+        assert!(parse_device("cpu").unwrap().is_cpu());
+        assert!(parse_device("AUTO").is_ok());
+        let err = parse_device("tpu").unwrap_err().to_string();
+        assert!(err.contains("tpu") && err.contains("cuda:N"), "{err}");
+        assert!(parse_device("cuda:x").is_err());
+        if !candle_core::utils::cuda_is_available() {
+            let err = parse_device("cuda:0").unwrap_err().to_string();
+            assert!(err.contains("--features cuda"), "{err}");
+        }
+    }
+}

@@ -1,0 +1,289 @@
+//! `gpt-train train` flags and the resolved run configuration saved with each checkpoint.
+//!
+//! Each flag is optional: an explicit flag wins; otherwise, on `--resume`, the value the run was
+//! started with; otherwise nanoGPT's `train_shakespeare_char` default. Model-shape flags that
+//! disagree with the checkpoint being resumed are an error.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use gpt::{Config, PositionEmbedding};
+use serde::{Deserialize, Serialize};
+
+use crate::schedule::{Schedule, ScheduleKind};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrainArgs {
+    /// Training text, one or more UTF-8 files (taken from the checkpoint when resuming).
+    #[arg(long, num_args = 1..)]
+    pub data: Vec<PathBuf>,
+    /// Output directory: the latest checkpoint, `best/`, metrics.jsonl, loss.svg, token cache.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// `char`, `bpe:N` (train a byte-level BPE of N tokens on --data), or a tokenizer.json path.
+    #[arg(long)]
+    pub tokenizer: Option<String>,
+    /// Validation text; by default the last --val-fraction of the training tokens.
+    #[arg(long, conflicts_with = "val_fraction")]
+    pub val_data: Option<PathBuf>,
+    #[arg(long)]
+    pub val_fraction: Option<f64>,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Continue the run checkpointed in --out.
+    #[arg(long)]
+    pub resume: bool,
+
+    /// Model preset: tiny, shakespeare-char (default) or gpt2; the flags below override it.
+    #[arg(long)]
+    pub preset: Option<String>,
+    #[arg(long)]
+    pub n_layer: Option<usize>,
+    #[arg(long)]
+    pub n_head: Option<usize>,
+    #[arg(long)]
+    pub n_embd: Option<usize>,
+    /// Context length (the model's n_positions) and training window.
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    #[arg(long)]
+    pub dropout: Option<f32>,
+    /// learned (GPT-2) or sinusoidal (the original transformer).
+    #[arg(long)]
+    pub position_embedding: Option<String>,
+
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    #[arg(long)]
+    pub max_iters: Option<usize>,
+    #[arg(long)]
+    pub learning_rate: Option<f64>,
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    #[arg(long)]
+    pub warmup_iters: Option<usize>,
+    /// Step at which the cosine schedule reaches --min-lr (default: --max-iters).
+    #[arg(long)]
+    pub lr_decay_iters: Option<usize>,
+    #[arg(long, value_enum)]
+    pub lr_schedule: Option<ScheduleKind>,
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    #[arg(long)]
+    pub beta1: Option<f64>,
+    #[arg(long)]
+    pub beta2: Option<f64>,
+    /// Clip gradients to this global norm (0 disables).
+    #[arg(long)]
+    pub grad_clip: Option<f64>,
+    #[arg(long)]
+    pub gradient_accumulation_steps: Option<usize>,
+    #[arg(long)]
+    pub eval_interval: Option<usize>,
+    #[arg(long)]
+    pub eval_iters: Option<usize>,
+    #[arg(long)]
+    pub log_interval: Option<usize>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+/// Everything a run was started with: saved in trainer_state.json, read back by --resume.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunConfig {
+    pub data: Vec<PathBuf>,
+    pub val_data: Option<PathBuf>,
+    pub val_fraction: f64,
+    pub tokenizer: String,
+    pub device: String,
+    pub model: Config,
+    pub batch_size: usize,
+    pub max_iters: usize,
+    pub learning_rate: f64,
+    pub min_lr: f64,
+    pub warmup_iters: usize,
+    pub lr_decay_iters: usize,
+    pub lr_schedule: ScheduleKind,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub grad_clip: f64,
+    pub gradient_accumulation_steps: usize,
+    pub eval_interval: usize,
+    pub eval_iters: usize,
+    pub log_interval: usize,
+    pub seed: u64,
+}
+
+fn parse_position_embedding(s: &str) -> Result<PositionEmbedding> {
+    match s {
+        "learned" => Ok(PositionEmbedding::Learned),
+        "sinusoidal" => Ok(PositionEmbedding::Sinusoidal),
+        other => bail!("--position-embedding {other:?}: expected learned or sinusoidal"),
+    }
+}
+
+impl TrainArgs {
+    /// The model's shape: from the preset and flags, or checked against `saved` when resuming.
+    fn model_config(&self, vocab_size: usize, saved: Option<&Config>) -> Result<Config> {
+        let position = self
+            .position_embedding
+            .as_deref()
+            .map(parse_position_embedding)
+            .transpose()?;
+        if let Some(saved) = saved {
+            let checks: [(&str, Option<String>, String); 6] = [
+                (
+                    "--n-layer",
+                    self.n_layer.map(|v| v.to_string()),
+                    saved.n_layer.to_string(),
+                ),
+                ("--n-head", self.n_head.map(|v| v.to_string()), saved.n_head.to_string()),
+                ("--n-embd", self.n_embd.map(|v| v.to_string()), saved.n_embd.to_string()),
+                (
+                    "--block-size",
+                    self.block_size.map(|v| v.to_string()),
+                    saved.n_positions.to_string(),
+                ),
+                (
+                    "--dropout",
+                    self.dropout.map(|v| v.to_string()),
+                    saved.resid_pdrop.to_string(),
+                ),
+                (
+                    "--position-embedding",
+                    position.map(|p| format!("{p:?}")),
+                    format!("{:?}", saved.position_embedding),
+                ),
+            ];
+            for (flag, given, have) in checks {
+                if let Some(given) = given {
+                    if given != have {
+                        bail!("{flag} {given} disagrees with the checkpoint being resumed ({have})");
+                    }
+                }
+            }
+            if let Some(preset) = &self.preset {
+                let p = Config::preset(preset, Some(vocab_size))?;
+                if self.n_layer.is_none()
+                    && (p.n_layer, p.n_head, p.n_embd) != (saved.n_layer, saved.n_head, saved.n_embd)
+                {
+                    bail!("--preset {preset} disagrees with the checkpoint being resumed");
+                }
+            }
+            if saved.vocab_size != vocab_size {
+                bail!(
+                    "the tokenizer has {vocab_size} tokens but the checkpoint's model has vocab_size {}",
+                    saved.vocab_size
+                );
+            }
+            return Ok(saved.clone());
+        }
+        let mut cfg = Config::preset(self.preset.as_deref().unwrap_or("shakespeare-char"), Some(vocab_size))?;
+        cfg.n_layer = self.n_layer.unwrap_or(cfg.n_layer);
+        cfg.n_head = self.n_head.unwrap_or(cfg.n_head);
+        cfg.n_embd = self.n_embd.unwrap_or(cfg.n_embd);
+        cfg.n_positions = self.block_size.unwrap_or(cfg.n_positions);
+        if let Some(p) = self.dropout {
+            (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) = (p, p, p);
+        }
+        cfg.position_embedding = position.unwrap_or(cfg.position_embedding);
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Resolves every setting (see the module docs).
+    pub fn resolve(&self, vocab_size: usize, saved: Option<&RunConfig>) -> Result<RunConfig> {
+        macro_rules! pick {
+            ($field:ident, $default:expr) => {
+                self.$field
+                    .clone()
+                    .or(saved.map(|s| s.$field.clone()))
+                    .unwrap_or($default)
+            };
+        }
+        let model = self.model_config(vocab_size, saved.map(|s| &s.model))?;
+        let data = match (&self.data[..], saved) {
+            ([], Some(s)) => s.data.clone(),
+            ([], None) => bail!("no training data: pass --data FILE"),
+            (files, _) => files.to_vec(),
+        };
+        let max_iters = pick!(max_iters, 5000);
+        let run = RunConfig {
+            data,
+            val_data: self.val_data.clone().or(saved.and_then(|s| s.val_data.clone())),
+            val_fraction: pick!(val_fraction, 0.1),
+            tokenizer: pick!(tokenizer, "char".to_string()),
+            device: pick!(device, "auto".to_string()),
+            batch_size: pick!(batch_size, 64),
+            max_iters,
+            learning_rate: pick!(learning_rate, 1e-3),
+            min_lr: pick!(min_lr, 1e-4),
+            warmup_iters: pick!(warmup_iters, 100),
+            lr_decay_iters: pick!(lr_decay_iters, max_iters),
+            lr_schedule: pick!(lr_schedule, ScheduleKind::Cosine),
+            weight_decay: pick!(weight_decay, 0.1),
+            beta1: pick!(beta1, 0.9),
+            beta2: pick!(beta2, 0.99),
+            grad_clip: pick!(grad_clip, 1.0),
+            gradient_accumulation_steps: pick!(gradient_accumulation_steps, 1),
+            eval_interval: pick!(eval_interval, 250),
+            eval_iters: pick!(eval_iters, 200),
+            log_interval: pick!(log_interval, 10),
+            seed: pick!(seed, 1337),
+            model,
+        };
+        run.validate()?;
+        Ok(run)
+    }
+}
+
+impl RunConfig {
+    fn validate(&self) -> Result<()> {
+        for (flag, v) in [
+            ("--batch-size", self.batch_size),
+            ("--gradient-accumulation-steps", self.gradient_accumulation_steps),
+            ("--eval-interval", self.eval_interval),
+            ("--eval-iters", self.eval_iters),
+            ("--log-interval", self.log_interval),
+        ] {
+            if v == 0 {
+                bail!("{flag} must be at least 1");
+            }
+        }
+        for (flag, v) in [("--learning-rate", self.learning_rate), ("--min-lr", self.min_lr)] {
+            if !(v >= 0.0 && v.is_finite()) {
+                bail!("{flag} must be a non-negative number, got {v}");
+            }
+        }
+        for (flag, v) in [("--beta1", self.beta1), ("--beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                bail!("{flag} must be in [0, 1), got {v}");
+            }
+        }
+        if self.weight_decay < 0.0 || self.grad_clip < 0.0 {
+            bail!("--weight-decay and --grad-clip must not be negative");
+        }
+        Ok(())
+    }
+
+    pub fn schedule(&self) -> Schedule {
+        Schedule {
+            kind: self.lr_schedule,
+            learning_rate: self.learning_rate,
+            min_lr: self.min_lr,
+            warmup_iters: self.warmup_iters,
+            lr_decay_iters: self.lr_decay_iters,
+            d_model: self.model.n_embd,
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.model.n_positions
+    }
+
+    pub fn tokens_per_step(&self) -> usize {
+        self.batch_size * self.block_size() * self.gradient_accumulation_steps
+    }
+}

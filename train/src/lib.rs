@@ -1,0 +1,11 @@
+//! `gpt-train`: train a GPT on your own text and measure perplexity. The binary (`main.rs`) only
+//! wires the command line to these modules; tests drive them directly.
+
+pub mod config;
+pub mod data;
+pub mod eval;
+pub mod init;
+pub mod metrics;
+pub mod optim;
+pub mod schedule;
+pub mod train;

@@ -1,0 +1,424 @@
+//! `gpt-train` as a user runs it: exact resume, learning, perplexity against the Python
+//! reference, signals, and a clear error for each bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use safetensors::SafeTensors;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpt-train");
+
+fn shakespeare(chars: usize) -> anyhow::Result<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/tinyshakespeare.txt");
+    let text = std::fs::read_to_string(&path)?;
+    Ok(text.chars().take(chars).collect())
+}
+
+fn write(dir: &Path, name: &str, content: impl AsRef<[u8]>) -> anyhow::Result<PathBuf> {
+    let path = dir.join(name);
+    std::fs::write(&path, content)?;
+    Ok(path)
+}
+
+fn gpt_train(args: &[&str]) -> anyhow::Result<Output> {
+    Ok(Command::new(BIN).args(args).env("RUST_LOG", "warn").output()?)
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Small, fast settings; dropout 0 so that runs are exactly reproducible on the CPU.
+const TINY: &[&str] = &[
+    "--preset",
+    "tiny",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--learning-rate",
+    "3e-3",
+    "--warmup-iters",
+    "5",
+    "--eval-interval",
+    "10",
+    "--eval-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--device",
+    "cpu",
+    "--dropout",
+    "0",
+];
+
+/// `gpt-train train` with the TINY settings, of which `extra` overrides any flag it repeats.
+fn train(corpus: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<Output> {
+    let mut args = vec![
+        "train",
+        "--data",
+        corpus.to_str().unwrap_or_default(),
+        "--out",
+        out.to_str().unwrap_or_default(),
+    ];
+    for pair in TINY.chunks(2) {
+        if !extra.contains(&pair[0]) {
+            args.extend_from_slice(pair);
+        }
+    }
+    args.extend_from_slice(extra);
+    gpt_train(&args)
+}
+
+fn train_losses(out: &Path) -> anyhow::Result<Vec<(u64, f64)>> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    let mut losses = vec![];
+    for line in text.lines() {
+        let e: serde_json::Value = serde_json::from_str(line)?;
+        if e["event"] == "train" {
+            losses.push((
+                e["step"].as_u64().unwrap_or(0),
+                e["train_loss"].as_f64().unwrap_or(f64::NAN),
+            ));
+        }
+    }
+    Ok(losses)
+}
+
+fn state(out: &Path) -> anyhow::Result<serde_json::Value> {
+    Ok(serde_json::from_str(&std::fs::read_to_string(
+        out.join("trainer_state.json"),
+    )?)?)
+}
+
+#[test]
+fn resumed_run_matches_an_uninterrupted_one_bit_for_bit() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(40_000)?)?;
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let schedule = ["--lr-decay-iters", "30"];
+
+    let out = train(&corpus, &a, &[&schedule[..], &["--max-iters", "30"]].concat())?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = train(&corpus, &b, &[&schedule[..], &["--max-iters", "15"]].concat())?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(state(&b)?["step"], 15);
+    // Resume with nothing but the new length: every other setting comes from the checkpoint.
+    let b_str = b.to_str().unwrap_or_default();
+    let out = gpt_train(&["train", "--out", b_str, "--resume", "--max-iters", "30"])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    assert_eq!(state(&b)?["step"], 30);
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        // Tensor by tensor: the header's metadata map has no fixed key order.
+        let (fa, fb) = (std::fs::read(a.join(file))?, std::fs::read(b.join(file))?);
+        let (ta, tb) = (SafeTensors::deserialize(&fa)?, SafeTensors::deserialize(&fb)?);
+        let mut names = ta.names();
+        names.sort();
+        assert!(names.len() > 10);
+        for name in names {
+            assert!(
+                ta.tensor(name)?.data() == tb.tensor(name)?.data(),
+                "{file}: {name} differs"
+            );
+        }
+        let meta = |bytes: &[u8]| -> anyhow::Result<_> { Ok(SafeTensors::read_metadata(bytes)?.1.metadata().clone()) };
+        assert_eq!(meta(&fa)?, meta(&fb)?);
+    }
+    let (la, lb) = (train_losses(&a)?, train_losses(&b)?);
+    assert_eq!(la.len(), 30);
+    assert_eq!(la, lb);
+    assert!(la[29].1 < la[0].1, "the loss went down: {:?} -> {:?}", la[0], la[29]);
+    Ok(())
+}
+
+#[test]
+fn a_short_run_beats_the_unigram_entropy_and_writes_its_outputs() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let text = shakespeare(100_000)?;
+    let corpus = write(dir.path(), "corpus.txt", &text)?;
+    let mut counts = std::collections::HashMap::new();
+    for c in text.chars() {
+        *counts.entry(c).or_insert(0usize) += 1;
+    }
+    let n = text.chars().count() as f64;
+    let unigram: f64 = counts.values().map(|&k| -(k as f64 / n) * (k as f64 / n).ln()).sum();
+
+    let out_dir = dir.path().join("run");
+    let out = train(
+        &corpus,
+        &out_dir,
+        &[
+            "--max-iters",
+            "300",
+            "--batch-size",
+            "16",
+            "--eval-interval",
+            "100",
+            "--eval-iters",
+            "10",
+            "--log-interval",
+            "50",
+        ],
+    )?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let best = state(&out_dir)?["best_val_loss"].as_f64().unwrap_or(f64::INFINITY);
+    assert!(
+        best < unigram,
+        "best val loss {best} is not below the unigram entropy {unigram}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("best val loss"));
+
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "optimizer.safetensors",
+        "loss.svg",
+    ] {
+        assert!(out_dir.join(file).is_file(), "{file} missing");
+    }
+    assert!(std::fs::read_to_string(out_dir.join("loss.svg"))?.contains("<svg"));
+    // The best checkpoint is a GPT-2 directory the model crate loads.
+    let (model, tok) = gpt::load_dir(
+        &out_dir.join("best"),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )?;
+    assert_eq!(model.config().vocab_size, tok.vocab_size());
+    let events: Vec<serde_json::Value> = std::fs::read_to_string(out_dir.join("metrics.jsonl"))?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let eval = events
+        .iter()
+        .rfind(|e| e["event"] == "eval")
+        .cloned()
+        .unwrap_or_default();
+    for key in ["step", "train_loss", "val_loss", "val_ppl", "lr", "elapsed_s"] {
+        assert!(!eval[key].is_null(), "eval event lacks {key}: {eval}");
+    }
+    let logged = events
+        .iter()
+        .find(|e| e["event"] == "train")
+        .cloned()
+        .unwrap_or_default();
+    assert!(logged["tokens_per_sec"].as_f64().unwrap_or(0.0) > 0.0, "{logged}");
+    assert!((eval["val_ppl"].as_f64().unwrap_or(0.0) - eval["val_loss"].as_f64().unwrap_or(0.0).exp()).abs() < 1e-6);
+    Ok(())
+}
+
+#[test]
+fn eval_matches_the_python_reference_on_the_fixture() -> anyhow::Result<()> {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-gpt2");
+    let expected: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture.join("expected.json"))?)?;
+    let runs = expected["eval"]["runs"].as_array().cloned().unwrap_or_default();
+    assert!(runs.len() >= 3);
+    for run in runs {
+        let (block, stride) = (run["block_size"].to_string(), run["stride"].to_string());
+        let out = gpt_train(&[
+            "eval",
+            "--checkpoint",
+            fixture.to_str().unwrap_or_default(),
+            "--data",
+            fixture.join("eval.txt").to_str().unwrap_or_default(),
+            "--block-size",
+            &block,
+            "--stride",
+            &stride,
+            "--json",
+            "--device",
+            "cpu",
+        ])?;
+        assert!(out.status.success(), "{}", stderr(&out));
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(
+            got["tokens_scored"], run["tokens_scored"],
+            "block {block} stride {stride}"
+        );
+        let (ppl, want) = (
+            got["perplexity"].as_f64().unwrap_or(0.0),
+            run["perplexity"].as_f64().unwrap_or(1.0),
+        );
+        assert!(
+            (ppl / want - 1.0).abs() < 1e-4,
+            "block {block} stride {stride}: {ppl} vs {want}"
+        );
+        let bpb = got["mean_nll"].as_f64().unwrap_or(0.0) * got["tokens_scored"].as_f64().unwrap_or(0.0)
+            / std::f64::consts::LN_2
+            / expected["eval"]["bytes"].as_f64().unwrap_or(1.0);
+        assert!((got["bits_per_byte"].as_f64().unwrap_or(0.0) - bpb).abs() < 1e-9);
+    }
+    Ok(())
+}
+
+#[test]
+fn sigterm_saves_a_checkpoint_that_resumes() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(20_000)?)?;
+    let out_dir = dir.path().join("run");
+    let mut args = vec![
+        "train",
+        "--data",
+        corpus.to_str().unwrap_or_default(),
+        "--out",
+        out_dir.to_str().unwrap_or_default(),
+    ];
+    args.extend_from_slice(TINY);
+    args.extend_from_slice(&["--max-iters", "1000000"]);
+    let child = Command::new(BIN)
+        .args(&args)
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let started = Instant::now();
+    while train_losses(&out_dir).map(|l| l.len()).unwrap_or(0) < 3 {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "training never logged a step"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status()?;
+    let out = child.wait_with_output()?;
+    assert!(out.status.success(), "exit {:?}: {}", out.status, stderr(&out));
+    assert!(stderr(&out).contains("--resume"), "{}", stderr(&out));
+    let step = state(&out_dir)?["step"].as_u64().unwrap_or(0);
+    assert!(step >= 3, "{step}");
+    let more = (step + 2).to_string();
+    let out = gpt_train(&[
+        "train",
+        "--out",
+        out_dir.to_str().unwrap_or_default(),
+        "--resume",
+        "--max-iters",
+        &more,
+    ])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(state(&out_dir)?["step"].as_u64(), Some(step + 2));
+    Ok(())
+}
+
+/// Runs `gpt-train` expecting failure, and returns its stderr.
+fn fails(args: &[&str]) -> anyhow::Result<String> {
+    let out = gpt_train(args)?;
+    assert!(!out.status.success(), "expected failure: {args:?}");
+    Ok(stderr(&out))
+}
+
+fn snapshot(dir: &Path) -> anyhow::Result<Vec<(PathBuf, Vec<u8>)>> {
+    let mut files = vec![];
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_file() {
+            files.push((path.clone(), std::fs::read(&path)?));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+#[test]
+fn bad_inputs_give_clear_errors_and_keep_what_was_saved() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let d = |p: &Path| p.to_str().unwrap_or_default().to_string();
+    let out = d(&dir.path().join("out"));
+
+    let empty = d(&write(dir.path(), "empty.txt", "")?);
+    let err = fails(&["train", "--data", &empty, "--out", &out])?;
+    assert!(err.contains("empty.txt") && err.contains("empty"), "{err}");
+
+    let latin1 = d(&write(dir.path(), "latin1.txt", b"caf\xe9 au lait\n")?);
+    let err = fails(&["train", "--data", &latin1, "--out", &out])?;
+    assert!(err.contains("latin1.txt") && err.contains("UTF-8"), "{err}");
+
+    let short = d(&write(dir.path(), "short.txt", "To be, or not to be.\n")?);
+    let err = fails(&[
+        "train",
+        "--data",
+        &short,
+        "--out",
+        &out,
+        "--block-size",
+        "32",
+        "--device",
+        "cpu",
+    ])?;
+    assert!(err.contains("block size + 1"), "{err}");
+
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(20_000)?)?;
+    let c = d(&corpus);
+    let err = fails(&["train", "--data", &c, "--out", &out, "--device", "tpu"])?;
+    assert!(err.contains("tpu") && err.contains("cuda:N"), "{err}");
+    let err = fails(&["train", "--data", &c, "--out", &out, "--n-head", "5", "--n-embd", "32"])?;
+    assert!(err.contains("divisible"), "{err}");
+
+    let blocker = d(&write(dir.path(), "a-file", "x")?);
+    let err = fails(&["train", "--data", &c, "--out", &format!("{blocker}/run")])?;
+    assert!(err.contains("--out") && err.contains("a-file"), "{err}");
+
+    let err = fails(&["train", "--out", &out, "--resume"])?;
+    assert!(err.contains("no checkpoint to resume"), "{err}");
+
+    // A real checkpoint, then runs that must fail without touching it.
+    let run = train(&corpus, Path::new(&out), &["--max-iters", "3"])?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let before = snapshot(Path::new(&out))?;
+    let err = fails(&["train", "--data", &c, "--out", &out])?;
+    assert!(err.contains("already holds a training checkpoint"), "{err}");
+    let err = fails(&["train", "--out", &out, "--resume", "--n-layer", "3"])?;
+    assert!(err.contains("--n-layer 3") && err.contains("disagrees"), "{err}");
+    let err = fails(&["train", "--out", &out, "--resume", "--block-size", "64"])?;
+    assert!(err.contains("--block-size 64"), "{err}");
+    let err = fails(&[
+        "train",
+        "--data",
+        &c,
+        "--out",
+        &out,
+        "--resume",
+        "--tokenizer",
+        "bpe:300",
+    ])?;
+    assert!(err.contains("tokenizer"), "{err}");
+    assert!(
+        snapshot(Path::new(&out))? == before,
+        "a failed run changed the checkpoint"
+    );
+
+    // A checkpoint cut between its writes is detected.
+    let state_path = Path::new(&out).join("trainer_state.json");
+    let text = std::fs::read_to_string(&state_path)?.replace("\"step\": 3", "\"step\": 2");
+    std::fs::write(&state_path, text)?;
+    let err = fails(&["train", "--out", &out, "--resume", "--max-iters", "5"])?;
+    assert!(err.contains("cut while being written"), "{err}");
+
+    let err = fails(&["eval", "--checkpoint", &d(&dir.path().join("nowhere")), "--data", &c])?;
+    assert!(err.contains("nowhere"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn tokenizer_subcommand_trains_and_saves() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(50_000)?)?;
+    let out = dir.path().join("tok");
+    let args = [
+        "tokenizer",
+        "--data",
+        corpus.to_str().unwrap_or_default(),
+        "--out",
+        out.to_str().unwrap_or_default(),
+        "--kind",
+        "bpe",
+        "--vocab-size",
+        "300",
+    ];
+    let run = gpt_train(&args)?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let tok = gpt::Tokenizer::from_file(&out.join("tokenizer.json"))?;
+    assert_eq!(tok.vocab_size(), 300);
+    let text = "ROMEO: what light through yonder window breaks?";
+    assert_eq!(tok.decode(&tok.encode(text)?)?, text);
+    Ok(())
+}

@@ -1,0 +1,141 @@
+//! Gradient accumulation, clipping and the optimizer on a real (tiny) model.
+
+use candle_core::{Device, Tensor, Var};
+use candle_nn::VarMap;
+use gpt::{Config, Gpt};
+use gpt_train::init::seeded_var_builder;
+use gpt_train::optim::{clip_grad_norm, global_norm, AdamW, AdamWConfig};
+use gpt_train::train::accumulate_grads;
+
+fn model(seed: u64) -> anyhow::Result<(Gpt, Vec<(String, Var)>)> {
+    #![allow(clippy::unwrap_used)]
+    let varmap = VarMap::new();
+    let cfg = Config::tiny(50);
+    let model = Gpt::new(seeded_var_builder(&varmap, seed, &Device::Cpu), &cfg)?;
+    let mut vars: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok((model, vars))
+}
+
+fn batch(rows: usize, seq: usize, offset: u32) -> anyhow::Result<(Tensor, Tensor)> {
+    let ids: Vec<u32> = (0..rows * (seq + 1)).map(|i| (i as u32 * 7 + offset) % 50).collect();
+    let t = Tensor::from_vec(ids, (rows, seq + 1), &Device::Cpu)?;
+    Ok((t.narrow(1, 0, seq)?, t.narrow(1, 1, seq)?))
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
+    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
+const ADAMW: AdamWConfig = AdamWConfig {
+    beta1: 0.9,
+    beta2: 0.99,
+    eps: 1e-8,
+    weight_decay: 0.1,
+};
+
+#[test]
+fn same_seed_same_weights_different_seed_different_weights() -> anyhow::Result<()> {
+    let (_, a) = model(1)?;
+    let (_, b) = model(1)?;
+    let (_, c) = model(2)?;
+    let wte = |v: &[(String, Var)]| {
+        v.iter()
+            .find(|(n, _)| n == "wte.weight")
+            .map(|(_, v)| v.as_tensor().clone())
+    };
+    let (a, b, c) = (wte(&a).unwrap(), wte(&b).unwrap(), wte(&c).unwrap());
+    assert_eq!(max_abs_diff(&a, &b)?, 0.0);
+    assert!(max_abs_diff(&a, &c)? > 1e-3);
+    Ok(())
+}
+
+#[test]
+fn four_micro_batches_of_8_update_like_one_batch_of_32() -> anyhow::Result<()> {
+    let (x, y) = batch(32, 16, 3)?;
+    let micro: Vec<(Tensor, Tensor)> = (0..4)
+        .map(|i| Ok((x.narrow(0, i * 8, 8)?, y.narrow(0, i * 8, 8)?)))
+        .collect::<anyhow::Result<_>>()?;
+
+    let (model_a, vars_a) = model(7)?;
+    let (model_b, vars_b) = model(7)?;
+    let plain_a: Vec<Var> = vars_a.iter().map(|(_, v)| v.clone()).collect();
+    let plain_b: Vec<Var> = vars_b.iter().map(|(_, v)| v.clone()).collect();
+    let (loss_a, grads_a) = accumulate_grads(&model_a, &plain_a, &[(x, y)])?;
+    let (loss_b, grads_b) = accumulate_grads(&model_b, &plain_b, &micro)?;
+    assert!((loss_a - loss_b).abs() < 1e-5, "{loss_a} vs {loss_b}");
+    for ((name, _), (ga, gb)) in vars_a.iter().zip(grads_a.iter().zip(&grads_b)) {
+        assert!(max_abs_diff(ga, gb)? < 1e-5, "gradient of {name}");
+    }
+    assert!(global_norm(&grads_a)? > 1e-3, "the gradients are not trivially zero");
+
+    let mut opt_a = AdamW::new(vars_a.clone(), ADAMW)?;
+    let mut opt_b = AdamW::new(vars_b.clone(), ADAMW)?;
+    opt_a.step(&grads_a, 1e-3)?;
+    opt_b.step(&grads_b, 1e-3)?;
+    for ((name, a), (_, b)) in vars_a.iter().zip(&vars_b) {
+        assert!(max_abs_diff(a.as_tensor(), b.as_tensor())? < 1e-5, "updated {name}");
+    }
+    Ok(())
+}
+
+#[test]
+fn clipping_bounds_the_global_norm_and_keeps_the_direction() -> anyhow::Result<()> {
+    let (model, vars) = model(3)?;
+    let plain: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
+    let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, 1)?])?;
+    let norm = global_norm(&grads)?;
+    assert!(norm > 0.1, "{norm}");
+
+    let mut clipped = grads.clone();
+    let before = clip_grad_norm(&mut clipped, norm / 4.0)?;
+    assert!((before - norm).abs() < 1e-9);
+    let after = global_norm(&clipped)?;
+    assert!(
+        after <= norm / 4.0 + 1e-6 && after > norm / 4.0 * 0.999,
+        "{after} vs {}",
+        norm / 4.0
+    );
+    let ratio = (&clipped[0] / &grads[0])?.flatten_all()?.to_vec1::<f32>()?;
+    assert!(
+        ratio.iter().filter(|r| r.is_finite()).all(|r| (r - 0.25).abs() < 1e-3),
+        "direction kept"
+    );
+
+    let mut untouched = grads.clone();
+    clip_grad_norm(&mut untouched, norm * 2.0)?;
+    assert_eq!(max_abs_diff(&untouched[0], &grads[0])?, 0.0);
+    Ok(())
+}
+
+#[test]
+fn weight_decay_spares_biases_and_layer_norms() -> anyhow::Result<()> {
+    let (_, vars) = model(5)?;
+    let before: Vec<Tensor> = vars
+        .iter()
+        .map(|(_, v)| v.as_tensor().copy())
+        .collect::<candle_core::Result<_>>()?;
+    let zeros: Vec<Tensor> = vars
+        .iter()
+        .map(|(_, v)| v.as_tensor().zeros_like())
+        .collect::<candle_core::Result<_>>()?;
+    let mut opt = AdamW::new(
+        vars.clone(),
+        AdamWConfig {
+            weight_decay: 0.5,
+            ..ADAMW
+        },
+    )?;
+    opt.step(&zeros, 0.1)?; // zero gradients: only decay moves a parameter
+    for ((name, var), old) in vars.iter().zip(&before) {
+        let moved = max_abs_diff(var.as_tensor(), old)? > 0.0;
+        assert_eq!(moved, var.rank() >= 2, "{name}");
+    }
+    Ok(())
+}
