@@ -6,11 +6,11 @@
 //! so the projections run once for all of them, and only the score/softmax/value step is done
 //! per sequence, against that sequence's own cache.
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::config::Config;
-use crate::gpt::Conv1D;
+use crate::gpt::{dropout, Conv1D};
 
 /// Keys and values of every layer for one sequence, so that decoding a token does not recompute
 /// the prompt. Built on candle-nn's growable cache; positions continue from [`KvCache::len`].
@@ -107,22 +107,11 @@ impl CausalSelfAttention {
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let att = (q.matmul(&k.t()?)? * self.scale())?; // (B, nh, T, T)
-        let mask = causal_mask(seq_len, 0, att.dtype(), att.device())?; // (T, T)
-        let att = att.broadcast_add(&mask)?;
-        let att = if train {
-            let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-            candle_nn::ops::dropout(&att, self.attn_pdrop)?
-        } else {
-            candle_nn::ops::softmax_last_dim(&att)?
-        };
+        let att = crate::ops::causal_softmax(&att, train)?; // upper triangle masked to 0
+        let att = dropout(att, self.attn_pdrop, train)?;
         let y = att.matmul(&v)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b_sz, seq_len, n_embd))?; // (B, T, C)
-        let y = self.c_proj.forward(&y)?;
-        if train {
-            candle_nn::ops::dropout(&y, self.resid_pdrop)
-        } else {
-            Ok(y)
-        }
+        dropout(self.c_proj.forward(&y)?, self.resid_pdrop, train)
     }
 
     /// Inference on packed rows: `x` is `(N, C)`, the new tokens of each sequence in turn,

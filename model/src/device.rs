@@ -45,6 +45,19 @@ pub fn device_name(device: &Device) -> String {
     }
 }
 
+/// Keeps freed memory in the process. Candle allocates a new buffer for every op's output; glibc
+/// hands blocks over 128 KiB back to the OS when freed, so each training step faulted its
+/// activations and gradients back in page by page (a third of a CPU step in a profile).
+pub fn tune_cpu_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes glibc's allocation thresholds; called before any threads start.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20); // the largest glibc allows
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -59,7 +59,8 @@ fn load_layer_norm(vb: VarBuilder, cfg: &Config) -> candle_core::Result<LayerNor
     candle_nn::layer_norm(cfg.n_embd, cfg.layer_norm_epsilon, vb)
 }
 
-fn dropout(x: Tensor, p: f32, train: bool) -> candle_core::Result<Tensor> {
+/// Dropout in training only, and only when it drops anything (candle's draws a mask even at 0).
+pub(crate) fn dropout(x: Tensor, p: f32, train: bool) -> candle_core::Result<Tensor> {
     if train && p > 0.0 {
         candle_nn::ops::dropout(&x, p)
     } else {
@@ -89,7 +90,7 @@ impl Mlp {
     fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         let h = self.c_fc.forward(x)?; // (.., 4C)
         let h = match self.activation {
-            Activation::GeluNew => h.gelu()?, // tanh approximation
+            Activation::GeluNew => crate::ops::gelu(&h)?, // tanh approximation
             Activation::Gelu => h.gelu_erf()?,
             Activation::Relu => h.relu()?,
         };

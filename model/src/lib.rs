@@ -11,6 +11,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod gpt;
+pub mod ops;
 pub mod tokenizer;
 
 pub use attention::KvCache;

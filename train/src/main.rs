@@ -64,6 +64,7 @@ enum Command {
 }
 
 fn main() -> Result<()> {
+    gpt::device::tune_cpu_allocator();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)

@@ -73,7 +73,8 @@ impl AdamW {
         let bias1 = 1.0 - beta1.powi(self.steps as i32);
         let bias2 = 1.0 - beta2.powi(self.steps as i32);
         for (p, g) in self.params.iter_mut().zip(grads) {
-            p.m = ((&p.m * beta1)? + (g * (1.0 - beta1))?)?;
+            let g = g.detach(); // the moments must not hold on to any autograd graph
+            p.m = ((&p.m * beta1)? + (&g * (1.0 - beta1))?)?;
             p.v = ((&p.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
             let m_hat = (&p.m / bias1)?;
             let v_hat = (&p.v / bias2)?;

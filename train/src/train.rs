@@ -68,10 +68,12 @@ pub fn accumulate_grads(model: &Gpt, vars: &[Var], batches: &[(Tensor, Tensor)])
         total += loss.to_scalar::<f32>()? as f64;
         let grads = (loss / n)?.backward()?;
         for (slot, var) in acc.iter_mut().zip(vars) {
-            if let Some(g) = grads.get(var.as_tensor()) {
+            // Detached: a gradient otherwise keeps this step's whole graph alive, and the
+            // optimizer's running moments would chain every step's activations (a leak).
+            if let Some(g) = grads.get(var.as_tensor()).map(Tensor::detach) {
                 *slot = Some(match slot.take() {
                     Some(a) => (a + g)?,
-                    None => g.clone(),
+                    None => g,
                 });
             }
         }
@@ -339,6 +341,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
                 trainer.save_best(step)?;
             }
             trainer.save_latest(&state)?;
+            interval_start = (Instant::now(), step); // tokens/s measures training alone
         }
         if at_end {
             break;

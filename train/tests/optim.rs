@@ -139,3 +139,22 @@ fn weight_decay_spares_biases_and_layer_norms() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Gradients and optimizer moments must not carry autograd graphs: a moment that remembers its
+/// previous value's graph chains every step's activations (this leaked ~120 MB per step once).
+#[test]
+fn gradients_and_moments_hold_no_graph() -> anyhow::Result<()> {
+    let (model, vars) = model(11)?;
+    let plain: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
+    let mut opt = AdamW::new(vars, ADAMW)?;
+    for step in 0..3 {
+        let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, step)?])?;
+        assert!(grads.iter().all(|g| !g.track_op()), "a gradient keeps its graph");
+        opt.step(&grads, 1e-3)?;
+    }
+    assert!(
+        opt.state_tensors().iter().all(|(_, t)| !t.track_op()),
+        "a moment keeps a graph"
+    );
+    Ok(())
+}

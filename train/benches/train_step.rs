@@ -1,0 +1,117 @@
+//! Training-step benchmark on random tokens: median time of forward, backward, clipping and the
+//! AdamW update, and training tokens/s. Prints one JSON object.
+//!
+//!     cargo bench -p gpt-train --bench train_step -- [recipe|gpt2] [BATCH] [BLOCK] [STEPS]
+//!
+//! `recipe` is nanoGPT's CPU recipe (65 tokens, 4 layers, 4 heads, 128 wide; batch 12 x 64);
+//! `gpt2` the GPT-2-small shape (50257 tokens, 12 x 12 x 768; batch 4 x 256 by default).
+//! `bench/torch_train.py throughput` measures the PyTorch side.
+
+use std::time::Instant;
+
+use candle_core::{Device, Tensor, Var};
+use candle_nn::VarMap;
+use gpt::{Config, Gpt};
+use gpt_train::init::seeded_var_builder;
+use gpt_train::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use gpt_train::train::loss;
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    gpt::device::tune_cpu_allocator();
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let shape = args.first().map(String::as_str).unwrap_or("recipe");
+    let (mut cfg, batch, block) = match shape {
+        "gpt2" => (Config::gpt2_small(), 4, 256),
+        _ => (
+            Config {
+                n_layer: 4,
+                n_head: 4,
+                n_embd: 128,
+                ..Config::tiny(65)
+            },
+            12,
+            64,
+        ),
+    };
+    let batch = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(batch);
+    let block = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(block);
+    let steps: usize = args
+        .get(3)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if shape == "gpt2" { 5 } else { 30 });
+    (cfg.n_positions, cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) = (block, 0.0, 0.0, 0.0);
+
+    let device = Device::Cpu;
+    let varmap = VarMap::new();
+    let model = Gpt::new(seeded_var_builder(&varmap, 0, &device), &cfg)?;
+    let mut named: Vec<(String, Var)> = varmap
+        .all_vars()
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| (format!("{i:04}"), v))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
+    let cfg_opt = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let mut opt = AdamW::new(named, cfg_opt)?;
+
+    let (mut fwd, mut bwd, mut clip, mut upd, mut total) = (vec![], vec![], vec![], vec![], vec![]);
+    for step in 0..=steps {
+        let ids: Vec<u32> = (0..batch * (block + 1))
+            .map(|i| ((i * 7919 + step * 31) % cfg.vocab_size) as u32)
+            .collect();
+        let t = Tensor::from_vec(ids, (batch, block + 1), &device)?;
+        let (x, y) = (t.narrow(1, 0, block)?, t.narrow(1, 1, block)?);
+        let t0 = Instant::now();
+        let l = loss(&model, &x, &y, true)?;
+        l.to_scalar::<f32>()?;
+        let t1 = Instant::now();
+        let grads = l.backward()?;
+        let mut g: Vec<Tensor> = vars
+            .iter()
+            .map(|v| {
+                grads
+                    .get(v.as_tensor())
+                    .map(Tensor::detach)
+                    .map_or_else(|| v.as_tensor().zeros_like(), Ok)
+            })
+            .collect::<candle_core::Result<_>>()?;
+        let t2 = Instant::now();
+        clip_grad_norm(&mut g, 1.0)?;
+        let t3 = Instant::now();
+        opt.step(&g, 1e-4)?;
+        let t4 = Instant::now();
+        if step > 0 {
+            fwd.push((t1 - t0).as_secs_f64());
+            bwd.push((t2 - t1).as_secs_f64());
+            clip.push((t3 - t2).as_secs_f64());
+            upd.push((t4 - t3).as_secs_f64());
+            total.push((t4 - t0).as_secs_f64());
+        }
+    }
+    let step_s = median(total);
+    println!(
+        "{}",
+        serde_json::json!({
+            "impl": "candle",
+            "shape": shape,
+            "threads": candle_core::utils::get_num_threads(),
+            "batch_size": batch,
+            "block_size": block,
+            "parameters": model.num_parameters(),
+            "ms": {"forward": 1e3 * median(fwd), "backward": 1e3 * median(bwd), "clip": 1e3 * median(clip), "adamw": 1e3 * median(upd), "step": 1e3 * step_s},
+            "tokens_per_sec": (batch * block) as f64 / step_s,
+        })
+    );
+    Ok(())
+}
