@@ -37,10 +37,8 @@ impl Module for Conv1D {
         let mut dims = x.dims().to_vec();
         let d_in = dims.pop().unwrap_or(0);
         let rows: usize = dims.iter().product();
-        let y = x
-            .reshape((rows, d_in))?
-            .matmul(&self.weight)?
-            .broadcast_add(&self.bias)?; // (rows, out)
+        let y = x.reshape((rows, d_in))?.matmul(&self.weight)?; // (rows, out)
+        let y = crate::ops::add_tiled(&y, &self.bias)?;
         dims.push(self.bias.dim(0)?);
         y.reshape(dims)
     }
@@ -50,7 +48,7 @@ impl Module for Conv1D {
 /// when training (the fused kernel has no backward pass).
 fn layer_norm(ln: &LayerNorm, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
     match (train, ln.bias()) {
-        (true, Some(bias)) => candle_nn::ops::layer_norm_slow(x, ln.weight(), bias, ln.eps() as f32),
+        (true, Some(bias)) => crate::ops::layer_norm(x, ln.weight(), bias, ln.eps() as f32),
         _ => ln.forward(&x.contiguous()?),
     }
 }
@@ -231,7 +229,7 @@ impl Gpt {
             .index_select(&idx.flatten_all()?, 0)?
             .reshape((b_sz, seq_len, self.cfg.n_embd))?; // (B, T, C)
         let pos = self.wpe.narrow(0, 0, seq_len)?; // (T, C)
-        let mut x = dropout(tok.broadcast_add(&pos)?, self.cfg.embd_pdrop, train)?;
+        let mut x = dropout(crate::ops::add_tiled(&tok, &pos)?, self.cfg.embd_pdrop, train)?;
         for block in &self.blocks {
             x = block.forward_t(&x, train)?; // (B, T, C)
         }

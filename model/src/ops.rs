@@ -1,12 +1,14 @@
-//! Fused CPU kernels, with backward passes, for the two element-heavy steps of training.
+//! Fused CPU kernels, with backward passes, for the element-heavy steps of training.
 //!
 //! On the CPU, candle's GELU calls libm's scalar `tanhf` per element and its backward builds ten
 //! temporaries (two of them `powf`); the causal softmax is a mask tensor, an add and five ops
-//! each way. In a profile of nanoGPT's CPU recipe these took about half of each step. Here each is
-//! one pass forward and one backward; the tanh is a rational approximation that the compiler
-//! vectorises. They run for f32 tensors on the CPU; callers fall back to candle's ops elsewhere.
+//! each way; the gradients of broadcast adds (biases, the position table) and of the composite
+//! LayerNorm are reductions over leading dimensions, which candle walks element by element. In
+//! profiles of nanoGPT's CPU recipe these took most of each step. Here each is one pass forward
+//! and one backward; the tanh is a rational approximation that the compiler vectorises. They run
+//! for f32 tensors on the CPU; callers fall back to candle's ops elsewhere.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_A: f32 = 0.044_715;
@@ -147,6 +149,164 @@ impl CustomOp2 for SoftmaxGrad {
     }
 }
 
+/// `x + b`, with `b` repeated over `x`: `b`'s shape is the trailing dimensions of `x` (a bias
+/// over rows, a position table over a batch). The gradient of `b` sums contiguous blocks.
+struct AddTiled;
+
+impl CustomOp2 for AddTiled {
+    fn name(&self) -> &'static str {
+        "fused-add-tiled"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, b) = (f32_slice(s1, l1, "add-tiled")?, f32_slice(s2, l2, "add-tiled")?);
+        let mut y = x.to_vec();
+        for block in y.chunks_exact_mut(b.len()) {
+            block.iter_mut().zip(b).for_each(|(v, &bv)| *v += bv);
+        }
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let db = grad.contiguous()?.apply_op1_no_bwd(&TileSum {
+            shape: b.shape().clone(),
+        })?;
+        Ok((Some(grad.clone()), Some(db)))
+    }
+}
+
+/// Sums the consecutive blocks of `shape`'s size: the gradient of the tiled operand.
+struct TileSum {
+    shape: Shape,
+}
+
+impl CustomOp1 for TileSum {
+    fn name(&self) -> &'static str {
+        "fused-tile-sum"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = f32_slice(storage, layout, "tile-sum")?;
+        let mut sum = vec![0f32; self.shape.elem_count()];
+        for block in g.chunks_exact(sum.len()) {
+            sum.iter_mut().zip(block).for_each(|(s, &v)| *s += v);
+        }
+        Ok((CpuStorage::F32(sum), self.shape.clone()))
+    }
+}
+
+/// LayerNorm over the last dimension, `(x - mean) / sqrt(var + eps) * gamma + beta`.
+struct LayerNorm {
+    eps: f32,
+}
+
+/// Row statistics: (mean, 1 / sqrt(var + eps)).
+fn moments(row: &[f32], eps: f32) -> (f32, f32) {
+    let n = row.len() as f32;
+    let mean = row.iter().sum::<f32>() / n;
+    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s1, l1, "layer-norm")?;
+        let (gamma, beta) = (f32_slice(s2, l2, "layer-norm")?, f32_slice(s3, l3, "layer-norm")?);
+        let mut y = vec![0f32; x.len()];
+        for (xr, yr) in x.chunks_exact(gamma.len()).zip(y.chunks_exact_mut(gamma.len())) {
+            let (mean, rstd) = moments(xr, self.eps);
+            for (((yv, &xv), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
+                *yv = (xv - mean) * rstd * g + b;
+            }
+        }
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        _beta: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let c = gamma.elem_count();
+        let rows = x.elem_count() / c;
+        let packed = x
+            .contiguous()?
+            .apply_op3_no_bwd(gamma, &grad.contiguous()?, &LayerNormGrad { eps: self.eps })?;
+        let dx = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let dgamma = packed.narrow(0, rows, 1)?.reshape(gamma.shape())?;
+        let dbeta = packed.narrow(0, rows + 1, 1)?.reshape(gamma.shape())?;
+        Ok((Some(dx), Some(dgamma), Some(dbeta)))
+    }
+}
+
+/// The three LayerNorm gradients in one pass, packed as rows of a `(rows + 2, C)` matrix: dx,
+/// then d gamma, then d beta. With x̂ the normalised row and ĝ = g ⊙ gamma:
+/// dx = rstd (ĝ − mean(ĝ) − x̂ mean(ĝ ⊙ x̂)), d gamma = Σ g ⊙ x̂, d beta = Σ g.
+struct LayerNormGrad {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s1, l1, "layer-norm-grad")?;
+        let (gamma, g) = (
+            f32_slice(s2, l2, "layer-norm-grad")?,
+            f32_slice(s3, l3, "layer-norm-grad")?,
+        );
+        let c = gamma.len();
+        let rows = x.len() / c;
+        let mut out = vec![0f32; (rows + 2) * c];
+        let (dx, params) = out.split_at_mut(rows * c);
+        let (dgamma, dbeta) = params.split_at_mut(c);
+        let mut xhat = vec![0f32; c];
+        let mut ghat = vec![0f32; c];
+        for ((xr, gr), dxr) in x.chunks_exact(c).zip(g.chunks_exact(c)).zip(dx.chunks_exact_mut(c)) {
+            let (mean, rstd) = moments(xr, self.eps);
+            let (mut sum_ghat, mut sum_ghat_xhat) = (0f32, 0f32);
+            for j in 0..c {
+                xhat[j] = (xr[j] - mean) * rstd;
+                ghat[j] = gr[j] * gamma[j];
+                sum_ghat += ghat[j];
+                sum_ghat_xhat += ghat[j] * xhat[j];
+                dgamma[j] += gr[j] * xhat[j];
+                dbeta[j] += gr[j];
+            }
+            let (m1, m2) = (sum_ghat / c as f32, sum_ghat_xhat / c as f32);
+            for j in 0..c {
+                dxr[j] = rstd * (ghat[j] - m1 - xhat[j] * m2);
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows + 2, c))))
+    }
+}
+
 fn fused(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
 }
@@ -157,6 +317,26 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
         x.contiguous()?.apply_op1(Gelu)
     } else {
         x.gelu()
+    }
+}
+
+/// `x + b` with `b` broadcast over the leading dimensions of `x` (its shape is their trailing
+/// dimensions), differentiable; fused on the CPU in f32.
+pub fn add_tiled(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fused(x) && b.dtype() == DType::F32 {
+        x.contiguous()?.apply_op2(&b.contiguous()?, AddTiled)
+    } else {
+        x.broadcast_add(b)
+    }
+}
+
+/// LayerNorm over the last dimension with weight `gamma` and bias `beta`, differentiable; fused
+/// on the CPU in f32, else candle-nn's composite.
+pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<Tensor> {
+    if fused(x) && gamma.dtype() == DType::F32 {
+        x.contiguous()?.apply_op3(gamma, beta, LayerNorm { eps })
+    } else {
+        candle_nn::ops::layer_norm_slow(x, gamma, beta, eps)
     }
 }
 
@@ -216,6 +396,35 @@ mod tests {
         let gb = (theirs * &g).unwrap().sum_all().unwrap().backward().unwrap();
         let d = max_diff(ga.get(&x).unwrap(), gb.get(&x).unwrap());
         assert!(d < 1e-4, "{d}");
+    }
+
+    /// Forward values and the gradients of every input against candle's composite ops.
+    #[test]
+    fn add_tiled_and_layer_norm_match_candle() {
+        let dev = &Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 2.0, (3, 5, 8), dev).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 8), dev).unwrap()).unwrap();
+        let gamma = Var::from_tensor(&Tensor::randn(1f32, 0.5, 8, dev).unwrap()).unwrap();
+        let beta = Var::from_tensor(&Tensor::randn(0f32, 0.5, 8, dev).unwrap()).unwrap();
+        let g = Tensor::randn(0f32, 1.0, (3, 5, 8), dev).unwrap();
+        let run = |fused: bool| {
+            let h = if fused { add_tiled(&x, &b) } else { x.broadcast_add(&b) }.unwrap();
+            let y = if fused {
+                layer_norm(&h, &gamma, &beta, 1e-5)
+            } else {
+                candle_nn::ops::layer_norm_slow(&h, &gamma, &beta, 1e-5)
+            }
+            .unwrap();
+            let grads = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let get = |v: &Var| grads.get(v).unwrap().clone();
+            (y, [get(&x), get(&b), get(&gamma), get(&beta)])
+        };
+        let ((ya, ga), (yb, gb)) = (run(true), run(false));
+        assert!(max_diff(&ya, &yb) < 1e-5);
+        for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+            assert_eq!(a.shape(), b.shape());
+            assert!(max_diff(a, b) < 1e-4, "gradient {i}: {}", max_diff(a, b));
+        }
     }
 
     #[test]

@@ -34,6 +34,10 @@ pub struct TrainArgs {
     /// Continue the run checkpointed in --out.
     #[arg(long)]
     pub resume: bool,
+    /// CPU threads: each batch is split into this many shards trained in parallel (default: all
+    /// cores). Runs are reproducible for a given value.
+    #[arg(long)]
+    pub threads: Option<usize>,
 
     /// Model preset: tiny, shakespeare-char (default) or gpt2; the flags below override it.
     #[arg(long)]

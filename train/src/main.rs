@@ -86,6 +86,7 @@ fn main() -> Result<()> {
             println!("saved {} ({} tokens)", path.display(), tok.vocab_size());
         }
         Command::Train(args) => {
+            gpt_train::train::use_shard_parallelism();
             let stop = Arc::new(AtomicBool::new(false));
             let flag = stop.clone();
             ctrlc::set_handler(move || {

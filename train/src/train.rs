@@ -56,25 +56,82 @@ pub fn loss(model: &Gpt, x: &Tensor, y: &Tensor, train: bool) -> Result<Tensor> 
     )?)
 }
 
+/// Adds `scale * g` into `slot`, detached: a gradient otherwise keeps its step's whole graph
+/// alive, and the optimizer's running moments would chain every step's activations (a leak).
+fn accumulate(slot: &mut Option<Tensor>, g: &Tensor, scale: f64) -> Result<()> {
+    let g = (g.detach() * scale)?;
+    *slot = Some(match slot.take() {
+        Some(a) => (a + g)?,
+        None => g,
+    });
+    Ok(())
+}
+
 /// Gradients of the mean loss over equally sized micro-batches, summed as gradient accumulation
 /// does (each micro-batch's loss divided by their count). Returns the mean loss and one gradient
 /// per variable (zeros for a variable the loss does not reach).
-pub fn accumulate_grads(model: &Gpt, vars: &[Var], batches: &[(Tensor, Tensor)]) -> Result<(f64, Vec<Tensor>)> {
-    let n = batches.len() as f64;
-    let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
-    let mut total = 0.0;
+///
+/// With `shards` > 1 each micro-batch is split by rows across that many threads, each running
+/// forward and backward on its part (data parallelism: on a few CPU cores this beats spreading
+/// every small matmul over them). Shard gradients are weighted by their share of the rows and
+/// summed in a fixed order, so the result does not depend on thread timing.
+pub fn accumulate_grads(
+    model: &Gpt,
+    vars: &[Var],
+    batches: &[(Tensor, Tensor)],
+    shards: usize,
+) -> Result<(f64, Vec<Tensor>)> {
+    // Every (micro-batch, shard) piece with its weight in the mean.
+    let mut pieces = Vec::new();
     for (x, y) in batches {
-        let loss = loss(model, x, y, true)?;
-        total += loss.to_scalar::<f32>()? as f64;
-        let grads = (loss / n)?.backward()?;
-        for (slot, var) in acc.iter_mut().zip(vars) {
-            // Detached: a gradient otherwise keeps this step's whole graph alive, and the
-            // optimizer's running moments would chain every step's activations (a leak).
-            if let Some(g) = grads.get(var.as_tensor()).map(Tensor::detach) {
-                *slot = Some(match slot.take() {
-                    Some(a) => (a + g)?,
-                    None => g,
-                });
+        let rows = x.dim(0)?;
+        let n_shards = shards.clamp(1, rows.max(1));
+        let mut start = 0;
+        for s in 0..n_shards {
+            let len = rows / n_shards + usize::from(s < rows % n_shards);
+            let weight = len as f64 / rows as f64 / batches.len() as f64;
+            pieces.push((x.narrow(0, start, len)?, y.narrow(0, start, len)?, weight));
+            start += len;
+        }
+    }
+    let n_workers = shards.clamp(1, pieces.len().max(1));
+    let run_worker = |worker: usize| -> Result<(f64, Vec<Option<Tensor>>)> {
+        let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
+        let mut total = 0.0;
+        for (x, y, weight) in pieces.iter().skip(worker).step_by(n_workers) {
+            let loss = loss(model, x, y, true)?;
+            total += weight * loss.to_scalar::<f32>()? as f64;
+            let grads = loss.backward()?;
+            for (slot, var) in acc.iter_mut().zip(vars) {
+                if let Some(g) = grads.get(var.as_tensor()) {
+                    accumulate(slot, g, *weight)?;
+                }
+            }
+        }
+        Ok((total, acc))
+    };
+    let partials: Vec<Result<(f64, Vec<Option<Tensor>>)>> = if n_workers == 1 {
+        vec![run_worker(0)]
+    } else {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..n_workers).map(|w| scope.spawn(move || run_worker(w))).collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a training thread panicked")))
+                })
+                .collect()
+        })
+    };
+    let mut total = 0.0;
+    let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
+    for partial in partials {
+        let (loss, grads) = partial?;
+        total += loss;
+        for (slot, g) in acc.iter_mut().zip(grads) {
+            if let Some(g) = g {
+                accumulate(slot, &g, 1.0)?;
             }
         }
     }
@@ -83,7 +140,7 @@ pub fn accumulate_grads(model: &Gpt, vars: &[Var], batches: &[(Tensor, Tensor)])
         .zip(vars)
         .map(|(g, v)| g.map_or_else(|| v.as_tensor().zeros_like(), Ok))
         .collect::<candle_core::Result<_>>()?;
-    Ok((total / n, grads))
+    Ok((total, grads))
 }
 
 /// Mean loss over `run.eval_iters` batches of each split, drawn for `step`.
@@ -260,6 +317,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
     }
 
+    let shards = if device.is_cpu() { cpu_threads(args.threads) } else { 1 };
     let varmap = VarMap::new();
     let model = Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?;
     let mut named: Vec<(String, Var)> = varmap
@@ -298,6 +356,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     tracing::info!(
         parameters = trainer.model.num_parameters(),
         device = gpt::device_name(&device),
+        threads = shards,
         vocab = run.model.vocab_size,
         train_tokens = data.train.len(),
         val_tokens = data.val.len(),
@@ -370,7 +429,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
                 data::get_batch(&data.train, run.batch_size, run.block_size(), &mut rng, &device)
             })
             .collect::<Result<Vec<_>>>()?;
-        let (train_loss, mut grads) = accumulate_grads(&trainer.model, &vars, &batches)?;
+        let (train_loss, mut grads) = accumulate_grads(&trainer.model, &vars, &batches, shards)?;
         if !train_loss.is_finite() {
             bail!("the training loss became {train_loss} at step {step}; try a lower --learning-rate");
         }
@@ -412,6 +471,21 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         best_val_loss: best,
         interrupted,
     })
+}
+
+/// Threads for CPU training: `--threads`, else every core this process may use.
+pub fn cpu_threads(requested: Option<usize>) -> usize {
+    requested
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Makes candle's own CPU thread pools single-threaded: training parallelises over batch shards
+/// instead (see [`accumulate_grads`]). Must run before candle's first operation.
+pub fn use_shard_parallelism() {
+    for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
+        std::env::set_var(var, "1");
+    }
 }
 
 fn opt_config(run: &RunConfig) -> AdamWConfig {
