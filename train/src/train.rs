@@ -143,16 +143,44 @@ pub fn accumulate_grads(
     Ok((total, grads))
 }
 
-/// Mean loss over `run.eval_iters` batches of each split, drawn for `step`.
-fn estimate_loss(model: &Gpt, data: &Dataset, run: &RunConfig, step: usize, device: &Device) -> Result<(f64, f64)> {
+/// Mean loss over `run.eval_iters` batches of each split, drawn for `step`, the batches spread
+/// over `threads` threads (summed in batch order, so the result does not depend on them).
+fn estimate_loss(
+    model: &Gpt,
+    data: &Dataset,
+    run: &RunConfig,
+    step: usize,
+    device: &Device,
+    threads: usize,
+) -> Result<(f64, f64)> {
+    let batch_loss = |tokens: &Tokens, stream: u64, i: usize| -> Result<f64> {
+        let mut rng = data::batch_rng(run.seed, step, stream + i as u64);
+        let (x, y) = data::get_batch(tokens, run.batch_size, run.block_size(), &mut rng, device)?;
+        Ok(loss(model, &x, &y, false)?.to_scalar::<f32>()? as f64)
+    };
     let mean = |tokens: &Tokens, stream: u64| -> Result<f64> {
-        let mut total = 0.0;
-        for i in 0..run.eval_iters {
-            let mut rng = data::batch_rng(run.seed, step, stream + i as u64);
-            let (x, y) = data::get_batch(tokens, run.batch_size, run.block_size(), &mut rng, device)?;
-            total += loss(model, &x, &y, false)?.to_scalar::<f32>()? as f64;
+        let threads = threads.clamp(1, run.eval_iters);
+        let losses: Vec<Result<Vec<f64>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    scope.spawn(move || {
+                        (t..run.eval_iters).step_by(threads).map(|i| batch_loss(tokens, stream, i)).collect()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("an evaluation thread panicked"))))
+                .collect()
+        });
+        // Thread t holds batches t, t + threads, ...: put them back in batch order.
+        let mut ordered = vec![0.0; run.eval_iters];
+        for (t, thread_losses) in losses.into_iter().enumerate() {
+            for (k, l) in thread_losses?.into_iter().enumerate() {
+                ordered[t + k * threads] = l;
+            }
         }
-        Ok(total / run.eval_iters as f64)
+        Ok(ordered.iter().sum::<f64>() / run.eval_iters as f64)
     };
     Ok((mean(&data.train, EVAL_TRAIN_STREAM)?, mean(&data.val, EVAL_VAL_STREAM)?))
 }
@@ -377,7 +405,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         let step = state.step;
         let at_end = step >= run.max_iters;
         if (step % run.eval_interval == 0 || at_end) && state.last_eval_step != Some(step) {
-            let (train_loss, val_loss) = estimate_loss(&trainer.model, &data, &run, step, &device)?;
+            let (train_loss, val_loss) = estimate_loss(&trainer.model, &data, &run, step, &device, shards)?;
             state.last_eval_step = Some(step);
             state.elapsed_s = elapsed();
             metrics.log(Event {
