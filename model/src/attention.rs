@@ -98,9 +98,9 @@ impl CausalSelfAttention {
     /// from differentiable ops (candle-nn's fused `softmax_last_dim` has no backward pass).
     pub fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         let (b_sz, seq_len, n_embd) = x.dims3()?;
-        let qkv = self.c_attn.forward(x)?; // (B, T, 3C)
         let heads = |i: usize| -> candle_core::Result<Tensor> {
-            qkv.narrow(2, i * n_embd, n_embd)? // (B, T, C)
+            self.c_attn
+                .forward_cols(x, i * n_embd, n_embd)? // (B, T, C): q, k or v
                 .reshape((b_sz, seq_len, self.n_head, self.head_dim))? // (B, T, nh, hs)
                 .transpose(1, 2)? // (B, nh, T, hs)
                 .contiguous()

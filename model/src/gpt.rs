@@ -31,16 +31,32 @@ impl Conv1D {
     }
 }
 
+impl Conv1D {
+    /// Output columns `start..start + len` only: `x @ W[:, cols] + b[cols]`. Splitting the
+    /// weight rather than the output keeps the backward pass's zero-padding at weight size.
+    pub fn forward_cols(&self, x: &Tensor, start: usize, len: usize) -> candle_core::Result<Tensor> {
+        linear(
+            x,
+            &self.weight.narrow(1, start, len)?,
+            &self.bias.narrow(0, start, len)?,
+        )
+    }
+}
+
+/// `(.., in)` → `(.., out)`, as one 2-D matmul over all leading dimensions.
+fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    let d_in = dims.pop().unwrap_or(0);
+    let rows: usize = dims.iter().product();
+    let y = x.reshape((rows, d_in))?.matmul(weight)?; // (rows, out)
+    let y = crate::ops::add_tiled(&y, bias)?;
+    dims.push(bias.dim(0)?);
+    y.reshape(dims)
+}
+
 impl Module for Conv1D {
-    /// `(.., in)` → `(.., out)`, as one 2-D matmul over all leading dimensions.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let mut dims = x.dims().to_vec();
-        let d_in = dims.pop().unwrap_or(0);
-        let rows: usize = dims.iter().product();
-        let y = x.reshape((rows, d_in))?.matmul(&self.weight)?; // (rows, out)
-        let y = crate::ops::add_tiled(&y, &self.bias)?;
-        dims.push(self.bias.dim(0)?);
-        y.reshape(dims)
+        linear(x, &self.weight, &self.bias)
     }
 }
 

@@ -160,9 +160,11 @@ impl CustomOp2 for AddTiled {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, b) = (f32_slice(s1, l1, "add-tiled")?, f32_slice(s2, l2, "add-tiled")?);
-        let mut y = x.to_vec();
-        for block in y.chunks_exact_mut(b.len()) {
-            block.iter_mut().zip(b).for_each(|(v, &bv)| *v += bv);
+        let mut y = vec![0f32; x.len()];
+        for (yb, xb) in y.chunks_exact_mut(b.len()).zip(x.chunks_exact(b.len())) {
+            for ((yv, &xv), &bv) in yb.iter_mut().zip(xb).zip(b) {
+                *yv = xv + bv;
+            }
         }
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }

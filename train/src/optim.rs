@@ -1,5 +1,5 @@
 //! AdamW with decoupled weight decay (Loshchilov & Hutter, 2019), gradient accumulation and
-//! clipping by global norm.
+//! clipping by global norm. On the CPU in f32 the update is one fused pass per parameter.
 //!
 //! candle-nn has an `AdamW`, but it keeps its moment estimates private, so they cannot be saved
 //! for an exact resume, and it decays every parameter; this one exposes its state and decays only
@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Result, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp3, DType, IndexOp, Layout, Result, Shape, Tensor, Var};
 
 #[derive(Debug, Clone, Copy)]
 pub struct AdamWConfig {
@@ -21,8 +21,8 @@ struct Param {
     name: String,
     var: Var,
     decay: bool,
-    m: Tensor, // first moment
-    v: Tensor, // second moment
+    /// First and second moments, flattened and stacked: `(2, n)`.
+    moments: Tensor,
 }
 
 pub struct AdamW {
@@ -31,19 +31,68 @@ pub struct AdamW {
     cfg: AdamWConfig,
 }
 
+/// One AdamW update of a flattened parameter: inputs theta `(n)`, grad `(n)`, moments `(2, n)`;
+/// output `(3, n)`: the new theta, m and v.
+struct FusedUpdate {
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    decay: f32,
+    bias1: f32,
+    bias2: f32,
+}
+
+impl CustomOp3 for FusedUpdate {
+    fn name(&self) -> &'static str {
+        "fused-adamw"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+            match l.contiguous_offsets() {
+                Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
+                None => candle_core::bail!("fused-adamw: inputs must be contiguous"),
+            }
+        }
+        let (theta, g, mv) = (slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
+        let n = theta.len();
+        let (m, v) = mv.split_at(n);
+        let mut out = vec![0f32; 3 * n];
+        let (new_theta, rest) = out.split_at_mut(n);
+        let (new_m, new_v) = rest.split_at_mut(n);
+        for i in 0..n {
+            let mi = self.beta1 * m[i] + (1.0 - self.beta1) * g[i];
+            let vi = self.beta2 * v[i] + (1.0 - self.beta2) * g[i] * g[i];
+            let update = (mi / self.bias1) / ((vi / self.bias2).sqrt() + self.eps);
+            new_theta[i] = theta[i] * (1.0 - self.lr * self.decay) - self.lr * update;
+            new_m[i] = mi;
+            new_v[i] = vi;
+        }
+        Ok((CpuStorage::F32(out), Shape::from((3, n))))
+    }
+}
+
 impl AdamW {
     /// `named_vars` in a fixed order (it is also the order of the gradients given to `step`).
     pub fn new(named_vars: Vec<(String, Var)>, cfg: AdamWConfig) -> Result<Self> {
         let params = named_vars
             .into_iter()
             .map(|(name, var)| {
-                let zeros = var.as_tensor().zeros_like()?;
+                let moments = Tensor::zeros((2, var.elem_count()), DType::F32, var.device())?;
                 Ok(Param {
                     decay: var.rank() >= 2,
                     name,
                     var,
-                    m: zeros.clone(),
-                    v: zeros,
+                    moments,
                 })
             })
             .collect::<Result<_>>()?;
@@ -73,40 +122,52 @@ impl AdamW {
         let bias1 = 1.0 - beta1.powi(self.steps as i32);
         let bias2 = 1.0 - beta2.powi(self.steps as i32);
         for (p, g) in self.params.iter_mut().zip(grads) {
-            let g = g.detach(); // the moments must not hold on to any autograd graph
-            p.m = ((&p.m * beta1)? + (&g * (1.0 - beta1))?)?;
-            p.v = ((&p.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-            let m_hat = (&p.m / bias1)?;
-            let v_hat = (&p.v / bias2)?;
-            let theta = p.var.as_tensor();
-            let theta = if p.decay {
-                (theta * (1.0 - lr * weight_decay))?
+            let g = g.detach().flatten_all()?; // the moments must not hold on to any graph
+            let theta = p.var.as_tensor().flatten_all()?;
+            let decay = if p.decay { weight_decay } else { 0.0 };
+            let (new_theta, moments) = if theta.device().is_cpu() && theta.dtype() == DType::F32 {
+                let kernel = FusedUpdate {
+                    lr: lr as f32,
+                    beta1: beta1 as f32,
+                    beta2: beta2 as f32,
+                    eps: eps as f32,
+                    decay: decay as f32,
+                    bias1: bias1 as f32,
+                    bias2: bias2 as f32,
+                };
+                let out = theta.apply_op3_no_bwd(&g.contiguous()?, &p.moments, &kernel)?; // (3, n)
+                (out.i(0)?, out.narrow(0, 1, 2)?)
             } else {
-                theta.clone()
+                let m = ((p.moments.i(0)? * beta1)? + (&g * (1.0 - beta1))?)?;
+                let v = ((p.moments.i(1)? * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+                let update = ((&m / bias1)? / ((&v / bias2)?.sqrt()? + eps)?)?;
+                let theta = ((theta * (1.0 - lr * decay))? - (update * lr)?)?;
+                (theta, Tensor::stack(&[m, v], 0)?)
             };
-            let update = (m_hat / (v_hat.sqrt()? + eps)?)?;
-            p.var.set(&(theta - (update * lr)?)?)?;
+            p.var.set(&new_theta.reshape(p.var.shape())?)?;
+            p.moments = moments;
         }
         Ok(())
     }
 
     /// Moment estimates by name (`NAME.exp_avg`, `NAME.exp_avg_sq`, as PyTorch calls them).
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
-        self.params
-            .iter()
-            .flat_map(|p| {
-                [
-                    (format!("{}.exp_avg", p.name), p.m.clone()),
-                    (format!("{}.exp_avg_sq", p.name), p.v.clone()),
-                ]
-            })
-            .collect()
+        let mut out = Vec::with_capacity(2 * self.params.len());
+        for p in &self.params {
+            for (i, suffix) in ["exp_avg", "exp_avg_sq"].into_iter().enumerate() {
+                if let Ok(t) = p.moments.i(i).and_then(|t| t.reshape(p.var.shape())) {
+                    out.push((format!("{}.{suffix}", p.name), t));
+                }
+            }
+        }
+        out
     }
 
     /// Restores the moments saved by [`AdamW::state_tensors`] after `steps` updates.
     pub fn load_state(&mut self, mut tensors: HashMap<String, Tensor>, steps: u64) -> Result<()> {
         for p in &mut self.params {
-            for (suffix, slot) in [("exp_avg", &mut p.m), ("exp_avg_sq", &mut p.v)] {
+            let mut pair = Vec::with_capacity(2);
+            for suffix in ["exp_avg", "exp_avg_sq"] {
                 let name = format!("{}.{suffix}", p.name);
                 let t = tensors
                     .remove(&name)
@@ -118,8 +179,9 @@ impl AdamW {
                         p.var.shape()
                     );
                 }
-                *slot = t.to_dtype(DType::F32)?.to_device(p.var.device())?;
+                pair.push(t.to_dtype(DType::F32)?.to_device(p.var.device())?.flatten_all()?);
             }
+            p.moments = Tensor::stack(&pair, 0)?;
         }
         self.steps = steps;
         Ok(())

@@ -164,13 +164,19 @@ fn estimate_loss(
             let handles: Vec<_> = (0..threads)
                 .map(|t| {
                     scope.spawn(move || {
-                        (t..run.eval_iters).step_by(threads).map(|i| batch_loss(tokens, stream, i)).collect()
+                        (t..run.eval_iters)
+                            .step_by(threads)
+                            .map(|i| batch_loss(tokens, stream, i))
+                            .collect()
                     })
                 })
                 .collect();
             handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("an evaluation thread panicked"))))
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("an evaluation thread panicked")))
+                })
                 .collect()
         });
         // Thread t holds batches t, t + threads, ...: put them back in batch order.
