@@ -10,8 +10,10 @@ pub mod checkpoint;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod generate;
 pub mod gpt;
 pub mod ops;
+pub mod sampling;
 pub mod tokenizer;
 
 pub use attention::KvCache;
@@ -19,5 +21,7 @@ pub use checkpoint::{load_dir, load_model, save_dir};
 pub use config::{Activation, Config, PositionEmbedding};
 pub use device::{device_name, parse_device};
 pub use error::{Error, Result};
+pub use generate::generate;
 pub use gpt::{Gpt, LogitsFor, SeqStep};
+pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::Tokenizer;

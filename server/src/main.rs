@@ -1,1 +1,152 @@
-fn main() {}
+//! `gpt-server`: command line, start-up and graceful shutdown.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use candle_core::DType;
+use clap::{Parser, ValueEnum};
+use gpt_server::{app::app, load_state, ServerConfig};
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+/// Serves a GPT checkpoint with the OpenAI completions API. Every flag can also be set with the
+/// environment variable named in its help.
+#[derive(Parser)]
+#[command(name = "gpt-server", version)]
+struct Args {
+    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json); default: weights/.
+    #[arg(long, env = "GPT_SERVER_CHECKPOINT")]
+    checkpoint: Option<PathBuf>,
+    #[arg(long, env = "GPT_SERVER_HOST", default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, env = "GPT_SERVER_PORT", default_value_t = 8080)]
+    port: u16,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, env = "GPT_SERVER_DEVICE", default_value = "auto")]
+    device: String,
+    #[arg(long, env = "GPT_SERVER_DTYPE", value_enum, default_value = "f32")]
+    dtype: Dtype,
+    /// The name clients pass as `model` (default: the checkpoint directory's name).
+    #[arg(long, env = "GPT_SERVER_MODEL_NAME")]
+    model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /v1/*.
+    #[arg(long, env = "GPT_SERVER_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Sequences decoded together in one step.
+    #[arg(long, env = "GPT_SERVER_MAX_BATCH_SIZE", default_value_t = 16)]
+    max_batch_size: usize,
+    /// Requests waiting beyond the batch before new ones get 503.
+    #[arg(long, env = "GPT_SERVER_MAX_QUEUE", default_value_t = 64)]
+    max_queue: usize,
+    /// Largest max_tokens a request may ask for.
+    #[arg(long, env = "GPT_SERVER_MAX_TOKENS_CAP", default_value_t = 1024)]
+    max_tokens_cap: usize,
+    /// Largest request body, bytes.
+    #[arg(long, env = "GPT_SERVER_BODY_LIMIT", default_value_t = 1 << 20)]
+    body_limit: usize,
+    /// After Ctrl-C / SIGTERM, how long in-flight generations may run before they are cut.
+    #[arg(long, env = "GPT_SERVER_SHUTDOWN_GRACE_SECS", default_value_t = 10)]
+    shutdown_grace_secs: u64,
+}
+
+/// `weights/` under the working directory, else next to this source tree (for `cargo run`).
+fn default_checkpoint() -> PathBuf {
+    let local = PathBuf::from("weights");
+    if local.join("config.json").exists() {
+        return local;
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights")
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = terminate => {},
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
+        .init();
+    gpt::device::tune_cpu_allocator();
+    let args = Args::parse();
+    let checkpoint = args.checkpoint.clone().unwrap_or_else(default_checkpoint);
+    if !checkpoint.join("config.json").exists() {
+        bail!(
+            "no checkpoint at {} (config.json missing); pass --checkpoint DIR or train one with gpt-train",
+            checkpoint.display()
+        );
+    }
+    let device = gpt::parse_device(&args.device)?;
+    let dtype = match args.dtype {
+        Dtype::F32 => DType::F32,
+        Dtype::F16 => DType::F16,
+        Dtype::Bf16 => DType::BF16,
+    };
+    let model_name = args.model_name.clone().unwrap_or_else(|| {
+        let dir = checkpoint.canonicalize().unwrap_or_else(|_| checkpoint.clone());
+        dir.file_name()
+            .map_or("gpt".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let cfg = ServerConfig {
+        model_name,
+        api_key: args.api_key.clone(),
+        max_batch_size: args.max_batch_size,
+        max_queue: args.max_queue,
+        max_tokens_cap: args.max_tokens_cap,
+        body_limit: args.body_limit,
+    };
+    let state = tokio::task::spawn_blocking({
+        let checkpoint = checkpoint.clone();
+        move || load_state(&checkpoint, &device, dtype, &cfg)
+    })
+    .await?
+    .with_context(|| format!("loading the checkpoint in {}", checkpoint.display()))?;
+
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    tracing::info!(address = %listener.local_addr()?, model = %state.model_name, "listening");
+    let grace = Duration::from_secs(args.shutdown_grace_secs);
+    let engine_state = state.clone();
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            tracing::info!(
+                grace_secs = grace.as_secs(),
+                "shutting down: no new connections; finishing generations"
+            );
+            tokio::spawn(async move {
+                tokio::time::sleep(grace).await;
+                tracing::warn!("grace period over: cutting the remaining generations");
+                engine_state.engine.cut_all();
+            });
+        })
+        .await?;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,88 @@
+//! One error type for the HTTP layer, mapped to OpenAI's JSON error shape and a status code.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use crate::api::{ErrorDetail, ErrorResponse};
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ApiError {
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<&'static str>,
+    },
+    #[error("{0}")]
+    Unauthorized(String),
+    #[error("The model `{0}` does not exist")]
+    ModelNotFound(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("the server is at capacity ({0} requests queued); retry shortly")]
+    QueueFull(usize),
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+        ApiError::InvalidRequest {
+            message: message.into(),
+            param: Some(param),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::QueueFull(_) | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    pub fn body(&self) -> ErrorResponse {
+        let (kind, code, param) = match self {
+            ApiError::InvalidRequest { param, .. } => ("invalid_request_error", None, param.map(str::to_string)),
+            ApiError::Unauthorized(_) => ("invalid_request_error", Some("invalid_api_key"), None),
+            ApiError::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found"), Some("model".into())),
+            ApiError::PayloadTooLarge(_) => ("invalid_request_error", Some("payload_too_large"), None),
+            ApiError::QueueFull(_) | ApiError::ShuttingDown => ("server_error", Some("overloaded"), None),
+            ApiError::Internal(_) => ("server_error", None, None),
+        };
+        ErrorResponse {
+            error: ErrorDetail {
+                message: self.to_string(),
+                kind: kind.into(),
+                param,
+                code: code.map(str::to_string),
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status(), Json(self.body())).into_response();
+        if matches!(self, ApiError::QueueFull(_) | ApiError::ShuttingDown) {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+impl From<gpt::Error> for ApiError {
+    fn from(e: gpt::Error) -> Self {
+        match e {
+            gpt::Error::UnknownCharacter { .. } | gpt::Error::Tokenize(_) => ApiError::invalid("prompt", e.to_string()),
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! Prometheus metrics, served as text at `GET /metrics`.
+
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+
+pub struct Metrics {
+    registry: Registry,
+    /// Completion requests by HTTP status.
+    pub requests: IntCounterVec,
+    pub prompt_tokens: IntCounter,
+    pub generated_tokens: IntCounter,
+    /// Sequences dropped because their client went away.
+    pub cancelled: IntCounter,
+    pub queue_depth: IntGauge,
+    /// Sequences in the last decode step.
+    pub batch_size: IntGauge,
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+}
+
+impl Metrics {
+    pub fn new() -> prometheus::Result<Self> {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new("gpt_requests_total", "Completion requests by HTTP status"),
+            &["status"],
+        )?;
+        let prompt_tokens = IntCounter::new("gpt_prompt_tokens_total", "Prompt tokens processed")?;
+        let generated_tokens = IntCounter::new("gpt_generated_tokens_total", "Tokens generated")?;
+        let cancelled = IntCounter::new("gpt_cancelled_total", "Sequences cancelled by a client disconnect")?;
+        let queue_depth = IntGauge::new("gpt_queue_depth", "Requests waiting for the engine")?;
+        let batch_size = IntGauge::new("gpt_batch_size", "Sequences in the latest decode step")?;
+        let latency_buckets = vec![
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        ];
+        let time_to_first_token = Histogram::with_opts(
+            HistogramOpts::new("gpt_time_to_first_token_seconds", "From request queued to first token")
+                .buckets(latency_buckets.clone()),
+        )?;
+        let inter_token_latency = Histogram::with_opts(
+            HistogramOpts::new(
+                "gpt_inter_token_latency_seconds",
+                "Between consecutive tokens of a sequence",
+            )
+            .buckets(latency_buckets),
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(prompt_tokens.clone()))?;
+        registry.register(Box::new(generated_tokens.clone()))?;
+        registry.register(Box::new(cancelled.clone()))?;
+        registry.register(Box::new(queue_depth.clone()))?;
+        registry.register(Box::new(batch_size.clone()))?;
+        registry.register(Box::new(time_to_first_token.clone()))?;
+        registry.register(Box::new(inter_token_latency.clone()))?;
+        Ok(Self {
+            registry,
+            requests,
+            prompt_tokens,
+            generated_tokens,
+            cancelled,
+            queue_depth,
+            batch_size,
+            time_to_first_token,
+            inter_token_latency,
+        })
+    }
+
+    /// The Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}

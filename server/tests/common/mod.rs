@@ -1,0 +1,130 @@
+//! A server on an ephemeral port over the fixture checkpoint, and small client helpers.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use gpt_server::app::AppState;
+pub use gpt_server::ServerConfig;
+use serde_json::Value;
+
+pub fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-gpt2")
+}
+
+pub fn config() -> ServerConfig {
+    ServerConfig {
+        model_name: "tiny".into(),
+        api_key: None,
+        max_batch_size: 16,
+        max_queue: 64,
+        max_tokens_cap: 1024,
+        body_limit: 1 << 20,
+    }
+}
+
+pub struct Server {
+    pub url: String,
+    pub state: Arc<AppState>,
+    pub client: reqwest::Client,
+}
+
+pub async fn start(checkpoint: &Path, cfg: ServerConfig) -> anyhow::Result<Server> {
+    let state = gpt_server::load_state(checkpoint, &Device::Cpu, DType::F32, &cfg)?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let router = gpt_server::app::app(state.clone());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    Ok(Server {
+        url,
+        state,
+        client: reqwest::Client::new(),
+    })
+}
+
+impl Server {
+    pub async fn post(&self, body: Value) -> anyhow::Result<(u16, Value)> {
+        let resp = self
+            .client
+            .post(format!("{}/v1/completions", self.url))
+            .json(&body)
+            .send()
+            .await?;
+        let status = resp.status().as_u16();
+        Ok((status, resp.json().await?))
+    }
+
+    /// A whole stream: the parsed `data:` chunks before `[DONE]` (which must come last).
+    pub async fn stream(&self, body: Value) -> anyhow::Result<Vec<Value>> {
+        let resp = self
+            .client
+            .post(format!("{}/v1/completions", self.url))
+            .json(&body)
+            .send()
+            .await?;
+        assert_eq!(resp.status().as_u16(), 200);
+        let text = resp.text().await?;
+        let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+        assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+        Ok(data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d))
+            .collect::<Result<_, _>>()?)
+    }
+
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        Ok(self
+            .client
+            .get(format!("{}/metrics", self.url))
+            .send()
+            .await?
+            .text()
+            .await?)
+    }
+}
+
+/// The text of choice `index` assembled from stream chunks, and its finish reason.
+pub fn streamed_text(chunks: &[Value], index: u64) -> (String, Option<String>) {
+    let mut text = String::new();
+    let mut finish = None;
+    for c in chunks {
+        for choice in c["choices"].as_array().into_iter().flatten() {
+            if choice["index"] == index {
+                text.push_str(choice["text"].as_str().unwrap_or_default());
+                if let Some(f) = choice["finish_reason"].as_str() {
+                    finish = Some(f.to_string());
+                }
+            }
+        }
+    }
+    (text, finish)
+}
+
+/// The model crate's own greedy generation, decoded.
+pub fn reference_greedy(prompt: &str, max_tokens: usize) -> anyhow::Result<String> {
+    let (model, tok) = gpt::load_dir(&fixture(), DType::F32, &Device::Cpu)?;
+    let ids = tok.encode(prompt)?;
+    let mut sampler = gpt::Sampler::new(gpt::SamplingParams::default());
+    let out = gpt::generate(&model, &ids, max_tokens, &mut sampler, tok.eos_token_id())?;
+    Ok(tok.decode(&out)?)
+}
+
+/// A random model large enough that a 1000-token generation takes a while (seconds) on the CPU,
+/// with the fixture's tokenizer: for tests that must catch a generation in flight.
+pub fn slow_checkpoint() -> anyhow::Result<tempfile::TempDir> {
+    use candle_nn::{VarBuilder, VarMap};
+    let dir = tempfile::tempdir()?;
+    let cfg = gpt::Config {
+        n_positions: 1024,
+        n_embd: 384,
+        n_layer: 6,
+        n_head: 6,
+        ..gpt::Config::tiny(320)
+    };
+    let varmap = VarMap::new();
+    let model = gpt::Gpt::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu), &cfg)?;
+    let tok = gpt::Tokenizer::from_file(&fixture().join("tokenizer.json"))?;
+    gpt::save_dir(dir.path(), &model, &tok, DType::F32)?;
+    Ok(dir)
+}

@@ -1,0 +1,258 @@
+//! Every bad request gets OpenAI's error shape and the right status; the service endpoints.
+
+mod common;
+
+use common::{config, fixture, start};
+use serde_json::{json, Value};
+
+fn assert_error(status: u16, body: &Value, want_status: u16, param: Option<&str>, words: &[&str]) {
+    assert_eq!(status, want_status, "{body}");
+    let error = &body["error"];
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(!error["type"].as_str().unwrap_or_default().is_empty(), "{body}");
+    for w in words {
+        assert!(message.contains(w), "{message:?} lacks {w:?}");
+    }
+    if let Some(p) = param {
+        assert_eq!(error["param"], p, "{body}");
+    }
+}
+
+#[tokio::test]
+async fn invalid_parameters_are_400_naming_the_parameter() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let cases = [
+        (json!({"prompt": "hi", "temperature": -0.5}), "temperature", ">= 0"),
+        (json!({"prompt": "hi", "top_p": 0}), "top_p", "(0, 1]"),
+        (json!({"prompt": "hi", "top_p": 1.5}), "top_p", "(0, 1]"),
+        (json!({"prompt": "hi", "max_tokens": 0}), "max_tokens", "between 1 and"),
+        (
+            json!({"prompt": "hi", "max_tokens": 5000}),
+            "max_tokens",
+            "between 1 and",
+        ),
+        (json!({"prompt": ""}), "prompt", "empty"),
+        (json!({"prompt": []}), "prompt", "empty"),
+        (json!({"prompt": [1, 2, 320]}), "prompt", "outside the vocabulary"),
+        (json!({"prompt": [-1]}), "prompt", "outside the vocabulary"),
+        (json!({"prompt": "hi", "n": 0}), "n", "between 1 and"),
+        (json!({"prompt": "hi", "logprobs": 99}), "logprobs", "between 0 and"),
+        (json!({"prompt": "hi", "top_k": -5}), "top_k", "-1, 0 or positive"),
+        (
+            json!({"prompt": "hi", "presence_penalty": 3}),
+            "presence_penalty",
+            "[-2, 2]",
+        ),
+        (
+            json!({"prompt": "hi", "repetition_penalty": 0}),
+            "repetition_penalty",
+            "> 0",
+        ),
+        (
+            json!({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}),
+            "stop",
+            "up to 4",
+        ),
+        (
+            json!({"prompt": "hi", "stream_options": {"include_usage": true}}),
+            "stream_options",
+            "stream",
+        ),
+    ];
+    for (body, param, words) in cases {
+        let (status, resp) = server.post(body.clone()).await?;
+        assert_error(status, &resp, 400, Some(param), &[words]);
+    }
+    // prompt + max_tokens over the 64-token context: both numbers in the message.
+    let (status, resp) = server
+        .post(json!({"prompt": "First Citizen:", "max_tokens": 62}))
+        .await?;
+    assert_error(status, &resp, 400, Some("max_tokens"), &["64", "62", "3 tokens"]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn malformed_bodies_are_400_json_and_large_ones_413() -> anyhow::Result<()> {
+    let server = start(
+        &fixture(),
+        common::ServerConfig {
+            body_limit: 2000,
+            ..config()
+        },
+    )
+    .await?;
+    let url = format!("{}/v1/completions", server.url);
+    for (body, words) in [
+        ("{not json", "invalid JSON"),
+        (r#"{"prompt": "hi", "temperature": "hot"}"#, "temperature"),
+        (r#"{"prompt": {"text": "hi"}}"#, "prompt"),
+        (r#"{"max_tokens": 3}"#, "prompt"),
+    ] {
+        let resp = server
+            .client
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await?;
+        let status = resp.status().as_u16();
+        assert_error(status, &resp.json().await?, 400, None, &[words]);
+    }
+    let big = json!({"prompt": "x".repeat(5000)});
+    let (status, resp) = server.post(big).await?;
+    assert_error(status, &resp, 413, None, &["limit"]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn api_key_and_model_name() -> anyhow::Result<()> {
+    let server = start(
+        &fixture(),
+        common::ServerConfig {
+            api_key: Some("sekret".into()),
+            ..config()
+        },
+    )
+    .await?;
+    let url = format!("{}/v1/completions", server.url);
+    let body = json!({"model": "tiny", "prompt": "hi", "max_tokens": 2});
+    for auth in [None, Some("Bearer wrong"), Some("sekret")] {
+        let mut req = server.client.post(&url).json(&body);
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let resp = req.send().await?;
+        let status = resp.status().as_u16();
+        assert_error(status, &resp.json().await?, 401, None, &["API key"]);
+    }
+    let ok = server
+        .client
+        .post(&url)
+        .bearer_auth("sekret")
+        .json(&body)
+        .send()
+        .await?;
+    assert_eq!(ok.status().as_u16(), 200);
+    let models = server.client.get(format!("{}/v1/models", server.url)).send().await?;
+    assert_eq!(models.status().as_u16(), 401);
+    let health = server.client.get(format!("{}/health", server.url)).send().await?;
+    assert_eq!(health.status().as_u16(), 200, "health stays open for probes");
+
+    let resp = server
+        .client
+        .post(&url)
+        .bearer_auth("sekret")
+        .json(&json!({"model": "gpt-5", "prompt": "hi"}))
+        .send()
+        .await?;
+    let status = resp.status().as_u16();
+    assert_error(status, &resp.json().await?, 404, Some("model"), &["gpt-5"]);
+
+    // Without a key configured, no header is needed.
+    let open = start(&fixture(), config()).await?;
+    let (status, _) = open.post(body).await?;
+    assert_eq!(status, 200);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_full_queue_answers_503_with_retry_after() -> anyhow::Result<()> {
+    let slow = common::slow_checkpoint()?;
+    let server = start(
+        slow.path(),
+        common::ServerConfig {
+            max_batch_size: 1,
+            max_queue: 1,
+            ..config()
+        },
+    )
+    .await?;
+    let url = format!("{}/v1/completions", server.url);
+    let long = json!({"prompt": "x", "max_tokens": 1000, "stream": true});
+    // The first runs (the batch holds one), the second waits in the queue (room for one).
+    let mut first = server.client.post(&url).json(&long).send().await?;
+    assert!(first.chunk().await?.is_some());
+    let second = {
+        let (client, url, long) = (server.client.clone(), url.clone(), long.clone());
+        tokio::spawn(async move { client.post(&url).json(&long).send().await })
+    };
+    let mut status = 0;
+    let mut body = Value::Null;
+    let mut retry_after = None;
+    for _ in 0..100 {
+        let resp = server
+            .client
+            .post(&url)
+            .json(&json!({"prompt": "y", "max_tokens": 1}))
+            .send()
+            .await?;
+        status = resp.status().as_u16();
+        retry_after = resp
+            .headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap_or_default().to_string());
+        body = resp.json().await?;
+        if status == 503 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_error(status, &body, 503, None, &["capacity"]);
+    assert_eq!(retry_after.as_deref(), Some("1"));
+    drop(first);
+    drop(second);
+    Ok(())
+}
+
+#[tokio::test]
+async fn health_models_metrics_and_openapi() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let get = |path: &str| server.client.get(format!("{}{path}", server.url)).send();
+    let health: Value = get("/health").await?.json().await?;
+    assert_eq!(health["status"], "ok");
+    let models: Value = get("/v1/models").await?.json().await?;
+    assert_eq!(models["data"][0]["id"], "tiny");
+
+    server
+        .post(json!({"prompt": "hi", "max_tokens": 3, "temperature": 0}))
+        .await?;
+    server.post(json!({"prompt": "hi", "max_tokens": 0})).await?;
+    let metrics = server.metrics().await?;
+    for line in [
+        "gpt_requests_total{status=\"200\"} 1",
+        "gpt_requests_total{status=\"400\"} 1",
+        "gpt_generated_tokens_total",
+        "gpt_prompt_tokens_total",
+        "gpt_queue_depth 0",
+        "gpt_batch_size",
+        "gpt_time_to_first_token_seconds_bucket",
+        "gpt_inter_token_latency_seconds_bucket",
+    ] {
+        assert!(metrics.contains(line), "metrics lack {line:?}:\n{metrics}");
+    }
+
+    let spec: Value = get("/openapi.json").await?.json().await?;
+    assert!(spec["paths"]["/v1/completions"]["post"].is_object());
+    let request = &spec["components"]["schemas"]["CompletionRequest"]["properties"];
+    for field in [
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "stop",
+        "n",
+        "logprobs",
+        "echo",
+        "stream",
+        "seed",
+    ] {
+        assert!(
+            request[field].is_object(),
+            "CompletionRequest.{field} missing from the spec"
+        );
+    }
+    assert!(spec["components"]["schemas"]["ErrorResponse"].is_object());
+    Ok(())
+}
