@@ -30,6 +30,8 @@ fn argmax(logits: &Tensor) -> anyhow::Result<u32> {
 }
 
 fn main() -> anyhow::Result<()> {
+    gpt::device::tune_cpu_allocator();
+    gpt::device::fix_cpu_thread_count();
     let cfg = Config::gpt2_small();
     let varmap = VarMap::new();
     let model = Gpt::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu), &cfg)?;

@@ -58,6 +58,16 @@ pub fn tune_cpu_allocator() {
     }
 }
 
+/// Fixes candle's CPU thread count for the process. Unless `RAYON_NUM_THREADS` is set, candle
+/// asks the OS for the core count (reading /proc/cpuinfo) on every matmul: a third of a batched
+/// decode step in a profile. Call at the start of `main`, before any other thread exists.
+pub fn fix_cpu_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = candle_core::utils::get_num_threads();
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -85,13 +85,21 @@ async fn shutdown_signal() {
     }
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    // Process-wide settings first, while this is the only thread.
+    gpt::device::tune_cpu_allocator();
+    gpt::device::fix_cpu_thread_count();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run())
+}
+
+async fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
-    gpt::device::tune_cpu_allocator();
     let args = Args::parse();
     let checkpoint = args.checkpoint.clone().unwrap_or_else(default_checkpoint);
     if !checkpoint.join("config.json").exists() {

@@ -65,6 +65,7 @@ enum Command {
 
 fn main() -> Result<()> {
     gpt::device::tune_cpu_allocator();
+    gpt::device::fix_cpu_thread_count(); // `train` then sets candle to one thread per shard
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
