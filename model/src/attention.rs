@@ -81,8 +81,8 @@ impl CausalSelfAttention {
     pub fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
         let c = cfg.n_embd;
         Ok(Self {
-            c_attn: Conv1D::load(vb.pp("c_attn"), c, 3 * c)?,
-            c_proj: Conv1D::load_with_std(vb.pp("c_proj"), c, c, 0.02 / (2.0 * cfg.n_layer as f64).sqrt())?,
+            c_attn: Conv1D::load(vb.pp("c_attn"), c, 3 * c, cfg)?,
+            c_proj: Conv1D::load_with_std(vb.pp("c_proj"), c, c, 0.02 / (2.0 * cfg.n_layer as f64).sqrt(), cfg)?,
             n_head: cfg.n_head,
             head_dim: cfg.head_dim(),
             attn_pdrop: cfg.attn_pdrop,

@@ -71,6 +71,10 @@ pub struct Config {
     /// Extension outside the GPT-2 set (`transformers` keeps it as an unused attribute).
     #[serde(default)]
     pub position_embedding: PositionEmbedding,
+    /// Extension: false fixes every bias (linear layers and LayerNorms) at zero, untrained, as
+    /// nanoGPT's `bias=False`. The zeros are saved, so `transformers` loads the same model.
+    #[serde(default = "default_true")]
+    pub bias: bool,
 }
 
 fn default_eps() -> f64 {
@@ -109,6 +113,7 @@ impl Config {
             bos_token_id: None,
             eos_token_id: None,
             position_embedding: PositionEmbedding::Learned,
+            bias: true,
         }
     }
 

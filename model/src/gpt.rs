@@ -20,14 +20,30 @@ pub struct Conv1D {
 }
 
 impl Conv1D {
-    pub fn load(vb: VarBuilder, d_in: usize, d_out: usize) -> candle_core::Result<Self> {
-        Self::load_with_std(vb, d_in, d_out, 0.02)
+    pub fn load(vb: VarBuilder, d_in: usize, d_out: usize, cfg: &Config) -> candle_core::Result<Self> {
+        Self::load_with_std(vb, d_in, d_out, 0.02, cfg)
     }
 
-    pub(crate) fn load_with_std(vb: VarBuilder, d_in: usize, d_out: usize, stdev: f64) -> candle_core::Result<Self> {
+    pub(crate) fn load_with_std(
+        vb: VarBuilder,
+        d_in: usize,
+        d_out: usize,
+        stdev: f64,
+        cfg: &Config,
+    ) -> candle_core::Result<Self> {
         let weight = vb.get_with_hints((d_in, d_out), "weight", Init::Randn { mean: 0.0, stdev })?;
-        let bias = vb.get_with_hints(d_out, "bias", Init::Const(0.0))?;
+        let bias = bias(vb, d_out, cfg)?;
         Ok(Self { weight, bias })
+    }
+}
+
+/// A layer's bias: a parameter, or with `bias: false` fixed zeros that are not trained (nanoGPT's
+/// bias-free variant; saved as zeros, so the checkpoint keeps GPT-2's layout).
+fn bias(vb: VarBuilder, size: usize, cfg: &Config) -> candle_core::Result<Tensor> {
+    if cfg.bias {
+        vb.get_with_hints(size, "bias", Init::Const(0.0))
+    } else {
+        Tensor::zeros(size, vb.dtype(), vb.device())
     }
 }
 
@@ -70,7 +86,12 @@ fn layer_norm(ln: &LayerNorm, x: &Tensor, train: bool) -> candle_core::Result<Te
 }
 
 fn load_layer_norm(vb: VarBuilder, cfg: &Config) -> candle_core::Result<LayerNorm> {
-    candle_nn::layer_norm(cfg.n_embd, cfg.layer_norm_epsilon, vb)
+    let weight = vb.get_with_hints(cfg.n_embd, "weight", Init::Const(1.0))?;
+    Ok(LayerNorm::new(
+        weight,
+        bias(vb, cfg.n_embd, cfg)?,
+        cfg.layer_norm_epsilon,
+    ))
 }
 
 /// Dropout in training only, and only when it drops anything (candle's draws a mask even at 0).
@@ -94,8 +115,8 @@ impl Mlp {
     fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
         let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt(); // GPT-2's scaled residual init
         Ok(Self {
-            c_fc: Conv1D::load(vb.pp("c_fc"), cfg.n_embd, cfg.mlp_width())?,
-            c_proj: Conv1D::load_with_std(vb.pp("c_proj"), cfg.mlp_width(), cfg.n_embd, proj_std)?,
+            c_fc: Conv1D::load(vb.pp("c_fc"), cfg.n_embd, cfg.mlp_width(), cfg)?,
+            c_proj: Conv1D::load_with_std(vb.pp("c_proj"), cfg.mlp_width(), cfg.n_embd, proj_std, cfg)?,
             activation: cfg.activation_function,
             resid_pdrop: cfg.resid_pdrop,
         })
@@ -354,12 +375,15 @@ impl Gpt {
         out
     }
 
-    /// Number of parameters (the tied LM head counted once; a sinusoid table not counted).
+    /// Number of trainable parameters (the tied LM head counted once; neither a sinusoid table
+    /// nor the fixed zero biases of `bias: false` counted).
     pub fn num_parameters(&self) -> usize {
-        let fixed = match self.cfg.position_embedding {
-            PositionEmbedding::Learned => 0,
-            PositionEmbedding::Sinusoidal => self.wpe.elem_count(),
-        };
-        self.named_tensors().iter().map(|(_, t)| t.elem_count()).sum::<usize>() - fixed
+        let sinusoidal = self.cfg.position_embedding == PositionEmbedding::Sinusoidal;
+        self.named_tensors()
+            .iter()
+            .filter(|(name, _)| !(sinusoidal && name.ends_with("wpe.weight")))
+            .filter(|(name, _)| self.cfg.bias || !name.ends_with(".bias"))
+            .map(|(_, t)| t.elem_count())
+            .sum()
     }
 }

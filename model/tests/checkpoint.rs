@@ -57,6 +57,32 @@ fn save_then_load_is_bit_exact() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `bias: false` (nanoGPT's variant): no bias is a parameter, every bias is saved as zeros in the
+/// GPT-2 layout, and loading gives the same model.
+#[test]
+fn bias_free_models_save_zero_biases_and_load_back() -> anyhow::Result<()> {
+    let cfg = Config {
+        bias: false,
+        ..Config::tiny(50)
+    };
+    let (dir, model) = saved(&cfg)?;
+    let with_bias = random_model(&Config::tiny(50))?.1;
+    let biases = cfg.n_layer * (3 * 32 + 32 + 4 * 32 + 32 + 2 * 32) + 32; // linear + LayerNorm biases, and ln_f
+    assert_eq!(model.num_parameters() + biases, with_bias.num_parameters());
+    let (loaded, _) = gpt::load_dir(dir.path(), DType::F32, &Device::Cpu)?;
+    for (name, t) in loaded.named_tensors() {
+        if name.ends_with(".bias") {
+            assert_eq!(t.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0, "{name}");
+        }
+    }
+    let idx = batch(&[tokens(12, cfg.vocab_size, 9)])?;
+    assert_eq!(
+        model.forward(&idx)?.flatten_all()?.to_vec1::<f32>()?,
+        loaded.forward(&idx)?.flatten_all()?.to_vec1::<f32>()?
+    );
+    Ok(())
+}
+
 #[test]
 fn missing_files_are_named() -> anyhow::Result<()> {
     for file in [

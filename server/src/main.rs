@@ -32,7 +32,8 @@ struct Args {
     device: String,
     #[arg(long, env = "GPT_SERVER_DTYPE", value_enum, default_value = "f32")]
     dtype: Dtype,
-    /// The name clients pass as `model` (default: the checkpoint directory's name).
+    /// The name clients pass as `model` (default: the checkpoint directory's name, or `default`
+    /// for the model in weights/).
     #[arg(long, env = "GPT_SERVER_MODEL_NAME")]
     model_name: Option<String>,
     /// Require `Authorization: Bearer KEY` on /v1/*.
@@ -114,10 +115,13 @@ async fn run() -> Result<()> {
         Dtype::F16 => DType::F16,
         Dtype::Bf16 => DType::BF16,
     };
-    let model_name = args.model_name.clone().unwrap_or_else(|| {
-        let dir = checkpoint.canonicalize().unwrap_or_else(|_| checkpoint.clone());
-        dir.file_name()
-            .map_or("gpt".into(), |n| n.to_string_lossy().into_owned())
+    let model_name = args.model_name.clone().unwrap_or_else(|| match &args.checkpoint {
+        None => "default".into(), // the model in weights/
+        Some(dir) => {
+            let dir = dir.canonicalize().unwrap_or_else(|_| dir.clone());
+            dir.file_name()
+                .map_or("gpt".into(), |n| n.to_string_lossy().into_owned())
+        }
     });
     let cfg = ServerConfig {
         model_name,

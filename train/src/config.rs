@@ -56,6 +56,9 @@ pub struct TrainArgs {
     /// learned (GPT-2) or sinusoidal (the original transformer).
     #[arg(long)]
     pub position_embedding: Option<String>,
+    /// false: no biases in linear layers and LayerNorms (nanoGPT's `bias=False`; kept as zeros).
+    #[arg(long)]
+    pub bias: Option<bool>,
 
     #[arg(long)]
     pub batch_size: Option<usize>,
@@ -137,7 +140,8 @@ impl TrainArgs {
             .map(parse_position_embedding)
             .transpose()?;
         if let Some(saved) = saved {
-            let checks: [(&str, Option<String>, String); 6] = [
+            let checks: [(&str, Option<String>, String); 7] = [
+                ("--bias", self.bias.map(|v| v.to_string()), saved.bias.to_string()),
                 (
                     "--n-layer",
                     self.n_layer.map(|v| v.to_string()),
@@ -193,6 +197,7 @@ impl TrainArgs {
             (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) = (p, p, p);
         }
         cfg.position_embedding = position.unwrap_or(cfg.position_embedding);
+        cfg.bias = self.bias.unwrap_or(cfg.bias);
         cfg.validate()?;
         Ok(cfg)
     }

@@ -26,6 +26,13 @@ enum TokenizerKind {
     Bpe,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum ExportDtype {
+    F32,
+    F16,
+    Bf16,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Train a tokenizer on text files and save OUT/tokenizer.json.
@@ -42,6 +49,15 @@ enum Command {
     },
     /// Train (or, with --resume, continue training) a model.
     Train(Box<TrainArgs>),
+    /// Copy a checkpoint's model and tokenizer to OUT with weights in another precision.
+    Export {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value = "f16")]
+        dtype: ExportDtype,
+    },
     /// Perplexity of a checkpoint on a text file, with a strided sliding window.
     Eval {
         /// A GPT-2-layout checkpoint directory (config.json, model.safetensors, tokenizer.json).
@@ -102,6 +118,20 @@ fn main() -> Result<()> {
             if summary.best_val_loss.is_none() && !summary.interrupted {
                 bail!("no evaluation was run");
             }
+        }
+        Command::Export { checkpoint, out, dtype } => {
+            let dtype = match dtype {
+                ExportDtype::F32 => candle_core::DType::F32,
+                ExportDtype::F16 => candle_core::DType::F16,
+                ExportDtype::Bf16 => candle_core::DType::BF16,
+            };
+            let (model, tokenizer) = gpt::load_dir(&checkpoint, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+            gpt::save_dir(&out, &model, &tokenizer, dtype)?;
+            println!(
+                "saved {} ({} parameters, {dtype:?})",
+                out.display(),
+                model.num_parameters()
+            );
         }
         Command::Eval {
             checkpoint,

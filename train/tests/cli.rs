@@ -422,3 +422,71 @@ fn tokenizer_subcommand_trains_and_saves() -> anyhow::Result<()> {
     assert_eq!(tok.decode(&tok.encode(text)?)?, text);
     Ok(())
 }
+
+#[test]
+fn bias_false_trains_without_biases_and_resume_checks_it() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(20_000)?)?;
+    let out = dir.path().join("run");
+    let run = train(&corpus, &out, &["--max-iters", "5", "--bias", "false"])?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let bytes = std::fs::read(out.join("model.safetensors"))?;
+    let st = SafeTensors::deserialize(&bytes)?;
+    let (mut biases, mut weights_moved) = (0, false);
+    for name in st.names() {
+        let t = st.tensor(name)?;
+        let values: Vec<f32> = t
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if name.ends_with(".bias") {
+            biases += 1;
+            assert!(values.iter().all(|&v| v == 0.0), "{name} is not zero");
+        } else if name.ends_with("ln_1.weight") {
+            weights_moved |= values.iter().any(|&v| v != 1.0);
+        }
+    }
+    assert_eq!(biases, 2 * 6 + 1, "every bias is saved (GPT-2 layout)");
+    assert!(weights_moved, "the other parameters trained");
+    let resume = gpt_train(&[
+        "train",
+        "--out",
+        out.to_str().unwrap_or_default(),
+        "--resume",
+        "--bias",
+        "true",
+    ])?;
+    assert!(!resume.status.success());
+    assert!(stderr(&resume).contains("--bias true"), "{}", stderr(&resume));
+    Ok(())
+}
+
+#[test]
+fn export_writes_a_half_precision_copy() -> anyhow::Result<()> {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-gpt2");
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("f16");
+    let args = [
+        "export",
+        "--checkpoint",
+        fixture.to_str().unwrap_or_default(),
+        "--out",
+        out.to_str().unwrap_or_default(),
+        "--dtype",
+        "f16",
+    ];
+    let run = gpt_train(&args)?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let (full, half) = (
+        std::fs::metadata(fixture.join("model.safetensors"))?.len(),
+        std::fs::metadata(out.join("model.safetensors"))?.len(),
+    );
+    assert!(half < full * 6 / 10, "{half} vs {full} bytes");
+    let bytes = std::fs::read(out.join("model.safetensors"))?;
+    let st = SafeTensors::deserialize(&bytes)?;
+    assert!(st.tensors().iter().all(|(_, t)| t.dtype() == safetensors::Dtype::F16));
+    let (model, _) = gpt::load_dir(&out, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    assert_eq!(model.num_parameters(), 37_760);
+    Ok(())
+}

@@ -117,9 +117,9 @@ pub fn slow_checkpoint() -> anyhow::Result<tempfile::TempDir> {
     let dir = tempfile::tempdir()?;
     let cfg = gpt::Config {
         n_positions: 1024,
-        n_embd: 384,
-        n_layer: 6,
-        n_head: 6,
+        n_embd: 512,
+        n_layer: 8,
+        n_head: 8,
         ..gpt::Config::tiny(320)
     };
     let varmap = VarMap::new();
