@@ -31,7 +31,8 @@ fn fast_tanh(x: f32) -> f32 {
     x * p / q
 }
 
-fn f32_slice<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Result<&'a [f32]> {
+/// The f32 data of a contiguous CPU tensor, for custom ops' `cpu_fwd`.
+pub fn f32_slice<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Result<&'a [f32]> {
     let data = storage.as_slice::<f32>()?;
     match layout.contiguous_offsets() {
         Some((start, end)) => Ok(&data[start..end]),

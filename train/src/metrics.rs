@@ -68,23 +68,13 @@ impl Metrics {
 
     /// Draws train (logged steps and evaluations) and val loss against the step into an SVG.
     pub fn plot(&self, path: &Path) -> Result<()> {
-        let train: Vec<(f64, f64)> = self
-            .events
-            .iter()
-            .filter(|e| e.event == "train")
-            .filter_map(|e| Some((e.step as f64, e.train_loss?)))
-            .collect();
-        let eval_train: Vec<(f64, f64)> = self
-            .events
-            .iter()
-            .filter(|e| e.event == "eval")
-            .filter_map(|e| Some((e.step as f64, e.train_loss?)))
-            .collect();
-        let val: Vec<(f64, f64)> = self
-            .events
-            .iter()
-            .filter_map(|e| Some((e.step as f64, e.val_loss?)))
-            .collect();
+        let series = |kind: &str, loss: fn(&Event) -> Option<f64>| -> Vec<(f64, f64)> {
+            let events = self.events.iter().filter(|e| e.event == kind);
+            events.filter_map(|e| Some((e.step as f64, loss(e)?))).collect()
+        };
+        let train = series("train", |e| e.train_loss);
+        let eval_train = series("eval", |e| e.train_loss);
+        let val = series("eval", |e| e.val_loss);
         let all = || train.iter().chain(&eval_train).chain(&val);
         let x_max = all().map(|p| p.0).fold(1.0, f64::max);
         let y_max = all().map(|p| p.1).fold(0.0, f64::max) * 1.05 + 1e-3;

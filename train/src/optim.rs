@@ -57,12 +57,7 @@ impl CustomOp3 for FusedUpdate {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-            match l.contiguous_offsets() {
-                Some((a, b)) => Ok(&s.as_slice::<f32>()?[a..b]),
-                None => candle_core::bail!("fused-adamw: inputs must be contiguous"),
-            }
-        }
+        let slice = |s, l| gpt::ops::f32_slice(s, l, "fused-adamw");
         let (theta, g, mv) = (slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
         let n = theta.len();
         let (m, v) = mv.split_at(n);
