@@ -137,15 +137,9 @@ impl CausalSelfAttention {
                     .contiguous()
             };
             let q = heads(0)?;
-            let offset = cache.current_seq_len();
             let (k, v) = cache.append(&heads(1)?, &heads(2)?)?; // (nh, offset + t, hs)
             let att = (q.matmul(&k.t()?)? * self.scale())?; // (nh, t, offset + t)
-            let att = if len > 1 {
-                att.broadcast_add(&causal_mask(len, offset, att.dtype(), att.device())?)?
-            } else {
-                att // a single new token may see every cached position
-            };
-            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let att = crate::ops::causal_softmax(&att, false)?; // new token i sees keys ..= offset + i
             let y = att.matmul(&v.contiguous()?)?; // (nh, t, hs)
             outputs.push(y.transpose(0, 1)?.reshape((len, n_embd))?); // (t, C)
         }

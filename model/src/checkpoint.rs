@@ -141,8 +141,7 @@ pub fn save_dir_with_metadata(
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let weights = weights_bytes(model, dtype, metadata)?;
-    let mut config: serde_json::Value =
-        serde_json::from_str(&model.config().to_hf_json()?).map_err(|e| Error::InvalidConfig(e.to_string()))?;
+    let mut config = model.config().to_hf_value()?;
     config["torch_dtype"] = torch_dtype(dtype).into(); // transformers < 5
     config["dtype"] = torch_dtype(dtype).into();
     let config = serde_json::to_string_pretty(&config).map_err(|e| Error::InvalidConfig(e.to_string()))?;

@@ -244,15 +244,20 @@ impl Config {
         Ok(cfg)
     }
 
-    /// The JSON that `transformers.GPT2Config` reads: these fields plus the model type.
-    pub fn to_hf_json(&self) -> Result<String> {
+    /// The JSON object that `transformers.GPT2Config` reads: these fields plus the model type.
+    pub fn to_hf_value(&self) -> Result<serde_json::Value> {
         let mut value = serde_json::to_value(self).map_err(|e| Error::InvalidConfig(e.to_string()))?;
         if let Some(map) = value.as_object_mut() {
             map.insert("model_type".into(), "gpt2".into());
             map.insert("architectures".into(), serde_json::json!(["GPT2LMHeadModel"]));
             map.insert("n_ctx".into(), self.n_positions.into());
         }
-        serde_json::to_string_pretty(&value).map_err(|e| Error::InvalidConfig(e.to_string()))
+        Ok(value)
+    }
+
+    /// [`Config::to_hf_value`] as pretty-printed text.
+    pub fn to_hf_json(&self) -> Result<String> {
+        serde_json::to_string_pretty(&self.to_hf_value()?).map_err(|e| Error::InvalidConfig(e.to_string()))
     }
 }
 

@@ -349,10 +349,7 @@ pub fn causal_softmax(att: &Tensor, differentiable: bool) -> Result<Tensor> {
     if fused(att) {
         return att.contiguous()?.apply_op1(CausalSoftmax);
     }
-    let (t_q, t_k) = att.dims2().or_else(|_| {
-        let d = att.dims();
-        Ok::<_, candle_core::Error>((d[d.len() - 2], d[d.len() - 1]))
-    })?;
+    let (t_q, t_k) = (att.dim(candle_core::D::Minus2)?, att.dim(candle_core::D::Minus1)?);
     let mask = crate::attention::causal_mask(t_q, t_k - t_q, att.dtype(), att.device())?;
     let att = att.broadcast_add(&mask)?;
     if differentiable {

@@ -73,6 +73,8 @@ struct Sequence {
     prompt: Arc<Vec<u32>>,
     prompt_text_len: usize, // bytes of the prompt text when echoed, else 0
     output: Vec<u32>,
+    /// `output` decoded, kept so each token is decoded once.
+    decoded: String,
     cache: KvCache,
     sampler: Sampler,
     text: TextStream,
@@ -216,6 +218,7 @@ impl Worker {
                 prompt: prompt.clone(),
                 prompt_text_len: if req.echo { req.prompt_text.len() } else { 0 },
                 output: Vec::new(),
+                decoded: String::new(),
                 cache: self.model.new_cache(),
                 sampler: Sampler::new(sampling),
                 text: TextStream::new(req.stop.clone()),
@@ -340,14 +343,13 @@ impl Worker {
         }
         s.last_token_at = Some(now);
         if Some(token) == eos {
-            let rest = s.text.finish(&self.tokenizer.decode(&s.output)?);
+            let rest = s.text.finish(&s.decoded);
             return self.finish(i, rest, vec![], FinishReason::Stop);
         }
         self.metrics.generated_tokens.inc();
-        let before = self.tokenizer.decode(&s.output)?.len();
+        let offset = s.prompt_text_len + s.decoded.len();
         s.output.push(token);
-        let decoded = self.tokenizer.decode(&s.output)?;
-        let offset = s.prompt_text_len + before;
+        s.decoded = self.tokenizer.decode(&s.output)?;
         let logprobs = match top {
             Some((row, k)) => vec![TokenLogprob {
                 token: self.tokenizer.decode(&[token])?,
@@ -358,14 +360,14 @@ impl Worker {
             None => vec![],
         };
         let s = &mut self.active[i];
-        let (text, stopped) = s.text.push(&decoded);
+        let (text, stopped) = s.text.push(&s.decoded);
         if stopped {
             return self.finish(i, text, logprobs, FinishReason::Stop);
         }
         let at_limit =
             s.output.len() >= s.max_tokens || s.prompt.len() + s.output.len() >= self.model.config().n_positions;
         if at_limit {
-            let rest = s.text.finish(&decoded);
+            let rest = s.text.finish(&s.decoded);
             return self.finish(i, text + &rest, logprobs, FinishReason::Length);
         }
         if !text.is_empty() || !logprobs.is_empty() {

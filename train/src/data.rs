@@ -78,10 +78,6 @@ impl Tokens {
                 .collect(),
         }
     }
-
-    pub fn to_vec(&self) -> Vec<u32> {
-        self.window(0, self.len())
-    }
 }
 
 pub struct Dataset {

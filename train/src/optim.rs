@@ -98,10 +98,6 @@ impl AdamW {
         self.params.iter().map(|p| p.var.clone()).collect()
     }
 
-    pub fn steps(&self) -> u64 {
-        self.steps
-    }
-
     /// One update with learning rate `lr`; `grads[i]` belongs to the i-th variable.
     pub fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
         if grads.len() != self.params.len() {

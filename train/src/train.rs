@@ -56,6 +56,25 @@ pub fn loss(model: &Gpt, x: &Tensor, y: &Tensor, train: bool) -> Result<Tensor> 
     )?)
 }
 
+/// Runs `work(0) .. work(n - 1)` on `n` scoped threads (inline when `n` is 1) and returns their
+/// results in worker order, or the first error.
+fn in_threads<T: Send>(n: usize, work: impl Fn(usize) -> Result<T> + Sync) -> Result<Vec<T>> {
+    if n <= 1 {
+        return Ok(vec![work(0)?]);
+    }
+    let work = &work;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n).map(|w| scope.spawn(move || work(w))).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a worker thread panicked")))
+            })
+            .collect()
+    })
+}
+
 /// Adds `scale * g` into `slot`, detached: a gradient otherwise keeps its step's whole graph
 /// alive, and the optimizer's running moments would chain every step's activations (a leak).
 fn accumulate(slot: &mut Option<Tensor>, g: &Tensor, scale: f64) -> Result<()> {
@@ -110,24 +129,10 @@ pub fn accumulate_grads(
         }
         Ok((total, acc))
     };
-    let partials: Vec<Result<(f64, Vec<Option<Tensor>>)>> = if n_workers == 1 {
-        vec![run_worker(0)]
-    } else {
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..n_workers).map(|w| scope.spawn(move || run_worker(w))).collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a training thread panicked")))
-                })
-                .collect()
-        })
-    };
+    let partials = in_threads(n_workers, run_worker)?;
     let mut total = 0.0;
     let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
-    for partial in partials {
-        let (loss, grads) = partial?;
+    for (loss, grads) in partials {
         total += loss;
         for (slot, g) in acc.iter_mut().zip(grads) {
             if let Some(g) = g {
@@ -160,29 +165,16 @@ fn estimate_loss(
     };
     let mean = |tokens: &Tokens, stream: u64| -> Result<f64> {
         let threads = threads.clamp(1, run.eval_iters);
-        let losses: Vec<Result<Vec<f64>>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..threads)
-                .map(|t| {
-                    scope.spawn(move || {
-                        (t..run.eval_iters)
-                            .step_by(threads)
-                            .map(|i| batch_loss(tokens, stream, i))
-                            .collect()
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(anyhow::anyhow!("an evaluation thread panicked")))
-                })
+        let losses = in_threads(threads, |t| -> Result<Vec<f64>> {
+            (t..run.eval_iters)
+                .step_by(threads)
+                .map(|i| batch_loss(tokens, stream, i))
                 .collect()
-        });
+        })?;
         // Thread t holds batches t, t + threads, ...: put them back in batch order.
         let mut ordered = vec![0.0; run.eval_iters];
         for (t, thread_losses) in losses.into_iter().enumerate() {
-            for (k, l) in thread_losses?.into_iter().enumerate() {
+            for (k, l) in thread_losses.into_iter().enumerate() {
                 ordered[t + k * threads] = l;
             }
         }
