@@ -33,8 +33,11 @@ impl TextStream {
             self.sent = end.max(self.sent);
             return (text, true);
         }
-        // A trailing U+FFFD is a byte sequence cut mid-character: wait for the next token.
-        let mut end = decoded.trim_end_matches('\u{FFFD}').len();
+        // A trailing U+FFFD may be a character whose remaining bytes are still to come: wait for
+        // the next token. Lossy decoding turns an unfinished suffix (at most 3 bytes) into exactly
+        // one U+FFFD and nothing before it can change, so only the last one is held: a model that
+        // emits invalid bytes still streams, one character behind.
+        let mut end = decoded.strip_suffix('\u{FFFD}').unwrap_or(decoded).len();
         // Hold back the longest tail that is the start of some stop string.
         if let Some(start) = (self.sent..end)
             .filter(|&i| decoded.is_char_boundary(i))
@@ -102,6 +105,15 @@ mod tests {
         assert_eq!(run(&[], &["caf", "caf\u{FFFD}", "café"]), ("café".into(), false));
         let mut s = TextStream::new(vec![]);
         assert_eq!(s.push("caf\u{FFFD}"), ("caf".into(), false));
+    }
+
+    #[test]
+    fn invalid_bytes_stream_one_character_behind() {
+        let mut s = TextStream::new(vec![]);
+        assert_eq!(s.push("\u{FFFD}"), (String::new(), false));
+        assert_eq!(s.push("\u{FFFD}\u{FFFD}"), ("\u{FFFD}".into(), false));
+        assert_eq!(s.push("\u{FFFD}\u{FFFD}\u{FFFD}"), ("\u{FFFD}".into(), false));
+        assert_eq!(s.finish("\u{FFFD}\u{FFFD}\u{FFFD}"), "\u{FFFD}");
     }
 
     #[test]

@@ -4,14 +4,18 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpt-server");
 
+/// The server's log lines, kept for failure messages.
+type Log = Arc<Mutex<Vec<String>>>;
+
 /// Starts the binary on an ephemeral port and returns it with its base URL (read from its log).
-fn spawn(checkpoint: &std::path::Path, extra: &[&str]) -> anyhow::Result<(Child, String)> {
+fn spawn(checkpoint: &std::path::Path, extra: &[&str]) -> anyhow::Result<(Child, String, Log)> {
     let mut child = Command::new(BIN)
         .args([
             "--checkpoint",
@@ -36,8 +40,16 @@ fn spawn(checkpoint: &std::path::Path, extra: &[&str]) -> anyhow::Result<(Child,
             break rest.split_whitespace().next().unwrap_or_default().to_string();
         }
     };
-    std::thread::spawn(move || for _ in lines {}); // keep draining the log
-    Ok((child, format!("http://{addr}")))
+    let log = Log::default();
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            if let Ok(mut log) = sink.lock() {
+                log.push(line);
+            }
+        }
+    });
+    Ok((child, format!("http://{addr}"), log))
 }
 
 fn sigterm(child: &Child) -> anyhow::Result<()> {
@@ -59,7 +71,7 @@ fn wait_exit(mut child: Child) -> anyhow::Result<std::process::ExitStatus> {
 #[tokio::test]
 async fn sigterm_finishes_streams_in_flight_then_exits_0() -> anyhow::Result<()> {
     let slow = common::slow_checkpoint()?;
-    let (child, url) = spawn(slow.path(), &["--shutdown-grace-secs", "60"])?;
+    let (child, url, _log) = spawn(slow.path(), &["--shutdown-grace-secs", "60"])?;
     let client = reqwest::Client::new();
     let body = json!({"prompt": "x", "max_tokens": 40, "temperature": 0, "stream": true});
     let mut resp = client.post(format!("{url}/v1/completions")).json(&body).send().await?;
@@ -81,7 +93,7 @@ async fn sigterm_finishes_streams_in_flight_then_exits_0() -> anyhow::Result<()>
 async fn after_the_grace_period_generations_are_cut_with_a_final_chunk() -> anyhow::Result<()> {
     let slow = common::slow_checkpoint()?;
     // No grace: the generation in flight is cut at the next step, whatever the machine's speed.
-    let (child, url) = spawn(slow.path(), &["--shutdown-grace-secs", "0"])?;
+    let (child, url, log) = spawn(slow.path(), &["--shutdown-grace-secs", "0"])?;
     let client = reqwest::Client::new();
     let body = json!({"prompt": "x", "max_tokens": 1000, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
     let mut resp = client.post(format!("{url}/v1/completions")).json(&body).send().await?;
@@ -102,7 +114,11 @@ async fn after_the_grace_period_generations_are_cut_with_a_final_chunk() -> anyh
         .map(|c| c["usage"].clone())
         .unwrap_or_default();
     let generated = usage["completion_tokens"].as_u64().unwrap_or(1000);
-    assert!(generated < 1000, "cut before max_tokens: {usage}");
+    let log = log.lock().map(|l| l.join("\n")).unwrap_or_default();
+    assert!(
+        generated < 1000,
+        "not cut before max_tokens: {usage}\nserver log:\n{log}"
+    );
     assert_eq!(wait_exit(child)?.code(), Some(0));
     Ok(())
 }

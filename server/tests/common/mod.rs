@@ -110,10 +110,10 @@ pub fn reference_greedy(prompt: &str, max_tokens: usize) -> anyhow::Result<Strin
     Ok(tok.decode(&out)?)
 }
 
-/// A random model large enough that a 1000-token generation takes a while (seconds) on the CPU,
-/// with the fixture's tokenizer: for tests that must catch a generation in flight.
+/// A random model large enough that a 1000-token generation takes seconds on the CPU, with the
+/// fixture's tokenizer: for tests that must catch a generation in flight. Its weights come from a
+/// seeded generator, so every run generates the same tokens (no early end-of-text).
 pub fn slow_checkpoint() -> anyhow::Result<tempfile::TempDir> {
-    use candle_nn::{VarBuilder, VarMap};
     let dir = tempfile::tempdir()?;
     let cfg = gpt::Config {
         n_positions: 1024,
@@ -122,8 +122,9 @@ pub fn slow_checkpoint() -> anyhow::Result<tempfile::TempDir> {
         n_head: 8,
         ..gpt::Config::tiny(320)
     };
-    let varmap = VarMap::new();
-    let model = gpt::Gpt::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu), &cfg)?;
+    let varmap = candle_nn::VarMap::new();
+    let vb = gpt_train::init::seeded_var_builder(&varmap, 7, &Device::Cpu);
+    let model = gpt::Gpt::new(vb, &cfg)?;
     let tok = gpt::Tokenizer::from_file(&fixture().join("tokenizer.json"))?;
     gpt::save_dir(dir.path(), &model, &tok, DType::F32)?;
     Ok(dir)
