@@ -1,9 +1,10 @@
-"""PyTorch reference for model/benches/inference.rs: GPT2LMHeadModel (eager, f32, random weights,
-GPT-2-small shape) on CPU, batch 1. Prefill tokens/s for a 128-token prompt; greedy decode tokens/s
-with the KV cache (16-token prompt, 128 new tokens) in a hand-written cache loop, as the Rust bench
-does. Prints one JSON object.
+"""PyTorch reference for model/benches/inference.rs: GPT2LMHeadModel (eager, random weights,
+GPT-2-small shape). Prefill tokens/s for a 128-token prompt (batch 1); greedy decode tokens/s, all
+sequences together, with the KV cache (16-token prompt, then --new-tokens for each of --batch
+sequences) in a hand-written cache loop, as the Rust bench does. Prints one JSON object.
 
-    python bench/torch_inference.py [--threads N]
+    python bench/torch_inference.py [--threads N] [--device cpu|cuda] [--dtype f32|bf16|f16]
+        [--batch 1] [--new-tokens 128]
 """
 import argparse
 import json
@@ -13,50 +14,61 @@ import time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-PREFILL, PROMPT, NEW_TOKENS, REPEATS = 128, 16, 128, 5
+PREFILL, PROMPT, REPEATS = 128, 16, 5
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
-def prompt(n: int, vocab: int) -> torch.Tensor:
-    return torch.tensor([[(i * 7919 + 13) % vocab for i in range(n)]])
+def prompt(n: int, vocab: int, batch: int, device: str) -> torch.Tensor:
+    return torch.tensor([[(i * 7919 + 13) % vocab for i in range(n)]] * batch, device=device)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default="f32")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = GPT2Config()  # GPT-2 small: 12 layers, 12 heads, 768, 50257 tokens, 1024 positions
-    model = GPT2LMHeadModel(cfg).eval()
+    model = GPT2LMHeadModel(cfg).eval().to(args.device, DTYPES[args.dtype])
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     prefill = []
-    ids = prompt(PREFILL, cfg.vocab_size)
+    ids = prompt(PREFILL, cfg.vocab_size, 1, args.device)
     with torch.inference_mode():
         for _ in range(REPEATS + 1):
             start = time.perf_counter()
-            model(ids, use_cache=True).logits[:, -1].argmax(-1)
+            model(ids, use_cache=True).logits[:, -1].argmax(-1).tolist()
             prefill.append(time.perf_counter() - start)
         prefill = prefill[1:]
 
         decode = []
-        ids = prompt(PROMPT, cfg.vocab_size)
+        ids = prompt(PROMPT, cfg.vocab_size, args.batch, args.device)
         for _ in range(min(REPEATS, 3)):
             out = model(ids, use_cache=True)
             past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
             start = time.perf_counter()
-            for _ in range(NEW_TOKENS):
+            for _ in range(args.new_tokens):
                 out = model(nxt, past_key_values=past, use_cache=True)
                 past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                nxt.tolist()  # the token is read back each step, as a server must (and as the Rust bench does)
+            sync()
             decode.append(time.perf_counter() - start)
 
     print(json.dumps({
         "impl": f"pytorch {torch.__version__} transformers eager",
+        "device": args.device,
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "prefill_tokens": PREFILL,
         "prefill_tok_per_s": PREFILL / statistics.median(prefill),
+        "batch": args.batch,
         "decode_prompt": PROMPT,
-        "decode_new_tokens": NEW_TOKENS,
-        "decode_tok_per_s": NEW_TOKENS / statistics.median(decode),
+        "decode_new_tokens": args.new_tokens,
+        "decode_tok_per_s": args.batch * args.new_tokens / statistics.median(decode),
     }))
 
 

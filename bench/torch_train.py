@@ -5,7 +5,7 @@ and evaluation of --eval-iters batches every --eval-interval steps.
 
     python bench/torch_train.py recipe --data ../shared/data/tinyshakespeare.txt --threads 2
         nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, batch 12, 2000 iterations)
-    python bench/torch_train.py throughput --threads 2
+    python bench/torch_train.py throughput --threads 2 [--device cuda --bf16 --tf32]
         GPT-2-small shape (50257 tokens, 12x12x768), block 256, random tokens: training tokens/s
 
 Prints one JSON object.
@@ -36,7 +36,7 @@ class Block(nn.Module):
         q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.n_head)
-        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=1)
         att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
         x = x + self.c_proj(y)
@@ -58,7 +58,7 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.h:
             x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.T
@@ -127,22 +127,25 @@ def recipe(a):
 
 def throughput(a):
     torch.manual_seed(0)
-    model = GPT(50257, a.block_size, 12, 12, 768)
+    model = GPT(50257, a.block_size, 12, 12, 768).to(a.device)
     opt = optimizer(model, a)
     gen = torch.Generator().manual_seed(0)
     times = []
     for it in range(a.max_iters + 1):
-        x = torch.randint(50257, (a.batch_size, a.block_size), generator=gen)
+        x = torch.randint(50257, (a.batch_size, a.block_size), generator=gen).to(a.device)
         t0 = time.perf_counter()
-        loss = model(x, torch.roll(x, -1, 1))
+        with torch.autocast(a.device.split(":")[0], dtype=torch.bfloat16, enabled=a.bf16):
+            loss = model(x, torch.roll(x, -1, 1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     step = sorted(times[1:])[len(times[1:]) // 2]  # median, after a warm-up step
-    return {"batch_size": a.batch_size, "block_size": a.block_size, "s_per_step": step,
-            "tokens_per_sec": a.batch_size * a.block_size / step}
+    return {"device": a.device, "bf16_autocast": a.bf16, "batch_size": a.batch_size, "block_size": a.block_size,
+            "s_per_step": step, "tokens_per_sec": a.batch_size * a.block_size / step}
 
 
 def main():
@@ -165,8 +168,12 @@ def main():
     p.add_argument("--eval-interval", type=int, default=250)
     p.add_argument("--eval-iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cpu", help="throughput mode: cpu or cuda")
+    p.add_argument("--bf16", action="store_true", help="throughput mode: bf16 autocast")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    torch.backends.cuda.matmul.allow_tf32 = a.tf32
     result = recipe(a) if a.mode == "recipe" else throughput(a)
     print(json.dumps({"impl": f"pytorch {torch.__version__} eager", "threads": torch.get_num_threads(), **result}))
 

@@ -1,19 +1,19 @@
-//! CPU inference benchmark, batch 1, GPT-2-small shape with random f32 weights: prefill tokens/s
-//! for a 128-token prompt, and greedy decode tokens/s with the KV cache (16-token prompt, then
-//! 128 new tokens). `bench/torch_inference.py` measures the same with PyTorch `transformers`;
-//! `bench/inference.sh` runs both. Prints one JSON object.
+//! Inference benchmark, GPT-2-small shape with random weights: prefill tokens/s for a 128-token
+//! prompt (batch 1), and greedy decode tokens/s (all sequences together) with the KV cache: a
+//! 16-token prompt, then NEW_TOKENS new tokens for each of BATCH sequences stepped together.
+//! `bench/torch_inference.py` measures the same with PyTorch `transformers`; `bench/inference.sh`
+//! runs both on the CPU, `bench/gpu.sh` on a GPU. Prints one JSON object.
 //!
-//!     cargo bench -p gpt --bench inference
+//!     [DEVICE=cpu|cuda] [DTYPE=f32|bf16|f16] [BATCH=1] [NEW_TOKENS=128] cargo bench -p gpt --bench inference
 
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use gpt::{Config, Gpt, LogitsFor, SeqStep};
 
 const PREFILL: usize = 128;
 const PROMPT: usize = 16;
-const NEW_TOKENS: usize = 128;
 const REPEATS: usize = 5;
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -25,16 +25,28 @@ fn prompt(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
 }
 
-fn argmax(logits: &Tensor) -> anyhow::Result<u32> {
-    Ok(logits.argmax(D::Minus1)?.flatten_all()?.to_vec1::<u32>()?[0])
+fn argmax(logits: &Tensor) -> anyhow::Result<Vec<u32>> {
+    Ok(logits.argmax(D::Minus1)?.flatten_all()?.to_vec1::<u32>()?)
+}
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 fn main() -> anyhow::Result<()> {
     gpt::device::tune_cpu_allocator();
     gpt::device::fix_cpu_thread_count();
+    let device = gpt::parse_device(&env_or("DEVICE", "cpu".to_string()))?;
+    let dtype_name = env_or("DTYPE", "f32".to_string());
+    let dtype = match dtype_name.as_str() {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        _ => DType::F32,
+    };
+    let (batch, new_tokens) = (env_or("BATCH", 1usize), env_or("NEW_TOKENS", 128usize));
     let cfg = Config::gpt2_small();
     let varmap = VarMap::new();
-    let model = Gpt::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu), &cfg)?;
+    let model = Gpt::new(VarBuilder::from_varmap(&varmap, dtype, &device), &cfg)?;
 
     let ids = prompt(PREFILL, cfg.vocab_size);
     let mut prefill_s = Vec::new();
@@ -51,39 +63,40 @@ fn main() -> anyhow::Result<()> {
         argmax(&logits)?;
         prefill_s.push(start.elapsed().as_secs_f64());
     }
-    prefill_s.remove(0); // warm-up
+    prefill_s.remove(0); // warm-up (and, on a GPU, kernel compilation)
 
     let ids = prompt(PROMPT, cfg.vocab_size);
     let mut decode_s = Vec::new();
     for _ in 0..REPEATS.min(3) {
-        let mut cache = model.new_cache();
-        let logits = model.forward_step(
-            &mut [SeqStep {
-                tokens: &ids,
-                cache: &mut cache,
-            }],
-            LogitsFor::Last,
-        )?;
-        let mut next = argmax(&logits)?;
+        let mut caches: Vec<_> = (0..batch).map(|_| model.new_cache()).collect();
+        let mut steps: Vec<SeqStep> = caches.iter_mut().map(|cache| SeqStep { tokens: &ids, cache }).collect();
+        let mut next = argmax(&model.forward_step(&mut steps, LogitsFor::Last)?)?;
         let start = Instant::now();
-        for _ in 0..NEW_TOKENS {
-            let step = SeqStep {
-                tokens: std::slice::from_ref(&next),
-                cache: &mut cache,
-            };
-            next = argmax(&model.forward_step(&mut [step], LogitsFor::Last)?)?;
+        for _ in 0..new_tokens {
+            let mut steps: Vec<SeqStep> = caches
+                .iter_mut()
+                .zip(&next)
+                .map(|(cache, t)| SeqStep {
+                    tokens: std::slice::from_ref(t),
+                    cache,
+                })
+                .collect();
+            next = argmax(&model.forward_step(&mut steps, LogitsFor::Last)?)?; // reads back: a sync
         }
         decode_s.push(start.elapsed().as_secs_f64());
     }
 
     let report = serde_json::json!({
         "impl": "candle",
+        "device": gpt::device_name(&device),
+        "dtype": dtype_name,
         "threads": candle_core::utils::get_num_threads(),
         "prefill_tokens": PREFILL,
         "prefill_tok_per_s": PREFILL as f64 / median(prefill_s),
+        "batch": batch,
         "decode_prompt": PROMPT,
-        "decode_new_tokens": NEW_TOKENS,
-        "decode_tok_per_s": NEW_TOKENS as f64 / median(decode_s),
+        "decode_new_tokens": new_tokens,
+        "decode_tok_per_s": (batch * new_tokens) as f64 / median(decode_s),
     });
     println!("{report}");
     Ok(())

@@ -8,6 +8,8 @@
 pub mod attention;
 pub mod checkpoint;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda_ops;
 pub mod device;
 pub mod error;
 pub mod generate;

@@ -6,8 +6,12 @@
 //! LayerNorm are reductions over leading dimensions, which candle walks element by element. In
 //! profiles of nanoGPT's CPU recipe these took most of each step. Here each is one pass forward
 //! and one backward; the tanh is a rational approximation that the compiler vectorises. They run
-//! for f32 tensors on the CPU; callers fall back to candle's ops elsewhere.
+//! for f32 tensors on the CPU, and with the `cuda` feature on the GPU too (kernels in `ops.cu`,
+//! launched from `cuda_ops.rs`: on the GPU the gain is fewer launches and passes over memory);
+//! callers fall back to candle's ops elsewhere.
 
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -62,6 +66,11 @@ impl CustomOp1 for Gelu {
             arg.contiguous()?.apply_op2_no_bwd(&grad_res.contiguous()?, &GeluGrad)?,
         ))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::gelu(s, l)
+    }
 }
 
 /// grad · d gelu(x)/dx, in one pass.
@@ -84,6 +93,11 @@ impl CustomOp2 for GeluGrad {
             })
             .collect();
         Ok((CpuStorage::F32(dx), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::gelu_grad(s1, l1, s2, l2)
     }
 }
 
@@ -122,6 +136,11 @@ impl CustomOp1 for CausalSoftmax {
                 .apply_op2_no_bwd(&grad_res.contiguous()?, &SoftmaxGrad)?,
         ))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::causal_softmax(s, l)
+    }
 }
 
 /// dx = y ⊙ (g − Σ g ⊙ y) per row, given the softmax output y and its gradient g.
@@ -147,6 +166,11 @@ impl CustomOp2 for SoftmaxGrad {
             }
         }
         Ok((CpuStorage::F32(dx), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::softmax_grad(s1, l1, s2, l2)
     }
 }
 
@@ -176,6 +200,11 @@ impl CustomOp2 for AddTiled {
         })?;
         Ok((Some(grad.clone()), Some(db)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::add_tiled(s1, l1, s2, l2)
+    }
 }
 
 /// Sums the consecutive blocks of `shape`'s size: the gradient of the tiled operand.
@@ -195,6 +224,11 @@ impl CustomOp1 for TileSum {
             sum.iter_mut().zip(block).for_each(|(s, &v)| *s += v);
         }
         Ok((CpuStorage::F32(sum), self.shape.clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::tile_sum(s, l, &self.shape)
     }
 }
 
@@ -255,6 +289,19 @@ impl CustomOp3 for LayerNorm {
         let dbeta = packed.narrow(0, rows + 1, 1)?.reshape(gamma.shape())?;
         Ok((Some(dx), Some(dgamma), Some(dbeta)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::layer_norm((s1, l1), (s2, l2), (s3, l3), self.eps)
+    }
 }
 
 /// The three LayerNorm gradients in one pass, packed as rows of a `(rows + 2, C)` matrix: dx,
@@ -308,10 +355,31 @@ impl CustomOp3 for LayerNormGrad {
         }
         Ok((CpuStorage::F32(out), Shape::from((rows + 2, c))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::layer_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps)
+    }
 }
 
+/// Whether the fused op runs for `x`: f32 on the CPU, or on a CUDA GPU unless the environment
+/// sets `GPT_CUDA_FUSED=0` (candle's own ops then, to compare against).
 fn fused(x: &Tensor) -> bool {
-    x.device().is_cpu() && x.dtype() == DType::F32
+    x.dtype() == DType::F32 && (x.device().is_cpu() || (x.device().is_cuda() && cuda_fused()))
+}
+
+/// `GPT_CUDA_FUSED` is not `0`.
+pub fn cuda_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("GPT_CUDA_FUSED").map_or(true, |v| v != "0"))
 }
 
 /// GELU (tanh approximation), differentiable; fused on the CPU in f32.

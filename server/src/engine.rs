@@ -290,7 +290,12 @@ impl Worker {
                     cache: &mut s.cache,
                 })
                 .collect();
-            self.model.forward_step(&mut steps, LogitsFor::Last) // (n_seqs, V)
+            // (n_seqs, V), brought to the host in f32 in one copy: sampling reads every row, and
+            // on a GPU a copy per sequence would be a synchronisation per sequence.
+            self.model.forward_step(&mut steps, LogitsFor::Last).and_then(|l| {
+                Ok(l.to_dtype(candle_core::DType::F32)?
+                    .to_device(&candle_core::Device::Cpu)?)
+            })
         };
         let logits = match logits {
             Ok(l) => l,

@@ -2,7 +2,9 @@
 //! THREADS cores, default all, as gpt-train does), clipping and the AdamW update, and training
 //! tokens/s. Prints one JSON object.
 //!
-//!     cargo bench -p gpt-train --bench train_step -- [recipe|gpt2] [BATCH] [BLOCK] [STEPS]
+//!     [DEVICE=cpu|cuda] cargo bench -p gpt-train --bench train_step -- [recipe|gpt2] [BATCH] [BLOCK] [STEPS]
+//!
+//! On a CUDA GPU, f32 matrix products use TF32 unless TF32=0.
 //!
 //! `recipe` is nanoGPT's CPU recipe (65 tokens, 4 layers, 4 heads, 128 wide; batch 12 x 64);
 //! `gpt2` the GPT-2-small shape (50257 tokens, 12 x 12 x 768; batch 4 x 256 by default).
@@ -10,7 +12,7 @@
 
 use std::time::Instant;
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
 use gpt::{Config, Gpt};
 use gpt_train::init::seeded_var_builder;
@@ -49,7 +51,10 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or(if shape == "gpt2" { 5 } else { 30 });
     (cfg.n_positions, cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) = (block, 0.0, 0.0, 0.0);
 
-    let device = Device::Cpu;
+    let device = gpt::parse_device(&std::env::var("DEVICE").unwrap_or_else(|_| "cpu".into()))?;
+    if device.is_cuda() {
+        candle_core::cuda::set_gemm_reduced_precision_f32(std::env::var("TF32").map_or(true, |v| v != "0"));
+    }
     let varmap = VarMap::new();
     let model = Gpt::new(seeded_var_builder(&varmap, 0, &device), &cfg)?;
     let mut named: Vec<(String, Var)> = varmap
@@ -76,12 +81,14 @@ fn main() -> anyhow::Result<()> {
         let t = Tensor::from_vec(ids, (batch, block + 1), &device)?;
         let (x, y) = (t.narrow(1, 0, block)?, t.narrow(1, 1, block)?);
         let t0 = Instant::now();
-        let (_, mut g) = accumulate_grads(&model, &vars, &[(x, y)], threads)?;
+        let shards = if device.is_cpu() { threads } else { 1 };
+        let (_, mut g) = accumulate_grads(&model, &vars, &[(x, y)], shards)?;
         let t1 = t0;
         let t2 = Instant::now();
         clip_grad_norm(&mut g, 1.0)?;
         let t3 = Instant::now();
         opt.step(&g, 1e-4)?;
+        device.synchronize()?; // the update is queued on a GPU: wait for it
         let t4 = Instant::now();
         if step > 0 {
             grad.push((t2 - t1).as_secs_f64());
@@ -96,7 +103,8 @@ fn main() -> anyhow::Result<()> {
         serde_json::json!({
             "impl": "candle",
             "shape": shape,
-            "threads": threads,
+            "device": gpt::device_name(&device),
+            "threads": if device.is_cpu() { threads } else { 0 },
             "batch_size": batch,
             "block_size": block,
             "parameters": model.num_parameters(),

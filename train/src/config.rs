@@ -38,6 +38,10 @@ pub struct TrainArgs {
     /// cores). Runs are reproducible for a given value.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// On a CUDA GPU, f32 matrix products in TF32 (tensor cores; PyTorch's `allow_tf32`, which
+    /// nanoGPT sets). Default true.
+    #[arg(long)]
+    pub tf32: Option<bool>,
 
     /// Model preset: tiny, shakespeare-char (default) or gpt2; the flags below override it.
     #[arg(long)]

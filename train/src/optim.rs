@@ -1,5 +1,6 @@
 //! AdamW with decoupled weight decay (Loshchilov & Hutter, 2019), gradient accumulation and
-//! clipping by global norm. On the CPU in f32 the update is one fused pass per parameter.
+//! clipping by global norm. In f32 the update is one fused pass per parameter (on the CPU, and
+//! on a CUDA GPU with the `cuda` feature).
 //!
 //! candle-nn has an `AdamW`, but it keeps its moment estimates private, so they cannot be saved
 //! for an exact resume, and it decays every parameter; this one exposes its state and decays only
@@ -74,6 +75,34 @@ impl CustomOp3 for FusedUpdate {
         }
         Ok((CpuStorage::F32(out), Shape::from((3, n))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let step = gpt::cuda_ops::AdamWStep {
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            decay: self.decay,
+            bias1: self.bias1,
+            bias2: self.bias2,
+        };
+        gpt::cuda_ops::adamw((s1, l1), (s2, l2), (s3, l3), step)
+    }
+}
+
+/// Whether the fused update runs for `theta`: f32 on the CPU or, unless `GPT_CUDA_FUSED=0`, on a
+/// CUDA GPU.
+fn fused(theta: &Tensor) -> bool {
+    theta.dtype() == DType::F32 && (theta.device().is_cpu() || (theta.device().is_cuda() && gpt::ops::cuda_fused()))
 }
 
 impl AdamW {
@@ -116,7 +145,7 @@ impl AdamW {
             let g = g.detach().flatten_all()?; // the moments must not hold on to any graph
             let theta = p.var.as_tensor().flatten_all()?;
             let decay = if p.decay { weight_decay } else { 0.0 };
-            let (new_theta, moments) = if theta.device().is_cpu() && theta.dtype() == DType::F32 {
+            let (new_theta, moments) = if fused(&theta) {
                 let kernel = FusedUpdate {
                     lr: lr as f32,
                     beta1: beta1 as f32,
@@ -181,10 +210,15 @@ impl AdamW {
 
 /// Global L2 norm of all gradients together.
 pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
-    let mut sum = 0f64;
-    for g in grads {
-        sum += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    if grads.is_empty() {
+        return Ok(0.0);
     }
+    // Summed on the device, read back once (one synchronisation on a GPU, not one per tensor).
+    let squares = grads
+        .iter()
+        .map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64))
+        .collect::<Result<Vec<_>>>()?;
+    let sum = Tensor::stack(&squares, 0)?.sum_all()?.to_scalar::<f64>()?;
     Ok(sum.sqrt())
 }
 

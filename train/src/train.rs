@@ -344,6 +344,9 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     }
 
     let shards = if device.is_cpu() { cpu_threads(args.threads) } else { 1 };
+    if device.is_cuda() {
+        candle_core::cuda::set_gemm_reduced_precision_f32(args.tf32.unwrap_or(true));
+    }
     let varmap = VarMap::new();
     let model = Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?;
     let mut named: Vec<(String, Var)> = varmap

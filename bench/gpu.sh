@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks, run on a machine with an NVIDIA GPU from the repository root,
+# with the binaries that bench/gpu_build.sh packed into .gpu/ (no Rust toolchain needed here).
+#   bash bench/gpu.sh check   CPU vs CUDA (tests/cuda.rs), gpt-server on the GPU (streams,
+#                             batching, f32/bf16/f16 greedy text), gpt-train eval on both devices
+#   bash bench/gpu.sh speed   decode tokens/s (batch 1 and 8, f32 and bf16) and GPT-2-small
+#                             training tokens/s (8 x 1024), candle and PyTorch in the same run
+#   bash bench/gpu.sh train   nanoGPT's shakespeare-char configuration with gpt-train (the
+#                             default model): log, metrics, loss plot and the f16 export
+# Results go to $OUT (default gpu-out/). RUN_DEVICE=cpu dry-runs the script's own logic on the
+# CPU (with a CUDA build, that needs a libcuda.so.1 on the loader path, e.g. the toolkit's stub).
+set -uo pipefail
+stage=${1:?usage: bash bench/gpu.sh check|speed|train}
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+bin=/tmp/gpt-bin
+mkdir -p $bin
+for f in .gpu/*.zst; do zstd -q -d -f "$f" -o "$bin/$(basename "$f" .zst)"; done
+chmod +x $bin/gpt-train $bin/gpt-server $bin/cuda-tests $bin/inference $bin/train-step
+corpus=$bin/corpus.txt
+export RUST_LOG=${RUST_LOG:-info}
+dev=${RUN_DEVICE:-cuda}
+log() { echo "== $*"; }
+
+# Starts gpt-server on the GPU with the given flags; waits for /health.
+start_server() {
+  $bin/gpt-server --port 18080 --device "$dev" "$@" > "$bin/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 120); do curl -sf localhost:18080/health > /dev/null && return 0; sleep 0.5; done
+  cat "$bin/server.log"; return 1
+}
+stop_server() { kill -TERM "$server"; wait "$server"; }
+complete() {
+  curl -s localhost:18080/v1/completions -H 'content-type: application/json' -d "$1"
+}
+
+case $stage in
+check)
+  exec > >(tee "$OUT/check.log") 2>&1
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  log "CPU vs CUDA (tests/cuda.rs)"
+  $bin/cuda-tests --test-threads 1 --nocapture
+  log "CPU vs CUDA, candle's own ops (GPT_CUDA_FUSED=0)"
+  GPT_CUDA_FUSED=0 $bin/cuda-tests --test-threads 1 --skip fused_kernels
+
+  log "gpt-train eval of weights/ on the last 10% of the corpus"
+  tail -c 111540 "$corpus" > $bin/val.txt
+  for d in cpu "$dev"; do $bin/gpt-train eval --checkpoint weights --data $bin/val.txt --device "$d" --json; done
+
+  log "gpt-server --device $dev: 8 concurrent streams"
+  start_server --checkpoint weights
+  pids=()
+  for i in $(seq 1 8); do
+    complete "{\"prompt\":\"ROMEO:\",\"max_tokens\":200,\"temperature\":0.8,\"seed\":$i,\"stream\":true}" \
+      > "$bin/stream$i.txt" &
+    pids+=($!)
+  done
+  peak=0
+  while kill -0 "${pids[@]}" 2> /dev/null; do
+    b=$(curl -s localhost:18080/metrics | awk '/^gpt_batch_size /{print $2}')
+    [[ ${b:-0} -gt $peak ]] && peak=$b
+    sleep 0.05
+  done
+  wait "${pids[@]}"
+  for i in $(seq 1 8); do
+    echo "stream $i: $(grep -c '^data: {' "$bin/stream$i.txt") chunks, last: $(tail -n 2 "$bin/stream$i.txt" | head -c 60)"
+  done
+  echo "largest batch seen in /metrics: $peak"
+  curl -s localhost:18080/metrics | grep -E '^gpt_(requests|generated|batch)'
+  stop_server
+
+  log "greedy text by dtype (default model, 3 prompts, 100 tokens)"
+  for dtype in f32 bf16 f16; do
+    start_server --checkpoint weights --dtype "$dtype"
+    n=0
+    for p in "ROMEO:" "First Citizen:\nBefore we proceed" "KING HENRY:\nWhat"; do
+      n=$((n + 1))
+      complete "{\"prompt\":\"$p\",\"max_tokens\":100,\"temperature\":0}" \
+        | python3 -c 'import json,sys; sys.stdout.write(json.load(sys.stdin)["choices"][0]["text"])' \
+        > "$bin/greedy-$dtype-$n.txt"
+    done
+    stop_server
+  done
+  # Per prompt: how many leading characters each dtype shares with f32, and the texts.
+  python3 - "$bin" <<'PY'
+import sys
+d = sys.argv[1]
+for n in (1, 2, 3):
+    ref = open(f"{d}/greedy-f32-{n}.txt").read()
+    for dtype in ("f32", "bf16", "f16"):
+        t = open(f"{d}/greedy-{dtype}-{n}.txt").read()
+        same = next((i for i, (a, b) in enumerate(zip(ref, t)) if a != b), min(len(ref), len(t)))
+        print(f"prompt {n} {dtype:4}: {'identical' if t == ref else f'first {same} chars as f32'} | {t[:70]!r}")
+PY
+  ;;
+
+speed)
+  exec > >(tee "$OUT/speed.log") 2>&1
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  log "decode, GPT-2-small shape, random weights, 16-token prompt + 256 new tokens"
+  for dtype in f32 bf16; do
+    for batch in 1 8; do
+      DEVICE=$dev DTYPE=$dtype BATCH=$batch NEW_TOKENS=256 $bin/inference | tee -a "$OUT/speed.jsonl"
+      python3 bench/torch_inference.py --device "$dev" --dtype $dtype --batch $batch --new-tokens 256 \
+        | tee -a "$OUT/speed.jsonl"
+    done
+  done
+  log "training step, GPT-2-small shape, batch 8 x 1024 (candle f32+TF32; PyTorch bf16 autocast and f32+TF32)"
+  DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/speed.jsonl"
+  GPT_CUDA_FUSED=0 DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/speed.jsonl"
+  python3 bench/torch_train.py throughput --device "$dev" --bf16 --batch-size 8 --block-size 1024 --max-iters 10 \
+    | tee -a "$OUT/speed.jsonl"
+  python3 bench/torch_train.py throughput --device "$dev" --tf32 --batch-size 8 --block-size 1024 --max-iters 10 \
+    | tee -a "$OUT/speed.jsonl"
+  log "training step, shakespeare-char shape (6 x 6 x 384, 64 x 256), fused kernels on and off"
+  DEVICE=$dev $bin/train-step recipe 64 256 20 | tee -a "$OUT/speed.jsonl"
+  GPT_CUDA_FUSED=0 DEVICE=$dev $bin/train-step recipe 64 256 20 | tee -a "$OUT/speed.jsonl"
+  ;;
+
+train)
+  exec > >(tee "$OUT/train.log") 2>&1
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  run=$bin/shakespeare-char
+  log "gpt-train train: nanoGPT's shakespeare-char defaults (6 x 6 x 384, block 256, batch 64, 5000 iters)"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  $bin/gpt-train train --data "$corpus" --out $run --device "$dev" ${TRAIN_FLAGS:-}
+  echo "wall: $(( $(date +%s) - start )) s"
+  $bin/gpt-train export --checkpoint $run/best --out $bin/model --dtype f16 || \
+    $bin/gpt-train export --checkpoint $run --out $bin/model --dtype f16
+  cp $bin/model/config.json $bin/model/tokenizer.json $run/metrics.jsonl $run/loss.svg "$OUT/"
+  split -b 15M -d $bin/model/model.safetensors "$OUT/model.safetensors.part"
+  log "samples from gpt-server --device $dev"
+  start_server --checkpoint $bin/model
+  for p in "ROMEO:" "JULIET:\nO Romeo" "First Citizen:"; do
+    complete "{\"prompt\":\"$p\",\"max_tokens\":200,\"temperature\":0.8,\"top_k\":200,\"seed\":1}" \
+      | python3 -c 'import json,sys; d=json.load(sys.stdin); print(json.dumps(d["choices"][0]["text"]))'
+  done
+  stop_server
+  $bin/gpt-train eval --checkpoint $bin/model --data "$corpus" --device "$dev" --json
+  ;;
+*) echo "unknown stage $stage" >&2; exit 2 ;;
+esac

@@ -1,0 +1,225 @@
+//! Launchers for the CUDA kernels in `ops.cu`: the `cuda_fwd` of the fused ops in [`crate::ops`]
+//! (and of the training crate's AdamW update). f32, contiguous inputs.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda::WrapErr;
+use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
+const MODULE: &str = "gpt_ops";
+/// Must match `WARPS_PER_BLOCK` in ops.cu.
+const WARPS_PER_BLOCK: u32 = 4;
+
+/// The f32 data of a contiguous CUDA tensor.
+pub fn f32_view<'a>(storage: &'a CudaStorage, layout: &Layout, op: &str) -> Result<CudaView<'a, f32>> {
+    let slice = storage.as_cuda_slice::<f32>()?;
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(slice.slice(start..end)),
+        None => candle_core::bail!("{op}: the input must be contiguous"),
+    }
+}
+
+fn wrap(slice: CudaSlice<f32>, dev: &CudaDevice, shape: Shape) -> (CudaStorage, Shape) {
+    (CudaStorage::wrap_cuda_slice(slice, dev.clone()), shape)
+}
+
+/// A grid-stride launch over `n` elements.
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per row.
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((rows as u32).div_ceil(WARPS_PER_BLOCK).max(1), 1, 1),
+        block_dim: (32 * WARPS_PER_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launches kernel `$name` of ops.cu with `$cfg` and the arguments in order.
+///
+/// SAFETY (of every use): the arguments match the kernel's parameters in order and type, and
+/// each buffer holds the elements that the kernel reads or writes under that configuration.
+macro_rules! launch {
+    ($dev:expr, $name:literal, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        let func = $dev.get_or_load_custom_func($name, MODULE, PTX)?;
+        let mut builder = func.builder();
+        $( builder.arg($arg); )*
+        unsafe { builder.launch($cfg) }.w()?;
+    }};
+}
+
+pub fn gelu(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = s.device();
+    let x = f32_view(s, l, "gelu")?;
+    let n = x.len();
+    let y = unsafe { dev.alloc::<f32>(n)? };
+    launch!(dev, "gelu_fwd", elementwise(n); &x, &y, &n);
+    Ok(wrap(y, dev, l.shape().clone()))
+}
+
+pub fn gelu_grad(s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = s1.device();
+    let (x, g) = (f32_view(s1, l1, "gelu-grad")?, f32_view(s2, l2, "gelu-grad")?);
+    let n = x.len();
+    let dx = unsafe { dev.alloc::<f32>(n)? };
+    launch!(dev, "gelu_bwd", elementwise(n); &x, &g, &dx, &n);
+    Ok(wrap(dx, dev, l1.shape().clone()))
+}
+
+pub fn causal_softmax(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = s.device();
+    let x = f32_view(s, l, "causal-softmax")?;
+    let dims = l.dims();
+    let (t_q, t_k) = (dims[dims.len() - 2] as i32, dims[dims.len() - 1] as i32);
+    let rows = x.len() / t_k.max(1) as usize;
+    let y = unsafe { dev.alloc::<f32>(x.len())? };
+    launch!(dev, "causal_softmax_fwd", per_row(rows); &x, &y, &rows, &t_q, &t_k);
+    Ok(wrap(y, dev, l.shape().clone()))
+}
+
+pub fn softmax_grad(s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = s1.device();
+    let (y, g) = (f32_view(s1, l1, "softmax-grad")?, f32_view(s2, l2, "softmax-grad")?);
+    let t_k = *l1.dims().last().unwrap_or(&1) as i32;
+    let rows = y.len() / t_k.max(1) as usize;
+    let dx = unsafe { dev.alloc::<f32>(y.len())? };
+    launch!(dev, "softmax_bwd", per_row(rows); &y, &g, &dx, &rows, &t_k);
+    Ok(wrap(dx, dev, l1.shape().clone()))
+}
+
+pub fn add_tiled(s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = s1.device();
+    let (x, bias) = (f32_view(s1, l1, "add-tiled")?, f32_view(s2, l2, "add-tiled")?);
+    let (n, nb) = (x.len(), bias.len());
+    if nb == 0 || n % nb != 0 {
+        candle_core::bail!("add-tiled: {nb} values do not tile {n}");
+    }
+    let y = unsafe { dev.alloc::<f32>(n)? };
+    launch!(dev, "add_tiled", elementwise(n); &x, &bias, &y, &n, &nb);
+    Ok(wrap(y, dev, l1.shape().clone()))
+}
+
+/// Column sums of `a`, a `(rows, cols)` matrix, into `out[offset..offset + cols]`: partial sums
+/// over chunks of rows, then their sum, in a fixed order (the same result every run).
+fn column_sum(
+    dev: &CudaDevice,
+    a: &CudaView<'_, f32>,
+    rows: usize,
+    cols: usize,
+    out: &mut CudaSlice<f32>,
+    offset: usize,
+) -> Result<()> {
+    let col_blocks = (cols as u32).div_ceil(128);
+    // Enough chunks to fill the GPU, each long enough to amortise its launch. Chunk c covers
+    // rows [c * chunk, min(rows, (c + 1) * chunk)) and writes its own row of `partial`.
+    let chunks = rows.div_ceil(64).clamp(1, 256);
+    let chunk = rows.div_ceil(chunks);
+    let partial = unsafe { dev.alloc::<f32>(chunks * cols)? };
+    let cfg = LaunchConfig {
+        grid_dim: (col_blocks, chunks as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(dev, "column_sum", cfg; a, &partial, &0usize, &rows, &cols, &chunk);
+    // Then the partial rows as one chunk, into out[offset..offset + cols].
+    let cfg = LaunchConfig {
+        grid_dim: (col_blocks, 1, 1),
+        ..cfg
+    };
+    launch!(dev, "column_sum", cfg; &partial, &mut *out, &offset, &chunks, &cols, &chunks);
+    Ok(())
+}
+
+/// Sums the consecutive blocks of `shape`'s size (the gradient of a tiled operand).
+pub fn tile_sum(s: &CudaStorage, l: &Layout, shape: &Shape) -> Result<(CudaStorage, Shape)> {
+    let dev = s.device();
+    let g = f32_view(s, l, "tile-sum")?;
+    let cols = shape.elem_count();
+    if cols == 0 || g.len() % cols != 0 {
+        candle_core::bail!("tile-sum: blocks of {cols} do not tile {}", g.len());
+    }
+    let mut out = unsafe { dev.alloc::<f32>(cols)? };
+    column_sum(dev, &g, g.len() / cols, cols, &mut out, 0)?;
+    Ok(wrap(out, dev, shape.clone()))
+}
+
+pub fn layer_norm(
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    (s3, l3): (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = s1.device();
+    let x = f32_view(s1, l1, "layer-norm")?;
+    let (gamma, beta) = (f32_view(s2, l2, "layer-norm")?, f32_view(s3, l3, "layer-norm")?);
+    let c = gamma.len() as i32;
+    let rows = x.len() / gamma.len();
+    let y = unsafe { dev.alloc::<f32>(x.len())? };
+    launch!(dev, "layer_norm_fwd", per_row(rows); &x, &gamma, &beta, &y, &rows, &c, &eps);
+    Ok(wrap(y, dev, l1.shape().clone()))
+}
+
+/// dx, d gamma and d beta packed as the rows of a `(rows + 2, C)` matrix, as the CPU op.
+pub fn layer_norm_grad(
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    (s3, l3): (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = s1.device();
+    let x = f32_view(s1, l1, "layer-norm-grad")?;
+    let (gamma, g) = (
+        f32_view(s2, l2, "layer-norm-grad")?,
+        f32_view(s3, l3, "layer-norm-grad")?,
+    );
+    let c = gamma.len();
+    let rows = x.len() / c;
+    let mut out = unsafe { dev.alloc::<f32>((rows + 2) * c)? };
+    let gx = unsafe { dev.alloc::<f32>(rows * c)? };
+    // dx into the first rows * c values of out, g * x̂ into gx.
+    let c_i32 = c as i32;
+    launch!(dev, "layer_norm_bwd", per_row(rows); &x, &gamma, &g, &mut out, &gx, &rows, &c_i32, &eps);
+    column_sum(dev, &gx.slice(..), rows, c, &mut out, rows * c)?;
+    column_sum(dev, &g, rows, c, &mut out, (rows + 1) * c)?;
+    Ok(wrap(out, dev, Shape::from((rows + 2, c))))
+}
+
+/// The AdamW hyper-parameters of one update, in the kernel's argument order.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub decay: f32,
+    pub bias1: f32,
+    pub bias2: f32,
+}
+
+/// One AdamW update: theta `(n)`, grad `(n)`, moments `(2, n)` → `(3, n)`: theta, m, v.
+pub fn adamw(
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    (s3, l3): (&CudaStorage, &Layout),
+    p: AdamWStep,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = s1.device();
+    let theta = f32_view(s1, l1, "adamw")?;
+    let (g, mv) = (f32_view(s2, l2, "adamw")?, f32_view(s3, l3, "adamw")?);
+    let n = theta.len();
+    if g.len() != n || mv.len() != 2 * n {
+        candle_core::bail!("adamw: {n} parameters, {} gradients, {} moments", g.len(), mv.len());
+    }
+    let out = unsafe { dev.alloc::<f32>(3 * n)? };
+    launch!(dev, "adamw", elementwise(n); &theta, &g, &mv, &out, &n,
+        &p.lr, &p.beta1, &p.beta2, &p.eps, &p.decay, &p.bias1, &p.bias2);
+    Ok(wrap(out, dev, Shape::from((3, n))))
+}
