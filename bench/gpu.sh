@@ -6,7 +6,8 @@
 #   bash bench/gpu.sh speed   decode tokens/s (batch 1 and 8, f32 and bf16) and GPT-2-small
 #                             training tokens/s (8 x 1024), candle and PyTorch in the same run
 #   bash bench/gpu.sh train   nanoGPT's shakespeare-char configuration with gpt-train (the
-#                             default model): log, metrics, loss plot and the f16 export
+#                             default model): log, metrics, loss plot and the f16 export;
+#                             TRAIN_FLAGS adds flags (e.g. "--dtype bf16")
 # Results go to $OUT (default gpu-out/). RUN_DEVICE=cpu dry-runs the script's own logic on the
 # CPU (with a CUDA build, that needs a libcuda.so.1 on the loader path, e.g. the toolkit's stub).
 set -uo pipefail
@@ -105,16 +106,18 @@ speed)
         | tee -a "$OUT/speed.jsonl"
     done
   done
-  log "training step, GPT-2-small shape, batch 8 x 1024 (candle f32+TF32; PyTorch bf16 autocast and f32+TF32)"
+  log "training step, GPT-2-small shape, batch 8 x 1024: candle f32+TF32 (fused off/on) and bf16; PyTorch bf16 and f32+TF32"
   DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/speed.jsonl"
   GPT_CUDA_FUSED=0 DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/speed.jsonl"
   python3 bench/torch_train.py throughput --device "$dev" --bf16 --batch-size 8 --block-size 1024 --max-iters 10 \
     | tee -a "$OUT/speed.jsonl"
   python3 bench/torch_train.py throughput --device "$dev" --tf32 --batch-size 8 --block-size 1024 --max-iters 10 \
     | tee -a "$OUT/speed.jsonl"
-  log "training step, shakespeare-char shape (6 x 6 x 384, 64 x 256), fused kernels on and off"
-  DEVICE=$dev $bin/train-step recipe 64 256 20 | tee -a "$OUT/speed.jsonl"
-  GPT_CUDA_FUSED=0 DEVICE=$dev $bin/train-step recipe 64 256 20 | tee -a "$OUT/speed.jsonl"
+  AUTOCAST=bf16 DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/speed.jsonl"
+  log "training step, shakespeare-char shape (6 x 6 x 384, 64 x 256): fused kernels off/on, bf16"
+  GPT_CUDA_FUSED=0 DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/speed.jsonl"
+  DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/speed.jsonl"
+  AUTOCAST=bf16 DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/speed.jsonl"
   ;;
 
 train)
@@ -134,7 +137,7 @@ train)
   start_server --checkpoint $bin/model
   for p in "ROMEO:" "JULIET:\nO Romeo" "First Citizen:"; do
     complete "{\"prompt\":\"$p\",\"max_tokens\":200,\"temperature\":0.8,\"top_k\":200,\"seed\":1}" \
-      | python3 -c 'import json,sys; d=json.load(sys.stdin); print(json.dumps(d["choices"][0]["text"]))'
+      | python3 -c 'import json,sys; d=json.load(sys.stdin); print(json.dumps(d["choices"][0]["text"] if "choices" in d else d))'
   done
   stop_server
   $bin/gpt-train eval --checkpoint $bin/model --data "$corpus" --device "$dev" --json

@@ -106,10 +106,10 @@ impl CausalSelfAttention {
                 .contiguous()
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let att = (q.matmul(&k.t()?)? * self.scale())?; // (B, nh, T, T)
+        let att = (crate::ops::matmul(&q, &k.t()?)? * self.scale())?; // (B, nh, T, T)
         let att = crate::ops::causal_softmax(&att, train)?; // upper triangle masked to 0
         let att = dropout(att, self.attn_pdrop, train)?;
-        let y = att.matmul(&v)?; // (B, nh, T, hs)
+        let y = crate::ops::matmul(&att, &v)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b_sz, seq_len, n_embd))?; // (B, T, C)
         dropout(self.c_proj.forward(&y)?, self.resid_pdrop, train)
     }

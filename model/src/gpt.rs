@@ -64,7 +64,7 @@ fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Ten
     let mut dims = x.dims().to_vec();
     let d_in = dims.pop().unwrap_or(0);
     let rows: usize = dims.iter().product();
-    let y = x.reshape((rows, d_in))?.matmul(weight)?; // (rows, out)
+    let y = crate::ops::matmul(&x.reshape((rows, d_in))?, weight)?; // (rows, out)
     let y = crate::ops::add_tiled(&y, bias)?;
     dims.push(bias.dim(0)?);
     y.reshape(dims)
@@ -271,7 +271,7 @@ impl Gpt {
             x = block.forward_t(&x, train)?; // (B, T, C)
         }
         let x = layer_norm(&self.ln_f, &x, train)?;
-        let logits = x.reshape((b_sz * seq_len, self.cfg.n_embd))?.matmul(&self.wte.t()?)?; // (B*T, V)
+        let logits = crate::ops::matmul(&x.reshape((b_sz * seq_len, self.cfg.n_embd))?, &self.wte.t()?)?; // (B*T, V)
         Ok(logits.reshape((b_sz, seq_len, self.cfg.vocab_size))?)
     }
 

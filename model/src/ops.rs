@@ -376,6 +376,32 @@ fn fused(x: &Tensor) -> bool {
     x.dtype() == DType::F32 && (x.device().is_cpu() || (x.device().is_cuda() && cuda_fused()))
 }
 
+static AUTOCAST_BF16: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Mixed precision, as `torch.autocast(dtype=torch.bfloat16)`: while on, the matrix products of
+/// [`crate::Gpt::forward_t`] (projections, attention scores and values, LM head) cast their f32
+/// operands to bf16, multiply (tensor cores on a GPU), and return f32; parameters, gradients,
+/// LayerNorm, softmax, GELU and the loss stay f32. Process-wide; `gpt-train --dtype bf16` sets it.
+/// (No f16: without loss scaling its gradients underflow.)
+pub fn set_autocast_bf16(on: bool) {
+    AUTOCAST_BF16.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub fn autocast_bf16() -> bool {
+    AUTOCAST_BF16.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `a @ b`, in bf16 for f32 operands while [`set_autocast_bf16`] is on, differentiable.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if autocast_bf16() && a.dtype() == DType::F32 {
+        a.to_dtype(DType::BF16)?
+            .matmul(&b.to_dtype(DType::BF16)?)?
+            .to_dtype(DType::F32)
+    } else {
+        a.matmul(b)
+    }
+}
+
 /// `GPT_CUDA_FUSED` is not `0`.
 pub fn cuda_fused() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

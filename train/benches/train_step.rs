@@ -2,12 +2,13 @@
 //! THREADS cores, default all, as gpt-train does), clipping and the AdamW update, and training
 //! tokens/s. Prints one JSON object.
 //!
-//!     [DEVICE=cpu|cuda] cargo bench -p gpt-train --bench train_step -- [recipe|gpt2] [BATCH] [BLOCK] [STEPS]
+//!     [DEVICE=cpu|cuda] cargo bench -p gpt-train --bench train_step -- [recipe|shakespeare-char|gpt2] [BATCH] [BLOCK] [STEPS]
 //!
-//! On a CUDA GPU, f32 matrix products use TF32 unless TF32=0.
+//! On a CUDA GPU, f32 matrix products use TF32 unless TF32=0; AUTOCAST=bf16 multiplies in bf16.
 //!
 //! `recipe` is nanoGPT's CPU recipe (65 tokens, 4 layers, 4 heads, 128 wide; batch 12 x 64);
-//! `gpt2` the GPT-2-small shape (50257 tokens, 12 x 12 x 768; batch 4 x 256 by default).
+//! `shakespeare-char` nanoGPT's GPU default (65 tokens, 6 x 6 x 384; batch 64 x 256); `gpt2` the
+//! GPT-2-small shape (50257 tokens, 12 x 12 x 768; batch 4 x 256 by default).
 //! `bench/torch_train.py throughput` measures the PyTorch side.
 
 use std::time::Instant;
@@ -32,6 +33,7 @@ fn main() -> anyhow::Result<()> {
     let shape = args.first().map(String::as_str).unwrap_or("recipe");
     let (mut cfg, batch, block) = match shape {
         "gpt2" => (Config::gpt2_small(), 4, 256),
+        "shakespeare-char" => (Config::preset("shakespeare-char", Some(65))?, 64, 256),
         _ => (
             Config {
                 n_layer: 4,
@@ -55,6 +57,7 @@ fn main() -> anyhow::Result<()> {
     if device.is_cuda() {
         candle_core::cuda::set_gemm_reduced_precision_f32(std::env::var("TF32").map_or(true, |v| v != "0"));
     }
+    gpt::ops::set_autocast_bf16(std::env::var("AUTOCAST").is_ok_and(|v| v == "bf16"));
     let varmap = VarMap::new();
     let model = Gpt::new(seeded_var_builder(&varmap, 0, &device), &cfg)?;
     let mut named: Vec<(String, Var)> = varmap
@@ -104,6 +107,7 @@ fn main() -> anyhow::Result<()> {
             "impl": "candle",
             "shape": shape,
             "device": gpt::device_name(&device),
+            "autocast_bf16": gpt::ops::autocast_bf16(),
             "threads": if device.is_cpu() { threads } else { 0 },
             "batch_size": batch,
             "block_size": block,

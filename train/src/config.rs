@@ -42,6 +42,10 @@ pub struct TrainArgs {
     /// nanoGPT sets). Default true.
     #[arg(long)]
     pub tf32: Option<bool>,
+    /// Mixed precision, nanoGPT's `dtype`: `bf16` multiplies matrices in bf16 (f32 parameters,
+    /// gradients and optimizer state, as `torch.autocast`); `f32` (default) does not.
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    pub dtype: Option<String>,
 
     /// Model preset: tiny, shakespeare-char (default) or gpt2; the flags below override it.
     #[arg(long)]

@@ -346,7 +346,10 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     let shards = if device.is_cpu() { cpu_threads(args.threads) } else { 1 };
     if device.is_cuda() {
         candle_core::cuda::set_gemm_reduced_precision_f32(args.tf32.unwrap_or(true));
+        // Dropout masks come from the GPU's generator: seeded by the run and the starting step.
+        device.set_seed(run.seed.wrapping_add(saved.as_ref().map_or(0, |s| s.step as u64)))?;
     }
+    gpt::ops::set_autocast_bf16(args.dtype.as_deref() == Some("bf16"));
     let varmap = VarMap::new();
     let model = Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?;
     let mut named: Vec<(String, Var)> = varmap
@@ -386,6 +389,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         parameters = trainer.model.num_parameters(),
         device = gpt::device_name(&device),
         threads = shards,
+        matmul = if gpt::ops::autocast_bf16() { "bf16" } else { "f32" },
         vocab = run.model.vocab_size,
         train_tokens = data.train.len(),
         val_tokens = data.val.len(),
