@@ -67,13 +67,30 @@ fn both_ways(inputs: &[Tensor], f: impl Fn(&[Tensor]) -> candle_core::Result<Ten
     })
 }
 
+fn max_abs(a: &Tensor) -> f32 {
+    a.abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// Forward within 1e-5 and gradients within 1e-4 of the CPU, relative to the largest magnitude
+/// (1 at least): a sum over thousands of rows is added in another order on the GPU.
 fn assert_same_both_ways(name: &str, inputs: &[Tensor], f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>) {
     let [(y_cpu, g_cpu), (y_gpu, g_gpu)] = both_ways(inputs, f);
     let d = max_diff(&y_cpu, &y_gpu);
-    assert!(d < 1e-5, "{name}: forward differs by {d}");
+    assert!(d < 1e-5 * max_abs(&y_cpu).max(1.0), "{name}: forward differs by {d}");
     for (i, (a, b)) in g_cpu.iter().zip(&g_gpu).enumerate() {
         let d = max_diff(a, b);
-        assert!(d < 1e-4, "{name}: gradient {i} differs by {d}");
+        assert!(
+            d < 1e-4 * max_abs(a).max(1.0),
+            "{name}: gradient {i} differs by {d} (largest {})",
+            max_abs(a)
+        );
     }
 }
 
@@ -147,10 +164,13 @@ fn a_training_step_matches_the_cpu() {
         let (x, y) = (data.narrow(1, 0, 64).unwrap(), data.narrow(1, 1, 64).unwrap());
         let (loss, mut grads) = gpt_train::train::accumulate_grads(&model, &vars, &[(x, y)], 1).unwrap();
         let norm = gpt_train::optim::clip_grad_norm(&mut grads, 1.0).unwrap();
+        // eps well above the gradients' rounding differences: at the first step AdamW moves each
+        // weight by lr * g / (|g| + eps), which for eps -> 0 is lr * sign(g), and a gradient of
+        // about 0 could take either sign on the two devices.
         let adam = gpt_train::optim::AdamWConfig {
             beta1: 0.9,
             beta2: 0.99,
-            eps: 1e-8,
+            eps: 1e-3,
             weight_decay: 0.1,
         };
         let mut opt = gpt_train::optim::AdamW::new(named.clone(), adam).unwrap();

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use gpt::{Config, Gpt, LogitsFor, SeqStep};
 
@@ -45,8 +45,18 @@ fn main() -> anyhow::Result<()> {
     };
     let (batch, new_tokens) = (env_or("BATCH", 1usize), env_or("NEW_TOKENS", 128usize));
     let cfg = Config::gpt2_small();
+    // Random f32 weights made on the CPU, then moved and cast as a checkpoint is at load
+    // (candle's CUDA backend draws no random bf16/f16 numbers).
     let varmap = VarMap::new();
-    let model = Gpt::new(VarBuilder::from_varmap(&varmap, dtype, &device), &cfg)?;
+    Gpt::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu), &cfg)?;
+    let weights = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("varmap poisoned"))?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let model = Gpt::new(VarBuilder::from_tensors(weights, dtype, &device), &cfg)?;
 
     let ids = prompt(PREFILL, cfg.vocab_size);
     let mut prefill_s = Vec::new();
