@@ -444,8 +444,17 @@ pub fn causal_softmax(att: &Tensor, differentiable: bool) -> Result<Tensor> {
         return att.contiguous()?.apply_op1(CausalSoftmax);
     }
     let (t_q, t_k) = (att.dim(candle_core::D::Minus2)?, att.dim(candle_core::D::Minus1)?);
-    let mask = crate::attention::causal_mask(t_q, t_k - t_q, att.dtype(), att.device())?;
-    let att = att.broadcast_add(&mask)?;
+    // One new query (a decode step) sees every key: no mask to build and copy to the device.
+    let att = if t_q == 1 {
+        att.clone()
+    } else {
+        att.broadcast_add(&crate::attention::causal_mask(
+            t_q,
+            t_k - t_q,
+            att.dtype(),
+            att.device(),
+        )?)?
+    };
     if differentiable {
         candle_nn::ops::softmax(&att, candle_core::D::Minus1)
     } else {
