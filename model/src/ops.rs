@@ -370,6 +370,105 @@ impl CustomOp3 for LayerNormGrad {
     }
 }
 
+/// Mean cross-entropy of rows of logits `(N, V)` against target ids `(N)`: per row
+/// `logsumexp(x) - x[target]`, from two passes over the row and no `(N, V)` temporaries (candle's
+/// `cross_entropy` is log-softmax, gather and mean: seven full-size passes each way at GPT-2's
+/// 50257-word vocabulary).
+struct CrossEntropy;
+
+/// Row `r`'s max and log of the sum of exp(x - max).
+fn row_logsumexp(row: &[f32]) -> (f32, f32) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
+    (max, sum.ln())
+}
+
+fn targets_of<'a>(storage: &'a CpuStorage, layout: &Layout, vocab: usize) -> Result<&'a [u32]> {
+    let data = storage.as_slice::<u32>()?;
+    let ids = match layout.contiguous_offsets() {
+        Some((start, end)) => &data[start..end],
+        None => candle_core::bail!("cross-entropy: the targets must be contiguous"),
+    };
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+        candle_core::bail!("cross-entropy: target id {bad} is outside the vocabulary of {vocab}");
+    }
+    Ok(ids)
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s1, l1, "cross-entropy")?;
+        let vocab = *l1.dims().last().unwrap_or(&1);
+        let targets = targets_of(s2, l2, vocab)?;
+        let total: f64 = x
+            .chunks_exact(vocab)
+            .zip(targets)
+            .map(|(row, &t)| {
+                let (max, lse) = row_logsumexp(row);
+                (max + lse - row[t as usize]) as f64
+            })
+            .sum();
+        let mean = (total / targets.len().max(1) as f64) as f32;
+        Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let rows = logits.dim(0)?.max(1);
+        let scale = grad.to_dtype(DType::F32)?.to_scalar::<f32>()? / rows as f32;
+        let dx = logits
+            .contiguous()?
+            .apply_op2_no_bwd(&targets.contiguous()?, &CrossEntropyGrad { scale })?;
+        Ok((Some(dx), None))
+    }
+}
+
+/// d loss / d logits = scale * (softmax(x) - onehot(target)), per row.
+struct CrossEntropyGrad {
+    scale: f32,
+}
+
+impl CustomOp2 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s1, l1, "cross-entropy-grad")?;
+        let vocab = *l1.dims().last().unwrap_or(&1);
+        let targets = targets_of(s2, l2, vocab)?;
+        let mut dx = vec![0f32; x.len()];
+        for ((row, drow), &t) in x.chunks_exact(vocab).zip(dx.chunks_exact_mut(vocab)).zip(targets) {
+            let (max, lse) = row_logsumexp(row);
+            let shift = max + lse;
+            for (d, &v) in drow.iter_mut().zip(row) {
+                *d = self.scale * (v - shift).exp();
+            }
+            drow[t as usize] -= self.scale;
+        }
+        Ok((CpuStorage::F32(dx), l1.shape().clone()))
+    }
+}
+
+/// Mean cross-entropy of `logits` `(N, V)` against `targets` `(N)` (u32), differentiable with
+/// respect to the logits; fused on the CPU in f32, else candle-nn's `cross_entropy`.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if logits.device().is_cpu() && logits.dtype() == DType::F32 && targets.dtype() == DType::U32 {
+        logits.contiguous()?.apply_op2(&targets.contiguous()?, CrossEntropy)
+    } else {
+        candle_nn::loss::cross_entropy(logits, targets)
+    }
+}
+
 /// Whether the fused op runs for `x`: f32 on the CPU, or on a CUDA GPU unless the environment
 /// sets `GPT_CUDA_FUSED=0` (candle's own ops then, to compare against).
 fn fused(x: &Tensor) -> bool {
@@ -528,6 +627,27 @@ mod tests {
             assert_eq!(a.shape(), b.shape());
             assert!(max_diff(a, b) < 1e-4, "gradient {i}: {}", max_diff(a, b));
         }
+    }
+
+    #[test]
+    fn cross_entropy_matches_candle_forward_and_backward() {
+        let dev = &Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 3.0, (37, 301), dev).unwrap()).unwrap();
+        let targets = Tensor::new((0..37u32).map(|i| (i * 97) % 301).collect::<Vec<_>>(), dev).unwrap();
+        let ours = cross_entropy(&x, &targets).unwrap();
+        let theirs = candle_nn::loss::cross_entropy(&x, &targets).unwrap();
+        let (a, b) = (ours.to_scalar::<f32>().unwrap(), theirs.to_scalar::<f32>().unwrap());
+        assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        // Scaled by 3 after the loss, so that the incoming gradient is not 1.
+        let ga = (ours * 3.0).unwrap().backward().unwrap();
+        let gb = (theirs * 3.0).unwrap().backward().unwrap();
+        let d = max_diff(ga.get(&x).unwrap(), gb.get(&x).unwrap());
+        assert!(d < 1e-6, "{d}");
+        let bad = Tensor::new(&[0u32, 301], dev).unwrap();
+        let err = cross_entropy(&x.narrow(0, 0, 2).unwrap(), &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("301") && err.contains("vocabulary"), "{err}");
     }
 
     #[test]

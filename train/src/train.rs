@@ -50,7 +50,7 @@ pub struct Summary {
 pub fn loss(model: &Gpt, x: &Tensor, y: &Tensor, train: bool) -> Result<Tensor> {
     let logits = model.forward_t(x, train)?; // (B, T, V)
     let (b_sz, seq_len, vocab) = logits.dims3()?;
-    Ok(candle_nn::loss::cross_entropy(
+    Ok(gpt::ops::cross_entropy(
         &logits.reshape((b_sz * seq_len, vocab))?,
         &y.flatten_all()?,
     )?)
