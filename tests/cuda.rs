@@ -27,17 +27,7 @@ fn gpu() -> Device {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let b = b.to_device(a.device()).unwrap();
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    max_abs(&(a - b.to_device(a.device()).unwrap()).unwrap())
 }
 
 /// `f` on the CPU and on the GPU with the same inputs: its outputs, and the gradients of

@@ -469,9 +469,9 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Whether the fused op runs for `x`: f32 on the CPU, or on a CUDA GPU unless the environment
-/// sets `GPT_CUDA_FUSED=0` (candle's own ops then, to compare against).
-fn fused(x: &Tensor) -> bool {
+/// Whether a fused op (here, or the trainer's AdamW update) runs for `x`: f32 on the CPU, or on a
+/// CUDA GPU unless the environment sets `GPT_CUDA_FUSED=0` (candle's own ops then, to compare).
+pub fn fused(x: &Tensor) -> bool {
     x.dtype() == DType::F32 && (x.device().is_cpu() || (x.device().is_cuda() && cuda_fused()))
 }
 

@@ -99,12 +99,6 @@ impl CustomOp3 for FusedUpdate {
     }
 }
 
-/// Whether the fused update runs for `theta`: f32 on the CPU or, unless `GPT_CUDA_FUSED=0`, on a
-/// CUDA GPU.
-fn fused(theta: &Tensor) -> bool {
-    theta.dtype() == DType::F32 && (theta.device().is_cpu() || (theta.device().is_cuda() && gpt::ops::cuda_fused()))
-}
-
 impl AdamW {
     /// `named_vars` in a fixed order (it is also the order of the gradients given to `step`).
     pub fn new(named_vars: Vec<(String, Var)>, cfg: AdamWConfig) -> Result<Self> {
@@ -145,7 +139,7 @@ impl AdamW {
             let g = g.detach().flatten_all()?; // the moments must not hold on to any graph
             let theta = p.var.as_tensor().flatten_all()?;
             let decay = if p.decay { weight_decay } else { 0.0 };
-            let (new_theta, moments) = if fused(&theta) {
+            let (new_theta, moments) = if gpt::ops::fused(&theta) {
                 let kernel = FusedUpdate {
                     lr: lr as f32,
                     beta1: beta1 as f32,
