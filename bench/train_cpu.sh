@@ -17,7 +17,7 @@ RAYON_NUM_THREADS=$threads ./target/release/gpt-train train --data "$data" --out
 end=$(date +%s.%N)
 python3 - "$out/run" "$start" "$end" <<'PY'
 import json, sys
-state = json.load(open(f"{sys.argv[1]}/trainer_state.json"))
+state = json.load(open(f"{sys.argv[1]}/latest/trainer_state.json"))
 events = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
 final = [e for e in events if e["event"] == "eval"][-1]
 rates = sorted(e["tokens_per_sec"] for e in events if e["event"] == "train")

@@ -114,6 +114,12 @@ fn fused_kernels_match_the_cpu_forward_and_backward() {
             gpt::ops::causal_softmax(&t[0], true)
         });
     }
+    // Dropout draws the same masks on both devices (counter-based, keyed), also from a later row.
+    for (shape, first_row) in [(vec![7, 33], 0), (vec![16, 256, 384], 5)] {
+        assert_same_both_ways("dropout", &[randn(&shape, 1.0)], |t| {
+            gpt::ops::dropout(&t[0], 0.2, 0xDEAD_BEEF, first_row)
+        });
+    }
 }
 
 /// A seeded model, identical on both devices (weights drawn on the host), with its variables
@@ -152,7 +158,8 @@ fn a_training_step_matches_the_cpu() {
         let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
         let data = Tensor::from_vec(tokens.clone(), (4, 65), &dev).unwrap();
         let (x, y) = (data.narrow(1, 0, 64).unwrap(), data.narrow(1, 1, 64).unwrap());
-        let (loss, mut grads) = gpt_train::train::accumulate_grads(&model, &vars, &[(x, y)], 1).unwrap();
+        let (loss, mut grads) =
+            gpt_train::step::accumulate_grads(&model, &vars, &[(x, y)], 1, Default::default()).unwrap();
         let norm = gpt_train::optim::clip_grad_norm(&mut grads, 1.0).unwrap();
         // eps well above the gradients' rounding differences: at the first step AdamW moves each
         // weight by lr * g / (|g| + eps), which for eps -> 0 is lr * sign(g), and a gradient of

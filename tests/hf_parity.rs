@@ -158,6 +158,13 @@ fn saved_checkpoint_has_the_transformers_layout() -> anyhow::Result<()> {
         assert_eq!((a.shape(), a.dtype()), (b.shape(), b.dtype()), "{name}");
         assert_eq!(a.data(), b.data(), "{name}: values changed in the round trip");
     }
+    // transformers is told to use tokenizer.json as it is, with GPT-2's end-of-text token.
+    let hf: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer_config.json"))?)?;
+    assert_eq!(hf["tokenizer_class"], "PreTrainedTokenizerFast");
+    assert_eq!(
+        (hf["eos_token"].as_str(), hf["bos_token"].as_str()),
+        (Some("<|endoftext|>"), Some("<|endoftext|>"))
+    );
     // Half-precision saves convert every tensor.
     gpt::save_dir(tmp.path(), &model, &tok, DType::F16)?;
     let half = gpt::load_model(tmp.path(), DType::F32, &Device::Cpu)?;

@@ -1,10 +1,11 @@
-//! Inference benchmark, GPT-2-small shape with random weights: prefill tokens/s for a 128-token
-//! prompt (batch 1), and greedy decode tokens/s (all sequences together) with the KV cache: a
+//! Inference benchmark, GPT-2-small shape with random weights: prefill tokens/s for a PREFILL-token
+//! prompt (batch 1, default 128), and greedy decode tokens/s (all sequences together) with the KV cache: a
 //! 16-token prompt, then NEW_TOKENS new tokens for each of BATCH sequences stepped together.
 //! `bench/torch_inference.py` measures the same with PyTorch `transformers`; `bench/inference.sh`
 //! runs both on the CPU, `bench/gpu.sh` on a GPU. Prints one JSON object.
 //!
-//!     [DEVICE=cpu|cuda] [DTYPE=f32|bf16|f16] [BATCH=1] [NEW_TOKENS=128] cargo bench -p gpt --bench inference
+//!     [DEVICE=cpu|cuda] [DTYPE=f32|bf16|f16] [LAYOUT=inference|gpt2] [PREFILL=128] [BATCH=1] [NEW_TOKENS=128] \
+//!         cargo bench -p gpt --bench inference
 
 use std::time::Instant;
 
@@ -12,7 +13,6 @@ use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use gpt::{Config, Gpt, LogitsFor, SeqStep};
 
-const PREFILL: usize = 128;
 const PROMPT: usize = 16;
 const REPEATS: usize = 5;
 
@@ -44,6 +44,7 @@ fn main() -> anyhow::Result<()> {
         _ => DType::F32,
     };
     let (batch, new_tokens) = (env_or("BATCH", 1usize), env_or("NEW_TOKENS", 128usize));
+    let prefill = env_or("PREFILL", 128usize);
     let cfg = Config::gpt2_small();
     // Random f32 weights made on the CPU, then moved and cast as a checkpoint is at load
     // (candle's CUDA backend draws no random bf16/f16 numbers).
@@ -57,8 +58,15 @@ fn main() -> anyhow::Result<()> {
         .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
         .collect();
     let model = Gpt::new(VarBuilder::from_tensors(weights, dtype, &device), &cfg)?;
+    // What a loaded checkpoint is in (`LAYOUT=gpt2` for GPT-2's, as training has it).
+    let layout = env_or("LAYOUT", "inference".to_string());
+    let model = if layout == "gpt2" {
+        model
+    } else {
+        model.into_inference_layout()?
+    };
 
-    let ids = prompt(PREFILL, cfg.vocab_size);
+    let ids = prompt(prefill, cfg.vocab_size);
     let mut prefill_s = Vec::new();
     for _ in 0..=REPEATS {
         let mut cache = model.new_cache();
@@ -100,9 +108,10 @@ fn main() -> anyhow::Result<()> {
         "impl": "candle",
         "device": gpt::device_name(&device),
         "dtype": dtype_name,
+        "layout": layout,
         "threads": candle_core::utils::get_num_threads(),
-        "prefill_tokens": PREFILL,
-        "prefill_tok_per_s": PREFILL as f64 / median(prefill_s),
+        "prefill_tokens": prefill,
+        "prefill_tok_per_s": prefill as f64 / median(prefill_s),
         "batch": batch,
         "decode_prompt": PROMPT,
         "decode_new_tokens": new_tokens,

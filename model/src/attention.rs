@@ -6,11 +6,11 @@
 //! so the projections run once for all of them, and only the score/softmax/value step is done
 //! per sequence, against that sequence's own cache.
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::config::Config;
-use crate::gpt::{dropout, Conv1D};
+use crate::layers::{dropout, matmul, Autocast, Conv1D, Dropout};
 
 /// Keys and values of every layer for one sequence, so that decoding a token does not recompute
 /// the prompt. Built on candle-nn's growable cache; positions continue from [`KvCache::len`].
@@ -18,6 +18,7 @@ use crate::gpt::{dropout, Conv1D};
 pub struct KvCache {
     layers: Vec<candle_nn::kv_cache::KvCache>,
     len: usize,
+    chunk: usize,
 }
 
 impl KvCache {
@@ -31,7 +32,7 @@ impl KvCache {
         let layers = (0..cfg.n_layer)
             .map(|_| candle_nn::kv_cache::KvCache::new(1, chunk))
             .collect();
-        Self { layers, len: 0 }
+        Self { layers, len: 0, chunk }
     }
 
     /// Positions already held.
@@ -48,6 +49,57 @@ impl KvCache {
         self.len = 0;
     }
 
+    /// An independent copy holding the same positions: the way to share one prefilled prompt
+    /// between several continuations. (`Clone` would share storage: candle-nn's cache appends by
+    /// writing into its buffer in place, so two clones would overwrite each other.)
+    pub fn fork(&self) -> candle_core::Result<Self> {
+        self.prefix(self.len)
+    }
+
+    /// A cache like this one with nothing in it.
+    pub fn empty_like(&self) -> Self {
+        let chunk = self.chunk;
+        Self {
+            layers: (0..self.layers.len())
+                .map(|_| candle_nn::kv_cache::KvCache::new(1, chunk))
+                .collect(),
+            len: 0,
+            chunk,
+        }
+    }
+
+    /// Keeps the first `len` positions only (a step that failed half-way is undone this way).
+    pub fn truncate(&mut self, len: usize) -> candle_core::Result<()> {
+        if len < self.len {
+            *self = self.prefix(len)?;
+        }
+        Ok(())
+    }
+
+    /// A new cache with copies of the first `len` positions of every layer.
+    fn prefix(&self, len: usize) -> candle_core::Result<Self> {
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let mut copy = candle_nn::kv_cache::KvCache::new(1, self.chunk);
+            if let (Some(k), Some(v)) = (layer.k()?, layer.v()?) {
+                let keep = len.min(k.dim(1)?);
+                if keep > 0 {
+                    // `append` writes into a fresh buffer: a deep copy.
+                    copy.append(
+                        &k.narrow(1, 0, keep)?.contiguous()?,
+                        &v.narrow(1, 0, keep)?.contiguous()?,
+                    )?;
+                }
+            }
+            layers.push(copy);
+        }
+        Ok(Self {
+            layers,
+            len: len.min(self.len),
+            chunk: self.chunk,
+        })
+    }
+
     pub(crate) fn layer(&mut self, i: usize) -> &mut candle_nn::kv_cache::KvCache {
         &mut self.layers[i]
     }
@@ -57,24 +109,15 @@ impl KvCache {
     }
 }
 
-/// Additive causal mask for `t_new` queries at positions `offset..offset + t_new` over
-/// `offset + t_new` keys: 0 where key j <= query position, -inf above (the upper triangle).
-pub fn causal_mask(t_new: usize, offset: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
-    let t_all = offset + t_new;
-    let mask: Vec<f32> = (0..t_new)
-        .flat_map(|i| (0..t_all).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
-    Tensor::from_vec(mask, (t_new, t_all), device)?.to_dtype(dtype)
-}
-
 #[derive(Debug, Clone)]
 pub struct CausalSelfAttention {
-    c_attn: Conv1D,
-    c_proj: Conv1D,
+    pub(crate) c_attn: Conv1D,
+    pub(crate) c_proj: Conv1D,
     n_head: usize,
     head_dim: usize,
     attn_pdrop: f32,
     resid_pdrop: f32,
+    pub(crate) autocast: Autocast,
 }
 
 impl CausalSelfAttention {
@@ -87,6 +130,7 @@ impl CausalSelfAttention {
             head_dim: cfg.head_dim(),
             attn_pdrop: cfg.attn_pdrop,
             resid_pdrop: cfg.resid_pdrop,
+            autocast: Autocast::Off,
         })
     }
 
@@ -94,9 +138,10 @@ impl CausalSelfAttention {
         1.0 / (self.head_dim as f64).sqrt()
     }
 
-    /// Causal attention over whole windows. `train` switches on dropout and uses softmax built
-    /// from differentiable ops (candle-nn's fused `softmax_last_dim` has no backward pass).
-    pub fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+    /// Causal attention over whole windows. `train` switches on dropout (masks: its sites 0 and 1)
+    /// and uses softmax built from differentiable ops (candle-nn's fused `softmax_last_dim` has no
+    /// backward pass).
+    pub fn forward_t(&self, x: &Tensor, train: Option<Dropout>) -> candle_core::Result<Tensor> {
         let (b_sz, seq_len, n_embd) = x.dims3()?;
         let heads = |i: usize| -> candle_core::Result<Tensor> {
             self.c_attn
@@ -106,12 +151,12 @@ impl CausalSelfAttention {
                 .contiguous()
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let att = (crate::ops::matmul(&q, &k.t()?)? * self.scale())?; // (B, nh, T, T)
-        let att = crate::ops::causal_softmax(&att, train)?; // upper triangle masked to 0
-        let att = dropout(att, self.attn_pdrop, train)?;
-        let y = crate::ops::matmul(&att, &v)?; // (B, nh, T, hs)
+        let att = (matmul(&q, &k.t()?, self.autocast)? * self.scale())?; // (B, nh, T, T)
+        let att = crate::ops::causal_softmax(&att, train.is_some())?; // upper triangle masked to 0
+        let att = dropout(att, self.attn_pdrop, train.map(|d| d.site(0)))?;
+        let y = matmul(&att, &v, self.autocast)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b_sz, seq_len, n_embd))?; // (B, T, C)
-        dropout(self.c_proj.forward(&y)?, self.resid_pdrop, train)
+        dropout(self.c_proj.forward(&y)?, self.resid_pdrop, train.map(|d| d.site(1)))
     }
 
     /// Inference on packed rows: `x` is `(N, C)`, the new tokens of each sequence in turn,

@@ -1,10 +1,10 @@
 //! Checkpoint directories in the Hugging Face GPT-2 layout: `config.json`, `model.safetensors`
-//! (memory-mapped on load) and `tokenizer.json`. Tensor names are `transformers`' with or without
+//! (memory-mapped on load), `tokenizer.json` and, written for `transformers`,
+//! `tokenizer_config.json`. Tensor names are `transformers`' with or without
 //! the `transformer.` prefix; the `attn.bias`/`attn.masked_bias` buffers of older checkpoints and
 //! a stored `lm_head.weight` (tied) are ignored. Files are written to a temporary name and renamed.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::Path;
 
 use candle_core::safetensors::MmapedSafetensors;
@@ -13,32 +13,14 @@ use candle_nn::VarBuilder;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::files::write_atomic;
 use crate::gpt::Gpt;
 use crate::tokenizer::Tokenizer;
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
-
-/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
-/// reader never sees a half-written file and a crash leaves the old file in place.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    result.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::io(path, e)
-    })
-}
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
 /// Turns candle's loading errors into ours, naming the file and the tensor.
 fn loading_error(path: &Path, err: candle_core::Error) -> Error {
@@ -59,7 +41,8 @@ fn loading_error(path: &Path, err: candle_core::Error) -> Error {
     }
 }
 
-/// Loads the network of a checkpoint directory in `dtype` on `device`.
+/// Loads the network of a checkpoint directory in `dtype` on `device`, for inference (in
+/// [`Gpt::into_inference_layout`]).
 pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
     let cfg = Config::from_file(&dir.join(CONFIG_FILE))?;
     let path = dir.join(WEIGHTS_FILE);
@@ -75,10 +58,12 @@ pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
     let prefixed = st.get("transformer.wte.weight").is_ok();
     let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
     let vb = if prefixed { vb.pp("transformer") } else { vb };
-    Gpt::new(vb, &cfg).map_err(|e| match e {
-        Error::Candle(err) => loading_error(&path, err),
-        other => other,
-    })
+    Gpt::new(vb, &cfg)
+        .map_err(|e| match e {
+            Error::Candle(err) => loading_error(&path, err),
+            other => other,
+        })?
+        .into_inference_layout()
 }
 
 /// Loads a checkpoint directory: the model and its tokenizer, checked against each other.
@@ -145,8 +130,11 @@ pub fn save_dir_with_metadata(
     config["torch_dtype"] = torch_dtype(dtype).into(); // transformers < 5
     config["dtype"] = torch_dtype(dtype).into();
     let config = serde_json::to_string_pretty(&config).map_err(|e| Error::InvalidConfig(e.to_string()))?;
+    let tokenizer_config = serde_json::to_string_pretty(&tokenizer.hf_config(model.config().n_positions))
+        .map_err(|e| Error::InvalidConfig(e.to_string()))?;
     write_atomic(&dir.join(WEIGHTS_FILE), &weights)?;
     tokenizer.save(&dir.join(TOKENIZER_FILE))?;
+    write_atomic(&dir.join(TOKENIZER_CONFIG_FILE), tokenizer_config.as_bytes())?;
     write_atomic(&dir.join(CONFIG_FILE), config.as_bytes())
 }
 

@@ -65,6 +65,17 @@ pub fn gelu(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
     Ok(wrap(y, dev, l.shape().clone()))
 }
 
+/// Dropout of a contiguous f32 tensor (see `ops/dropout.rs`): the mask from (key, first + i).
+pub fn dropout(s: &CudaStorage, l: &Layout, key: u64, first: u64, p: f32) -> Result<(CudaStorage, Shape)> {
+    let dev = s.device();
+    let x = f32_view(s, l, "dropout")?;
+    let n = x.len();
+    let y = unsafe { dev.alloc::<f32>(n)? };
+    let scale = 1.0 / (1.0 - p);
+    launch!(dev, "dropout_fwd", elementwise(n); &x, &y, &n, &key, &first, &p, &scale);
+    Ok(wrap(y, dev, l.shape().clone()))
+}
+
 pub fn gelu_grad(s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
     let dev = s1.device();
     let (x, g) = (f32_view(s1, l1, "gelu-grad")?, f32_view(s2, l2, "gelu-grad")?);

@@ -35,6 +35,9 @@ pub enum Error {
         actual: Vec<usize>,
     },
 
+    #[error("{path}: not UTF-8 text (invalid byte at offset {offset})")]
+    NotText { path: PathBuf, offset: usize },
+
     #[error("{path}: tokenizer error: {reason}")]
     Tokenizer { path: PathBuf, reason: String },
 

@@ -25,7 +25,7 @@ pub fn generate(
             }],
             LogitsFor::Last,
         )?;
-        let token = sampler.sample(&logits.squeeze(0)?, prompt, &output)?;
+        let token = sampler.sample(&logits.squeeze(0)?, prompt, &output, &[])?;
         if Some(token) == eos {
             break;
         }

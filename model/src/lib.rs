@@ -6,15 +6,19 @@
 //! `model.safetensors`, `tokenizer.json`), see [`checkpoint`].
 
 pub mod attention;
+pub mod beam;
 pub mod checkpoint;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda_ops;
 pub mod device;
 pub mod error;
+pub mod files;
 pub mod generate;
 pub mod gpt;
+pub mod layers;
 pub mod ops;
+pub mod rng;
 pub mod sampling;
 pub mod tokenizer;
 
@@ -25,5 +29,6 @@ pub use device::{device_name, parse_device};
 pub use error::{Error, Result};
 pub use generate::generate;
 pub use gpt::{Gpt, LogitsFor, SeqStep};
+pub use layers::{Autocast, Dropout};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::Tokenizer;

@@ -42,6 +42,23 @@ extern "C" __global__ void gelu_bwd(const float* x, const float* g, float* dx, s
     }
 }
 
+// Dropout with masks from SplitMix64 run as a counter (crate::rng, the same on the CPU): element i
+// is kept when the top 24 bits of mix(key + (first + i + 1) * GOLDEN), as a fraction, are >= p.
+__device__ __forceinline__ unsigned long long splitmix_mix(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void dropout_fwd(const float* x, float* y, size_t n, unsigned long long key,
+                                       unsigned long long first, float p, float scale) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned long long z = key + (first + i + 1ULL) * 0x9E3779B97F4A7C15ULL;
+        float u = (float)(splitmix_mix(z) >> 40) * (1.0f / 16777216.0f);
+        y[i] = u >= p ? x[i] * scale : 0.0f;
+    }
+}
+
 // Softmax over rows of t_k scores; query q = row % t_q sees keys 0..=offset + q, offset = t_k - t_q.
 extern "C" __global__ void causal_softmax_fwd(const float* x, float* y, size_t rows, int t_q, int t_k) {
     size_t row = warp_row();

@@ -1,7 +1,8 @@
 //! From logits to the next token: candle-transformers' `LogitsProcessor` (greedy, temperature,
 //! top-k, top-p; seeded), after the repetition penalty (candle-transformers'
-//! `apply_repeat_penalty`, over prompt and output, as vLLM applies it) and OpenAI's presence and
-//! frequency penalties (over the output; candle has no such helper, so they are written here).
+//! `apply_repeat_penalty`, over prompt and output, as vLLM applies it), OpenAI's presence and
+//! frequency penalties and `logit_bias`, and vLLM's `min_p` (candle has no helper for these last
+//! four, so they are written here).
 
 use std::collections::HashMap;
 
@@ -24,6 +25,11 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// Subtracted from a token's logit once per time it was generated.
     pub frequency_penalty: f32,
+    /// Added to the logits of these tokens before sampling (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Drop tokens less likely than `min_p` times the most likely one (after temperature); 0
+    /// disables.
+    pub min_p: f64,
     pub seed: u64,
 }
 
@@ -36,6 +42,8 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            min_p: 0.0,
             seed: 0,
         }
     }
@@ -51,8 +59,15 @@ impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         let temperature = params.temperature;
         let top_p = params.top_p.filter(|&p| p < 1.0);
+        // As candle's `LogitsProcessor::new`: below 1e-7 the temperature is greedy decoding (and a
+        // smaller one would overflow the scaled logits). A top_p too small for f32 keeps the most
+        // likely token only, as any p > 0 does.
+        let top_p = top_p.map(|p| p.max(f64::from(f32::MIN_POSITIVE)));
+        // Above 1e30 every temperature samples uniformly in f32 (and 1/T would round to 0, turning
+        // excluded tokens' -inf into NaN).
+        let temperature = temperature.min(1e30);
         let sampling = match (temperature, params.top_k, top_p) {
-            (t, _, _) if t <= 0.0 => Sampling::ArgMax,
+            (t, _, _) if t < 1e-7 => Sampling::ArgMax,
             (temperature, Some(k), Some(p)) => Sampling::TopKThenTopP { k, p, temperature },
             (temperature, Some(k), None) => Sampling::TopK { k, temperature },
             (temperature, None, Some(p)) => Sampling::TopP { p, temperature },
@@ -65,8 +80,9 @@ impl Sampler {
         }
     }
 
-    /// Applies the penalties to `logits` `(vocab,)`, given the prompt and the tokens generated so
-    /// far. Also what `logprobs` should not see: they are reported from the raw logits.
+    /// Applies the penalties and the logit bias to `logits` `(vocab,)`, given the prompt and the
+    /// tokens generated so far. This is what sampling sees; `logprobs` are reported from the raw
+    /// logits instead.
     pub fn penalised(&self, logits: &Tensor, prompt: &[u32], output: &[u32]) -> Result<Tensor> {
         let p = &self.params;
         let mut logits = logits.to_dtype(DType::F32)?;
@@ -74,11 +90,19 @@ impl Sampler {
             let context: Vec<u32> = prompt.iter().chain(output).copied().collect();
             logits = candle_transformers::utils::apply_repeat_penalty(&logits, p.repetition_penalty, &context)?;
         }
-        if (p.presence_penalty != 0.0 || p.frequency_penalty != 0.0) && !self.counts.is_empty() {
+        let penalties = (p.presence_penalty != 0.0 || p.frequency_penalty != 0.0) && !self.counts.is_empty();
+        if penalties || !p.logit_bias.is_empty() {
             let mut values = logits.to_vec1::<f32>()?;
-            for (&token, &count) in &self.counts {
+            if penalties {
+                for (&token, &count) in &self.counts {
+                    if let Some(v) = values.get_mut(token as usize) {
+                        *v -= p.presence_penalty + p.frequency_penalty * count as f32;
+                    }
+                }
+            }
+            for &(token, bias) in &p.logit_bias {
                 if let Some(v) = values.get_mut(token as usize) {
-                    *v -= p.presence_penalty + p.frequency_penalty * count as f32;
+                    *v += bias;
                 }
             }
             logits = Tensor::from_vec(values, logits.shape(), logits.device())?;
@@ -86,10 +110,44 @@ impl Sampler {
         Ok(logits)
     }
 
-    /// The next token for one sequence; `logits` is `(vocab,)`.
-    pub fn sample(&mut self, logits: &Tensor, prompt: &[u32], output: &[u32]) -> Result<u32> {
-        let logits = self.penalised(logits, prompt, output)?;
-        let token = self.processor.sample(&logits)?;
+    /// The next token for one sequence; `logits` is `(vocab,)`. `suppress` lists tokens that may
+    /// not be chosen now (the end-of-text token before `min_tokens`, say).
+    pub fn sample(&mut self, logits: &Tensor, prompt: &[u32], output: &[u32], suppress: &[u32]) -> Result<u32> {
+        let mut values = self.penalised(logits, prompt, output)?.to_vec1::<f32>()?;
+        for &token in suppress {
+            if let Some(v) = values.get_mut(token as usize) {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+        // Logits that overflowed (a tiny repetition penalty divides by it) share the mass.
+        if values.contains(&f32::INFINITY) {
+            values
+                .iter_mut()
+                .for_each(|v| *v = if *v == f32::INFINITY { 0.0 } else { f32::NEG_INFINITY });
+        }
+        // Shifted so that the largest is 0: no temperature can overflow them.
+        let max = values
+            .iter()
+            .copied()
+            .filter(|v| !v.is_nan())
+            .fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
+            return Err(crate::Error::EmptyInput("every token is excluded from sampling"));
+        }
+        let temperature = self.params.temperature;
+        // min_p: p_i / p_max = exp((l_i - l_max) / T) < min_p  <=>  l_i - l_max < T ln(min_p).
+        let floor = match self.params.min_p {
+            m if m > 0.0 && temperature >= 1e-7 => (temperature * m.ln()) as f32,
+            _ => f32::NEG_INFINITY,
+        };
+        for v in values.iter_mut() {
+            *v = if v.is_nan() || *v - max < floor {
+                f32::NEG_INFINITY
+            } else {
+                *v - max
+            };
+        }
+        let token = self.processor.sample(&Tensor::new(values, logits.device())?)?;
         *self.counts.entry(token).or_insert(0) += 1;
         Ok(token)
     }
@@ -107,7 +165,7 @@ mod tests {
     #[test]
     fn greedy_takes_the_argmax() {
         let mut s = Sampler::new(SamplingParams::default());
-        assert_eq!(s.sample(&logits(), &[], &[]).unwrap(), 1);
+        assert_eq!(s.sample(&logits(), &[], &[], &[]).unwrap(), 1);
     }
 
     #[test]
@@ -136,7 +194,7 @@ mod tests {
             presence_penalty: 0.5,
             ..Default::default()
         });
-        assert_eq!(s.sample(&logits(), &[], &[]).unwrap(), 1); // 3.0 - 0 wins
+        assert_eq!(s.sample(&logits(), &[], &[], &[]).unwrap(), 1); // 3.0 - 0 wins
         let out = s.penalised(&logits(), &[], &[1]).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(out[1], 3.0 - 1.5);
         let mut r = Sampler::new(SamplingParams {
@@ -145,6 +203,79 @@ mod tests {
         });
         let out = r.penalised(&logits(), &[1], &[]).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(out[1], 1.5);
-        assert_eq!(r.sample(&logits(), &[1], &[]).unwrap(), 4);
+        assert_eq!(r.sample(&logits(), &[1], &[], &[]).unwrap(), 4);
+    }
+
+    #[test]
+    fn logit_bias_suppression_and_min_p() {
+        // A bias of +100 forces a token even under greedy decoding.
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: vec![(3, 100.0)],
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&logits(), &[], &[], &[]).unwrap(), 3);
+        // A suppressed token is never chosen: greedy takes the runner-up.
+        let mut s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample(&logits(), &[], &[], &[1]).unwrap(), 4);
+        // min_p = 0.5 at temperature 1 keeps tokens within ln 2 of the best logit: 1 (3.0) and 4 (2.9).
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 0.5,
+            seed: 3,
+            ..Default::default()
+        });
+        let draws: Vec<u32> = (0..200).map(|_| s.sample(&logits(), &[], &[], &[]).unwrap()).collect();
+        assert!(draws.iter().all(|&t| t == 1 || t == 4), "{draws:?}");
+        assert!(draws.contains(&1) && draws.contains(&4));
+    }
+
+    #[test]
+    fn extreme_parameters_still_sample() {
+        let cases = [
+            SamplingParams {
+                temperature: 1.0,
+                top_p: Some(5e-324),
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 5e-324,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 1e300,
+                min_p: 5e-324,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 1.0,
+                repetition_penalty: 1e-300,
+                ..Default::default()
+            },
+        ];
+        for params in cases {
+            let mut s = Sampler::new(params.clone());
+            let token = s.sample(&logits(), &[1, 4], &[], &[]);
+            assert!(token.is_ok(), "{params:?}: {token:?}");
+        }
+        // A huge temperature with an excluded token (-inf) samples among the others.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 2.8e278,
+            top_k: Some(3),
+            ..Default::default()
+        });
+        assert!((0..20).all(|_| s.sample(&logits(), &[], &[], &[1]).is_ok_and(|t| t != 1)));
+        // A vanishing top_p keeps the most likely token only.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: Some(1e-30),
+            seed: 9,
+            ..Default::default()
+        });
+        assert!((0..20).all(|_| s.sample(&logits(), &[], &[], &[]).ok() == Some(1)));
+        let mut s = Sampler::new(SamplingParams::default());
+        assert!(
+            s.sample(&logits(), &[], &[], &[0, 1, 2, 3, 4]).is_err(),
+            "nothing left to sample"
+        );
     }
 }

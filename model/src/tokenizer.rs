@@ -10,8 +10,8 @@ use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, DecoderWrapper};
 
-use crate::checkpoint::write_atomic;
 use crate::error::{Error, Result};
+use crate::files::{for_each_piece, write_atomic};
 
 /// GPT-2's end-of-text token, added to trained BPE vocabularies.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
@@ -30,17 +30,6 @@ impl std::fmt::Debug for Tokenizer {
             .field("char_level", &self.char_level)
             .finish()
     }
-}
-
-fn read_utf8(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    String::from_utf8(bytes).map_err(|e| Error::Tokenizer {
-        path: path.to_path_buf(),
-        reason: format!(
-            "not UTF-8 text (invalid byte at offset {})",
-            e.utf8_error().valid_up_to()
-        ),
-    })
 }
 
 impl Tokenizer {
@@ -78,7 +67,10 @@ impl Tokenizer {
     pub fn train_char(files: &[PathBuf]) -> Result<Self> {
         let mut chars = BTreeSet::new();
         for path in files {
-            chars.extend(read_utf8(path)?.chars());
+            for_each_piece(path, 1 << 20, |piece| {
+                chars.extend(piece.chars());
+                Ok(())
+            })?;
         }
         if chars.is_empty() {
             return Err(Error::EmptyInput("the corpus for the character vocabulary is empty"));
@@ -107,7 +99,7 @@ impl Tokenizer {
             )));
         }
         for path in files {
-            if read_utf8(path)?.is_empty() {
+            if for_each_piece(path, 1 << 20, |_| Ok(()))? == 0 {
                 return Err(Error::Tokenizer {
                     path: path.clone(),
                     reason: "file is empty".into(),
@@ -160,10 +152,32 @@ impl Tokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// The text of `ids`, special tokens (`<|endoftext|>`) included.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner
             .decode(ids, false)
             .map_err(|e| Error::Tokenize(e.to_string()))
+    }
+
+    /// The text of `ids` without special tokens: what a generation shows (as vLLM's
+    /// `skip_special_tokens`, on by default).
+    pub fn decode_skip_special(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| Error::Tokenize(e.to_string()))
+    }
+
+    /// `tokenizer_config.json` for `transformers`: without it, `AutoTokenizer` takes a `gpt2`
+    /// checkpoint's tokenizer for GPT-2's own and re-applies its byte-level rules, which drops the
+    /// spaces and newlines of a character vocabulary. With it, `tokenizer.json` is used as it is,
+    /// with GPT-2's end-of-text token (where the vocabulary has it) as both ends of a text.
+    pub fn hf_config(&self, model_max_length: usize) -> serde_json::Value {
+        let eot = self.eos_token_id().map(|_| END_OF_TEXT);
+        serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": model_max_length,
+            "bos_token": eot,
+            "eos_token": eot,
+            "clean_up_tokenization_spaces": false,
+        })
     }
 
     /// The `tokenizers` object, for what this wrapper does not cover.

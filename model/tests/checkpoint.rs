@@ -44,6 +44,13 @@ fn save_then_load_is_bit_exact() -> anyhow::Result<()> {
                 "{name_a}"
             );
         }
+        // transformers is told to use tokenizer.json as it is (a character vocabulary has no
+        // end-of-text token).
+        let hf: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join("tokenizer_config.json"))?)?;
+        assert_eq!(hf["tokenizer_class"], "PreTrainedTokenizerFast");
+        assert_eq!(hf["model_max_length"], cfg.n_positions);
+        assert!(hf["eos_token"].is_null());
         let idx = batch(&[tokens(12, cfg.vocab_size, 9)])?;
         let (la, lb) = (model.forward(&idx)?, loaded.forward(&idx)?);
         assert_eq!(la.flatten_all()?.to_vec1::<f32>()?, lb.flatten_all()?.to_vec1::<f32>()?);

@@ -4,7 +4,7 @@ mod common;
 
 use candle_core::{DType, IndexOp, Tensor};
 use common::{batch, max_abs_diff, random_model, tokens};
-use gpt::{Config, Error, LogitsFor, PositionEmbedding, SeqStep};
+use gpt::{Config, Dropout, Error, LogitsFor, PositionEmbedding, SeqStep};
 
 fn cfg() -> Config {
     Config::tiny(97)
@@ -62,6 +62,63 @@ fn prefill_then_decode_matches_full_forward() -> anyhow::Result<()> {
     let incremental = Tensor::cat(&steps, 0)?;
     let diff = max_abs_diff(&full, &incremental)?;
     assert!(diff < 1e-4, "cache vs full forward: max abs diff {diff}");
+    Ok(())
+}
+
+#[test]
+fn forked_caches_continue_independently_and_truncate_undoes_steps() -> anyhow::Result<()> {
+    let cfg = Config {
+        n_positions: 256,
+        ..cfg()
+    };
+    let (_vm, model) = random_model(&cfg)?;
+    let (prompt, a, b) = (
+        tokens(70, cfg.vocab_size, 3),
+        tokens(5, cfg.vocab_size, 4),
+        tokens(5, cfg.vocab_size, 5),
+    );
+    let step = |cache: &mut gpt::KvCache, ids: &[u32]| -> anyhow::Result<Tensor> {
+        Ok(model.forward_step(&mut [SeqStep { tokens: ids, cache }], LogitsFor::All)?)
+    };
+    let mut first = model.new_cache();
+    step(&mut first, &prompt)?; // 70 positions: more than one allocation chunk
+    let mut second = first.fork()?;
+    assert_eq!(second.len(), prompt.len());
+    // Each continues with its own tokens; neither overwrites the other's positions.
+    let la = step(&mut first, &a)?;
+    let lb = step(&mut second, &b)?;
+    for (ids, logits) in [(&a, &la), (&b, &lb)] {
+        let whole: Vec<u32> = prompt.iter().chain(ids.iter()).copied().collect();
+        let full = model.forward(&batch(&[whole])?)?.squeeze(0)?;
+        let diff = max_abs_diff(logits, &full.narrow(0, prompt.len(), ids.len())?)?;
+        assert!(diff < 1e-4, "fork: diff {diff}");
+    }
+    // Rolling `first` back to the prompt and replaying `b` gives `second`'s logits.
+    first.truncate(prompt.len())?;
+    assert_eq!(first.len(), prompt.len());
+    let again = step(&mut first, &b)?;
+    assert!(max_abs_diff(&again, &lb)? < 1e-5);
+    Ok(())
+}
+
+#[test]
+fn rows_are_chosen_per_sequence() -> anyhow::Result<()> {
+    let cfg = cfg();
+    let (_vm, model) = random_model(&cfg)?;
+    let seqs = [tokens(6, cfg.vocab_size, 8), tokens(9, cfg.vocab_size, 9)];
+    let mut caches = [model.new_cache(), model.new_cache()];
+    let mut steps: Vec<SeqStep> = seqs
+        .iter()
+        .zip(caches.iter_mut())
+        .map(|(s, cache)| SeqStep { tokens: s, cache })
+        .collect();
+    let hidden = model.forward_step_hidden(&mut steps, &[LogitsFor::Last, LogitsFor::All])?;
+    let logits = model.logits(&hidden)?; // (1 + 9, V)
+    assert_eq!(logits.dims(), [10, cfg.vocab_size]);
+    let full0 = model.forward(&batch(&[seqs[0].clone()])?)?.squeeze(0)?;
+    let full1 = model.forward(&batch(&[seqs[1].clone()])?)?.squeeze(0)?;
+    assert!(max_abs_diff(&logits.i(0)?, &full0.i(5)?)? < 1e-4);
+    assert!(max_abs_diff(&logits.narrow(0, 1, 9)?, &full1)? < 1e-4);
     Ok(())
 }
 
@@ -127,8 +184,38 @@ fn training_path_equals_inference_path_without_dropout() -> anyhow::Result<()> {
     let cfg = cfg(); // tiny() has zero dropout
     let (_vm, model) = random_model(&cfg)?;
     let idx = batch(&[tokens(20, cfg.vocab_size, 3)])?;
-    let diff = max_abs_diff(&model.forward_t(&idx, true)?, &model.forward(&idx)?)?;
+    let train = Some(Dropout { key: 1, first_row: 0 });
+    let diff = max_abs_diff(&model.forward_t(&idx, train)?, &model.forward(&idx)?)?;
     assert!(diff < 1e-4, "fused vs differentiable ops: {diff}");
+    Ok(())
+}
+
+#[test]
+fn dropout_masks_follow_their_key_and_rows_not_the_batch_split() -> anyhow::Result<()> {
+    let cfg = Config {
+        resid_pdrop: 0.2,
+        embd_pdrop: 0.2,
+        attn_pdrop: 0.2,
+        ..cfg()
+    };
+    let (_vm, model) = random_model(&cfg)?;
+    let rows = [tokens(16, cfg.vocab_size, 4), tokens(16, cfg.vocab_size, 5)];
+    let both = batch(&rows)?;
+    let key = |key, first_row| Some(Dropout { key, first_row });
+    let a = model.forward_t(&both, key(7, 0))?;
+    assert_eq!(
+        max_abs_diff(&a, &model.forward_t(&both, key(7, 0))?)?,
+        0.0,
+        "same key, same masks"
+    );
+    assert!(
+        max_abs_diff(&a, &model.forward_t(&both, key(8, 0))?)? > 1e-3,
+        "another key, other masks"
+    );
+    assert!(max_abs_diff(&a, &model.forward(&both)?)? > 1e-3, "dropout is on");
+    // The second row alone, as the second shard of the batch, draws the masks it had in the batch.
+    let second = model.forward_t(&batch(&rows[1..])?, key(7, 1))?;
+    assert!(max_abs_diff(&second.squeeze(0)?, &a.i(1)?)? < 1e-5);
     Ok(())
 }
 

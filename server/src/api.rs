@@ -1,63 +1,242 @@
-//! Request and response types of the OpenAI completions API (what the `openai` SDKs send and
-//! expect), plus the vLLM-style extensions `top_k` and `repetition_penalty`.
+//! Request and response types: OpenAI's completions API (what the `openai` SDKs and
+//! lm-evaluation-harness send and expect), vLLM's sampling extensions and its tokenizer
+//! endpoints. The limits that depend on the served model (vocabulary, context, caps) are added
+//! to the OpenAPI document at start-up, from the same [`crate::validation::Limits`] that
+//! validation enforces.
 
-use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::Value;
 use utoipa::ToSchema;
 
-/// A prompt: text, or token ids of this model's vocabulary.
-#[derive(Debug, Clone, Deserialize, ToSchema)]
-#[serde(untagged)]
+/// A prompt in any of OpenAI's forms. (Its schema, a oneOf of the four with the model's limits,
+/// is written by [`crate::openapi`].)
+#[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
     Text(String),
+    Texts(Vec<String>),
     Tokens(Vec<i64>),
+    TokenLists(Vec<Vec<i64>>),
 }
 
-/// One stop string or several.
-#[derive(Debug, Clone, Deserialize, ToSchema)]
-#[serde(untagged)]
+pub const PROMPT_FORMS: &str =
+    "prompt must be a string, an array of strings, an array of token ids, or an array of arrays of token ids";
+
+/// A JSON integer: JSON Schema's `integer` counts `2.0` as one, so such numbers are taken too,
+/// while they are exact (|x| <= 2^53; a larger one may be a rounded integer beyond i64).
+fn int_of(v: &Value) -> Option<i64> {
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    v.as_i64().or_else(|| {
+        v.as_f64()
+            .filter(|f| f.fract() == 0.0 && f.abs() <= EXACT)
+            .map(|f| f as i64)
+    })
+}
+
+/// `deserialize_with` helpers for integer fields, taking integers written as `2.0` too.
+pub mod json_int {
+    use super::*;
+
+    pub fn option<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+        match Option::<Value>::deserialize(d)? {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => int_of(&v)
+                .map(Some)
+                .ok_or_else(|| D::Error::custom(format!("expected an integer, got {v}"))),
+        }
+    }
+
+    pub fn option_vec<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<i64>>, D::Error> {
+        match Option::<Vec<Value>>::deserialize(d)? {
+            None => Ok(None),
+            Some(items) => ints(&items).map(Some).map_err(D::Error::custom),
+        }
+    }
+
+    pub fn vec<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<i64>, D::Error> {
+        ints(&Vec::<Value>::deserialize(d)?).map_err(D::Error::custom)
+    }
+
+    fn ints(items: &[Value]) -> Result<Vec<i64>, String> {
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| int_of(v).ok_or_else(|| format!("[{i}]: expected an integer, got {v}")))
+            .collect()
+    }
+}
+
+impl Prompt {
+    fn from_value(v: Value) -> Result<Self, String> {
+        let ids = |items: &[Value], at: &str| -> Result<Vec<i64>, String> {
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| int_of(v).ok_or_else(|| format!("{at}[{i}] must be an integer token id, got {v}")))
+                .collect()
+        };
+        match v {
+            Value::String(s) => Ok(Prompt::Text(s)),
+            Value::Array(items) => match items.first() {
+                None => Ok(Prompt::Tokens(Vec::new())),
+                Some(Value::String(_)) => items
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, v)| match v {
+                        Value::String(s) => Ok(s),
+                        other => Err(format!("prompt[{i}] must be a string like prompt[0], got {other}")),
+                    })
+                    .collect::<Result<_, _>>()
+                    .map(Prompt::Texts),
+                Some(Value::Number(_)) => ids(&items, "prompt").map(Prompt::Tokens),
+                Some(Value::Array(_)) => items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| match v {
+                        Value::Array(inner) => ids(inner, &format!("prompt[{i}]")),
+                        other => Err(format!(
+                            "prompt[{i}] must be an array of token ids like prompt[0], got {other}"
+                        )),
+                    })
+                    .collect::<Result<_, _>>()
+                    .map(Prompt::TokenLists),
+                Some(_) => Err(PROMPT_FORMS.into()),
+            },
+            _ => Err(PROMPT_FORMS.into()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Prompt::from_value(Value::deserialize(d)?).map_err(D::Error::custom)
+    }
+}
+
+/// One stop string or several. (Its schema is written by [`crate::openapi`].)
+#[derive(Debug, Clone)]
 pub enum Stop {
     One(String),
     Many(Vec<String>),
 }
 
+impl<'de> Deserialize<'de> for Stop {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match Value::deserialize(d)? {
+            Value::String(s) => Ok(Stop::One(s)),
+            Value::Array(items) => items
+                .into_iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s),
+                    _ => Err(D::Error::custom("stop must be a string or an array of strings")),
+                })
+                .collect::<Result<_, _>>()
+                .map(Stop::Many),
+            _ => Err(D::Error::custom("stop must be a string or an array of strings")),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     /// Send a last chunk with the token counts before `[DONE]`.
     #[serde(default)]
     pub include_usage: bool,
 }
 
+/// Fields of OpenAI's or vLLM's completions API that this server does not implement: a request
+/// with one of them is refused with a message that says so, rather than silently served without
+/// it. (Other unknown fields are refused as unknown.)
+pub const UNSUPPORTED: &[&str] = &[
+    "suffix",
+    "early_stopping",
+    "prompt_logprobs",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "response_format",
+    "allowed_token_ids",
+    "bad_words",
+];
+
 /// `POST /v1/completions`. Numbers are taken as JSON numbers of any range, so that an
-/// out-of-range value gets a message naming the allowed range rather than a type error.
+/// out-of-range value gets a message naming the allowed range rather than a type error. Every
+/// range is stated in the OpenAPI document.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct CompletionRequest {
     /// The served model's name (see `GET /v1/models`); may be omitted.
     pub model: Option<String>,
+    /// A string, an array of strings, an array of token ids, or an array of arrays of token ids:
+    /// one prompt or several, each with `n` choices numbered `prompt × n + i`. A prompt must
+    /// leave room in the context for one token.
+    #[schema(value_type = Object)]
     pub prompt: Prompt,
-    /// Tokens to generate, at least 1 (default 16).
+    /// Tokens to generate at most (default 16); generation also ends at the context length.
+    /// 0 generates nothing (with `echo`, the prompt alone is returned).
+    #[serde(default, deserialize_with = "json_int::option")]
     pub max_tokens: Option<i64>,
+    /// Tokens generated before end-of-text, a stop token or a stop string may end a choice.
+    #[serde(default, deserialize_with = "json_int::option")]
+    pub min_tokens: Option<i64>,
     /// 0 is greedy; default 1.
     pub temperature: Option<f64>,
     /// In (0, 1]; default 1.
     pub top_p: Option<f64>,
     /// Keep the k most likely tokens; 0 or -1 disables (vLLM's convention).
+    #[serde(default, deserialize_with = "json_int::option")]
     pub top_k: Option<i64>,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 disables.
+    pub min_p: Option<f64>,
     /// > 0; 1 disables (vLLM's convention).
     pub repetition_penalty: Option<f64>,
     /// In [-2, 2].
     pub presence_penalty: Option<f64>,
     /// In [-2, 2].
     pub frequency_penalty: Option<f64>,
+    /// Token id (as a string) → a bias in [-100, 100] added to its logit before sampling.
+    #[schema(value_type = Option<Object>)]
+    pub logit_bias: Option<BTreeMap<String, f64>>,
     /// Makes sampling reproducible.
+    #[serde(default, deserialize_with = "json_int::option")]
     pub seed: Option<i64>,
+    /// A string or an array of strings that end a choice (not included in its text).
+    #[schema(value_type = Option<Object>)]
     pub stop: Option<Stop>,
-    /// Completions per prompt.
+    /// Token ids that end a choice (in its logprobs and usage, not in its text).
+    #[serde(default, deserialize_with = "json_int::option_vec")]
+    pub stop_token_ids: Option<Vec<i64>>,
+    /// Keep generating after the end-of-text token.
+    pub ignore_eos: Option<bool>,
+    /// Choices per prompt.
+    #[serde(default, deserialize_with = "json_int::option")]
     pub n: Option<i64>,
+    /// Candidates generated per prompt (a value below `n` counts as `n`); the `n` with the
+    /// highest cumulative log-probability are returned, best first. With `use_beam_search`, the
+    /// beam width.
+    #[serde(default, deserialize_with = "json_int::option")]
+    pub best_of: Option<i64>,
+    /// Beam search (vLLM's extension) instead of sampling: `best_of` beams (default `n`), the `n`
+    /// best returned; deterministic, so it takes no sampling parameter.
+    pub use_beam_search: Option<bool>,
+    /// With beam search: finished beams are scored by summed log-probability / length^α (default
+    /// 1; the original transformer used 0.6). Ignored otherwise.
+    pub length_penalty: Option<f64>,
     /// Return the log-probabilities of this many most likely tokens at each position.
+    #[serde(default, deserialize_with = "json_int::option")]
     pub logprobs: Option<i64>,
-    /// Include the prompt in the returned text.
+    /// Include the prompt in the returned text (and its tokens in `logprobs`).
     pub echo: Option<bool>,
     pub stream: Option<bool>,
+    /// With `stream`; ignored otherwise.
     pub stream_options: Option<StreamOptions>,
     /// Accepted and ignored, as by OpenAI.
     pub user: Option<String>,
@@ -71,16 +250,18 @@ pub struct LogProbs {
     /// The most likely tokens at each position, most likely first.
     #[schema(value_type = Vec<Option<Object>>)]
     pub top_logprobs: Vec<Option<serde_json::Map<String, serde_json::Value>>>,
+    /// Where each token starts in the choice's text, in characters.
     pub text_offset: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Choice {
     pub text: String,
+    /// `prompt × n + i`.
     pub index: u32,
     pub logprobs: Option<LogProbs>,
-    /// "stop" (a stop string or end of text) or "length"; `null` in all but a stream's last
-    /// chunk for this choice.
+    /// "stop" (a stop string, a stop token or end of text) or "length"; `null` in all but a
+    /// stream's last chunk for this choice.
     pub finish_reason: Option<String>,
 }
 
@@ -110,12 +291,62 @@ pub struct Model {
     pub object: String,
     pub created: u64,
     pub owned_by: String,
+    /// The context length in tokens (vLLM's field).
+    pub max_model_len: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ModelList {
     pub object: String,
     pub data: Vec<Model>,
+}
+
+/// `POST /tokenize` (vLLM's shape).
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: String,
+    /// Accepted for vLLM's clients; this server's tokenizers add no special tokens either way.
+    pub add_special_tokens: Option<bool>,
+    /// Also return each token's text.
+    pub return_token_strs: Option<bool>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TokenizeResponse {
+    pub count: usize,
+    pub max_model_len: usize,
+    pub tokens: Vec<u32>,
+    pub token_strs: Option<Vec<String>>,
+}
+
+/// `POST /detokenize` (vLLM's shape).
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    #[serde(deserialize_with = "json_int::vec")]
+    pub tokens: Vec<i64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct DetokenizeResponse {
+    pub prompt: String,
+}
+
+/// `GET /tokenizer_info` (vLLM's shape): what a client needs to tokenize as the server does.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TokenizerInfo {
+    pub tokenizer_class: String,
+    /// `<|endoftext|>` where the vocabulary has it; a character-level vocabulary has none.
+    pub eos_token: Option<String>,
+    pub bos_token: Option<String>,
+    pub pad_token: Option<String>,
+    pub unk_token: Option<String>,
+    pub model_max_length: usize,
+    pub vocab_size: usize,
+    pub chat_template: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -137,4 +368,42 @@ pub struct ErrorResponse {
 pub struct Health {
     pub status: String,
     pub model: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn prompt(v: Value) -> Result<Prompt, String> {
+        Prompt::from_value(v)
+    }
+
+    #[test]
+    fn the_four_prompt_forms_and_their_errors() {
+        assert_eq!(prompt(json!("hi")), Ok(Prompt::Text("hi".into())));
+        assert_eq!(
+            prompt(json!(["a", "b"])),
+            Ok(Prompt::Texts(vec!["a".into(), "b".into()]))
+        );
+        assert_eq!(prompt(json!([1, 2])), Ok(Prompt::Tokens(vec![1, 2])));
+        assert_eq!(
+            prompt(json!([[1], [2, 3]])),
+            Ok(Prompt::TokenLists(vec![vec![1], vec![2, 3]]))
+        );
+        assert_eq!(prompt(json!([])), Ok(Prompt::Tokens(vec![])));
+        let err = |v: Value| prompt(v).err().unwrap_or_default();
+        assert!(err(json!(["a", 1])).contains("prompt[1] must be a string"));
+        assert!(err(json!([1, "a"])).contains("prompt[1] must be an integer token id"));
+        assert!(err(json!([1, 2.5])).contains("prompt[1] must be an integer"));
+        assert_eq!(
+            prompt(json!([1, 2.0])),
+            Ok(Prompt::Tokens(vec![1, 2])),
+            "2.0 is an integer in JSON Schema"
+        );
+        assert!(err(json!([[1], [2, "x"]])).contains("prompt[1][1] must be an integer"));
+        assert!(err(json!([[1], 2])).contains("prompt[1] must be an array of token ids"));
+        assert!(err(json!({"text": "hi"})).contains("array of arrays of token ids"));
+        assert!(err(json!([null])).contains("array of arrays of token ids"));
+    }
 }

@@ -1,5 +1,6 @@
-//! Routes: `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`,
-//! `GET /openapi.json`. `app(state)` builds the router, so tests drive it without a socket.
+//! Routes: `POST /v1/completions`, `GET /v1/models`, the tokenizer endpoints (in [`tokenize`]),
+//! `GET /health`, `GET /metrics`, `GET /openapi.json`. `app(state)` builds the router, so tests
+//! drive it without a socket.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -17,12 +18,13 @@ use futures_util::stream::{self, Stream, StreamExt};
 use gpt::Tokenizer;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use utoipa::OpenApi;
 
 use crate::api::*;
 use crate::engine::{Engine, Event};
 use crate::error::ApiError;
+use crate::fold::{merge, Fold};
 use crate::metrics::Metrics;
+use crate::tokenize;
 use crate::validation::{validate, Limits, ValidRequest};
 
 pub struct AppState {
@@ -34,29 +36,9 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub body_limit: usize,
     pub created: u64,
+    /// The OpenAPI document, with this model's limits.
+    pub openapi: serde_json::Value,
 }
-
-#[derive(OpenApi)]
-#[openapi(
-    info(
-        title = "gpt-server",
-        description = "OpenAI-compatible completions for GPT checkpoints"
-    ),
-    paths(completions, models, health),
-    components(schemas(
-        CompletionRequest,
-        Completion,
-        Choice,
-        LogProbs,
-        Usage,
-        ModelList,
-        Model,
-        ErrorResponse,
-        ErrorDetail,
-        Health
-    ))
-)]
-struct ApiDoc;
 
 pub fn app(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
@@ -65,6 +47,9 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .merge(v1)
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/tokenizer_info", get(tokenize::tokenizer_info))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
@@ -73,7 +58,8 @@ pub fn app(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// `Authorization: Bearer KEY` on `/v1/*` when the server has an API key.
+/// `Authorization: Bearer KEY` on `/v1/*` when the server has an API key. (The tokenizer
+/// endpoints stay open, as vLLM's do: lm-evaluation-harness probes them without a key.)
 async fn authorize(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
         let given = request
@@ -102,6 +88,44 @@ async fn count_requests(State(state): State<Arc<AppState>>, request: Request, ne
     response
 }
 
+/// A request's `model`, if given, must be the served one.
+pub fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != state.model_name => Err(ApiError::ModelNotFound(m.to_string())),
+        _ => Ok(()),
+    }
+}
+
+/// Parses a JSON body into `T`, refusing fields that the server knows but does not implement by
+/// name (`suffix`, say), and any other unknown field.
+pub fn parse_body<T: serde::de::DeserializeOwned>(
+    body: Result<Json<serde_json::Value>, JsonRejection>,
+) -> Result<T, ApiError> {
+    let Json(value) = body.map_err(rejection)?;
+    if let Some(field) = value
+        .as_object()
+        .and_then(|o| UNSUPPORTED.iter().find(|f| o.contains_key(**f)))
+    {
+        return Err(ApiError::invalid(
+            *field,
+            format!("`{field}` is not supported by this server"),
+        ));
+    }
+    // The path names the parameter in the message ("temperature: invalid type ...").
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let param = e.path().iter().next().and_then(|s| match s {
+            serde_path_to_error::Segment::Map { key } => Some(key.clone()),
+            _ => None,
+        });
+        let (path, inner) = (e.path().to_string(), e.inner().to_string());
+        let message = match param.as_deref() {
+            Some(p) if !inner.starts_with(p) => format!("{path}: {inner}"),
+            _ => inner,
+        };
+        ApiError::InvalidRequest { message, param }
+    })
+}
+
 fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
@@ -124,7 +148,8 @@ fn rejection(e: JsonRejection) -> ApiError {
     path = "/v1/completions",
     request_body = CompletionRequest,
     responses(
-        (status = 200, description = "The completion, or with `stream: true` Server-Sent Events of `Completion` chunks ending with `data: [DONE]`", body = Completion),
+        (status = 200, description = "The completion, or with `stream: true` Server-Sent Events of `Completion` chunks ending with `data: [DONE]`",
+            content((Completion = "application/json"), (String = "text/event-stream"))),
         (status = 400, description = "Invalid request", body = ErrorResponse),
         (status = 401, description = "Missing or wrong API key", body = ErrorResponse),
         (status = 404, description = "Unknown model", body = ErrorResponse),
@@ -132,225 +157,116 @@ fn rejection(e: JsonRejection) -> ApiError {
         (status = 503, description = "Queue full; see Retry-After", body = ErrorResponse),
     )
 )]
-async fn completions(
+pub async fn completions(
     State(state): State<Arc<AppState>>,
-    body: Result<Json<CompletionRequest>, JsonRejection>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
-    let Json(request) = body.map_err(rejection)?;
-    if let Some(model) = &request.model {
-        if model != &state.model_name {
-            return Err(ApiError::ModelNotFound(model.clone()));
-        }
-    }
+    let request: CompletionRequest = parse_body(body)?;
+    check_model(&state, request.model.as_deref())?;
     // Tokenising is CPU work: off the async runtime.
     let (tokenizer, limits) = (state.tokenizer.clone(), state.limits.clone());
     let valid = tokio::task::spawn_blocking(move || validate(request, &tokenizer, &limits))
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let valid = Arc::new(valid);
     let events = state.engine.submit(valid.clone()).map_err(ApiError::QueueFull)?;
     let id = format!("cmpl-{:016x}", rand::random::<u64>());
-    if valid.stream {
-        Ok(stream_response(state, valid, id, events).into_response())
-    } else {
-        Ok(Json(collect(state, valid, id, events).await?).into_response())
-    }
-}
-
-fn logprobs_of(items: &[crate::engine::TokenLogprob]) -> LogProbs {
-    let mut lp = LogProbs::default();
-    for t in items {
-        lp.tokens.push(t.token.clone());
-        lp.token_logprobs.push(t.logprob);
-        lp.top_logprobs
-            .push((!t.top.is_empty() || t.logprob.is_some()).then(|| {
-                // Most likely first; tokens that decode to the same text keep the likelier entry.
-                let mut top = serde_json::Map::new();
-                for (tok, p) in &t.top {
-                    top.entry(tok.clone()).or_insert_with(|| serde_json::Value::from(*p));
-                }
-                top
-            }));
-        lp.text_offset.push(t.offset);
-    }
-    lp
-}
-
-fn append_logprobs(into: &mut Option<LogProbs>, more: LogProbs) {
-    let lp = into.get_or_insert_with(LogProbs::default);
-    lp.tokens.extend(more.tokens);
-    lp.token_logprobs.extend(more.token_logprobs);
-    lp.top_logprobs.extend(more.top_logprobs);
-    lp.text_offset.extend(more.text_offset);
-}
-
-/// Waits for every choice and builds the whole response.
-async fn collect(
-    state: Arc<AppState>,
-    req: ValidRequest,
-    id: String,
-    mut events: mpsc::UnboundedReceiver<Event>,
-) -> Result<Completion, ApiError> {
-    let mut choices: Vec<Choice> = (0..req.n)
-        .map(|index| Choice {
-            text: if req.echo {
-                req.prompt_text.clone()
-            } else {
-                String::new()
-            },
-            index: index as u32,
-            logprobs: req.logprobs.map(|_| LogProbs::default()),
-            finish_reason: None,
-        })
-        .collect();
-    let mut completion_tokens = 0;
-    let mut done = 0;
-    while done < req.n {
-        match events.recv().await {
-            Some(Event::Text { index, text, logprobs }) => {
-                choices[index].text.push_str(&text);
-                if req.logprobs.is_some() {
-                    append_logprobs(&mut choices[index].logprobs, logprobs_of(&logprobs));
-                }
-            }
-            Some(Event::Done {
-                index,
-                finish_reason,
-                completion_tokens: n,
-            }) => {
-                choices[index].finish_reason = Some(finish_reason.as_str().into());
-                completion_tokens += n;
-                done += 1;
-            }
-            Some(Event::Error(e)) => return Err(ApiError::Internal(e)),
-            None => return Err(ApiError::ShuttingDown),
-        }
-    }
-    Ok(Completion {
+    let completion = Completion {
         id,
         object: "text_completion".into(),
         created: now(),
         model: state.model_name.clone(),
-        choices,
-        usage: Some(usage(req.prompt.len(), completion_tokens)),
-    })
-}
-
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Usage {
-    Usage {
-        prompt_tokens,
-        completion_tokens,
-        total_tokens: prompt_tokens + completion_tokens,
+        choices: Vec::new(),
+        usage: None,
+    };
+    if valid.stream {
+        Ok(stream_response(valid, completion, events).into_response())
+    } else {
+        Ok(Json(collect(valid, completion, events).await?).into_response())
     }
 }
 
-/// Server-Sent Events: one chunk per engine event, an error event if generation fails midway,
+/// Waits for every choice and builds the whole response.
+async fn collect(
+    req: Arc<ValidRequest>,
+    mut completion: Completion,
+    mut events: mpsc::UnboundedReceiver<Event>,
+) -> Result<Completion, ApiError> {
+    let mut fold = Fold::new(req);
+    let mut choices = fold.empty_choices();
+    while !fold.is_done() {
+        let event = events.recv().await.ok_or(ApiError::ShuttingDown)?;
+        for delta in fold.apply(event)? {
+            merge(&mut choices, delta);
+        }
+    }
+    completion.choices = choices;
+    completion.usage = Some(fold.usage());
+    Ok(completion)
+}
+
+/// Server-Sent Events: a chunk per delta of the fold, an error event if generation fails midway,
 /// the usage chunk if asked for, then `[DONE]`.
 fn stream_response(
-    state: Arc<AppState>,
-    req: ValidRequest,
-    id: String,
+    req: Arc<ValidRequest>,
+    completion: Completion,
     events: mpsc::UnboundedReceiver<Event>,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let created = now();
-    let chunk = {
-        let (id, model) = (id.clone(), state.model_name.clone());
-        move |choices: Vec<Choice>, usage: Option<Usage>| Completion {
-            id: id.clone(),
-            object: "text_completion".into(),
-            created,
-            model: model.clone(),
-            choices,
-            usage,
-        }
-    };
+    let include_usage = req.include_usage;
+    let mut fold = Fold::new(req);
+    let mut ended = false;
     let data = |c: &Completion| SseEvent::default().data(serde_json::to_string(c).unwrap_or_default());
-    let echo: Vec<Result<SseEvent, Infallible>> = if req.echo {
-        (0..req.n)
-            .map(|index| {
-                let choice = Choice {
-                    text: req.prompt_text.clone(),
-                    index: index as u32,
-                    logprobs: None,
-                    finish_reason: None,
-                };
-                Ok(data(&chunk(vec![choice], None)))
-            })
-            .collect()
-    } else {
-        vec![]
-    };
-    let (n, prompt_tokens, include_usage, want_logprobs) =
-        (req.n, req.prompt.len(), req.include_usage, req.logprobs.is_some());
-    let chunk_for_events = chunk.clone();
-    let mut finished = 0;
-    let mut completion_tokens = 0;
     // Ends when the engine drops the request's last sender, after its last choice.
     let body = UnboundedReceiverStream::new(events)
         .map(move |event| {
-            let (choice, error) = match event {
-                Event::Text { index, text, logprobs } => (
-                    Choice {
-                        text,
-                        index: index as u32,
-                        logprobs: want_logprobs.then(|| logprobs_of(&logprobs)),
-                        finish_reason: None,
-                    },
-                    None,
-                ),
-                Event::Done {
-                    index,
-                    finish_reason,
-                    completion_tokens: c,
-                } => {
-                    finished += 1;
-                    completion_tokens += c;
-                    (
-                        Choice {
-                            text: String::new(),
-                            index: index as u32,
-                            logprobs: None,
-                            finish_reason: Some(finish_reason.as_str().into()),
-                        },
-                        None,
-                    )
+            let mut out: Vec<Result<SseEvent, Infallible>> = Vec::new();
+            if ended {
+                return stream::iter(out);
+            }
+            match fold.apply(event) {
+                Ok(deltas) => {
+                    for d in deltas {
+                        let chunk = Completion {
+                            choices: vec![Choice {
+                                text: d.text,
+                                index: d.index,
+                                logprobs: d.logprobs,
+                                finish_reason: d.finish_reason.map(|r| r.as_str().into()),
+                            }],
+                            ..completion.clone()
+                        };
+                        out.push(Ok(data(&chunk)));
+                    }
+                    ended = fold.is_done();
+                    if ended && include_usage {
+                        let usage = Completion {
+                            usage: Some(fold.usage()),
+                            ..completion.clone()
+                        };
+                        out.push(Ok(data(&usage)));
+                    }
                 }
-                Event::Error(e) => {
-                    finished = n; // nothing more will come
-                    let body = ApiError::Internal(e).body();
-                    (
-                        Choice {
-                            text: String::new(),
-                            index: 0,
-                            logprobs: None,
-                            finish_reason: None,
-                        },
-                        Some(body),
-                    )
+                Err(e) => {
+                    ended = true;
+                    out.push(Ok(SseEvent::default()
+                        .event("error")
+                        .data(serde_json::to_string(&e.body()).unwrap_or_default())));
                 }
-            };
-            let mut out = vec![match error {
-                Some(body) => Ok(SseEvent::default()
-                    .event("error")
-                    .data(serde_json::to_string(&body).unwrap_or_default())),
-                None => Ok(data(&chunk_for_events(vec![choice], None))),
-            }];
-            if finished >= n {
-                if include_usage {
-                    out.push(Ok(data(&chunk_for_events(
-                        vec![],
-                        Some(usage(prompt_tokens, completion_tokens)),
-                    ))));
-                }
+            }
+            if ended {
                 out.push(Ok(SseEvent::default().data("[DONE]")));
             }
             stream::iter(out)
         })
         .flatten();
-    Sse::new(stream::iter(echo).chain(body)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    Sse::new(body).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
 }
 
-#[utoipa::path(get, path = "/v1/models", responses((status = 200, body = ModelList)))]
-async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+#[utoipa::path(get, path = "/v1/models", responses(
+    (status = 200, body = ModelList),
+    (status = 401, description = "Missing or wrong API key", body = ErrorResponse),
+))]
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
     Json(ModelList {
         object: "list".into(),
         data: vec![Model {
@@ -358,12 +274,13 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
             object: "model".into(),
             created: state.created,
             owned_by: "gpt-rs".into(),
+            max_model_len: state.limits.context,
         }],
     })
 }
 
 #[utoipa::path(get, path = "/health", responses((status = 200, body = Health)))]
-async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
+pub async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
     Json(Health {
         status: "ok".into(),
         model: state.model_name.clone(),
@@ -377,6 +294,6 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     )
 }
 
-async fn openapi() -> Json<utoipa::openapi::OpenApi> {
-    Json(ApiDoc::openapi())
+async fn openapi(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(state.openapi.clone())
 }

@@ -9,10 +9,10 @@ use crate::api::{ErrorDetail, ErrorResponse};
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
     #[error("{message}")]
-    InvalidRequest {
-        message: String,
-        param: Option<&'static str>,
-    },
+    InvalidRequest { message: String, param: Option<String> },
+    /// A prompt longer than the model's context (OpenAI's `context_length_exceeded`).
+    #[error("{0}")]
+    ContextLength(String),
     #[error("{0}")]
     Unauthorized(String),
     #[error("The model `{0}` does not exist")]
@@ -28,16 +28,16 @@ pub enum ApiError {
 }
 
 impl ApiError {
-    pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
         ApiError::InvalidRequest {
             message: message.into(),
-            param: Some(param),
+            param: Some(param.into()),
         }
     }
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::InvalidRequest { .. } | ApiError::ContextLength(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -48,7 +48,12 @@ impl ApiError {
 
     pub fn body(&self) -> ErrorResponse {
         let (kind, code, param) = match self {
-            ApiError::InvalidRequest { param, .. } => ("invalid_request_error", None, param.map(str::to_string)),
+            ApiError::InvalidRequest { param, .. } => ("invalid_request_error", None, param.clone()),
+            ApiError::ContextLength(_) => (
+                "invalid_request_error",
+                Some("context_length_exceeded"),
+                Some("prompt".into()),
+            ),
             ApiError::Unauthorized(_) => ("invalid_request_error", Some("invalid_api_key"), None),
             ApiError::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found"), Some("model".into())),
             ApiError::PayloadTooLarge(_) => ("invalid_request_error", Some("payload_too_large"), None),

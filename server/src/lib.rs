@@ -8,8 +8,11 @@ pub mod api;
 pub mod app;
 pub mod engine;
 pub mod error;
+pub mod fold;
 pub mod metrics;
+pub mod openapi;
 pub mod stream;
+pub mod tokenize;
 pub mod validation;
 
 use std::path::Path;
@@ -56,8 +59,24 @@ pub fn load_state(
         max_tokens_cap: cfg.max_tokens_cap.min(model.config().n_positions),
         max_n: 16,
         max_logprobs: 20,
-        max_stop: 4,
+        max_stop: 64,
+        max_prompts: 128,
+        alphabet: tokenizer.is_char_level().then(|| {
+            let mut chars: Vec<char> = tokenizer
+                .inner()
+                .get_vocab(true)
+                .keys()
+                .filter_map(|t| {
+                    let mut it = t.chars();
+                    it.next().filter(|_| it.next().is_none())
+                })
+                .collect();
+            chars.sort_unstable();
+            chars
+        }),
     };
+    let openapi = openapi::document(&limits);
+    let model_context = model.config().n_positions;
     let metrics = Arc::new(Metrics::new()?);
     let tokenizer = Arc::new(tokenizer);
     let engine = Engine::start(
@@ -66,6 +85,7 @@ pub fn load_state(
         EngineConfig {
             max_batch_size: cfg.max_batch_size.max(1),
             max_queue: cfg.max_queue.max(1),
+            max_prefill_tokens: 4096.max(model_context),
         },
         metrics.clone(),
     )?;
@@ -81,5 +101,6 @@ pub fn load_state(
         metrics,
         body_limit: cfg.body_limit,
         created,
+        openapi,
     }))
 }

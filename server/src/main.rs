@@ -104,6 +104,14 @@ async fn run() -> Result<()> {
     let args = Args::parse();
     let checkpoint = args.checkpoint.clone().unwrap_or_else(default_checkpoint);
     if !checkpoint.join("config.json").exists() {
+        if checkpoint.join("latest").exists() || checkpoint.join("best").exists() {
+            bail!(
+                "{} is a gpt-train run directory, not a checkpoint; serve {}/best (lowest validation loss) or {}/latest",
+                checkpoint.display(),
+                checkpoint.display(),
+                checkpoint.display()
+            );
+        }
         bail!(
             "no checkpoint at {} (config.json missing); pass --checkpoint DIR or train one with gpt-train",
             checkpoint.display()

@@ -1,5 +1,7 @@
 //! Turns a raw completion request into a valid one: one check per rule, each error naming the
-//! parameter and the allowed range. Tokenises the prompt, so it runs off the async runtime.
+//! parameter (and for a prompt, its position) and the allowed range. The numeric ranges live in
+//! one table, [`Limits::int_ranges`] and [`FLOAT_RANGES`], which the OpenAPI document states too.
+//! Tokenises the prompts, so it runs off the async runtime.
 
 use gpt::{SamplingParams, Tokenizer};
 
@@ -10,143 +12,343 @@ use crate::error::ApiError;
 #[derive(Debug, Clone)]
 pub struct Limits {
     pub vocab_size: usize,
-    /// The model's context length: prompt + max_tokens must fit.
+    /// The model's context length: a prompt may hold `context - 1` tokens.
     pub context: usize,
     pub max_tokens_cap: usize,
     pub max_n: usize,
     pub max_logprobs: usize,
+    /// Stop strings, and stop token ids, per request.
     pub max_stop: usize,
+    /// Prompts per request.
+    pub max_prompts: usize,
+    /// A character-level vocabulary's characters: a prompt with any other is refused.
+    pub alphabet: Option<Vec<char>>,
+}
+
+/// An integer parameter's allowed values, both ends included.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IntRange {
+    pub param: &'static str,
+    pub min: i64,
+    pub max: i64,
+}
+
+/// A number parameter's allowed values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FloatRange {
+    pub param: &'static str,
+    pub min: f64,
+    /// `min` itself is not allowed.
+    pub exclusive_min: bool,
+    pub max: Option<f64>,
+}
+
+pub const FLOAT_RANGES: [FloatRange; 7] = [
+    FloatRange {
+        param: "temperature",
+        min: 0.0,
+        exclusive_min: false,
+        max: None,
+    },
+    FloatRange {
+        param: "top_p",
+        min: 0.0,
+        exclusive_min: true,
+        max: Some(1.0),
+    },
+    FloatRange {
+        param: "min_p",
+        min: 0.0,
+        exclusive_min: false,
+        max: Some(1.0),
+    },
+    FloatRange {
+        param: "repetition_penalty",
+        min: 0.0,
+        exclusive_min: true,
+        max: None,
+    },
+    FloatRange {
+        param: "presence_penalty",
+        min: -2.0,
+        exclusive_min: false,
+        max: Some(2.0),
+    },
+    FloatRange {
+        param: "frequency_penalty",
+        min: -2.0,
+        exclusive_min: false,
+        max: Some(2.0),
+    },
+    FloatRange {
+        param: "length_penalty",
+        min: -10.0,
+        exclusive_min: false,
+        max: Some(10.0),
+    },
+];
+
+/// The parameters that beam search, being deterministic, does not take: each with the values that
+/// mean "not given" (beside absence).
+pub const NOT_WITH_BEAMS: [(&str, &[f64]); 8] = [
+    ("temperature", &[0.0]),
+    ("top_p", &[1.0]),
+    ("top_k", &[-1.0, 0.0]),
+    ("min_p", &[0.0]),
+    ("repetition_penalty", &[1.0]),
+    ("presence_penalty", &[0.0]),
+    ("frequency_penalty", &[0.0]),
+    ("min_tokens", &[0.0]),
+];
+
+/// `logit_bias` values.
+pub const LOGIT_BIAS: FloatRange = FloatRange {
+    param: "logit_bias",
+    min: -100.0,
+    exclusive_min: false,
+    max: Some(100.0),
+};
+
+impl Limits {
+    pub fn int_ranges(&self) -> [IntRange; 7] {
+        let cap = self.max_tokens_cap as i64;
+        let int = |param, min, max| IntRange { param, min, max };
+        [
+            int("max_tokens", 0, cap),
+            int("min_tokens", 0, cap),
+            int("top_k", -1, self.vocab_size as i64),
+            int("n", 1, self.max_n as i64),
+            int("best_of", 1, self.max_n as i64),
+            int("logprobs", 0, self.max_logprobs as i64),
+            int("seed", i64::MIN, i64::MAX),
+        ]
+    }
+
+    fn int(&self, param: &str, v: Option<i64>, default: i64) -> Result<i64, ApiError> {
+        let r = self
+            .int_ranges()
+            .into_iter()
+            .find(|r| r.param == param)
+            .ok_or_else(|| ApiError::Internal(format!("no range for {param}")))?;
+        let v = v.unwrap_or(default);
+        if (r.min..=r.max).contains(&v) {
+            Ok(v)
+        } else {
+            let msg = format!("{} must be between {} and {}, got {v}", r.param, r.min, r.max);
+            Err(ApiError::invalid(r.param, msg))
+        }
+    }
+
+    /// The token id `id` of `at` (a prompt position, say), in the vocabulary.
+    fn token(&self, param: &'static str, at: &str, id: i64) -> Result<u32, ApiError> {
+        if id < 0 || id as usize >= self.vocab_size {
+            let msg = format!("{at}: token id {id} is outside the vocabulary [0, {})", self.vocab_size);
+            return Err(ApiError::invalid(param, msg));
+        }
+        Ok(id as u32)
+    }
+}
+
+impl FloatRange {
+    pub fn contains(&self, v: f64) -> bool {
+        let above = if self.exclusive_min {
+            v > self.min
+        } else {
+            v >= self.min
+        };
+        v.is_finite() && above && self.max.is_none_or(|max| v <= max)
+    }
+
+    /// "in [-2, 2]", "in (0, 1]", ">= 0", "> 0".
+    pub fn describe(&self) -> String {
+        match (self.exclusive_min, self.max) {
+            (false, Some(max)) => format!("in [{}, {max}]", self.min),
+            (true, Some(max)) => format!("in ({}, {max}]", self.min),
+            (false, None) => format!(">= {}", self.min),
+            (true, None) => format!("> {}", self.min),
+        }
+    }
+
+    fn check(&self, v: Option<f64>, default: f64) -> Result<f64, ApiError> {
+        let v = v.unwrap_or(default);
+        if self.contains(v) {
+            Ok(v)
+        } else {
+            Err(ApiError::invalid(
+                self.param,
+                format!("{} must be {}, got {v}", self.param, self.describe()),
+            ))
+        }
+    }
+}
+
+fn float(param: &str, v: Option<f64>, default: f64) -> Result<f64, ApiError> {
+    FLOAT_RANGES
+        .iter()
+        .find(|r| r.param == param)
+        .ok_or_else(|| ApiError::Internal(format!("no range for {param}")))?
+        .check(v, default)
+}
+
+/// One prompt: its token ids, and its text (as given, or decoded from the ids).
+#[derive(Debug, Clone)]
+pub struct ValidPrompt {
+    pub ids: Vec<u32>,
+    pub text: String,
 }
 
 #[derive(Debug, Clone)]
 pub struct ValidRequest {
-    pub prompt: Vec<u32>,
-    pub prompt_text: String,
+    pub prompts: Vec<ValidPrompt>,
     pub max_tokens: usize,
-    /// For choice i the seed is `sampling.seed + i`.
+    /// Tokens generated before the end-of-text token, a stop token or a stop string may end a
+    /// choice.
+    pub min_tokens: usize,
+    /// For candidate i of a prompt the seed is `sampling.seed + i`.
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// Choices returned per prompt.
     pub n: usize,
+    /// Candidates generated per prompt (>= n); the n with the highest cumulative logprob are
+    /// returned.
+    pub best_of: usize,
     pub logprobs: Option<usize>,
     pub echo: bool,
     pub stream: bool,
     pub include_usage: bool,
+    /// Beam search instead of sampling: `best_of` beams, scored with this length penalty.
+    pub beam_search: Option<f32>,
 }
 
-fn in_range(
-    param: &'static str,
-    v: Option<f64>,
-    default: f64,
-    ok: impl Fn(f64) -> bool,
-    range: &str,
-) -> Result<f64, ApiError> {
-    let v = v.unwrap_or(default);
-    if v.is_finite() && ok(v) {
-        Ok(v)
-    } else {
-        Err(ApiError::invalid(param, format!("{param} must be {range}, got {v}")))
+/// Tokenises and checks one prompt; `at` names it in errors (`prompt`, `prompt[3]`).
+fn prompt_ids(
+    text: Option<&str>,
+    ids: Option<&[i64]>,
+    at: &str,
+    tokenizer: &Tokenizer,
+    limits: &Limits,
+) -> Result<ValidPrompt, ApiError> {
+    let prompt = match (text, ids) {
+        (Some(text), _) => {
+            if text.is_empty() {
+                return Err(ApiError::invalid("prompt", format!("{at} must not be empty")));
+            }
+            let ids = tokenizer
+                .encode(text)
+                .map_err(|e| ApiError::invalid("prompt", format!("{at}: {e}")))?;
+            ValidPrompt {
+                ids,
+                text: text.to_string(),
+            }
+        }
+        (None, Some(ids)) => {
+            if ids.is_empty() {
+                return Err(ApiError::invalid("prompt", format!("{at} must not be empty")));
+            }
+            let ids = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| limits.token("prompt", &format!("{at}[{i}]"), id))
+                .collect::<Result<Vec<u32>, _>>()?;
+            let text = tokenizer.decode(&ids)?;
+            ValidPrompt { ids, text }
+        }
+        (None, None) => return Err(ApiError::invalid("prompt", format!("{at} must not be empty"))),
+    };
+    if prompt.ids.is_empty() {
+        return Err(ApiError::invalid("prompt", format!("{at} encodes to no tokens")));
+    }
+    if prompt.ids.len() >= limits.context {
+        return Err(ApiError::ContextLength(format!(
+            "{at} has {} tokens, but this model's context length is {} tokens and a prompt must leave room for \
+             one more: shorten it to at most {} tokens",
+            prompt.ids.len(),
+            limits.context,
+            limits.context - 1
+        )));
+    }
+    Ok(prompt)
+}
+
+fn prompts(prompt: Prompt, tokenizer: &Tokenizer, limits: &Limits) -> Result<Vec<ValidPrompt>, ApiError> {
+    let count = match &prompt {
+        Prompt::Texts(v) => v.len(),
+        Prompt::TokenLists(v) => v.len(),
+        _ => 1,
+    };
+    if count > limits.max_prompts {
+        let msg = format!("at most {} prompts per request, got {count}", limits.max_prompts);
+        return Err(ApiError::invalid("prompt", msg));
+    }
+    match prompt {
+        Prompt::Text(text) => Ok(vec![prompt_ids(Some(&text), None, "prompt", tokenizer, limits)?]),
+        Prompt::Tokens(ids) => Ok(vec![prompt_ids(None, Some(&ids), "prompt", tokenizer, limits)?]),
+        Prompt::Texts(texts) => texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| prompt_ids(Some(t), None, &format!("prompt[{i}]"), tokenizer, limits))
+            .collect(),
+        Prompt::TokenLists(lists) => {
+            if lists.is_empty() {
+                return Err(ApiError::invalid("prompt", "prompt must not be empty"));
+            }
+            lists
+                .iter()
+                .enumerate()
+                .map(|(i, ids)| prompt_ids(None, Some(ids), &format!("prompt[{i}]"), tokenizer, limits))
+                .collect()
+        }
     }
 }
 
 pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) -> Result<ValidRequest, ApiError> {
-    let (prompt, prompt_text) = match req.prompt {
-        Prompt::Text(text) => {
-            if text.is_empty() {
-                return Err(ApiError::invalid("prompt", "prompt must not be empty"));
-            }
-            (tokenizer.encode(&text)?, text)
-        }
-        Prompt::Tokens(ids) => {
-            if ids.is_empty() {
-                return Err(ApiError::invalid("prompt", "prompt must not be empty"));
-            }
-            let mut out = Vec::with_capacity(ids.len());
-            for id in ids {
-                if id < 0 || id as usize >= limits.vocab_size {
-                    return Err(ApiError::invalid(
-                        "prompt",
-                        format!("token id {id} is outside the vocabulary [0, {})", limits.vocab_size),
-                    ));
-                }
-                out.push(id as u32);
-            }
-            let text = tokenizer.decode(&out)?;
-            (out, text)
-        }
+    let beam_search = match req.use_beam_search.unwrap_or(false) {
+        true => Some(beam_search_settings(&req)? as f32),
+        false => None,
     };
-    if prompt.is_empty() {
-        return Err(ApiError::invalid("prompt", "the prompt encodes to no tokens"));
-    }
-
-    let max_tokens = req.max_tokens.unwrap_or(16);
-    if max_tokens < 1 || max_tokens as usize > limits.max_tokens_cap {
-        return Err(ApiError::invalid(
-            "max_tokens",
-            format!(
-                "max_tokens must be between 1 and {}, got {max_tokens}",
-                limits.max_tokens_cap
-            ),
-        ));
-    }
-    let max_tokens = max_tokens as usize;
-    if prompt.len() + max_tokens > limits.context {
-        return Err(ApiError::invalid(
-            "max_tokens",
-            format!(
-                "this model's context length is {} tokens, but the prompt ({} tokens) plus max_tokens ({max_tokens}) \
-                 needs {}; shorten the prompt or lower max_tokens",
-                limits.context,
-                prompt.len(),
-                prompt.len() + max_tokens
-            ),
-        ));
-    }
-
-    let temperature = in_range("temperature", req.temperature, 1.0, |t| t >= 0.0, "a number >= 0")?;
-    let top_p = in_range("top_p", req.top_p, 1.0, |p| p > 0.0 && p <= 1.0, "in (0, 1]")?;
-    let top_k = match req.top_k.unwrap_or(-1) {
-        -1 | 0 => None,
+    let prompts = prompts(req.prompt, tokenizer, limits)?;
+    let max_tokens = limits.int("max_tokens", req.max_tokens, 16)? as usize;
+    let min_tokens = limits.int("min_tokens", req.min_tokens, 0)? as usize;
+    let temperature = float("temperature", req.temperature, 1.0)?;
+    let top_p = float("top_p", req.top_p, 1.0)?;
+    let min_p = float("min_p", req.min_p, 0.0)?;
+    let top_k = match limits.int("top_k", req.top_k, -1)? {
         k if k > 0 => Some(k as usize),
-        k => {
-            return Err(ApiError::invalid(
-                "top_k",
-                format!("top_k must be -1, 0 or positive, got {k}"),
-            ))
-        }
+        _ => None,
     };
-    let repetition_penalty = in_range("repetition_penalty", req.repetition_penalty, 1.0, |p| p > 0.0, "> 0")?;
-    let presence_penalty = in_range(
-        "presence_penalty",
-        req.presence_penalty,
-        0.0,
-        |p| (-2.0..=2.0).contains(&p),
-        "in [-2, 2]",
-    )?;
-    let frequency_penalty = in_range(
-        "frequency_penalty",
-        req.frequency_penalty,
-        0.0,
-        |p| (-2.0..=2.0).contains(&p),
-        "in [-2, 2]",
-    )?;
-
-    let n = req.n.unwrap_or(1);
-    if n < 1 || n as usize > limits.max_n {
-        return Err(ApiError::invalid(
-            "n",
-            format!("n must be between 1 and {}, got {n}", limits.max_n),
-        ));
-    }
+    let repetition_penalty = float("repetition_penalty", req.repetition_penalty, 1.0)?;
+    let presence_penalty = float("presence_penalty", req.presence_penalty, 0.0)?;
+    let frequency_penalty = float("frequency_penalty", req.frequency_penalty, 0.0)?;
+    float("length_penalty", req.length_penalty, 1.0)?; // checked even where it is ignored
+    let seed = limits.int("seed", req.seed, 0)?;
+    let n = limits.int("n", req.n, 1)? as usize;
+    let best_of = (limits.int("best_of", req.best_of, n as i64)? as usize).max(n);
     let logprobs = match req.logprobs {
         None => None,
-        Some(k) if k >= 0 && k as usize <= limits.max_logprobs => Some(k as usize),
-        Some(k) => {
-            return Err(ApiError::invalid(
-                "logprobs",
-                format!("logprobs must be between 0 and {}, got {k}", limits.max_logprobs),
-            ))
-        }
+        some => Some(limits.int("logprobs", some, 0)? as usize),
     };
+    let mut logit_bias = Vec::new();
+    for (key, &bias) in req.logit_bias.iter().flatten() {
+        // Decimal without sign or leading zeros, as the document's pattern says.
+        let id = key
+            .parse::<i64>()
+            .ok()
+            .filter(|id| id.to_string() == *key)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("logit_bias keys must be token ids in decimal, got {key:?}"),
+                )
+            })?;
+        let id = limits.token("logit_bias", &format!("logit_bias[{key:?}]"), id)?;
+        if !LOGIT_BIAS.contains(bias) {
+            let msg = format!("logit_bias[{key:?}] must be {}, got {bias}", LOGIT_BIAS.describe());
+            return Err(ApiError::invalid("logit_bias", msg));
+        }
+        logit_bias.push((id, bias as f32));
+    }
     let stop = match req.stop {
         None => vec![],
         Some(Stop::One(s)) => vec![s],
@@ -158,17 +360,21 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
             format!("stop must be up to {} non-empty strings", limits.max_stop),
         ));
     }
-    let stream = req.stream.unwrap_or(false);
-    if req.stream_options.is_some() && !stream {
-        return Err(ApiError::invalid(
-            "stream_options",
-            "stream_options is only allowed with stream: true",
-        ));
+    let stop_token_ids = req.stop_token_ids.unwrap_or_default();
+    if stop_token_ids.len() > limits.max_stop {
+        let msg = format!("stop_token_ids must be up to {} token ids", limits.max_stop);
+        return Err(ApiError::invalid("stop_token_ids", msg));
     }
+    let stop_token_ids = stop_token_ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| limits.token("stop_token_ids", &format!("stop_token_ids[{i}]"), id))
+        .collect::<Result<Vec<u32>, _>>()?;
+    let stream = req.stream.unwrap_or(false);
     Ok(ValidRequest {
-        prompt,
-        prompt_text,
+        prompts,
         max_tokens,
+        min_tokens,
         sampling: SamplingParams {
             temperature,
             top_p: Some(top_p),
@@ -176,13 +382,59 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
             repetition_penalty: repetition_penalty as f32,
             presence_penalty: presence_penalty as f32,
             frequency_penalty: frequency_penalty as f32,
-            seed: req.seed.map_or_else(rand::random, |s| s as u64),
+            logit_bias,
+            min_p,
+            seed: match req.seed {
+                Some(_) => seed as u64,
+                None => rand::random(),
+            },
         },
         stop,
-        n: n as usize,
+        stop_token_ids,
+        ignore_eos: req.ignore_eos.unwrap_or(false),
+        n,
+        best_of,
         logprobs,
         echo: req.echo.unwrap_or(false),
         stream,
-        include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+        include_usage: stream && req.stream_options.is_some_and(|o| o.include_usage),
+        beam_search,
     })
+}
+
+/// Beam search's length penalty, after checking that the request asks for nothing beam search
+/// cannot do: sampling parameters ([`NOT_WITH_BEAMS`]), `logit_bias`, `ignore_eos`,
+/// `stop_token_ids`.
+fn beam_search_settings(req: &CompletionRequest) -> Result<f64, ApiError> {
+    let given: [(&str, Option<f64>); 8] = [
+        ("temperature", req.temperature),
+        ("top_p", req.top_p),
+        ("top_k", req.top_k.map(|k| k as f64)),
+        ("min_p", req.min_p),
+        ("repetition_penalty", req.repetition_penalty),
+        ("presence_penalty", req.presence_penalty),
+        ("frequency_penalty", req.frequency_penalty),
+        ("min_tokens", req.min_tokens.map(|k| k as f64)),
+    ];
+    for ((param, value), (_, neutral)) in given.iter().zip(NOT_WITH_BEAMS) {
+        if let Some(v) = value.filter(|v| !neutral.contains(v)) {
+            return Err(ApiError::invalid(
+                *param,
+                format!("beam search is deterministic: {param} ({v}) cannot be used with use_beam_search"),
+            ));
+        }
+    }
+    let others = [
+        ("logit_bias", req.logit_bias.as_ref().is_some_and(|b| !b.is_empty())),
+        ("ignore_eos", req.ignore_eos == Some(true)),
+        (
+            "stop_token_ids",
+            req.stop_token_ids.as_ref().is_some_and(|t| !t.is_empty()),
+        ),
+    ];
+    if let Some((param, _)) = others.iter().find(|(_, set)| *set) {
+        let msg = format!("{param} cannot be used with use_beam_search");
+        return Err(ApiError::invalid(*param, msg));
+    }
+    float("length_penalty", req.length_penalty, 1.0)
 }

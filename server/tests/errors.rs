@@ -25,19 +25,60 @@ async fn invalid_parameters_are_400_naming_the_parameter() -> anyhow::Result<()>
         (json!({"prompt": "hi", "temperature": -0.5}), "temperature", ">= 0"),
         (json!({"prompt": "hi", "top_p": 0}), "top_p", "(0, 1]"),
         (json!({"prompt": "hi", "top_p": 1.5}), "top_p", "(0, 1]"),
-        (json!({"prompt": "hi", "max_tokens": 0}), "max_tokens", "between 1 and"),
         (
             json!({"prompt": "hi", "max_tokens": 5000}),
             "max_tokens",
-            "between 1 and",
+            "between 0 and 64",
         ),
+        (json!({"prompt": "hi", "min_tokens": -1}), "min_tokens", "between 0 and"),
+        (json!({"prompt": "hi", "min_p": 1.5}), "min_p", "[0, 1]"),
+        (json!({"prompt": "hi", "best_of": 17}), "best_of", "between 1 and 16"),
+        (
+            json!({"prompt": "hi", "logit_bias": {"5": 101}}),
+            "logit_bias",
+            "[-100, 100]",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": {"320": 1}}),
+            "logit_bias",
+            "outside the vocabulary",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": {"05": 1}}),
+            "logit_bias",
+            "in decimal",
+        ),
+        (
+            json!({"prompt": "hi", "stop_token_ids": [3, 320]}),
+            "stop_token_ids",
+            "stop_token_ids[1]",
+        ),
+        (json!({"prompt": ["hi", ""]}), "prompt", "prompt[1] must not be empty"),
+        (
+            json!({"prompt": [[1, 2], [3, 400]]}),
+            "prompt",
+            "prompt[1][1]: token id 400",
+        ),
+        (json!({"prompt": ["a", 1]}), "prompt", "prompt[1] must be a string"),
+        (json!({"prompt": "hi", "suffix": "!"}), "suffix", "not supported"),
+        (
+            json!({"prompt": "hi", "early_stopping": true}),
+            "early_stopping",
+            "not supported",
+        ),
+        (
+            json!({"prompt": "hi", "length_penalty": 11}),
+            "length_penalty",
+            "[-10, 10]",
+        ),
+        (json!({"prompt": "hi", "bogus": 1}), "bogus", "unknown field"),
         (json!({"prompt": ""}), "prompt", "empty"),
         (json!({"prompt": []}), "prompt", "empty"),
         (json!({"prompt": [1, 2, 320]}), "prompt", "outside the vocabulary"),
         (json!({"prompt": [-1]}), "prompt", "outside the vocabulary"),
         (json!({"prompt": "hi", "n": 0}), "n", "between 1 and"),
         (json!({"prompt": "hi", "logprobs": 99}), "logprobs", "between 0 and"),
-        (json!({"prompt": "hi", "top_k": -5}), "top_k", "-1, 0 or positive"),
+        (json!({"prompt": "hi", "top_k": -5}), "top_k", "between -1 and 320"),
         (
             json!({"prompt": "hi", "presence_penalty": 3}),
             "presence_penalty",
@@ -48,26 +89,26 @@ async fn invalid_parameters_are_400_naming_the_parameter() -> anyhow::Result<()>
             "repetition_penalty",
             "> 0",
         ),
-        (
-            json!({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}),
-            "stop",
-            "up to 4",
-        ),
-        (
-            json!({"prompt": "hi", "stream_options": {"include_usage": true}}),
-            "stream_options",
-            "stream",
-        ),
+        (json!({"prompt": "hi", "stop": vec!["a"; 65]}), "stop", "up to 64"),
+        (json!({"prompt": "hi", "stop": ["a", ""]}), "stop", "non-empty"),
     ];
     for (body, param, words) in cases {
         let (status, resp) = server.post(body.clone()).await?;
         assert_error(status, &resp, 400, Some(param), &[words]);
     }
-    // prompt + max_tokens over the 64-token context: both numbers in the message.
+    // A prompt that leaves no room in the 64-token context: OpenAI's code, and both numbers.
+    let (status, resp) = server.post(json!({"prompt": vec![5; 64]})).await?;
+    assert_error(status, &resp, 400, Some("prompt"), &["64 tokens", "at most 63"]);
+    assert_eq!(resp["error"]["code"], "context_length_exceeded");
+    let (status, resp) = server.post(json!({"prompt": [vec![5; 3], vec![5; 70]]})).await?;
+    assert_error(status, &resp, 400, Some("prompt"), &["prompt[1] has 70 tokens"]);
+    // A prompt that fits with max_tokens beyond the context: generation stops at the context.
     let (status, resp) = server
-        .post(json!({"prompt": "First Citizen:", "max_tokens": 62}))
+        .post(json!({"prompt": vec![5; 60], "max_tokens": 64, "temperature": 0, "ignore_eos": true}))
         .await?;
-    assert_error(status, &resp, 400, Some("max_tokens"), &["64", "62", "3 tokens"]);
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(resp["usage"]["completion_tokens"], 4);
+    assert_eq!(resp["choices"][0]["finish_reason"], "length");
     Ok(())
 }
 
@@ -216,7 +257,7 @@ async fn health_models_metrics_and_openapi() -> anyhow::Result<()> {
     server
         .post(json!({"prompt": "hi", "max_tokens": 3, "temperature": 0}))
         .await?;
-    server.post(json!({"prompt": "hi", "max_tokens": 0})).await?;
+    server.post(json!({"prompt": "hi", "temperature": -1})).await?;
     let metrics = server.metrics().await?;
     for line in [
         "gpt_requests_total{status=\"200\"} 1",

@@ -18,7 +18,8 @@ use candle_nn::VarMap;
 use gpt::{Config, Gpt};
 use gpt_train::init::seeded_var_builder;
 use gpt_train::optim::{clip_grad_norm, AdamW, AdamWConfig};
-use gpt_train::train::{accumulate_grads, cpu_threads, use_shard_parallelism};
+use gpt_train::step::accumulate_grads;
+use gpt_train::train::{cpu_threads, use_shard_parallelism};
 
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
@@ -57,9 +58,12 @@ fn main() -> anyhow::Result<()> {
     if device.is_cuda() {
         candle_core::cuda::set_gemm_reduced_precision_f32(std::env::var("TF32").map_or(true, |v| v != "0"));
     }
-    gpt::ops::set_autocast_bf16(std::env::var("AUTOCAST").is_ok_and(|v| v == "bf16"));
+    let autocast = match std::env::var("AUTOCAST").as_deref() {
+        Ok("bf16") => gpt::Autocast::Bf16,
+        _ => gpt::Autocast::Off,
+    };
     let varmap = VarMap::new();
-    let model = Gpt::new(seeded_var_builder(&varmap, 0, &device), &cfg)?;
+    let model = Gpt::new(seeded_var_builder(&varmap, 0, &device), &cfg)?.with_autocast(autocast);
     let mut named: Vec<(String, Var)> = varmap
         .all_vars()
         .into_iter()
@@ -85,7 +89,7 @@ fn main() -> anyhow::Result<()> {
         let (x, y) = (t.narrow(1, 0, block)?, t.narrow(1, 1, block)?);
         let t0 = Instant::now();
         let shards = if device.is_cpu() { threads } else { 1 };
-        let (_, mut g) = accumulate_grads(&model, &vars, &[(x, y)], shards)?;
+        let (_, mut g) = accumulate_grads(&model, &vars, &[(x, y)], shards, Default::default())?;
         let t1 = t0;
         let t2 = Instant::now();
         clip_grad_norm(&mut g, 1.0)?;
@@ -107,7 +111,7 @@ fn main() -> anyhow::Result<()> {
             "impl": "candle",
             "shape": shape,
             "device": gpt::device_name(&device),
-            "autocast_bf16": gpt::ops::autocast_bf16(),
+            "autocast_bf16": model.autocast() == gpt::Autocast::Bf16,
             "threads": if device.is_cpu() { threads } else { 0 },
             "batch_size": batch,
             "block_size": block,

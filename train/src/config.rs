@@ -26,80 +26,116 @@ pub struct TrainArgs {
     /// Validation text; by default the last --val-fraction of the training tokens.
     #[arg(long, conflicts_with = "val_fraction")]
     pub val_data: Option<PathBuf>,
+    /// Share of the training tokens held out for validation, from the end [default: 0.1].
     #[arg(long)]
     pub val_fraction: Option<f64>,
-    /// auto, cpu, cuda or cuda:N.
+    /// auto (a CUDA GPU if this build has CUDA and one answers, else the CPU), cpu, cuda or
+    /// cuda:N [default: auto].
     #[arg(long)]
     pub device: Option<String>,
-    /// Continue the run checkpointed in --out.
+    /// Continue the run checkpointed in --out, from its newest complete checkpoint.
     #[arg(long)]
     pub resume: bool,
-    /// CPU threads: each batch is split into this many shards trained in parallel (default: all
-    /// cores). Runs are reproducible for a given value.
+    /// Fine-tune: start from this GPT-2-layout checkpoint (one trained here, or GPT-2 from the
+    /// Hub), with its config and tokenizer, as nanoGPT's `init_from`; model flags must agree with
+    /// it (--dropout may change).
+    #[arg(long, conflicts_with = "resume")]
+    pub init_from: Option<PathBuf>,
+    /// Complete checkpoints kept in OUT/checkpoints, the newest ones [default: 1].
+    #[arg(long)]
+    pub keep_last: Option<usize>,
+    /// CPU threads: each batch is split into this many shards trained in parallel; runs are
+    /// reproducible for a given value [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
     /// On a CUDA GPU, f32 matrix products in TF32 (tensor cores; PyTorch's `allow_tf32`, which
-    /// nanoGPT sets). Default true.
+    /// nanoGPT sets) [default: true].
     #[arg(long)]
     pub tf32: Option<bool>,
-    /// Mixed precision, nanoGPT's `dtype`: `bf16` multiplies matrices in bf16 (f32 parameters,
-    /// gradients and optimizer state, as `torch.autocast`); `f32` (default) does not.
+    /// Mixed precision, nanoGPT's `dtype`: bf16 multiplies matrices in bf16 (f32 parameters,
+    /// gradients and optimizer state, as `torch.autocast`) [default: f32].
     #[arg(long, value_parser = ["f32", "bf16"])]
     pub dtype: Option<String>,
 
-    /// Model preset: tiny, shakespeare-char (default) or gpt2; the flags below override it.
+    /// Model shape: tiny, shakespeare-char (nanoGPT's baby GPT) or gpt2 (GPT-2 small); the flags
+    /// below override it [default: shakespeare-char].
     #[arg(long)]
     pub preset: Option<String>,
+    /// Transformer blocks [default: the preset's; shakespeare-char 6].
     #[arg(long)]
     pub n_layer: Option<usize>,
+    /// Attention heads per block; must divide --n-embd [default: the preset's; shakespeare-char 6].
     #[arg(long)]
     pub n_head: Option<usize>,
+    /// Width of the residual stream [default: the preset's; shakespeare-char 384].
     #[arg(long)]
     pub n_embd: Option<usize>,
-    /// Context length (the model's n_positions) and training window.
+    /// Context length (the model's n_positions) and training window [default: the preset's;
+    /// shakespeare-char 256].
     #[arg(long)]
     pub block_size: Option<usize>,
+    /// Dropout probability of the embeddings, attention weights and residual branches
+    /// [default: the preset's; shakespeare-char 0.2].
     #[arg(long)]
     pub dropout: Option<f32>,
-    /// learned (GPT-2) or sinusoidal (the original transformer).
+    /// learned (GPT-2) or sinusoidal (the original transformer) [default: learned].
     #[arg(long)]
     pub position_embedding: Option<String>,
-    /// false: no biases in linear layers and LayerNorms (nanoGPT's `bias=False`; kept as zeros).
+    /// false: no biases in linear layers and LayerNorms (nanoGPT's `bias=False`; kept as zeros)
+    /// [default: true].
     #[arg(long)]
     pub bias: Option<bool>,
 
+    /// Sequences per micro-batch [default: 64].
     #[arg(long)]
     pub batch_size: Option<usize>,
+    /// Optimisation steps in all [default: 5000].
     #[arg(long)]
     pub max_iters: Option<usize>,
+    /// Peak learning rate, after warm-up [default: 0.001].
     #[arg(long)]
     pub learning_rate: Option<f64>,
+    /// Learning rate at the end of the decay [default: 0.0001].
     #[arg(long)]
     pub min_lr: Option<f64>,
+    /// Steps of linear warm-up [default: 100].
     #[arg(long)]
     pub warmup_iters: Option<usize>,
-    /// Step at which the cosine schedule reaches --min-lr (default: --max-iters).
+    /// Step at which the cosine schedule reaches --min-lr [default: --max-iters].
     #[arg(long)]
     pub lr_decay_iters: Option<usize>,
+    /// Learning-rate schedule [default: cosine].
     #[arg(long, value_enum)]
     pub lr_schedule: Option<ScheduleKind>,
+    /// AdamW's decoupled weight decay, on matrices only [default: 0.1].
     #[arg(long)]
     pub weight_decay: Option<f64>,
+    /// AdamW's first-moment decay [default: 0.9].
     #[arg(long)]
     pub beta1: Option<f64>,
+    /// AdamW's second-moment decay [default: 0.99].
     #[arg(long)]
     pub beta2: Option<f64>,
-    /// Clip gradients to this global norm (0 disables).
+    /// Clip gradients to this global norm; 0 disables [default: 1].
     #[arg(long)]
     pub grad_clip: Option<f64>,
+    /// Label smoothing ε of the training loss, as PyTorch's `cross_entropy(label_smoothing=ε)`
+    /// (the original transformer used 0.1); evaluation stays plain NLL [default: 0].
+    #[arg(long)]
+    pub label_smoothing: Option<f64>,
+    /// Micro-batches whose gradients are summed into each step [default: 1].
     #[arg(long)]
     pub gradient_accumulation_steps: Option<usize>,
+    /// Steps between evaluations (each saves a checkpoint) [default: 250].
     #[arg(long)]
     pub eval_interval: Option<usize>,
+    /// Batches per split in each evaluation [default: 200].
     #[arg(long)]
     pub eval_iters: Option<usize>,
+    /// Steps between lines in metrics.jsonl [default: 10].
     #[arg(long)]
     pub log_interval: Option<usize>,
+    /// Seed of the initial weights, the batches and the dropout masks [default: 1337].
     #[arg(long)]
     pub seed: Option<u64>,
 }
@@ -124,6 +160,12 @@ pub struct RunConfig {
     pub beta1: f64,
     pub beta2: f64,
     pub grad_clip: f64,
+    /// (Absent from runs saved before it existed: 0.)
+    #[serde(default)]
+    pub label_smoothing: f64,
+    /// The checkpoint the run was fine-tuned from, if any.
+    #[serde(default)]
+    pub init_from: Option<PathBuf>,
     pub gradient_accumulation_steps: usize,
     pub eval_interval: usize,
     pub eval_iters: usize,
@@ -140,14 +182,28 @@ fn parse_position_embedding(s: &str) -> Result<PositionEmbedding> {
 }
 
 impl TrainArgs {
-    /// The model's shape: from the preset and flags, or checked against `saved` when resuming.
-    fn model_config(&self, vocab_size: usize, saved: Option<&Config>) -> Result<Config> {
+    /// The model's shape: from the preset and flags, or checked against `base`: the checkpoint
+    /// being resumed, or with `init_from` the one being fine-tuned (whose dropout may change).
+    fn model_config(&self, vocab_size: usize, saved: Option<&Config>, init_from: bool) -> Result<Config> {
+        let what = if init_from {
+            format!(
+                "the --init-from checkpoint {}",
+                self.init_from.as_deref().unwrap_or(std::path::Path::new("")).display()
+            )
+        } else {
+            "the checkpoint being resumed".to_string()
+        };
         let position = self
             .position_embedding
             .as_deref()
             .map(parse_position_embedding)
             .transpose()?;
         if let Some(saved) = saved {
+            let dropout = if init_from {
+                None
+            } else {
+                self.dropout.map(|v| v.to_string())
+            };
             let checks: [(&str, Option<String>, String); 7] = [
                 ("--bias", self.bias.map(|v| v.to_string()), saved.bias.to_string()),
                 (
@@ -162,11 +218,7 @@ impl TrainArgs {
                     self.block_size.map(|v| v.to_string()),
                     saved.n_positions.to_string(),
                 ),
-                (
-                    "--dropout",
-                    self.dropout.map(|v| v.to_string()),
-                    saved.resid_pdrop.to_string(),
-                ),
+                ("--dropout", dropout, saved.resid_pdrop.to_string()),
                 (
                     "--position-embedding",
                     position.map(|p| format!("{p:?}")),
@@ -176,7 +228,7 @@ impl TrainArgs {
             for (flag, given, have) in checks {
                 if let Some(given) = given {
                     if given != have {
-                        bail!("{flag} {given} disagrees with the checkpoint being resumed ({have})");
+                        bail!("{flag} {given} disagrees with {what} ({have})");
                     }
                 }
             }
@@ -185,16 +237,20 @@ impl TrainArgs {
                 if self.n_layer.is_none()
                     && (p.n_layer, p.n_head, p.n_embd) != (saved.n_layer, saved.n_head, saved.n_embd)
                 {
-                    bail!("--preset {preset} disagrees with the checkpoint being resumed");
+                    bail!("--preset {preset} disagrees with {what}");
                 }
             }
-            if saved.vocab_size != vocab_size {
+            if saved.vocab_size < vocab_size {
                 bail!(
-                    "the tokenizer has {vocab_size} tokens but the checkpoint's model has vocab_size {}",
+                    "the tokenizer has {vocab_size} tokens but the model of {what} has vocab_size {}",
                     saved.vocab_size
                 );
             }
-            return Ok(saved.clone());
+            let mut cfg = saved.clone();
+            if let (true, Some(p)) = (init_from, self.dropout) {
+                (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) = (p, p, p);
+            }
+            return Ok(cfg);
         }
         let mut cfg = Config::preset(self.preset.as_deref().unwrap_or("shakespeare-char"), Some(vocab_size))?;
         cfg.n_layer = self.n_layer.unwrap_or(cfg.n_layer);
@@ -210,8 +266,14 @@ impl TrainArgs {
         Ok(cfg)
     }
 
-    /// Resolves every setting (see the module docs).
-    pub fn resolve(&self, vocab_size: usize, saved: Option<&RunConfig>) -> Result<RunConfig> {
+    /// Resolves every setting (see the module docs). `init_from` is the config of the checkpoint a
+    /// new run fine-tunes.
+    pub fn resolve(
+        &self,
+        vocab_size: usize,
+        saved: Option<&RunConfig>,
+        init_from: Option<&Config>,
+    ) -> Result<RunConfig> {
         macro_rules! pick {
             ($field:ident, $default:expr) => {
                 self.$field
@@ -220,7 +282,11 @@ impl TrainArgs {
                     .unwrap_or($default)
             };
         }
-        let model = self.model_config(vocab_size, saved.map(|s| &s.model))?;
+        let model = match (saved, init_from) {
+            (Some(s), _) => self.model_config(vocab_size, Some(&s.model), false)?,
+            (None, Some(base)) => self.model_config(vocab_size, Some(base), true)?,
+            (None, None) => self.model_config(vocab_size, None, false)?,
+        };
         let data = match (&self.data[..], saved) {
             ([], Some(s)) => s.data.clone(),
             ([], None) => bail!("no training data: pass --data FILE"),
@@ -244,6 +310,8 @@ impl TrainArgs {
             beta1: pick!(beta1, 0.9),
             beta2: pick!(beta2, 0.99),
             grad_clip: pick!(grad_clip, 1.0),
+            label_smoothing: pick!(label_smoothing, 0.0),
+            init_from: self.init_from.clone().or(saved.and_then(|s| s.init_from.clone())),
             gradient_accumulation_steps: pick!(gradient_accumulation_steps, 1),
             eval_interval: pick!(eval_interval, 250),
             eval_iters: pick!(eval_iters, 200),
@@ -281,6 +349,9 @@ impl RunConfig {
         }
         if self.weight_decay < 0.0 || self.grad_clip < 0.0 {
             bail!("--weight-decay and --grad-clip must not be negative");
+        }
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            bail!("--label-smoothing must be in [0, 1), got {}", self.label_smoothing);
         }
         Ok(())
     }

@@ -1,31 +1,74 @@
-//! Training data: text files → token ids, cached once as a flat little-endian file (u16 when the
-//! vocabulary fits, else u32) under `OUT/tokens/`, memory-mapped, split into train and val, and
-//! read as random contiguous windows of block_size + 1 tokens from a seeded RNG.
+//! Training data: text files (or directories of `.txt` files), each a document, → token ids,
+//! documents separated by the end-of-text token where the tokenizer has one. Tokenised once,
+//! streamed piece by piece into a flat little-endian file (u16 when the vocabulary fits, else u32)
+//! under `OUT/tokens/`, so that a corpus of any size needs little memory; memory-mapped, split
+//! into train and val, and read as random contiguous windows of block_size + 1 tokens from a
+//! seeded RNG.
 
-use std::hash::{Hash, Hasher};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
-use gpt::checkpoint::write_atomic;
+use gpt::files::write_atomic;
 use gpt::Tokenizer;
 use memmap2::Mmap;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-/// Reads a corpus file as UTF-8, rejecting empty and non-UTF-8 files by name.
+/// Bytes of text tokenised at a time: the tokenizer's encoding of a piece (a string and offsets
+/// per token) takes about 200 bytes per token, so pieces stay small.
+const PIECE: usize = 64 << 10;
+
+/// The documents of `--data`: each file, and the `.txt` files under each directory (recursively,
+/// sorted by path). A directory without any is an error naming it.
+pub fn documents(data: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+            .with_context(|| format!("reading {}", dir.display()))?
+            .map(|e| Ok(e?.path()))
+            .collect::<std::io::Result<_>>()
+            .with_context(|| format!("reading {}", dir.display()))?;
+        entries.sort();
+        for path in entries {
+            if path.is_dir() {
+                walk(&path, out)?;
+            } else if path.extension().is_some_and(|e| e == "txt") {
+                out.push(path);
+            }
+        }
+        Ok(())
+    }
+    let mut files = Vec::new();
+    for path in data {
+        if path.is_dir() {
+            let before = files.len();
+            walk(path, &mut files)?;
+            if files.len() == before {
+                bail!("{} holds no .txt files", path.display());
+            }
+        } else {
+            files.push(path.clone());
+        }
+    }
+    Ok(files)
+}
+
+/// Reads a text file whole as UTF-8 (for evaluation), rejecting empty and non-UTF-8 files by name.
 pub fn read_text(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    if bytes.is_empty() {
+    let text = gpt::files::read_utf8(path)?;
+    if text.is_empty() {
         bail!("{} is empty", path.display());
     }
-    String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!(
-            "{} is not UTF-8 text (invalid byte at offset {})",
-            path.display(),
-            e.utf8_error().valid_up_to()
-        )
-    })
+    Ok(text)
+}
+
+/// Checks that a corpus file is non-empty UTF-8 (reading it piece by piece); errors name it.
+pub fn check_text(path: &Path) -> Result<()> {
+    if gpt::files::for_each_piece(path, PIECE, |_| Ok(()))? == 0 {
+        bail!("{} is empty", path.display());
+    }
+    Ok(())
 }
 
 /// One split's tokens, memory-mapped.
@@ -109,25 +152,86 @@ fn fingerprint(path: &Path) -> Result<(PathBuf, u64, u128)> {
     ))
 }
 
-fn encode_files(files: &[PathBuf], tokenizer: &Tokenizer) -> Result<Vec<u32>> {
-    let mut ids = Vec::new();
-    for path in files {
-        let text = read_text(path)?;
-        ids.extend(
-            tokenizer
-                .encode(&text)
-                .with_context(|| format!("tokenising {}", path.display()))?,
-        );
-    }
-    Ok(ids)
+/// A progress bar over bytes on a terminal.
+fn progress(total: u64) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal().then(|| {
+        let bar = indicatif::ProgressBar::new(total);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "tokenising {bar:30.cyan/blue} {bytes}/{total_bytes} ({bytes_per_sec}, ETA {eta})",
+        ) {
+            bar.set_style(style);
+        }
+        bar
+    })
 }
 
-fn write_tokens(path: &Path, ids: &[u32], width: usize) -> Result<()> {
-    let bytes: Vec<u8> = match width {
-        2 => ids.iter().flat_map(|&id| (id as u16).to_le_bytes()).collect(),
-        _ => ids.iter().flat_map(|&id| id.to_le_bytes()).collect(),
+/// Tokenises `files` as documents into `path`, tokens of `width` bytes, piece by piece; returns
+/// the number of tokens.
+fn encode_to_file(files: &[PathBuf], tokenizer: &Tokenizer, width: usize, path: &Path) -> Result<u64> {
+    let total: u64 = files
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).ok())
+        .map(|m| m.len())
+        .sum();
+    let bar = progress(total);
+    let tmp = path.with_extension("tmp");
+    let mut out =
+        std::io::BufWriter::new(std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);
+    let mut count = 0u64;
+    let mut write = |ids: &[u32], out: &mut std::io::BufWriter<std::fs::File>| -> Result<()> {
+        for &id in ids {
+            match width {
+                2 => out.write_all(&(id as u16).to_le_bytes())?,
+                _ => out.write_all(&id.to_le_bytes())?,
+            }
+        }
+        count += ids.len() as u64;
+        Ok(())
     };
-    Ok(write_atomic(path, &bytes)?)
+    for (i, file) in files.iter().enumerate() {
+        if let (true, Some(eot)) = (i > 0, tokenizer.eos_token_id()) {
+            write(&[eot], &mut out)?;
+        }
+        let bytes = gpt::files::for_each_piece(file, PIECE, |piece| {
+            let ids = tokenizer
+                .encode(piece)
+                .map_err(|e| gpt::Error::Tokenize(format!("{}: {e}", file.display())))?;
+            write(&ids, &mut out).map_err(|e| gpt::Error::Tokenize(e.to_string()))?;
+            if let Some(bar) = &bar {
+                bar.inc(piece.len() as u64);
+            }
+            Ok(())
+        })?;
+        if bytes == 0 {
+            bail!("{} is empty", file.display());
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let file = out
+        .into_inner()
+        .map_err(|e| anyhow::anyhow!("writing {}: {e}", tmp.display()))?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(count)
+}
+
+/// Moves the last `n` tokens of the token file `from` into a new file `to`.
+fn split_tail(from: &Path, to: &Path, n: u64, width: usize) -> Result<()> {
+    let mut src = std::fs::OpenOptions::new().read(true).write(true).open(from)?;
+    let len = src.metadata()?.len();
+    let keep = len - n * width as u64;
+    src.seek(SeekFrom::Start(keep))?;
+    let tmp = to.with_extension("tmp");
+    let mut dst = std::fs::File::create(&tmp)?;
+    std::io::copy(&mut (&mut src).take(n * width as u64), &mut dst)?;
+    dst.sync_all()?;
+    std::fs::rename(&tmp, to)?;
+    src.set_len(keep)?;
+    src.sync_all()?;
+    Ok(())
 }
 
 /// Tokenises `files` (and `val_data`, or the last `val_fraction` of the tokens) into
@@ -146,13 +250,12 @@ pub fn prepare(
         bail!("--val-fraction must be in [0, 1), got {val_fraction}");
     }
     let width = if tokenizer.vocab_size() <= 1 << 16 { 2 } else { 4 };
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    tokenizer.inner().to_string(false).unwrap_or_default().hash(&mut hasher);
+    let docs = documents(files)?;
     let key = CacheKey {
-        sources: files.iter().map(|p| fingerprint(p)).collect::<Result<_>>()?,
+        sources: docs.iter().map(|p| fingerprint(p)).collect::<Result<_>>()?,
         val_data: val_data.map(fingerprint).transpose()?,
         val_fraction,
-        tokenizer_hash: hasher.finish(),
+        tokenizer_hash: gpt::rng::hash_bytes(tokenizer.inner().to_string(false).unwrap_or_default().as_bytes()),
         width,
     };
     let (train_path, val_path, key_path) = (
@@ -166,18 +269,21 @@ pub fn prepare(
         .is_some_and(|k| k == key);
     if !cached {
         std::fs::create_dir_all(cache_dir).with_context(|| format!("creating {}", cache_dir.display()))?;
-        let mut train = encode_files(files, tokenizer)?;
-        let val = match val_data {
-            Some(path) => encode_files(&[path.to_path_buf()], tokenizer)?,
+        let _ = std::fs::remove_file(&key_path); // the cache is invalid until the key is written
+        let train = encode_to_file(&docs, tokenizer, width, &train_path)?;
+        let (train, val) = match val_data {
+            Some(path) => (
+                train,
+                encode_to_file(&[path.to_path_buf()], tokenizer, width, &val_path)?,
+            ),
             None => {
-                let n_val = (train.len() as f64 * val_fraction).round() as usize;
-                train.split_off(train.len() - n_val)
+                let n_val = (train as f64 * val_fraction).round() as u64;
+                split_tail(&train_path, &val_path, n_val, width)?;
+                (train - n_val, n_val)
             }
         };
-        write_tokens(&train_path, &train, width)?;
-        write_tokens(&val_path, &val, width)?;
         write_atomic(&key_path, serde_json::to_string(&key)?.as_bytes())?;
-        tracing::info!(train = train.len(), val = val.len(), "tokenised the corpus");
+        tracing::info!(train, val, documents = docs.len(), "tokenised the corpus");
     }
     Ok(Dataset {
         train: Tokens::open(&train_path, width)?,
@@ -187,10 +293,8 @@ pub fn prepare(
 
 /// A generator for one batch, derived from (seed, step, stream): the batches of a step do not
 /// depend on anything that happened before it, so a resumed run draws the same ones.
-pub fn batch_rng(seed: u64, step: usize, stream: u64) -> rand::rngs::StdRng {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (seed, step as u64, stream).hash(&mut h);
-    rand::rngs::StdRng::seed_from_u64(h.finish())
+pub fn batch_rng(seed: u64, step: usize, stream: u64) -> rand_chacha::ChaCha12Rng {
+    rand_chacha::ChaCha12Rng::seed_from_u64(gpt::rng::key(&[seed, step as u64, stream]))
 }
 
 /// `batch_size` random windows: inputs `(B, T)` and next-token targets `(B, T)`.

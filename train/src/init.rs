@@ -12,7 +12,7 @@ use rand_distr::{Distribution, Normal};
 
 struct SeededVarMap {
     varmap: VarMap,
-    rng: Mutex<rand::rngs::StdRng>,
+    rng: Mutex<rand_chacha::ChaCha12Rng>,
 }
 
 impl SeededVarMap {
@@ -71,7 +71,7 @@ impl candle_nn::var_builder::SimpleBackend for SeededVarMap {
 pub fn seeded_var_builder(varmap: &VarMap, seed: u64, device: &Device) -> VarBuilder<'static> {
     let backend = SeededVarMap {
         varmap: varmap.clone(),
-        rng: Mutex::new(rand::rngs::StdRng::seed_from_u64(seed)),
+        rng: Mutex::new(rand_chacha::ChaCha12Rng::seed_from_u64(seed)),
     };
     VarBuilder::from_backend(Box::new(backend), DType::F32, device.clone())
 }

@@ -1,6 +1,8 @@
 //! `gpt-train`: train a GPT on your own text and measure perplexity. The binary (`main.rs`) only
 //! wires the command line to these modules; tests drive them directly.
 
+pub mod average;
+pub mod checkpoints;
 pub mod config;
 pub mod data;
 pub mod eval;
@@ -8,4 +10,5 @@ pub mod init;
 pub mod metrics;
 pub mod optim;
 pub mod schedule;
+pub mod step;
 pub mod train;

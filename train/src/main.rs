@@ -1,4 +1,4 @@
-//! `gpt-train tokenizer | train | eval`: the command line of the trainer.
+//! `gpt-train tokenizer | train | average | export | sample | eval`: the command line of the trainer.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,10 +37,13 @@ enum ExportDtype {
 enum Command {
     /// Train a tokenizer on text files and save OUT/tokenizer.json.
     Tokenizer {
+        /// Text files to build the vocabulary from (UTF-8).
         #[arg(long, num_args = 1.., required = true)]
         data: Vec<PathBuf>,
+        /// Directory to write tokenizer.json into.
         #[arg(long)]
         out: PathBuf,
+        /// char: one token per character (nanoGPT's shakespeare-char); bpe: GPT-2's byte-level BPE.
         #[arg(long, value_enum, default_value = "char")]
         kind: TokenizerKind,
         /// Vocabulary size of a BPE tokenizer.
@@ -51,18 +54,70 @@ enum Command {
     Train(Box<TrainArgs>),
     /// Copy a checkpoint's model and tokenizer to OUT with weights in another precision.
     Export {
+        /// A GPT-2-layout checkpoint directory.
         #[arg(long)]
         checkpoint: PathBuf,
+        /// Directory for the copy.
         #[arg(long)]
         out: PathBuf,
+        /// Precision of the copy's weights.
         #[arg(long, value_enum, default_value = "f16")]
         dtype: ExportDtype,
+    },
+    /// Average checkpoints of one model (the element-wise mean of their parameters), as the
+    /// original transformer's reported models are: the named directories, or a run's newest.
+    Average {
+        /// Checkpoint directories to average.
+        #[arg(long, num_args = 1.., required_unless_present = "run", conflicts_with = "run")]
+        checkpoints: Vec<PathBuf>,
+        /// A training run's --out directory: average its newest --last checkpoints (train with
+        /// --keep-last K to keep them).
+        #[arg(long, requires = "last")]
+        run: Option<PathBuf>,
+        /// How many of the run's newest checkpoints.
+        #[arg(long)]
+        last: Option<usize>,
+        /// Directory for the averaged checkpoint.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Generate text from a checkpoint, for a quick look without a server: sampled, greedy
+    /// (--temperature 0) or by beam search (--num-beams K).
+    Sample {
+        /// A GPT-2-layout checkpoint directory.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// The text to continue.
+        #[arg(long)]
+        prompt: String,
+        /// Tokens to generate at most (generation also ends at the context length).
+        #[arg(long, default_value_t = 200)]
+        max_new_tokens: usize,
+        /// Beam search with this many beams (1: sampling).
+        #[arg(long, default_value_t = 1)]
+        num_beams: usize,
+        /// With beam search: finished beams are scored by log-probability / length^α.
+        #[arg(long, default_value_t = 1.0)]
+        length_penalty: f32,
+        /// Sampling temperature; 0 is greedy.
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f64,
+        /// Sample from the k most likely tokens only (0: all).
+        #[arg(long, default_value_t = 200)]
+        top_k: usize,
+        /// Seed of the sampling.
+        #[arg(long, default_value_t = 1337)]
+        seed: u64,
+        /// auto, cpu, cuda or cuda:N.
+        #[arg(long, default_value = "auto")]
+        device: String,
     },
     /// Perplexity of a checkpoint on a text file, with a strided sliding window.
     Eval {
         /// A GPT-2-layout checkpoint directory (config.json, model.safetensors, tokenizer.json).
         #[arg(long)]
         checkpoint: PathBuf,
+        /// The text to score (UTF-8).
         #[arg(long)]
         data: PathBuf,
         /// Window length (default: the model's context length).
@@ -71,6 +126,7 @@ enum Command {
         /// Distance between window starts (default: half the block size).
         #[arg(long)]
         stride: Option<usize>,
+        /// auto, cpu, cuda or cuda:N.
         #[arg(long, default_value = "auto")]
         device: String,
         /// Print one JSON object instead of text.
@@ -132,6 +188,71 @@ fn main() -> Result<()> {
                 out.display(),
                 model.num_parameters()
             );
+        }
+        Command::Average {
+            checkpoints,
+            run,
+            last,
+            out,
+        } => {
+            let dirs = match (run, last) {
+                (Some(run), Some(k)) => {
+                    let all = gpt_train::checkpoints::list(&run)?;
+                    if k == 0 || all.len() < k {
+                        bail!(
+                            "--last {k}: {} holds {} complete checkpoints (train with --keep-last {k} to keep that many)",
+                            run.display(),
+                            all.len()
+                        );
+                    }
+                    all[all.len() - k..].iter().map(|(_, dir)| dir.clone()).collect()
+                }
+                _ => checkpoints,
+            };
+            gpt_train::average::average(&dirs, &out)?;
+            println!("saved {}: the mean of {} checkpoints", out.display(), dirs.len());
+        }
+        Command::Sample {
+            checkpoint,
+            prompt,
+            max_new_tokens,
+            num_beams,
+            length_penalty,
+            temperature,
+            top_k,
+            seed,
+            device,
+        } => {
+            let device = gpt::parse_device(&device)?;
+            let (model, tokenizer) = gpt::load_dir(&checkpoint, candle_core::DType::F32, &device)?;
+            let ids = tokenizer.encode(&prompt)?;
+            if ids.is_empty() {
+                bail!("--prompt encodes to no tokens");
+            }
+            let context = model.config().n_positions;
+            if ids.len() >= context {
+                bail!("--prompt has {} tokens; the model's context is {context}", ids.len());
+            }
+            let room = max_new_tokens.min(context - ids.len());
+            let output = if num_beams > 1 {
+                let params = gpt::beam::BeamParams {
+                    beams: num_beams,
+                    max_new_tokens: room,
+                    length_penalty,
+                    eos: tokenizer.eos_token_id(),
+                };
+                let best = gpt::beam::beam_search(&model, &ids, &params)?.into_iter().next();
+                best.map(|h| h.tokens).unwrap_or_default()
+            } else {
+                let mut sampler = gpt::Sampler::new(gpt::SamplingParams {
+                    temperature,
+                    top_k: (top_k > 0).then_some(top_k),
+                    seed,
+                    ..Default::default()
+                });
+                gpt::generate(&model, &ids, room, &mut sampler, tokenizer.eos_token_id())?
+            };
+            println!("{prompt}{}", tokenizer.decode_skip_special(&output)?);
         }
         Command::Eval {
             checkpoint,

@@ -52,7 +52,7 @@ impl Metrics {
             text.push_str(&serde_json::to_string(e)?);
             text.push('\n');
         }
-        gpt::checkpoint::write_atomic(&path, text.as_bytes())?;
+        gpt::files::write_atomic(&path, text.as_bytes())?;
         Ok(Self { path, events })
     }
 
@@ -117,7 +117,7 @@ impl Metrics {
                 .map_err(draw)?;
             root.present().map_err(draw)?;
         }
-        Ok(gpt::checkpoint::write_atomic(path, svg.as_bytes())?)
+        Ok(gpt::files::write_atomic(path, svg.as_bytes())?)
     }
 }
 

@@ -1,42 +1,31 @@
 //! The training loop: batches → forward → cross-entropy → backward → clip → AdamW, with
-//! evaluation, checkpoints (latest in OUT, best in OUT/best) and exact resume.
+//! evaluation, crash-safe checkpoints ([`crate::checkpoints`]) and exact resume. A [`Trainer`]
+//! holds the run; each concern is one of its methods: setting up or resuming ([`Trainer::new`]),
+//! one optimisation step ([`Trainer::step`]), evaluation ([`Trainer::evaluate`]), saving
+//! ([`Trainer::save`]) and logging ([`Trainer::log_step`]); [`Trainer::run`] is the loop.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Var};
 use candle_nn::VarMap;
-use gpt::checkpoint::{self, write_atomic};
-use gpt::{Gpt, Tokenizer};
-use serde::{Deserialize, Serialize};
+use gpt::checkpoint;
+use gpt::{Autocast, Gpt, Tokenizer};
 
+use crate::checkpoints::{self, Saved, TrainerState};
 use crate::config::{RunConfig, TrainArgs};
 use crate::data::{self, Dataset, Tokens};
 use crate::metrics::{Event, Metrics, Progress};
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
-
-pub const STATE_FILE: &str = "trainer_state.json";
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+use crate::schedule::Schedule;
+use crate::step::{accumulate_grads, in_threads, loss, Objective};
 
 /// Random streams of `data::batch_rng`: training micro-batches use their index; evaluation
 /// batches use these offsets, so evaluating never shifts the training batches.
 const EVAL_TRAIN_STREAM: u64 = 1 << 32;
 const EVAL_VAL_STREAM: u64 = 2 << 32;
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct TrainerState {
-    /// Updates done so far.
-    pub step: usize,
-    pub best_val_loss: Option<f64>,
-    /// Batches are drawn from `data::batch_rng(seed, step, ..)`: this pair is the RNG state.
-    pub rng_seed: u64,
-    pub last_eval_step: Option<usize>,
-    pub elapsed_s: f64,
-    pub run: RunConfig,
-}
 
 /// The outcome of `train`.
 #[derive(Debug)]
@@ -46,106 +35,343 @@ pub struct Summary {
     pub interrupted: bool,
 }
 
-/// Mean cross-entropy of next-token prediction over all positions of `(B, T)` windows.
-pub fn loss(model: &Gpt, x: &Tensor, y: &Tensor, train: bool) -> Result<Tensor> {
-    let logits = model.forward_t(x, train)?; // (B, T, V)
-    let (b_sz, seq_len, vocab) = logits.dims3()?;
-    Ok(gpt::ops::cross_entropy(
-        &logits.reshape((b_sz * seq_len, vocab))?,
-        &y.flatten_all()?,
-    )?)
+/// Runs `gpt-train train`. `stop` is set by Ctrl-C / SIGTERM: the current step finishes, a
+/// checkpoint is saved, and the run returns with `interrupted`.
+pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
+    Trainer::new(args)?.run(stop)
 }
 
-/// Runs `work(0) .. work(n - 1)` on `n` scoped threads (inline when `n` is 1) and returns their
-/// results in worker order, or the first error.
-fn in_threads<T: Send>(n: usize, work: impl Fn(usize) -> Result<T> + Sync) -> Result<Vec<T>> {
-    if n <= 1 {
-        return Ok(vec![work(0)?]);
-    }
-    let work = &work;
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..n).map(|w| scope.spawn(move || work(w))).collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a worker thread panicked")))
-            })
-            .collect()
-    })
-}
-
-/// Adds `scale * g` into `slot`, detached: a gradient otherwise keeps its step's whole graph
-/// alive, and the optimizer's running moments would chain every step's activations (a leak).
-fn accumulate(slot: &mut Option<Tensor>, g: &Tensor, scale: f64) -> Result<()> {
-    let g = (g.detach() * scale)?;
-    *slot = Some(match slot.take() {
-        Some(a) => (a + g)?,
-        None => g,
-    });
-    Ok(())
-}
-
-/// Gradients of the mean loss over equally sized micro-batches, summed as gradient accumulation
-/// does (each micro-batch's loss divided by their count). Returns the mean loss and one gradient
-/// per variable (zeros for a variable the loss does not reach).
-///
-/// With `shards` > 1 each micro-batch is split by rows across that many threads, each running
-/// forward and backward on its part (data parallelism: on a few CPU cores this beats spreading
-/// every small matmul over them). Shard gradients are weighted by their share of the rows and
-/// summed in a fixed order, so the result does not depend on thread timing.
-pub fn accumulate_grads(
-    model: &Gpt,
-    vars: &[Var],
-    batches: &[(Tensor, Tensor)],
+pub struct Trainer {
+    run: RunConfig,
+    out: PathBuf,
+    keep_last: usize,
+    device: Device,
+    /// Training batches are split into this many shards, one thread each (1 on a GPU).
     shards: usize,
-) -> Result<(f64, Vec<Tensor>)> {
-    // Every (micro-batch, shard) piece with its weight in the mean.
-    let mut pieces = Vec::new();
-    for (x, y) in batches {
-        let rows = x.dim(0)?;
-        let n_shards = shards.clamp(1, rows.max(1));
-        let mut start = 0;
-        for s in 0..n_shards {
-            let len = rows / n_shards + usize::from(s < rows % n_shards);
-            let weight = len as f64 / rows as f64 / batches.len() as f64;
-            pieces.push((x.narrow(0, start, len)?, y.narrow(0, start, len)?, weight));
-            start += len;
+    data: Dataset,
+    model: Gpt,
+    tokenizer: Tokenizer,
+    opt: AdamW,
+    vars: Vec<Var>,
+    state: TrainerState,
+    schedule: Schedule,
+    metrics: Metrics,
+    progress: Progress,
+    /// Wall time of this process's part of the run starts here; `state.elapsed_s` adds earlier parts.
+    started: Instant,
+    elapsed_before: f64,
+    /// Where the current tokens/s measurement began: (time, step).
+    interval_start: (Instant, usize),
+}
+
+impl Trainer {
+    /// A new run, or with `--resume` the newest complete checkpoint in `--out`.
+    pub fn new(args: &TrainArgs) -> Result<Self> {
+        let out = args.out.clone();
+        checkpoints::clean_up(&out)?;
+        let saved: Option<Saved> = if args.resume {
+            let saved = checkpoints::latest(&out)?;
+            Some(saved.with_context(|| format!("--resume: no complete checkpoint to resume in {}", out.display()))?)
+        } else {
+            if !checkpoints::list(&out)?.is_empty() {
+                bail!(
+                    "{} already holds a training checkpoint; pass --resume to continue it, or choose another --out",
+                    out.display()
+                );
+            }
+            None
+        };
+        check_writable(&out)?;
+        let init_from = args.init_from.as_deref().filter(|_| saved.is_none());
+        let tokenizer = run_tokenizer(args, saved.as_ref(), init_from)?;
+        let init_config = init_from
+            .map(|dir| gpt::Config::from_file(&dir.join(checkpoint::CONFIG_FILE)))
+            .transpose()?;
+        let run = args.resolve(
+            tokenizer.vocab_size(),
+            saved.as_ref().map(|s| &s.state.run),
+            init_config.as_ref(),
+        )?;
+        let device = gpt::parse_device(&run.device)?;
+        let data = data::prepare(
+            &run.data,
+            run.val_data.as_deref(),
+            run.val_fraction,
+            &tokenizer,
+            &out.join("tokens"),
+        )?;
+        for (name, split) in [("training", &data.train), ("validation", &data.val)] {
+            if split.len() < run.block_size() + 1 {
+                bail!(
+                    "the {name} split has {} tokens, fewer than block size + 1 = {}; use more text, a smaller \
+                     --block-size, or a different --val-fraction / --val-data",
+                    split.len(),
+                    run.block_size() + 1
+                );
+            }
         }
-    }
-    let n_workers = shards.clamp(1, pieces.len().max(1));
-    let run_worker = |worker: usize| -> Result<(f64, Vec<Option<Tensor>>)> {
-        let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
-        let mut total = 0.0;
-        for (x, y, weight) in pieces.iter().skip(worker).step_by(n_workers) {
-            let loss = loss(model, x, y, true)?;
-            total += weight * loss.to_scalar::<f32>()? as f64;
-            let grads = loss.backward()?;
-            for (slot, var) in acc.iter_mut().zip(vars) {
-                if let Some(g) = grads.get(var.as_tensor()) {
-                    accumulate(slot, g, *weight)?;
+
+        let shards = if device.is_cpu() { cpu_threads(args.threads) } else { 1 };
+        if device.is_cuda() {
+            candle_core::cuda::set_gemm_reduced_precision_f32(args.tf32.unwrap_or(true));
+        }
+        let autocast = match args.dtype.as_deref() {
+            Some("bf16") => Autocast::Bf16,
+            _ => Autocast::Off,
+        };
+        let varmap = VarMap::new();
+        let model =
+            Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?.with_autocast(autocast);
+        let mut named: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("varmap poisoned"))?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some(dir) = init_from {
+            load_weights(dir, &named, &device)?;
+        }
+        let mut opt = AdamW::new(named, opt_config(&run))?;
+        let state = match saved {
+            Some(saved) => {
+                checkpoints::restore(&saved, &varmap, &mut opt, &device)?;
+                TrainerState {
+                    run: run.clone(),
+                    ..saved.state
                 }
             }
-        }
-        Ok((total, acc))
-    };
-    let partials = in_threads(n_workers, run_worker)?;
-    let mut total = 0.0;
-    let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
-    for (loss, grads) in partials {
-        total += loss;
-        for (slot, g) in acc.iter_mut().zip(grads) {
-            if let Some(g) = g {
-                accumulate(slot, &g, 1.0)?;
+            None => TrainerState {
+                step: 0,
+                best_val_loss: None,
+                rng_seed: run.seed,
+                last_eval_step: None,
+                elapsed_s: 0.0,
+                run: run.clone(),
+            },
+        };
+        tracing::info!(
+            parameters = model.num_parameters(),
+            device = gpt::device_name(&device),
+            threads = shards,
+            matmul = ?model.autocast(),
+            vocab = run.model.vocab_size,
+            train_tokens = data.train.len(),
+            val_tokens = data.val.len(),
+            step = state.step,
+            "training"
+        );
+        Ok(Self {
+            metrics: Metrics::open(&out, args.resume.then_some(state.step))?,
+            progress: Progress::new(state.step, run.max_iters),
+            schedule: run.schedule(),
+            vars: opt.vars(),
+            started: Instant::now(),
+            elapsed_before: state.elapsed_s,
+            interval_start: (Instant::now(), state.step),
+            keep_last: args.keep_last.unwrap_or(1),
+            run,
+            out,
+            device,
+            shards,
+            data,
+            model,
+            tokenizer,
+            opt,
+            state,
+        })
+    }
+
+    fn elapsed(&self) -> f64 {
+        self.elapsed_before + self.started.elapsed().as_secs_f64()
+    }
+
+    /// The loop: evaluate (and save) every `eval_interval` steps and at the end, stop cleanly
+    /// when `stop` is set, else one step.
+    pub fn run(mut self, stop: &AtomicBool) -> Result<Summary> {
+        loop {
+            let step = self.state.step;
+            let at_end = step >= self.run.max_iters;
+            if (step.is_multiple_of(self.run.eval_interval) || at_end) && self.state.last_eval_step != Some(step) {
+                self.evaluate()?;
+                self.save()?;
+                self.interval_start = (Instant::now(), step); // tokens/s measures training alone
             }
+            if at_end {
+                break;
+            }
+            if stop.load(Ordering::SeqCst) {
+                self.save()?;
+                self.progress.finish();
+                eprintln!(
+                    "interrupted: checkpoint saved at step {step} in {}; continue with: gpt-train train --out {} --resume",
+                    self.out.display(),
+                    self.out.display()
+                );
+                return Ok(self.summary(true));
+            }
+            let lr = self.schedule.lr(step);
+            let train_loss = self.step(lr)?;
+            self.log_step(train_loss, lr)?;
+        }
+        self.progress.finish();
+        if let Some(best) = self.state.best_val_loss {
+            println!(
+                "done: {} steps in {:.1}s; best val loss {best:.4} (perplexity {:.2}), saved in {}",
+                self.state.step,
+                self.state.elapsed_s,
+                best.exp(),
+                self.out.join(checkpoints::BEST).display()
+            );
+        }
+        Ok(self.summary(false))
+    }
+
+    fn summary(&self, interrupted: bool) -> Summary {
+        Summary {
+            step: self.state.step,
+            best_val_loss: self.state.best_val_loss,
+            interrupted,
         }
     }
-    let grads = acc
+
+    /// One optimisation step at learning rate `lr`: the micro-batches of this step, their
+    /// gradients, clipping, AdamW. Returns the training loss.
+    pub fn step(&mut self, lr: f64) -> Result<f64> {
+        let (run, step) = (&self.run, self.state.step);
+        let batches = (0..run.gradient_accumulation_steps)
+            .map(|micro| {
+                let mut rng = data::batch_rng(run.seed, step, micro as u64);
+                data::get_batch(
+                    &self.data.train,
+                    run.batch_size,
+                    run.block_size(),
+                    &mut rng,
+                    &self.device,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let objective = Objective {
+            label_smoothing: run.label_smoothing as f32,
+            dropout_key: gpt::rng::key(&[run.seed, step as u64]),
+        };
+        let (train_loss, mut grads) = accumulate_grads(&self.model, &self.vars, &batches, self.shards, objective)?;
+        if !train_loss.is_finite() {
+            bail!("the training loss became {train_loss} at step {step}; try a lower --learning-rate");
+        }
+        clip_grad_norm(&mut grads, run.grad_clip)?;
+        self.opt.step(&grads, lr)?;
+        self.state.step += 1;
+        Ok(train_loss)
+    }
+
+    /// The progress bar every step; `metrics.jsonl` every `log_interval` steps.
+    fn log_step(&mut self, train_loss: f64, lr: f64) -> Result<()> {
+        let step = self.state.step;
+        let log_now = step.is_multiple_of(self.run.log_interval) || step == self.run.max_iters;
+        let secs = self.interval_start.0.elapsed().as_secs_f64().max(1e-9);
+        let tokens_per_sec = ((step - self.interval_start.1) * self.run.tokens_per_step()) as f64 / secs;
+        self.progress.step(step, train_loss, lr, tokens_per_sec, log_now);
+        if log_now {
+            self.metrics.log(Event {
+                event: "train".into(),
+                step,
+                train_loss: Some(train_loss),
+                val_loss: None,
+                val_ppl: None,
+                lr,
+                tokens_per_sec: Some(tokens_per_sec),
+                elapsed_s: self.elapsed(),
+            })?;
+            self.interval_start = (Instant::now(), step);
+        }
+        Ok(())
+    }
+
+    /// Train and validation loss at this step: logged, plotted, and the best model kept.
+    pub fn evaluate(&mut self) -> Result<()> {
+        let step = self.state.step;
+        let (train_loss, val_loss) =
+            estimate_loss(&self.model, &self.data, &self.run, step, &self.device, self.shards)?;
+        self.state.last_eval_step = Some(step);
+        self.state.elapsed_s = self.elapsed();
+        self.metrics.log(Event {
+            event: "eval".into(),
+            step,
+            train_loss: Some(train_loss),
+            val_loss: Some(val_loss),
+            val_ppl: Some(val_loss.exp()),
+            lr: self.schedule.lr(step.min(self.run.max_iters.saturating_sub(1))),
+            tokens_per_sec: None,
+            elapsed_s: self.state.elapsed_s,
+        })?;
+        self.metrics.plot(&self.out.join("loss.svg"))?;
+        self.progress.println(&format!(
+            "step {step}: train loss {train_loss:.4}, val loss {val_loss:.4}, val ppl {:.2}",
+            val_loss.exp()
+        ));
+        if self.state.best_val_loss.is_none_or(|best| val_loss < best) {
+            self.state.best_val_loss = Some(val_loss);
+            checkpoints::save_best(&self.out, &self.model, &self.tokenizer, step)?;
+        }
+        Ok(())
+    }
+
+    /// A checkpoint of the run as it is now.
+    pub fn save(&mut self) -> Result<PathBuf> {
+        self.state.elapsed_s = self.elapsed();
+        checkpoints::save(
+            &self.out,
+            &self.model,
+            &self.tokenizer,
+            &self.opt,
+            &self.state,
+            self.keep_last,
+        )
+    }
+}
+
+/// The tokenizer of a resumed run is its checkpoint's, of a fine-tuning run the `--init-from`
+/// checkpoint's (a `--tokenizer` given too must be the same); a new run builds its own.
+fn run_tokenizer(args: &TrainArgs, saved: Option<&Saved>, init_from: Option<&Path>) -> Result<Tokenizer> {
+    let (dir, what) = match (saved, init_from) {
+        (Some(saved), _) => (saved.dir.clone(), "the checkpoint being resumed".to_string()),
+        (None, Some(dir)) => (
+            dir.to_path_buf(),
+            format!("the --init-from checkpoint {}", dir.display()),
+        ),
+        (None, None) => return build_tokenizer(args.tokenizer.as_deref().unwrap_or("char"), &args.data),
+    };
+    let tok = Tokenizer::from_file(&dir.join(checkpoint::TOKENIZER_FILE))?;
+    if let Some(spec) = &args.tokenizer {
+        let given = build_tokenizer(spec, &args.data)?;
+        if given.inner().to_string(false).ok() != tok.inner().to_string(false).ok() {
+            bail!("--tokenizer {spec} differs from the tokenizer of {what}");
+        }
+    }
+    Ok(tok)
+}
+
+/// Sets the model's variables to the weights of the checkpoint in `dir` (any GPT-2-layout
+/// checkpoint: `transformer.` prefixes, a stored LM head and the old attention buffers are
+/// handled by [`gpt::load_model`]).
+fn load_weights(dir: &Path, vars: &[(String, Var)], device: &Device) -> Result<()> {
+    let base = gpt::load_model(dir, candle_core::DType::F32, device)
+        .with_context(|| format!("--init-from {}", dir.display()))?;
+    let tensors: std::collections::HashMap<String, candle_core::Tensor> = base
+        .named_tensors()
         .into_iter()
-        .zip(vars)
-        .map(|(g, v)| g.map_or_else(|| v.as_tensor().zeros_like(), Ok))
-        .collect::<candle_core::Result<_>>()?;
-    Ok((total, grads))
+        .map(|(name, t)| (name.trim_start_matches("transformer.").to_string(), t))
+        .collect();
+    for (name, var) in vars {
+        let t = tensors
+            .get(name)
+            .with_context(|| format!("--init-from {}: tensor `{name}` is missing", dir.display()))?;
+        var.set(&t.contiguous()?)
+            .with_context(|| format!("--init-from {}: tensor `{name}`", dir.display()))?;
+    }
+    Ok(())
 }
 
 /// Mean loss over `run.eval_iters` batches of each split, drawn for `step`, the batches spread
@@ -161,7 +387,7 @@ fn estimate_loss(
     let batch_loss = |tokens: &Tokens, stream: u64, i: usize| -> Result<f64> {
         let mut rng = data::batch_rng(run.seed, step, stream + i as u64);
         let (x, y) = data::get_batch(tokens, run.batch_size, run.block_size(), &mut rng, device)?;
-        Ok(loss(model, &x, &y, false)?.to_scalar::<f32>()? as f64)
+        Ok(loss(model, &x, &y, None, 0.0)?.to_scalar::<f32>()? as f64) // plain NLL, smoothing or not
     };
     let mean = |tokens: &Tokens, stream: u64| -> Result<f64> {
         let threads = threads.clamp(1, run.eval_iters);
@@ -189,9 +415,11 @@ fn build_tokenizer(spec: &str, data: &[PathBuf]) -> Result<Tokenizer> {
     if data.is_empty() {
         bail!("no training data: pass --data FILE");
     }
-    for path in data {
-        data::read_text(path)?; // empty and non-UTF-8 files are named before tokenizer training
+    let data = data::documents(data)?;
+    for path in &data {
+        data::check_text(path)?; // empty and non-UTF-8 files are named before tokenizer training
     }
+    let data = &data[..];
     if spec == "char" {
         return Ok(Tokenizer::train_char(data)?);
     }
@@ -220,290 +448,6 @@ fn check_writable(out: &Path) -> Result<()> {
     std::fs::write(&probe, b"").with_context(|| format!("--out {}: directory is not writable", out.display()))?;
     let _ = std::fs::remove_file(probe);
     Ok(())
-}
-
-fn step_metadata(step: usize) -> HashMap<String, String> {
-    HashMap::from([("step".to_string(), step.to_string())])
-}
-
-fn metadata_step(path: &Path) -> Result<Option<usize>> {
-    Ok(checkpoint::read_metadata(path)?
-        .get("step")
-        .and_then(|s| s.parse().ok()))
-}
-
-struct Trainer {
-    model: Gpt,
-    tokenizer: Tokenizer,
-    opt: AdamW,
-    out: PathBuf,
-}
-
-impl Trainer {
-    /// Writes the model, then the optimizer, then the state, each atomically; the step recorded
-    /// in all three lets a resume detect a checkpoint cut between two of the writes.
-    fn save_latest(&self, state: &TrainerState) -> Result<()> {
-        let meta = step_metadata(state.step);
-        checkpoint::save_dir_with_metadata(&self.out, &self.model, &self.tokenizer, DType::F32, &meta)?;
-        let opt = safetensors::serialize(self.opt.state_tensors(), Some(meta))?;
-        write_atomic(&self.out.join(OPTIMIZER_FILE), &opt)?;
-        write_atomic(
-            &self.out.join(STATE_FILE),
-            serde_json::to_string_pretty(state)?.as_bytes(),
-        )?;
-        Ok(())
-    }
-
-    fn save_best(&self, step: usize) -> Result<()> {
-        let dir = self.out.join("best");
-        checkpoint::save_dir_with_metadata(&dir, &self.model, &self.tokenizer, DType::F32, &step_metadata(step))?;
-        Ok(())
-    }
-}
-
-/// Loads `OUT`'s latest checkpoint into the model's variables and the optimizer.
-fn restore(out: &Path, state: &TrainerState, varmap: &VarMap, opt: &mut AdamW, device: &Device) -> Result<()> {
-    let weights = out.join(checkpoint::WEIGHTS_FILE);
-    let optimizer = out.join(OPTIMIZER_FILE);
-    for path in [&weights, &optimizer] {
-        let step = metadata_step(path)?;
-        if step != Some(state.step) {
-            bail!(
-                "{} is from step {step:?} but {STATE_FILE} says step {}: the checkpoint was cut while being written",
-                path.display(),
-                state.step
-            );
-        }
-    }
-    let tensors = candle_core::safetensors::load(&weights, device)?;
-    let vars = varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap poisoned"))?;
-    for (name, var) in vars.iter() {
-        let key = format!("transformer.{name}");
-        let t = tensors
-            .get(&key)
-            .with_context(|| format!("{}: tensor {key} missing", weights.display()))?;
-        var.set(&t.to_dtype(DType::F32)?)?;
-    }
-    let state_tensors = candle_core::safetensors::load(&optimizer, device)?;
-    opt.load_state(state_tensors, state.step as u64)
-        .with_context(|| format!("restoring {}", optimizer.display()))?;
-    Ok(())
-}
-
-/// Runs `gpt-train train`. `stop` is set by Ctrl-C / SIGTERM: the current step finishes, a
-/// checkpoint is saved, and the run returns with `interrupted`.
-pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
-    let out = args.out.clone();
-    let state_path = out.join(STATE_FILE);
-    let saved: Option<TrainerState> = if args.resume {
-        let text = std::fs::read_to_string(&state_path)
-            .with_context(|| format!("--resume: no checkpoint to resume in {}", out.display()))?;
-        Some(serde_json::from_str(&text).with_context(|| format!("reading {}", state_path.display()))?)
-    } else {
-        if state_path.exists() {
-            bail!(
-                "{} already holds a training checkpoint; pass --resume to continue it, or choose another --out",
-                out.display()
-            );
-        }
-        None
-    };
-    check_writable(&out)?;
-
-    let tokenizer = match &saved {
-        Some(_) => {
-            let tok = Tokenizer::from_file(&out.join(checkpoint::TOKENIZER_FILE))?;
-            if let Some(spec) = &args.tokenizer {
-                let given = build_tokenizer(spec, &args.data)?;
-                if given.inner().to_string(false).ok() != tok.inner().to_string(false).ok() {
-                    bail!("--tokenizer {spec} differs from the tokenizer of the checkpoint being resumed");
-                }
-            }
-            tok
-        }
-        None => build_tokenizer(args.tokenizer.as_deref().unwrap_or("char"), &args.data)?,
-    };
-    let run = args.resolve(tokenizer.vocab_size(), saved.as_ref().map(|s| &s.run))?;
-    let device = gpt::parse_device(&run.device)?;
-    let data = data::prepare(
-        &run.data,
-        run.val_data.as_deref(),
-        run.val_fraction,
-        &tokenizer,
-        &out.join("tokens"),
-    )?;
-    for (name, split) in [("training", &data.train), ("validation", &data.val)] {
-        if split.len() < run.block_size() + 1 {
-            bail!(
-                "the {name} split has {} tokens, fewer than block size + 1 = {}; use more text, a smaller \
-                 --block-size, or a different --val-fraction / --val-data",
-                split.len(),
-                run.block_size() + 1
-            );
-        }
-    }
-
-    let shards = if device.is_cpu() { cpu_threads(args.threads) } else { 1 };
-    if device.is_cuda() {
-        candle_core::cuda::set_gemm_reduced_precision_f32(args.tf32.unwrap_or(true));
-        // Dropout masks come from the GPU's generator: seeded by the run and the starting step.
-        device.set_seed(run.seed.wrapping_add(saved.as_ref().map_or(0, |s| s.step as u64)))?;
-    }
-    gpt::ops::set_autocast_bf16(args.dtype.as_deref() == Some("bf16"));
-    let varmap = VarMap::new();
-    let model = Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?;
-    let mut named: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .map_err(|_| anyhow::anyhow!("varmap poisoned"))?
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut opt = AdamW::new(named, opt_config(&run))?;
-    let mut state = match saved {
-        Some(saved) => {
-            restore(&out, &saved, &varmap, &mut opt, &device)?;
-            TrainerState {
-                run: run.clone(),
-                ..saved
-            }
-        }
-        None => TrainerState {
-            step: 0,
-            best_val_loss: None,
-            rng_seed: run.seed,
-            last_eval_step: None,
-            elapsed_s: 0.0,
-            run: run.clone(),
-        },
-    };
-    let vars = opt.vars();
-    let mut trainer = Trainer {
-        model,
-        tokenizer,
-        opt,
-        out: out.clone(),
-    };
-    tracing::info!(
-        parameters = trainer.model.num_parameters(),
-        device = gpt::device_name(&device),
-        threads = shards,
-        matmul = if gpt::ops::autocast_bf16() { "bf16" } else { "f32" },
-        vocab = run.model.vocab_size,
-        train_tokens = data.train.len(),
-        val_tokens = data.val.len(),
-        step = state.step,
-        "training"
-    );
-
-    let mut metrics = Metrics::open(&out, args.resume.then_some(state.step))?;
-    let progress = Progress::new(state.step, run.max_iters);
-    let schedule = run.schedule();
-    let started = Instant::now();
-    let elapsed_before = state.elapsed_s;
-    let elapsed = || elapsed_before + started.elapsed().as_secs_f64();
-    let mut interval_start = (Instant::now(), state.step);
-    let mut interrupted = false;
-
-    loop {
-        let step = state.step;
-        let at_end = step >= run.max_iters;
-        if (step % run.eval_interval == 0 || at_end) && state.last_eval_step != Some(step) {
-            let (train_loss, val_loss) = estimate_loss(&trainer.model, &data, &run, step, &device, shards)?;
-            state.last_eval_step = Some(step);
-            state.elapsed_s = elapsed();
-            metrics.log(Event {
-                event: "eval".into(),
-                step,
-                train_loss: Some(train_loss),
-                val_loss: Some(val_loss),
-                val_ppl: Some(val_loss.exp()),
-                lr: schedule.lr(step.min(run.max_iters.saturating_sub(1))),
-                tokens_per_sec: None,
-                elapsed_s: state.elapsed_s,
-            })?;
-            metrics.plot(&out.join("loss.svg"))?;
-            progress.println(&format!(
-                "step {step}: train loss {train_loss:.4}, val loss {val_loss:.4}, val ppl {:.2}",
-                val_loss.exp()
-            ));
-            if state.best_val_loss.is_none_or(|best| val_loss < best) {
-                state.best_val_loss = Some(val_loss);
-                trainer.save_best(step)?;
-            }
-            trainer.save_latest(&state)?;
-            interval_start = (Instant::now(), step); // tokens/s measures training alone
-        }
-        if at_end {
-            break;
-        }
-        if stop.load(Ordering::SeqCst) {
-            interrupted = true;
-            state.elapsed_s = elapsed();
-            trainer.save_latest(&state)?;
-            progress.finish();
-            eprintln!(
-                "interrupted: checkpoint saved at step {step} in {}; continue with: gpt-train train --out {} --resume",
-                out.display(),
-                out.display()
-            );
-            return Ok(Summary {
-                step,
-                best_val_loss: state.best_val_loss,
-                interrupted,
-            });
-        }
-
-        let lr = schedule.lr(step);
-        let batches = (0..run.gradient_accumulation_steps)
-            .map(|micro| {
-                let mut rng = data::batch_rng(run.seed, step, micro as u64);
-                data::get_batch(&data.train, run.batch_size, run.block_size(), &mut rng, &device)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let (train_loss, mut grads) = accumulate_grads(&trainer.model, &vars, &batches, shards)?;
-        if !train_loss.is_finite() {
-            bail!("the training loss became {train_loss} at step {step}; try a lower --learning-rate");
-        }
-        clip_grad_norm(&mut grads, run.grad_clip)?;
-        trainer.opt.step(&grads, lr)?;
-        state.step += 1;
-
-        let log_now = state.step % run.log_interval == 0 || state.step == run.max_iters;
-        let secs = interval_start.0.elapsed().as_secs_f64().max(1e-9);
-        let tokens_per_sec = ((state.step - interval_start.1) * run.tokens_per_step()) as f64 / secs;
-        progress.step(state.step, train_loss, lr, tokens_per_sec, log_now);
-        if log_now {
-            metrics.log(Event {
-                event: "train".into(),
-                step: state.step,
-                train_loss: Some(train_loss),
-                val_loss: None,
-                val_ppl: None,
-                lr,
-                tokens_per_sec: Some(tokens_per_sec),
-                elapsed_s: elapsed(),
-            })?;
-            interval_start = (Instant::now(), state.step);
-        }
-    }
-    progress.finish();
-    let best = state.best_val_loss;
-    if let Some(best) = best {
-        println!(
-            "done: {} steps in {:.1}s; best val loss {best:.4} (perplexity {:.2}), saved in {}",
-            state.step,
-            state.elapsed_s,
-            best.exp(),
-            out.join("best").display()
-        );
-    }
-    Ok(Summary {
-        step: state.step,
-        best_val_loss: best,
-        interrupted,
-    })
 }
 
 /// Threads for CPU training: `--threads`, else every core this process may use.

@@ -6,7 +6,7 @@ use candle_nn::VarMap;
 use gpt::{Config, Gpt};
 use gpt_train::init::seeded_var_builder;
 use gpt_train::optim::{AdamW, AdamWConfig};
-use gpt_train::train::accumulate_grads;
+use gpt_train::step::accumulate_grads;
 
 fn cosine(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
     let (a, b) = (
@@ -38,9 +38,10 @@ fn bf16_matmuls_match_f32_and_still_learn() -> anyhow::Result<()> {
     let t = Tensor::from_vec(ids, (4, 33), &Device::Cpu)?;
     let batch = [(t.narrow(1, 0, 32)?, t.narrow(1, 1, 32)?)];
 
-    let (loss_f32, grads_f32) = accumulate_grads(&model, &vars, &batch, 1)?;
-    gpt::ops::set_autocast_bf16(true);
-    let (loss_bf16, grads_bf16) = accumulate_grads(&model, &vars, &batch, 1)?;
+    let (loss_f32, grads_f32) = accumulate_grads(&model, &vars, &batch, 1, Default::default())?;
+    // The same variables, multiplied in bf16.
+    let model = model.with_autocast(gpt::Autocast::Bf16);
+    let (loss_bf16, grads_bf16) = accumulate_grads(&model, &vars, &batch, 1, Default::default())?;
     assert!(loss_f32 != loss_bf16, "autocast changed nothing: {loss_f32}");
     assert!(
         (loss_f32 - loss_bf16).abs() < 1e-2 * loss_f32,
@@ -61,7 +62,7 @@ fn bf16_matmuls_match_f32_and_still_learn() -> anyhow::Result<()> {
     let mut opt = AdamW::new(named, adamw)?;
     let mut loss = loss_bf16;
     for _ in 0..20 {
-        let (l, grads) = accumulate_grads(&model, &vars, &batch, 1)?;
+        let (l, grads) = accumulate_grads(&model, &vars, &batch, 1, Default::default())?;
         opt.step(&grads, 1e-2)?;
         loss = l;
     }
@@ -69,6 +70,5 @@ fn bf16_matmuls_match_f32_and_still_learn() -> anyhow::Result<()> {
         loss < 0.7 * loss_bf16,
         "20 bf16 steps on one batch: {loss_bf16} -> {loss}"
     );
-    gpt::ops::set_autocast_bf16(false);
     Ok(())
 }

@@ -5,7 +5,7 @@ use candle_nn::VarMap;
 use gpt::{Config, Gpt};
 use gpt_train::init::seeded_var_builder;
 use gpt_train::optim::{clip_grad_norm, global_norm, AdamW, AdamWConfig};
-use gpt_train::train::accumulate_grads;
+use gpt_train::step::accumulate_grads;
 
 fn model(seed: u64) -> anyhow::Result<(Gpt, Vec<(String, Var)>)> {
     #![allow(clippy::unwrap_used)]
@@ -67,8 +67,8 @@ fn four_micro_batches_of_8_update_like_one_batch_of_32() -> anyhow::Result<()> {
     let (model_b, vars_b) = model(7)?;
     let plain_a: Vec<Var> = vars_a.iter().map(|(_, v)| v.clone()).collect();
     let plain_b: Vec<Var> = vars_b.iter().map(|(_, v)| v.clone()).collect();
-    let (loss_a, grads_a) = accumulate_grads(&model_a, &plain_a, &[(x.clone(), y.clone())], 1)?;
-    let (loss_b, grads_b) = accumulate_grads(&model_b, &plain_b, &micro, 1)?;
+    let (loss_a, grads_a) = accumulate_grads(&model_a, &plain_a, &[(x.clone(), y.clone())], 1, Default::default())?;
+    let (loss_b, grads_b) = accumulate_grads(&model_b, &plain_b, &micro, 1, Default::default())?;
     assert!((loss_a - loss_b).abs() < 1e-5, "{loss_a} vs {loss_b}");
     for ((name, _), (ga, gb)) in vars_a.iter().zip(grads_a.iter().zip(&grads_b)) {
         assert!(max_abs_diff(ga, gb)? < 1e-5, "gradient of {name}");
@@ -76,7 +76,13 @@ fn four_micro_batches_of_8_update_like_one_batch_of_32() -> anyhow::Result<()> {
     assert!(global_norm(&grads_a)? > 1e-3, "the gradients are not trivially zero");
     // Sharding rows across threads (uneven shards included) gives the same gradients.
     for shards in [2, 3, 5] {
-        let (loss_s, grads_s) = accumulate_grads(&model_a, &plain_a, &[(x.clone(), y.clone())], shards)?;
+        let (loss_s, grads_s) = accumulate_grads(
+            &model_a,
+            &plain_a,
+            &[(x.clone(), y.clone())],
+            shards,
+            Default::default(),
+        )?;
         assert!((loss_a - loss_s).abs() < 1e-5, "{shards} shards: {loss_a} vs {loss_s}");
         for ((name, _), (ga, gs)) in vars_a.iter().zip(grads_a.iter().zip(&grads_s)) {
             assert!(max_abs_diff(ga, gs)? < 1e-5, "{shards} shards: gradient of {name}");
@@ -97,7 +103,7 @@ fn four_micro_batches_of_8_update_like_one_batch_of_32() -> anyhow::Result<()> {
 fn clipping_bounds_the_global_norm_and_keeps_the_direction() -> anyhow::Result<()> {
     let (model, vars) = model(3)?;
     let plain: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
-    let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, 1)?], 1)?;
+    let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, 1)?], 1, Default::default())?;
     let norm = global_norm(&grads)?;
     assert!(norm > 0.1, "{norm}");
 
@@ -156,7 +162,7 @@ fn gradients_and_moments_hold_no_graph() -> anyhow::Result<()> {
     let plain: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
     let mut opt = AdamW::new(vars, ADAMW)?;
     for step in 0..3 {
-        let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, step)?], 2)?;
+        let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, step)?], 2, Default::default())?;
         assert!(grads.iter().all(|g| !g.track_op()), "a gradient keeps its graph");
         opt.step(&grads, 1e-3)?;
     }

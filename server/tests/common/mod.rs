@@ -45,14 +45,32 @@ pub async fn start(checkpoint: &Path, cfg: ServerConfig) -> anyhow::Result<Serve
 
 impl Server {
     pub async fn post(&self, body: Value) -> anyhow::Result<(u16, Value)> {
+        self.post_to("/v1/completions", body).await
+    }
+
+    pub async fn post_to(&self, path: &str, body: Value) -> anyhow::Result<(u16, Value)> {
         let resp = self
             .client
-            .post(format!("{}/v1/completions", self.url))
+            .post(format!("{}{path}", self.url))
             .json(&body)
             .send()
             .await?;
         let status = resp.status().as_u16();
         Ok((status, resp.json().await?))
+    }
+
+    pub async fn get(&self, path: &str) -> anyhow::Result<Value> {
+        Ok(serde_json::from_str(&self.get_text(path).await?)?)
+    }
+
+    pub async fn get_text(&self, path: &str) -> anyhow::Result<String> {
+        Ok(self
+            .client
+            .get(format!("{}{path}", self.url))
+            .send()
+            .await?
+            .text()
+            .await?)
     }
 
     /// A whole stream: the parsed `data:` chunks before `[DONE]` (which must come last).
@@ -73,14 +91,33 @@ impl Server {
             .collect::<Result<_, _>>()?)
     }
 
-    pub async fn metrics(&self) -> anyhow::Result<String> {
-        Ok(self
+    /// POSTs to another path and returns the JSON of a 200.
+    pub async fn call(&self, path: &str, body: Value) -> anyhow::Result<Value> {
+        let resp = self
             .client
-            .get(format!("{}/metrics", self.url))
+            .post(format!("{}{path}", self.url))
+            .json(&body)
             .send()
-            .await?
-            .text()
-            .await?)
+            .await?;
+        let status = resp.status().as_u16();
+        let json: Value = resp.json().await?;
+        anyhow::ensure!(status == 200, "{path}: {status} {json}");
+        Ok(json)
+    }
+
+    /// The server's token ids of `text`.
+    pub async fn tokenize(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        let r = self.call("/tokenize", serde_json::json!({"prompt": text})).await?;
+        Ok(serde_json::from_value(r["tokens"].clone())?)
+    }
+
+    pub async fn detokenize(&self, ids: &[u32]) -> anyhow::Result<String> {
+        let r = self.call("/detokenize", serde_json::json!({"tokens": ids})).await?;
+        Ok(r["prompt"].as_str().unwrap_or_default().to_string())
+    }
+
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        self.get_text("/metrics").await
     }
 }
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# lm-evaluation-harness's rolling perplexity over N paragraphs of tinyshakespeare (default 200) on
+# a GPT-2-small-shaped checkpoint with random weights and GPT-2's BPE: wall time through
+# gpt-server (lm-eval's batch of 8 prompts per request) against lm-eval's hf backend, side by
+# side on this machine, and their scores compared (1e-4 relative).
+#
+#   bash bench/lm_eval.sh [N]
+# Needs: target/gpt2-tokenizer (made by .ci/run), and the venv of .ci/lm_eval.sh (LM_EVAL_VENV).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+n=${1:-200}
+venv=${LM_EVAL_VENV:-target/ci/venv-lm-eval}
+out=target/bench/lm_eval
+model=target/bench/gpt2-random
+[ -f "$model/config.json" ] || "$venv/bin/python" bench/make_random_gpt2.py target/gpt2-tokenizer/tokenizer.json "$model"
+cargo build --release --locked -p gpt-server -p gpt-train  # the same set as .ci/run builds: no rebuild
+rm -rf "$out/runs"
+python3 tests/lm_eval/make_data.py ../shared/data/tinyshakespeare.txt "$out" "$n"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+lm_eval() { "$venv/bin/lm_eval" --tasks gptrs_paragraphs --include_path tests/lm_eval --log_samples "$@"; }
+# The task reads its data from target/ci/lm_eval: point it at this run's paragraphs.
+mkdir -p target/ci/lm_eval && cp "$out/paragraphs.jsonl" target/ci/lm_eval/paragraphs.jsonl
+
+port=18185
+./target/release/gpt-server --checkpoint "$model" --model-name gpt2-random --port $port --device cpu \
+  > "$out/server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+for _ in $(seq 300); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 0.2; done
+
+t0=$(date +%s.%N)
+lm_eval --model local-completions --batch_size 8 --output_path "$out/runs/server" \
+  --model_args base_url=http://127.0.0.1:$port/v1/completions,model=gpt2-random,max_length=1024 > "$out/server-run.log" 2>&1
+t1=$(date +%s.%N)
+kill $server; wait $server 2>/dev/null || true
+lm_eval --model hf --device cpu --output_path "$out/runs/hf" \
+  --model_args pretrained=$model,dtype=float32 > "$out/hf-run.log" 2>&1
+t2=$(date +%s.%N)
+python3 tests/lm_eval/compare.py "$out/runs/server" "$out/runs/hf"
+python3 - "$t0" "$t1" "$t2" "$n" <<'PY'
+import sys
+t0, t1, t2, n = map(float, sys.argv[1:])
+s, h = t1 - t0, t2 - t1
+print(f"{int(n)} paragraphs: gpt-server {s:.1f} s, hf backend {h:.1f} s, speed-up {h / s:.2f}x")
+PY

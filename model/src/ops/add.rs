@@ -1,0 +1,66 @@
+//! Broadcast adds (biases over rows, the position table over a batch) and their gradient, a sum
+//! over contiguous blocks (candle walks such reductions element by element).
+
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+
+use super::f32_slice;
+
+/// `x + b`, with `b` repeated over `x`: `b`'s shape is the trailing dimensions of `x` (a bias
+/// over rows, a position table over a batch). The gradient of `b` sums contiguous blocks.
+pub(super) struct AddTiled;
+
+impl CustomOp2 for AddTiled {
+    fn name(&self) -> &'static str {
+        "fused-add-tiled"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, b) = (f32_slice(s1, l1, "add-tiled")?, f32_slice(s2, l2, "add-tiled")?);
+        let mut y = vec![0f32; x.len()];
+        for (yb, xb) in y.chunks_exact_mut(b.len()).zip(x.chunks_exact(b.len())) {
+            for ((yv, &xv), &bv) in yb.iter_mut().zip(xb).zip(b) {
+                *yv = xv + bv;
+            }
+        }
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let db = grad.contiguous()?.apply_op1_no_bwd(&TileSum {
+            shape: b.shape().clone(),
+        })?;
+        Ok((Some(grad.clone()), Some(db)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::add_tiled(s1, l1, s2, l2)
+    }
+}
+
+/// Sums the consecutive blocks of `shape`'s size: the gradient of the tiled operand.
+pub(super) struct TileSum {
+    pub(super) shape: Shape,
+}
+
+impl CustomOp1 for TileSum {
+    fn name(&self) -> &'static str {
+        "fused-tile-sum"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = f32_slice(storage, layout, "tile-sum")?;
+        let mut sum = vec![0f32; self.shape.elem_count()];
+        for block in g.chunks_exact(sum.len()) {
+            sum.iter_mut().zip(block).for_each(|(s, &v)| *s += v);
+        }
+        Ok((CpuStorage::F32(sum), self.shape.clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::tile_sum(s, l, &self.shape)
+    }
+}

@@ -1,0 +1,114 @@
+//! Mean cross-entropy of logits against target ids, with its gradient, without `(N, V)`
+//! temporaries.
+
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+use super::f32_slice;
+
+/// Mean cross-entropy of rows of logits `(N, V)` against target ids `(N)`, with label smoothing
+/// `eps` as PyTorch's `cross_entropy(label_smoothing=eps)`: the target distribution puts
+/// `1 - eps + eps / V` on the target and `eps / V` on every other token, so per row the loss is
+/// `logsumexp(x) - (1 - eps) x[target] - eps mean(x)` (plain NLL at `eps = 0`). Two passes over
+/// the row and no `(N, V)` temporaries (candle's `cross_entropy` is log-softmax, gather and mean:
+/// seven full-size passes each way at GPT-2's 50257-word vocabulary).
+pub(super) struct CrossEntropy {
+    pub(super) eps: f32,
+}
+
+impl CrossEntropy {
+    /// The loss of one row.
+    fn row_loss(&self, row: &[f32], target: usize) -> f64 {
+        let (max, lse) = row_logsumexp(row);
+        let nll = (max + lse - row[target]) as f64;
+        if self.eps == 0.0 {
+            return nll;
+        }
+        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / row.len() as f64;
+        let uniform = (max + lse) as f64 - mean; // -mean(log p)
+        (1.0 - self.eps as f64) * nll + self.eps as f64 * uniform
+    }
+}
+
+/// Row `r`'s max and log of the sum of exp(x - max).
+fn row_logsumexp(row: &[f32]) -> (f32, f32) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
+    (max, sum.ln())
+}
+
+fn targets_of<'a>(storage: &'a CpuStorage, layout: &Layout, vocab: usize) -> Result<&'a [u32]> {
+    let data = storage.as_slice::<u32>()?;
+    let ids = match layout.contiguous_offsets() {
+        Some((start, end)) => &data[start..end],
+        None => candle_core::bail!("cross-entropy: the targets must be contiguous"),
+    };
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+        candle_core::bail!("cross-entropy: target id {bad} is outside the vocabulary of {vocab}");
+    }
+    Ok(ids)
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s1, l1, "cross-entropy")?;
+        let vocab = *l1.dims().last().unwrap_or(&1);
+        let targets = targets_of(s2, l2, vocab)?;
+        let total: f64 = x
+            .chunks_exact(vocab)
+            .zip(targets)
+            .map(|(row, &t)| self.row_loss(row, t as usize))
+            .sum();
+        let mean = (total / targets.len().max(1) as f64) as f32;
+        Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let rows = logits.dim(0)?.max(1);
+        let scale = grad.to_dtype(DType::F32)?.to_scalar::<f32>()? / rows as f32;
+        let dx = logits
+            .contiguous()?
+            .apply_op2_no_bwd(&targets.contiguous()?, &CrossEntropyGrad { scale, eps: self.eps })?;
+        Ok((Some(dx), None))
+    }
+}
+
+/// d loss / d logits = scale * (softmax(x) - (1 - eps) onehot(target) - eps / V), per row.
+pub(super) struct CrossEntropyGrad {
+    pub(super) scale: f32,
+    pub(super) eps: f32,
+}
+
+impl CustomOp2 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s1, l1, "cross-entropy-grad")?;
+        let vocab = *l1.dims().last().unwrap_or(&1);
+        let targets = targets_of(s2, l2, vocab)?;
+        let mut dx = vec![0f32; x.len()];
+        for ((row, drow), &t) in x.chunks_exact(vocab).zip(dx.chunks_exact_mut(vocab)).zip(targets) {
+            let (max, lse) = row_logsumexp(row);
+            let shift = max + lse;
+            let smooth = self.eps / vocab as f32;
+            for (d, &v) in drow.iter_mut().zip(row) {
+                *d = self.scale * ((v - shift).exp() - smooth);
+            }
+            drow[t as usize] -= self.scale * (1.0 - self.eps);
+        }
+        Ok((CpuStorage::F32(dx), l1.shape().clone()))
+    }
+}

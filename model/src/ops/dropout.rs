@@ -1,0 +1,68 @@
+//! Dropout with masks from a counter-based generator ([`crate::rng`]): element i of a call keyed
+//! by `key` is kept when `uniform(key, first + i) >= p`, and scaled by 1 / (1 - p). A mask is a
+//! function of (key, index) alone, so it is the same on every device, after a resume, and for
+//! any split of a batch into shards (`first` counts from the batch's first element); the
+//! backward pass applies the same mask to the gradient, recomputing it instead of storing it.
+
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+
+use super::f32_slice;
+use crate::rng;
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Dropout {
+    pub(super) key: u64,
+    /// Index of this tensor's first element in the whole batch's.
+    pub(super) first: u64,
+    pub(super) p: f32,
+}
+
+impl Dropout {
+    pub(super) fn keeps(&self, i: u64) -> bool {
+        rng::uniform(self.key, self.first + i) >= self.p
+    }
+
+    pub(super) fn scale(&self) -> f32 {
+        1.0 / (1.0 - self.p)
+    }
+
+    /// The mask as a tensor of 0 and 1/(1-p), for devices and dtypes without the fused kernel.
+    pub(super) fn mask(&self, x: &Tensor) -> Result<Tensor> {
+        let scale = self.scale();
+        let values: Vec<f32> = (0..x.elem_count() as u64)
+            .map(|i| if self.keeps(i) { scale } else { 0.0 })
+            .collect();
+        Tensor::from_vec(values, x.shape(), &candle_core::Device::Cpu)?
+            .to_dtype(x.dtype())?
+            .to_device(x.device())
+    }
+}
+
+impl CustomOp1 for Dropout {
+    fn name(&self) -> &'static str {
+        "counter-dropout"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(storage, layout, "dropout")?;
+        let scale = self.scale();
+        let y: Vec<f32> = x
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| if self.keeps(i as u64) { v * scale } else { 0.0 })
+            .collect();
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::dropout(s, l, self.key, self.first, self.p)
+    }
+
+    /// Linear with a fixed mask: the gradient goes through the same mask.
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad_res.contiguous()?.apply_op1(*self)?))
+    }
+}

@@ -1,0 +1,87 @@
+//! GELU, tanh approximation (GPT-2's `gelu_new`), and its gradient: one pass each way. candle's
+//! calls libm's scalar `tanhf` per element, and its backward builds ten temporaries; here the tanh
+//! is a rational approximation that the compiler vectorises.
+
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+
+use super::f32_slice;
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_A: f32 = 0.044_715;
+
+/// tanh(x) as a 13/6 rational function on [-7.9053, 7.9053] (|error| < 1e-6; beyond that range
+/// tanh is ±1 in f32). The coefficients are the published minimax fit used by Eigen's float tanh.
+#[inline(always)]
+pub(super) fn fast_tanh(x: f32) -> f32 {
+    let x = x.clamp(-7.905_311, 7.905_311);
+    let x2 = x * x;
+    let p = x2 * -2.760_768_5e-16 + 2.000_188e-13;
+    let p = x2 * p + -8.604_672e-11;
+    let p = x2 * p + 5.122_297e-8;
+    let p = x2 * p + 1.485_722_4e-5;
+    let p = x2 * p + 6.372_619e-4;
+    let p = x2 * p + 4.893_524_6e-3;
+    let q = x2 * 1.198_258_4e-6 + 1.185_347e-4;
+    let q = x2 * q + 2.268_434_6e-3;
+    let q = x2 * q + 4.893_525e-3;
+    x * p / q
+}
+
+/// GELU, tanh approximation (GPT-2's `gelu_new`).
+pub(super) struct Gelu;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "fused-gelu"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(storage, layout, "gelu")?;
+        let y: Vec<f32> = x
+            .iter()
+            .map(|&x| 0.5 * x * (1.0 + fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x))))
+            .collect();
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(
+            arg.contiguous()?.apply_op2_no_bwd(&grad_res.contiguous()?, &GeluGrad)?,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::gelu(s, l)
+    }
+}
+
+/// grad · d gelu(x)/dx, in one pass.
+pub(super) struct GeluGrad;
+
+impl CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "fused-gelu-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, g) = (f32_slice(s1, l1, "gelu-grad")?, f32_slice(s2, l2, "gelu-grad")?);
+        let dx: Vec<f32> = x
+            .iter()
+            .zip(g)
+            .map(|(&x, &g)| {
+                let t = fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x));
+                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_A * x * x);
+                g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+            })
+            .collect();
+        Ok((CpuStorage::F32(dx), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        crate::cuda_ops::gelu_grad(s1, l1, s2, l2)
+    }
+}

@@ -1,0 +1,165 @@
+//! The fused ops against candle's own, forward and backward.
+
+use super::gelu::fast_tanh;
+use super::*;
+use candle_core::{Device, Var, D};
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn fast_tanh_is_accurate() {
+    let worst = (-20_000..=20_000)
+        .map(|i| i as f32 / 1000.0)
+        .map(|x| (fast_tanh(x) as f64 - (x as f64).tanh()).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 2e-6, "{worst}");
+}
+
+#[test]
+fn gelu_matches_candle_forward_and_backward() {
+    let x = Var::from_tensor(&(Tensor::randn(0f32, 2.0, (7, 33), &Device::Cpu).unwrap())).unwrap();
+    let g = Tensor::randn(0f32, 1.0, (7, 33), &Device::Cpu).unwrap();
+    let (ours, theirs) = (gelu(&x).unwrap(), x.gelu().unwrap());
+    assert!(max_diff(&ours, &theirs) < 1e-5);
+    let ga = (ours * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let gb = (theirs * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let d = max_diff(ga.get(&x).unwrap(), gb.get(&x).unwrap());
+    assert!(d < 1e-4, "{d}");
+}
+
+/// Forward values and the gradients of every input against candle's composite ops.
+#[test]
+fn add_tiled_and_layer_norm_match_candle() {
+    let dev = &Device::Cpu;
+    let x = Var::from_tensor(&Tensor::randn(0f32, 2.0, (3, 5, 8), dev).unwrap()).unwrap();
+    let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 8), dev).unwrap()).unwrap();
+    let gamma = Var::from_tensor(&Tensor::randn(1f32, 0.5, 8, dev).unwrap()).unwrap();
+    let beta = Var::from_tensor(&Tensor::randn(0f32, 0.5, 8, dev).unwrap()).unwrap();
+    let g = Tensor::randn(0f32, 1.0, (3, 5, 8), dev).unwrap();
+    let run = |fused: bool| {
+        let h = if fused { add_tiled(&x, &b) } else { x.broadcast_add(&b) }.unwrap();
+        let y = if fused {
+            layer_norm(&h, &gamma, &beta, 1e-5)
+        } else {
+            candle_nn::ops::layer_norm_slow(&h, &gamma, &beta, 1e-5)
+        }
+        .unwrap();
+        let grads = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let get = |v: &Var| grads.get(v).unwrap().clone();
+        (y, [get(&x), get(&b), get(&gamma), get(&beta)])
+    };
+    let ((ya, ga), (yb, gb)) = (run(true), run(false));
+    assert!(max_diff(&ya, &yb) < 1e-5);
+    for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+        assert_eq!(a.shape(), b.shape());
+        assert!(max_diff(a, b) < 1e-4, "gradient {i}: {}", max_diff(a, b));
+    }
+}
+
+#[test]
+fn cross_entropy_matches_candle_forward_and_backward() {
+    let dev = &Device::Cpu;
+    let x = Var::from_tensor(&Tensor::randn(0f32, 3.0, (37, 301), dev).unwrap()).unwrap();
+    let targets = Tensor::new((0..37u32).map(|i| (i * 97) % 301).collect::<Vec<_>>(), dev).unwrap();
+    let ours = cross_entropy(&x, &targets, 0.0).unwrap();
+    let theirs = candle_nn::loss::cross_entropy(&x, &targets).unwrap();
+    let (a, b) = (ours.to_scalar::<f32>().unwrap(), theirs.to_scalar::<f32>().unwrap());
+    assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+    // Scaled by 3 after the loss, so that the incoming gradient is not 1.
+    let ga = (ours * 3.0).unwrap().backward().unwrap();
+    let gb = (theirs * 3.0).unwrap().backward().unwrap();
+    let d = max_diff(ga.get(&x).unwrap(), gb.get(&x).unwrap());
+    assert!(d < 1e-6, "{d}");
+    let bad = Tensor::new(&[0u32, 301], dev).unwrap();
+    let err = cross_entropy(&x.narrow(0, 0, 2).unwrap(), &bad, 0.0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("301") && err.contains("vocabulary"), "{err}");
+}
+
+#[test]
+fn causal_softmax_matches_mask_and_softmax_forward_and_backward() {
+    for (t_q, t_k) in [(5, 5), (3, 8), (1, 4)] {
+        let x = Var::from_tensor(&Tensor::randn(0f32, 3.0, (2, 3, t_q, t_k), &Device::Cpu).unwrap()).unwrap();
+        let g = Tensor::randn(0f32, 1.0, (2, 3, t_q, t_k), &Device::Cpu).unwrap();
+        let mask = causal_mask(t_q, t_k - t_q, DType::F32, &Device::Cpu).unwrap();
+        let reference = candle_nn::ops::softmax(&x.broadcast_add(&mask).unwrap(), D::Minus1).unwrap();
+        let ours = causal_softmax(&x, true).unwrap();
+        assert!(max_diff(&ours, &reference) < 1e-6, "{t_q}x{t_k}");
+        let ga = (ours * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (reference * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(max_diff(ga.get(&x).unwrap(), gb.get(&x).unwrap()) < 1e-5, "{t_q}x{t_k}");
+    }
+}
+
+#[test]
+fn dropout_drops_p_scales_the_rest_and_masks_the_gradient_alike() {
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (64, 256), &Device::Cpu).unwrap()).unwrap();
+    let g = Tensor::randn(0f32, 1.0, (64, 256), &Device::Cpu).unwrap();
+    let p = 0.25f32;
+    let y = dropout(&x, p, 42, 0).unwrap();
+    let (xs, ys) = (
+        x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+    );
+    let dropped = ys.iter().filter(|&&v| v == 0.0).count() as f32 / ys.len() as f32;
+    assert!((dropped - p).abs() < 0.01, "{dropped}");
+    for (a, b) in xs.iter().zip(&ys) {
+        assert!(*b == 0.0 || (b - a / (1.0 - p)).abs() < 1e-6);
+    }
+    // The fused op equals the host-made mask (the path of other devices and dtypes).
+    let op = super::Dropout { key: 42, first: 0, p };
+    assert_eq!(max_diff(&y, &(x.as_tensor() * op.mask(&x).unwrap()).unwrap()), 0.0);
+    // Backward: the same mask on the gradient.
+    let grads = (y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let expected = (g * op.mask(&x).unwrap()).unwrap();
+    assert_eq!(max_diff(grads.get(&x).unwrap(), &expected), 0.0);
+    // Rows 32.. alone, as a shard starting at row 32, get the batch's masks.
+    let tail = dropout(&x.narrow(0, 32, 32).unwrap(), p, 42, 32).unwrap();
+    let whole = dropout(&x, p, 42, 0).unwrap();
+    assert_eq!(max_diff(&tail, &whole.narrow(0, 32, 32).unwrap()), 0.0);
+}
+
+/// tests/fixtures/label_smoothing.json, written by PyTorch (make_label_smoothing.py).
+#[test]
+fn label_smoothing_matches_pytorch_forward_and_backward() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/label_smoothing.json");
+    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let rows: Vec<Vec<f32>> = serde_json::from_value(fixture["logits"].clone()).unwrap();
+    let targets: Vec<u32> = serde_json::from_value(fixture["targets"].clone()).unwrap();
+    let dev = &Device::Cpu;
+    let targets = Tensor::new(targets, dev).unwrap();
+    for case in fixture["cases"].as_array().unwrap() {
+        let eps = case["eps"].as_f64().unwrap() as f32;
+        let want_loss = case["loss"].as_f64().unwrap() as f32;
+        let want_grad = Tensor::new(
+            serde_json::from_value::<Vec<Vec<f32>>>(case["grad"].clone()).unwrap(),
+            dev,
+        )
+        .unwrap();
+        // f32 on the CPU takes the fused op, f64 the composite that other devices use.
+        for dtype in [DType::F32, DType::F64] {
+            let x = Var::from_tensor(&Tensor::new(rows.clone(), dev).unwrap().to_dtype(dtype).unwrap()).unwrap();
+            let loss = cross_entropy(&x, &targets, eps).unwrap();
+            let got = loss.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap();
+            assert!(
+                (got - want_loss).abs() < 1e-5,
+                "{dtype:?}, eps {eps}: loss {got} vs PyTorch {want_loss}"
+            );
+            let grads = loss.backward().unwrap();
+            let d = max_diff(&grads.get(&x).unwrap().to_dtype(DType::F32).unwrap(), &want_grad);
+            assert!(d < 1e-6, "{dtype:?}, eps {eps}: gradient differs from PyTorch's by {d}");
+        }
+    }
+}

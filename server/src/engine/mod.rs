@@ -1,0 +1,448 @@
+//! The inference engine: the model on its own thread, off the async runtime. A request's prompts
+//! wait in the [`scheduler`]; between steps the worker admits what fits and the [`runner`] steps
+//! every running [`sequence`] together: one `Gpt::forward_step` per step runs the new prompts'
+//! prefill and every other sequence's next token through the weight-heavy layers at once
+//! (continuous batching). Each request carries its own event channel; a sequence whose receiver
+//! is gone (the client disconnected) is dropped before the next step.
+
+pub mod beam;
+pub mod runner;
+pub mod scheduler;
+pub mod sequence;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use gpt::{Gpt, Tokenizer};
+use tokio::sync::mpsc;
+
+use crate::metrics::Metrics;
+use crate::validation::ValidRequest;
+use beam::BeamGroup;
+use runner::{Runner, StepInput, StepOutput};
+
+use scheduler::{Queued, Scheduler};
+use sequence::{ModelInfo, Sequence, Status};
+
+/// Log-probabilities of one position: the chosen token and the most likely ones.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    /// `None` for the first prompt token (nothing predicts it).
+    pub logprob: Option<f32>,
+    pub top: Vec<(String, f32)>,
+    /// Where the token starts in the choice's text, in characters.
+    pub offset: usize,
+}
+
+/// What the engine tells a request's handler. Choices are named by prompt and candidate; the
+/// handler's [`crate::fold::Fold`] numbers them as the API does.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Prompt `prompt` was prefilled; `logprobs` are its own tokens' (empty unless `echo` with
+    /// `logprobs`). Sent once per prompt, before its candidates' text, when `echo` is on.
+    Prompt {
+        prompt: usize,
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// More text for a candidate (possibly empty, when only logprobs are new).
+    Text {
+        prompt: usize,
+        candidate: usize,
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// A candidate is complete.
+    Done {
+        prompt: usize,
+        candidate: usize,
+        finish_reason: FinishReason,
+        completion_tokens: usize,
+        cumulative_logprob: f64,
+    },
+    Error(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub max_batch_size: usize,
+    pub max_queue: usize,
+    /// Prompt tokens prefilled in one step, at most (one prompt longer than this still runs).
+    pub max_prefill_tokens: usize,
+}
+
+/// The handle the HTTP layer holds.
+pub struct Engine {
+    jobs: mpsc::UnboundedSender<Job>,
+    /// Requests submitted and not yet wholly admitted.
+    queued: Arc<AtomicUsize>,
+    cut: Arc<AtomicBool>,
+    max_queue: usize,
+    metrics: Arc<Metrics>,
+}
+
+struct Job {
+    request: Arc<ValidRequest>,
+    events: mpsc::UnboundedSender<Event>,
+    queued_at: Instant,
+}
+
+impl Engine {
+    /// Starts the model thread.
+    pub fn start(model: Gpt, tokenizer: Tokenizer, cfg: EngineConfig, metrics: Arc<Metrics>) -> std::io::Result<Self> {
+        let (jobs, rx) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let cut = Arc::new(AtomicBool::new(false));
+        let info = ModelInfo {
+            eos: tokenizer.eos_token_id(),
+            context: model.config().n_positions,
+        };
+        let worker = Worker {
+            runner: Runner::new(model),
+            tokenizer,
+            info,
+            scheduler: Scheduler::new(cfg.max_batch_size, cfg.max_prefill_tokens),
+            running: Vec::new(),
+            max_batch: cfg.max_batch_size.max(1),
+            metrics: metrics.clone(),
+            queued: queued.clone(),
+            cut: cut.clone(),
+        };
+        std::thread::Builder::new()
+            .name("gpt-engine".into())
+            .spawn(move || worker.run(rx))?;
+        Ok(Self {
+            jobs,
+            queued,
+            cut,
+            max_queue: cfg.max_queue,
+            metrics,
+        })
+    }
+
+    /// Queues a request; `Err` with the queue's capacity when it is full.
+    pub fn submit(&self, request: Arc<ValidRequest>) -> Result<mpsc::UnboundedReceiver<Event>, usize> {
+        let max = self.max_queue;
+        self.queued
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| (q < max).then_some(q + 1))
+            .map_err(|_| max)?;
+        self.metrics.queue_depth.inc();
+        let (events, rx) = mpsc::unbounded_channel();
+        let job = Job {
+            request,
+            events,
+            queued_at: Instant::now(),
+        };
+        if self.jobs.send(job).is_err() {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            self.metrics.queue_depth.dec();
+            return Err(max); // the engine thread is gone
+        }
+        Ok(rx)
+    }
+
+    /// Ends every generation at the next step with `finish_reason: "length"` (the end of a
+    /// shutdown's grace period).
+    pub fn cut_all(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+    }
+}
+
+/// One prompt of a request, waiting to be prefilled.
+struct Group {
+    request: Arc<ValidRequest>,
+    prompt: usize,
+    events: mpsc::UnboundedSender<Event>,
+    queued_at: Instant,
+    last: bool,
+}
+
+impl Queued for Group {
+    fn slots(&self) -> usize {
+        self.request.best_of
+    }
+    fn prefill_tokens(&self) -> usize {
+        self.request.prompts[self.prompt].ids.len()
+    }
+    fn cancelled(&self) -> bool {
+        self.events.is_closed()
+    }
+    fn ends_request(&self) -> bool {
+        self.last
+    }
+}
+
+/// What runs in a step: a sequence (sampling), or a prompt's beams (beam search).
+enum Active {
+    Seq(Box<Sequence>),
+    Beams(Box<BeamGroup>),
+}
+
+impl Active {
+    fn slots(&self) -> usize {
+        match self {
+            Active::Seq(s) => s.slots(),
+            Active::Beams(b) => b.slots(),
+        }
+    }
+
+    fn cancelled(&self) -> bool {
+        match self {
+            Active::Seq(s) => s.events.is_closed(),
+            Active::Beams(b) => b.events.is_closed(),
+        }
+    }
+
+    fn step_inputs(&mut self) -> Vec<StepInput<'_>> {
+        match self {
+            Active::Seq(s) => vec![s.step_input()],
+            Active::Beams(b) => b.step_inputs(),
+        }
+    }
+}
+
+struct Worker {
+    runner: Runner,
+    tokenizer: Tokenizer,
+    info: ModelInfo,
+    scheduler: Scheduler<Group>,
+    running: Vec<Active>,
+    max_batch: usize,
+    metrics: Arc<Metrics>,
+    queued: Arc<AtomicUsize>,
+    cut: Arc<AtomicBool>,
+}
+
+impl Worker {
+    fn run(mut self, mut rx: mpsc::UnboundedReceiver<Job>) {
+        loop {
+            if self.running.is_empty() && self.scheduler.is_empty() {
+                match rx.blocking_recv() {
+                    Some(job) => self.enqueue(job),
+                    None => return, // the server is gone
+                }
+            }
+            while let Ok(job) = rx.try_recv() {
+                self.enqueue(job);
+            }
+            self.drop_cancelled();
+            if self.cut.load(Ordering::SeqCst) {
+                self.cut_everything();
+                continue;
+            }
+            let running: usize = self.running.iter().map(Active::slots).sum();
+            for group in self.scheduler.admit(running) {
+                self.left_queue(&group);
+                self.start(group);
+            }
+            if !self.running.is_empty() {
+                self.step();
+            }
+        }
+    }
+
+    fn enqueue(&mut self, job: Job) {
+        let prompts = job.request.prompts.len();
+        self.metrics
+            .prompt_tokens
+            .inc_by(job.request.prompts.iter().map(|p| p.ids.len() as u64).sum());
+        for prompt in 0..prompts {
+            self.scheduler.push(Group {
+                request: job.request.clone(),
+                prompt,
+                events: job.events.clone(),
+                queued_at: job.queued_at,
+                last: prompt + 1 == prompts,
+            });
+        }
+    }
+
+    fn left_queue(&self, group: &Group) {
+        if group.last {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            self.metrics.queue_depth.dec();
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        for group in self.scheduler.drop_cancelled() {
+            self.left_queue(&group);
+        }
+        let before = self.running.len();
+        self.running.retain(|a| !a.cancelled());
+        self.metrics.cancelled.inc_by((before - self.running.len()) as u64);
+    }
+
+    /// Ends everything, running and waiting, with `finish_reason: "length"`.
+    fn cut_everything(&mut self) {
+        for active in self.running.drain(..) {
+            match active {
+                Active::Seq(s) => {
+                    let _ = s.done(FinishReason::Length);
+                    // A prefill that never ran ends all its candidates.
+                    end_unstarted(&s.events, s.prompt, 1..s.slots());
+                }
+                Active::Beams(b) => b.cut(),
+            }
+        }
+        for group in self.scheduler.drain() {
+            self.left_queue(&group);
+            end_unstarted(&group.events, group.prompt, 0..group.request.best_of);
+        }
+    }
+
+    /// Starts a prompt: a sequence that prefills it, or, when nothing is to be computed (no
+    /// tokens asked for, no prompt logprobs), its answer at once.
+    fn start(&mut self, group: Group) {
+        let r = &group.request;
+        if r.max_tokens == 0 && !(r.echo && r.logprobs.is_some()) {
+            if r.echo {
+                let _ = group.events.send(Event::Prompt {
+                    prompt: group.prompt,
+                    logprobs: Vec::new(),
+                });
+            }
+            end_unstarted(&group.events, group.prompt, 0..r.best_of);
+            return;
+        }
+        let cache = self.runner.model().new_cache();
+        self.running.push(match r.beam_search {
+            Some(_) => Active::Beams(Box::new(BeamGroup::new(
+                group.request,
+                group.prompt,
+                cache,
+                group.events,
+                group.queued_at,
+                self.info,
+            ))),
+            None => Active::Seq(Box::new(Sequence::prefill(
+                group.request,
+                group.prompt,
+                cache,
+                group.events,
+                group.queued_at,
+            ))),
+        });
+    }
+
+    /// One step for every running sequence: prefill for the new ones, one token for the others.
+    fn step(&mut self) {
+        self.metrics
+            .batch_size
+            .set(self.running.iter().map(Active::slots).sum::<usize>() as i64);
+        let mut counts = Vec::with_capacity(self.running.len());
+        let outputs = {
+            let mut inputs: Vec<StepInput> = Vec::new();
+            for active in self.running.iter_mut() {
+                let mine = active.step_inputs();
+                counts.push(mine.len());
+                inputs.extend(mine);
+            }
+            self.runner.step(&mut inputs)
+        };
+        let mut outputs = outputs.into_iter();
+        let mut next = Vec::with_capacity(self.max_batch);
+        for (active, n) in std::mem::take(&mut self.running).into_iter().zip(counts) {
+            let mine: gpt::Result<Vec<StepOutput>> = outputs.by_ref().take(n).collect();
+            match active {
+                Active::Seq(seq) => match mine.map(|mut o| o.remove(0)) {
+                    Ok(out) => next.extend(self.advance(*seq, out).into_iter().map(|s| Active::Seq(Box::new(s)))),
+                    Err(e) => {
+                        let _ = seq.events.send(Event::Error(e.to_string()));
+                    }
+                },
+                Active::Beams(mut beams) => match mine.and_then(|o| beams.advance(o, &self.tokenizer, &self.metrics)) {
+                    Ok(Status::Running) => next.push(Active::Beams(beams)),
+                    Ok(Status::Finished(_)) => {}
+                    Err(e) => {
+                        let _ = beams.events.send(Event::Error(e.to_string()));
+                    }
+                },
+            }
+        }
+        self.running = next;
+    }
+
+    /// A sampled sequence after its step: forked into its candidates after a prefill, each given
+    /// its next token. Returns those still running.
+    fn advance(&self, seq: Sequence, out: StepOutput) -> Vec<Sequence> {
+        let family = if seq.is_prefill() {
+            match self.after_prefill(seq, &out.prompt_logprobs) {
+                Ok(family) => family,
+                Err((events, e)) => {
+                    let _ = events.send(Event::Error(e.to_string()));
+                    return Vec::new();
+                }
+            }
+        } else {
+            vec![seq]
+        };
+        let mut running = Vec::new();
+        for mut s in family {
+            if s.request.max_tokens == 0 {
+                let _ = s.done(FinishReason::Length);
+                continue;
+            }
+            match s.advance(&out.last, &self.tokenizer, self.info, &self.metrics) {
+                Ok(Status::Running) => running.push(s),
+                Ok(Status::Finished(_)) => {}
+                Err(e) => {
+                    let _ = s.events.send(Event::Error(e.to_string()));
+                }
+            }
+        }
+        running
+    }
+
+    /// Sends the prompt's echo (with its logprobs) and forks the prefilled sequence into one per
+    /// candidate.
+    #[allow(clippy::type_complexity)]
+    fn after_prefill(
+        &self,
+        seq: Sequence,
+        positions: &[runner::PositionLogprob],
+    ) -> Result<Vec<Sequence>, (mpsc::UnboundedSender<Event>, gpt::Error)> {
+        let events = seq.events.clone();
+        if seq.request.echo {
+            let logprobs = match seq.request.logprobs {
+                Some(_) => sequence::prompt_logprobs(&self.tokenizer, seq.prompt_ids(), positions)
+                    .map_err(|e| (events.clone(), e))?,
+                None => Vec::new(),
+            };
+            let _ = events.send(Event::Prompt {
+                prompt: seq.prompt,
+                logprobs,
+            });
+        }
+        seq.fork_candidates().map_err(|e| (events, e))
+    }
+}
+
+/// Ends candidates that generated nothing, with `finish_reason: "length"`.
+pub(crate) fn end_unstarted(events: &mpsc::UnboundedSender<Event>, prompt: usize, candidates: std::ops::Range<usize>) {
+    for candidate in candidates {
+        let _ = events.send(Event::Done {
+            prompt,
+            candidate,
+            finish_reason: FinishReason::Length,
+            completion_tokens: 0,
+            cumulative_logprob: 0.0,
+        });
+    }
+}

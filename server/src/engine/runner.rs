@@ -1,0 +1,274 @@
+//! The model runner: builds one step from the running sequences, calls the model, and reduces
+//! the logits on the host to what the sequences need: each sequence's last row (to sample from),
+//! and for a prefill that asks for the prompt's log-probabilities, the log-probability of every
+//! prompt token and the top alternatives at each position, from the same batched pass
+//! (`LogitsFor::All`). The LM head runs in chunks of rows, so long prompts never hold a whole
+//! `(tokens, vocab)` logits matrix.
+
+use candle_core::Device;
+use gpt::{Gpt, KvCache, LogitsFor, SeqStep};
+
+/// Rows of logits computed at once: 256 x GPT-2's 50257 x 4 bytes is 51 MB.
+const LM_HEAD_ROWS: usize = 256;
+
+/// One sequence's part in a step.
+pub struct StepInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut KvCache,
+    /// `Some(k)`: also the log-probability of each of `tokens[1..]` and the top `k` at each
+    /// position (a prompt's prefill, for `echo` with `logprobs`).
+    pub prompt_logprobs: Option<usize>,
+}
+
+/// The log-probability of a token at one position, and the `k` most likely tokens there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PositionLogprob {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone)]
+pub struct StepOutput {
+    /// Raw logits of the last new token, `(vocab,)`.
+    pub last: Vec<f32>,
+    /// For `prompt_logprobs`: positions 1.. of the new tokens (the first has no predecessor).
+    pub prompt_logprobs: Vec<PositionLogprob>,
+}
+
+pub struct Runner {
+    model: Gpt,
+}
+
+impl Runner {
+    pub fn new(model: Gpt) -> Self {
+        Self { model }
+    }
+
+    pub fn model(&self) -> &Gpt {
+        &self.model
+    }
+
+    /// Runs one step for all `inputs` together; one result per input. A sequence whose input the
+    /// model refuses fails alone; if the batched pass itself fails, the caches are rolled back and
+    /// each sequence runs alone, so that only the ones that fail on their own are dropped.
+    pub fn step(&self, inputs: &mut [StepInput<'_>]) -> Vec<gpt::Result<StepOutput>> {
+        let mut results: Vec<Option<gpt::Result<StepOutput>>> = Vec::with_capacity(inputs.len());
+        for input in inputs.iter_mut() {
+            let step = SeqStep {
+                tokens: input.tokens,
+                cache: &mut *input.cache,
+            };
+            results.push(self.model.check_step(&step).err().map(Err));
+        }
+        let valid: Vec<usize> = (0..inputs.len()).filter(|&i| results[i].is_none()).collect();
+        let lens: Vec<usize> = valid.iter().map(|&i| inputs[i].cache.len()).collect();
+        let mut batch: Vec<&mut StepInput> = inputs
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| valid.contains(i))
+            .map(|(_, input)| input)
+            .collect();
+        if !batch.is_empty() {
+            match self.run(&mut batch) {
+                Ok(outputs) => {
+                    for (&i, out) in valid.iter().zip(outputs) {
+                        results[i] = Some(Ok(out));
+                    }
+                }
+                Err(e) if batch.len() == 1 => results[valid[0]] = Some(Err(e)),
+                Err(e) => {
+                    tracing::warn!(error = %e, sequences = batch.len(), "batched step failed; running its sequences one by one");
+                    for ((&i, input), &len) in valid.iter().zip(batch.iter_mut()).zip(&lens) {
+                        let alone = input
+                            .cache
+                            .truncate(len)
+                            .map_err(gpt::Error::from)
+                            .and_then(|()| self.run(&mut [&mut **input]))
+                            .map(|mut out| out.remove(0));
+                        results[i] = Some(alone);
+                    }
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(gpt::Error::EmptyInput("sequence left out of the step"))))
+            .collect()
+    }
+
+    fn run(&self, inputs: &mut [&mut StepInput<'_>]) -> gpt::Result<Vec<StepOutput>> {
+        let which: Vec<LogitsFor> = inputs
+            .iter()
+            .map(|s| match s.prompt_logprobs {
+                Some(_) => LogitsFor::All,
+                None => LogitsFor::Last,
+            })
+            .collect();
+        // Which input and position each hidden row belongs to.
+        let mut owners: Vec<(usize, usize)> = Vec::new();
+        for (i, (input, w)) in inputs.iter().zip(&which).enumerate() {
+            match w {
+                LogitsFor::All => owners.extend((0..input.tokens.len()).map(|pos| (i, pos))),
+                LogitsFor::Last => owners.push((i, input.tokens.len() - 1)),
+            }
+        }
+        let hidden = {
+            let mut steps: Vec<SeqStep> = inputs
+                .iter_mut()
+                .map(|s| SeqStep {
+                    tokens: s.tokens,
+                    cache: &mut *s.cache,
+                })
+                .collect();
+            self.model.forward_step_hidden(&mut steps, &which)? // (rows, C)
+        };
+        let mut outputs: Vec<StepOutput> = inputs
+            .iter()
+            .map(|s| StepOutput {
+                last: Vec::new(),
+                prompt_logprobs: Vec::with_capacity(if s.prompt_logprobs.is_some() {
+                    s.tokens.len() - 1
+                } else {
+                    0
+                }),
+            })
+            .collect();
+        let vocab = self.model.config().vocab_size;
+        for start in (0..owners.len()).step_by(LM_HEAD_ROWS) {
+            let rows = LM_HEAD_ROWS.min(owners.len() - start);
+            // (rows, V) f32, brought to the host in one copy: on a GPU a copy per row would be a
+            // synchronisation per row.
+            let logits = self
+                .model
+                .logits(&hidden.narrow(0, start, rows)?)?
+                .to_device(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            for (row, &(i, pos)) in logits.chunks_exact(vocab).zip(&owners[start..start + rows]) {
+                let input = &inputs[i];
+                if pos + 1 == input.tokens.len() {
+                    outputs[i].last = row.to_vec();
+                } else if let Some(k) = input.prompt_logprobs {
+                    let lse = log_sum_exp(row);
+                    let next = input.tokens[pos + 1] as usize;
+                    outputs[i].prompt_logprobs.push(PositionLogprob {
+                        logprob: row[next] - lse,
+                        top: top_k(row, k, lse),
+                    });
+                }
+            }
+        }
+        Ok(outputs)
+    }
+}
+
+/// `log Σ exp(row)`, the normaliser of a log-softmax.
+pub fn log_sum_exp(row: &[f32]) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return max;
+    }
+    let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+    max + sum.ln()
+}
+
+/// The `k` most likely tokens of a logits row as `(id, log-probability)`, most likely first
+/// (ties: lower id first). A linear-time selection, then a sort of the `k` chosen only.
+pub fn top_k(row: &[f32], k: usize, lse: f32) -> Vec<(u32, f32)> {
+    let k = k.min(row.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    let order = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
+    let mut ids: Vec<usize> = (0..row.len()).collect();
+    if k < ids.len() {
+        ids.select_nth_unstable_by(k - 1, order);
+        ids.truncate(k);
+    }
+    ids.sort_unstable_by(order);
+    ids.into_iter().map(|i| (i as u32, row[i] - lse)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture_model() -> Gpt {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-gpt2");
+        gpt::load_model(&dir, candle_core::DType::F32, &Device::Cpu).expect("fixture model")
+    }
+
+    #[test]
+    fn a_sequence_the_model_refuses_fails_alone() {
+        let runner = Runner::new(fixture_model());
+        let model = runner.model();
+        let (good, bad) = ([5u32, 6, 7], [5u32, 999]); // 999 is outside the 320-token vocabulary
+        let mut caches = [model.new_cache(), model.new_cache(), model.new_cache()];
+        let [c0, c1, c2] = &mut caches;
+        let mut inputs = [
+            StepInput {
+                tokens: &good,
+                cache: c0,
+                prompt_logprobs: Some(2),
+            },
+            StepInput {
+                tokens: &bad,
+                cache: c1,
+                prompt_logprobs: None,
+            },
+            StepInput {
+                tokens: &good[..1],
+                cache: c2,
+                prompt_logprobs: None,
+            },
+        ];
+        let out = runner.step(&mut inputs);
+        assert!(
+            matches!(&out[1], Err(gpt::Error::TokenOutOfVocab { id: 999, .. })),
+            "{:?}",
+            out[1].as_ref().err()
+        );
+        let first = out[0].as_ref().expect("the others run");
+        assert_eq!(first.last.len(), 320);
+        assert_eq!(first.prompt_logprobs.len(), 2, "tokens 1 and 2 of the prompt");
+        assert!(first
+            .prompt_logprobs
+            .iter()
+            .all(|p| p.logprob < 0.0 && p.top.len() == 2));
+        assert!(out[2].is_ok());
+        assert_eq!(
+            (caches[0].len(), caches[1].len(), caches[2].len()),
+            (3, 0, 1),
+            "the refused cache is untouched"
+        );
+        // The same logits as a step of its own.
+        let mut alone_cache = model.new_cache();
+        let alone = runner.step(&mut [StepInput {
+            tokens: &good,
+            cache: &mut alone_cache,
+            prompt_logprobs: None,
+        }]);
+        let alone = alone[0].as_ref().expect("runs");
+        let diff = alone
+            .last
+            .iter()
+            .zip(&first.last)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(diff < 1e-4, "{diff}");
+    }
+
+    #[test]
+    fn top_k_selects_what_a_full_sort_finds() {
+        let row: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1009) as f32 / 10.0).collect();
+        let lse = log_sum_exp(&row);
+        let mut sorted: Vec<usize> = (0..row.len()).collect();
+        sorted.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        for k in [0, 1, 5, 20, 1000, 2000] {
+            let want: Vec<(u32, f32)> = sorted.iter().take(k).map(|&i| (i as u32, row[i] - lse)).collect();
+            assert_eq!(top_k(&row, k, lse), want, "k = {k}");
+        }
+        let probs: f32 = row.iter().map(|&x| (x - lse).exp()).sum();
+        assert!((probs - 1.0).abs() < 1e-4);
+    }
+}

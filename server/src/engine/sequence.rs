@@ -1,0 +1,307 @@
+//! One choice being generated: its tokens, KV cache, sampler, text and stop state. A prompt's
+//! choices start as one sequence that prefills the prompt and is then forked (a copy of its KV
+//! cache per choice), so a prompt is prefilled once however many choices it has. Each sequence
+//! sends its own events on its request's channel.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use gpt::{KvCache, Sampler, Tokenizer};
+use tokio::sync::mpsc;
+
+use super::runner::{log_sum_exp, top_k, PositionLogprob, StepInput};
+use super::{Event, FinishReason, TokenLogprob};
+use crate::metrics::Metrics;
+use crate::stream::{Detokenizer, TextStream};
+use crate::validation::ValidRequest;
+
+/// What every sequence needs to know of the model.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelInfo {
+    pub eos: Option<u32>,
+    pub context: usize,
+}
+
+pub struct Sequence {
+    pub request: Arc<ValidRequest>,
+    /// Which prompt of the request, and which of its candidates.
+    pub prompt: usize,
+    pub candidate: usize,
+    pub cache: KvCache,
+    /// Tokens generated, the end-of-text or stop token that ended them included.
+    output: Vec<u32>,
+    /// The text of `output` so far, and its length in characters.
+    decoded: String,
+    decoded_chars: usize,
+    sampler: Sampler,
+    detokenizer: Detokenizer,
+    text: TextStream,
+    /// Σ log p of the sampled tokens under the model (for `best_of`).
+    cumulative_logprob: f64,
+    /// Characters before the generated text in the choice (the prompt, when echoed).
+    text_start: usize,
+    /// Candidates still to be forked from this one once the prompt is prefilled; `None` once it
+    /// decodes.
+    prefill: Option<usize>,
+    pub events: mpsc::UnboundedSender<Event>,
+    queued_at: Instant,
+    last_token_at: Option<Instant>,
+}
+
+/// After a token: go on, or the choice is complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Running,
+    Finished(FinishReason),
+}
+
+impl Sequence {
+    /// The sequence that prefills prompt `prompt` of `request` for all its candidates.
+    pub fn prefill(
+        request: Arc<ValidRequest>,
+        prompt: usize,
+        cache: KvCache,
+        events: mpsc::UnboundedSender<Event>,
+        queued_at: Instant,
+    ) -> Self {
+        let text_start = if request.echo {
+            request.prompts[prompt].text.chars().count()
+        } else {
+            0
+        };
+        let candidates = request.best_of;
+        Self {
+            sampler: Sampler::new(request.sampling.clone()),
+            text: TextStream::new(request.stop.clone()),
+            request,
+            prompt,
+            candidate: 0,
+            cache,
+            output: Vec::new(),
+            decoded: String::new(),
+            decoded_chars: 0,
+            detokenizer: Detokenizer::default(),
+            cumulative_logprob: 0.0,
+            text_start,
+            prefill: Some(candidates - 1),
+            events,
+            queued_at,
+            last_token_at: None,
+        }
+    }
+
+    pub fn prompt_ids(&self) -> &[u32] {
+        &self.request.prompts[self.prompt].ids
+    }
+
+    /// Batch slots it takes: a prefill stands for all the candidates it will fork into.
+    pub fn slots(&self) -> usize {
+        1 + self.prefill.unwrap_or(0)
+    }
+
+    pub fn is_prefill(&self) -> bool {
+        self.prefill.is_some()
+    }
+
+    /// Its part in the next step: the prompt, then the last token generated.
+    pub fn step_input(&mut self) -> StepInput<'_> {
+        let prompt_logprobs = self.wants_prompt_logprobs();
+        let tokens: &[u32] = match (&self.prefill, self.output.last()) {
+            (None, Some(last)) => std::slice::from_ref(last),
+            _ => &self.request.prompts[self.prompt].ids,
+        };
+        StepInput {
+            tokens,
+            cache: &mut self.cache,
+            prompt_logprobs,
+        }
+    }
+
+    /// Top-N of the prompt's own tokens wanted from the prefill (`echo` with `logprobs`).
+    pub fn wants_prompt_logprobs(&self) -> Option<usize> {
+        let r = &self.request;
+        (self.is_prefill() && r.echo).then_some(r.logprobs).flatten()
+    }
+
+    /// After the prefill: this sequence and its forks, one per candidate, each sampling with its
+    /// own seed (`seed + candidate`).
+    pub fn fork_candidates(mut self) -> gpt::Result<Vec<Sequence>> {
+        let forks = self.prefill.take().unwrap_or(0);
+        let mut family = Vec::with_capacity(forks + 1);
+        for candidate in 1..=forks {
+            let mut sampling = self.request.sampling.clone();
+            sampling.seed = sampling.seed.wrapping_add(candidate as u64);
+            family.push(Sequence {
+                request: self.request.clone(),
+                prompt: self.prompt,
+                candidate,
+                cache: self.cache.fork()?,
+                output: Vec::new(),
+                decoded: String::new(),
+                decoded_chars: 0,
+                sampler: Sampler::new(sampling),
+                detokenizer: Detokenizer::default(),
+                text: TextStream::new(self.request.stop.clone()),
+                cumulative_logprob: 0.0,
+                text_start: self.text_start,
+                prefill: None,
+                events: self.events.clone(),
+                queued_at: self.queued_at,
+                last_token_at: None,
+            });
+        }
+        family.insert(0, self);
+        Ok(family)
+    }
+
+    /// Samples the next token from the raw logits of the last position and sends what it adds.
+    pub fn advance(
+        &mut self,
+        logits: &[f32],
+        tokenizer: &Tokenizer,
+        model: ModelInfo,
+        metrics: &Metrics,
+    ) -> gpt::Result<Status> {
+        let r = self.request.clone();
+        // Before min_tokens, neither the end-of-text token nor a stop token may be chosen.
+        let suppress: Vec<u32> = if self.output.len() < r.min_tokens {
+            model.eos.iter().chain(&r.stop_token_ids).copied().collect()
+        } else {
+            Vec::new()
+        };
+        let row = Tensor::new(logits, &Device::Cpu)?;
+        let prompt = &r.prompts[self.prompt].ids;
+        let token = self.sampler.sample(&row, prompt, &self.output, &suppress)?;
+        let now = Instant::now();
+        match self.last_token_at {
+            None => metrics
+                .time_to_first_token
+                .observe((now - self.queued_at).as_secs_f64()),
+            Some(t) => metrics.inter_token_latency.observe((now - t).as_secs_f64()),
+        }
+        self.last_token_at = Some(now);
+        metrics.generated_tokens.inc();
+
+        let mut logprobs = Vec::new();
+        if r.logprobs.is_some() || r.best_of > r.n {
+            let lse = log_sum_exp(logits);
+            let logprob = logits[token as usize] - lse;
+            self.cumulative_logprob += f64::from(logprob);
+            if let Some(k) = r.logprobs {
+                logprobs.push(token_logprob(
+                    tokenizer,
+                    token,
+                    &PositionLogprob {
+                        logprob,
+                        top: top_k(logits, k, lse),
+                    },
+                    self.text_start + self.decoded_chars,
+                )?);
+            }
+        }
+        self.output.push(token);
+
+        let ends = (Some(token) == model.eos && !r.ignore_eos) || r.stop_token_ids.contains(&token);
+        if ends {
+            // The token that ends the text counts and has its logprobs, but adds no text.
+            return self.finish(logprobs, String::new(), FinishReason::Stop, tokenizer);
+        }
+        let new = self.detokenizer.push(token, tokenizer)?;
+        self.decoded_chars += new.chars().count();
+        self.decoded.push_str(&new);
+        let (text, stopped) = self.text.push(&self.decoded, self.output.len() >= r.min_tokens);
+        if stopped {
+            self.send_text(text, logprobs);
+            return self.done(FinishReason::Stop);
+        }
+        let at_limit = self.output.len() >= r.max_tokens || prompt.len() + self.output.len() >= model.context;
+        if at_limit {
+            return self.finish(logprobs, text, FinishReason::Length, tokenizer);
+        }
+        self.send_text(text, logprobs);
+        Ok(Status::Running)
+    }
+
+    /// Ends the choice: the held text (a partial stop string, an unfinished character) is sent.
+    fn finish(
+        &mut self,
+        logprobs: Vec<TokenLogprob>,
+        mut text: String,
+        reason: FinishReason,
+        tokenizer: &Tokenizer,
+    ) -> gpt::Result<Status> {
+        let held = self.detokenizer.finish(tokenizer)?;
+        self.decoded.push_str(&held);
+        text.push_str(&self.text.finish(&self.decoded));
+        self.send_text(text, logprobs);
+        self.done(reason)
+    }
+
+    fn send_text(&self, text: String, logprobs: Vec<TokenLogprob>) {
+        if !text.is_empty() || !logprobs.is_empty() {
+            let _ = self.events.send(Event::Text {
+                prompt: self.prompt,
+                candidate: self.candidate,
+                text,
+                logprobs,
+            });
+        }
+    }
+
+    /// Sends the choice's end.
+    pub fn done(&self, reason: FinishReason) -> gpt::Result<Status> {
+        let _ = self.events.send(Event::Done {
+            prompt: self.prompt,
+            candidate: self.candidate,
+            finish_reason: reason,
+            completion_tokens: self.output.len(),
+            cumulative_logprob: self.cumulative_logprob,
+        });
+        Ok(Status::Finished(reason))
+    }
+}
+
+/// A position's log-probabilities with its token and the alternatives as text.
+pub fn token_logprob(
+    tokenizer: &Tokenizer,
+    token: u32,
+    p: &PositionLogprob,
+    offset: usize,
+) -> gpt::Result<TokenLogprob> {
+    Ok(TokenLogprob {
+        token: tokenizer.decode(&[token])?,
+        logprob: Some(p.logprob),
+        top: p
+            .top
+            .iter()
+            .map(|&(id, lp)| Ok((tokenizer.decode(&[id])?, lp)))
+            .collect::<gpt::Result<_>>()?,
+        offset,
+    })
+}
+
+/// The prompt's tokens with their log-probabilities from the prefill (`positions[t]` is for
+/// token `t + 1`; the first token has none), offsets counted in characters.
+pub fn prompt_logprobs(
+    tokenizer: &Tokenizer,
+    ids: &[u32],
+    positions: &[PositionLogprob],
+) -> gpt::Result<Vec<TokenLogprob>> {
+    let mut out = Vec::with_capacity(ids.len());
+    let mut offset = 0;
+    for (t, &id) in ids.iter().enumerate() {
+        let entry = match t.checked_sub(1).and_then(|p| positions.get(p)) {
+            Some(p) => token_logprob(tokenizer, id, p, offset)?,
+            None => TokenLogprob {
+                token: tokenizer.decode(&[id])?,
+                logprob: None,
+                top: Vec::new(),
+                offset,
+            },
+        };
+        offset += entry.token.chars().count();
+        out.push(entry);
+    }
+    Ok(out)
+}

@@ -1,0 +1,326 @@
+//! From engine events to a completion: one fold, shared by the whole response (which applies
+//! every event and merges the deltas) and the stream (which sends each delta as a chunk).
+//!
+//! Choices are numbered as OpenAI numbers them: `index = prompt × n + i`. With `best_of > n` a
+//! prompt's candidates are held until all are done; the `n` with the highest cumulative
+//! log-probability are then released, best first.
+
+use std::sync::Arc;
+
+use crate::api::{Choice, LogProbs, Usage};
+use crate::engine::{Event, FinishReason, TokenLogprob};
+use crate::error::ApiError;
+use crate::validation::ValidRequest;
+
+/// New content for one choice.
+#[derive(Debug, Clone)]
+pub struct Delta {
+    pub index: u32,
+    pub text: String,
+    /// `Some` when the request asked for logprobs.
+    pub logprobs: Option<LogProbs>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// A candidate held until its prompt's best are chosen.
+#[derive(Debug, Default)]
+struct Held {
+    text: String,
+    logprobs: Option<LogProbs>,
+    finish: Option<FinishReason>,
+    tokens: usize,
+    cumulative_logprob: f64,
+}
+
+pub struct Fold {
+    request: Arc<ValidRequest>,
+    /// `held[prompt][candidate]`, used when `best_of > n`.
+    held: Vec<Vec<Held>>,
+    finished: usize,
+    completion_tokens: usize,
+}
+
+impl Fold {
+    pub fn new(request: Arc<ValidRequest>) -> Self {
+        let held = match request.best_of > request.n {
+            true => (0..request.prompts.len())
+                .map(|_| (0..request.best_of).map(|_| Held::default()).collect())
+                .collect(),
+            false => Vec::new(),
+        };
+        Self {
+            request,
+            held,
+            finished: 0,
+            completion_tokens: 0,
+        }
+    }
+
+    /// Every choice has its finish reason.
+    pub fn is_done(&self) -> bool {
+        self.finished >= self.request.prompts.len() * self.request.n
+    }
+
+    pub fn usage(&self) -> Usage {
+        let prompt_tokens = self.request.prompts.iter().map(|p| p.ids.len()).sum();
+        Usage {
+            prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            total_tokens: prompt_tokens + self.completion_tokens,
+        }
+    }
+
+    /// The choices with nothing in them yet, for the whole response to merge deltas into.
+    pub fn empty_choices(&self) -> Vec<Choice> {
+        (0..self.request.prompts.len() * self.request.n)
+            .map(|index| Choice {
+                text: String::new(),
+                index: index as u32,
+                logprobs: self.request.logprobs.map(|_| LogProbs::default()),
+                finish_reason: None,
+            })
+            .collect()
+    }
+
+    pub fn apply(&mut self, event: Event) -> Result<Vec<Delta>, ApiError> {
+        let want_logprobs = self.request.logprobs.is_some();
+        match event {
+            Event::Prompt { prompt, logprobs } => {
+                let text = self.request.prompts[prompt].text.clone();
+                let logprobs = want_logprobs.then(|| logprobs_of(&logprobs));
+                let mut out = Vec::new();
+                for candidate in 0..self.request.best_of {
+                    out.extend(self.content(prompt, candidate, text.clone(), logprobs.clone()));
+                }
+                Ok(out)
+            }
+            Event::Text {
+                prompt,
+                candidate,
+                text,
+                logprobs,
+            } => {
+                let logprobs = want_logprobs.then(|| logprobs_of(&logprobs));
+                Ok(self.content(prompt, candidate, text, logprobs).into_iter().collect())
+            }
+            Event::Done {
+                prompt,
+                candidate,
+                finish_reason,
+                completion_tokens,
+                cumulative_logprob,
+            } => Ok(self.done(prompt, candidate, finish_reason, completion_tokens, cumulative_logprob)),
+            Event::Error(e) => Err(ApiError::Internal(e)),
+        }
+    }
+
+    /// Text or logprobs for a candidate: passed on, or held.
+    fn content(&mut self, prompt: usize, candidate: usize, text: String, logprobs: Option<LogProbs>) -> Option<Delta> {
+        if let Some(held) = self.held.get_mut(prompt).and_then(|p| p.get_mut(candidate)) {
+            held.text.push_str(&text);
+            if let Some(more) = logprobs {
+                append_logprobs(held.logprobs.get_or_insert_with(LogProbs::default), more);
+            }
+            return None;
+        }
+        Some(Delta {
+            index: (prompt * self.request.n + candidate) as u32,
+            text,
+            logprobs,
+            finish_reason: None,
+        })
+    }
+
+    fn done(
+        &mut self,
+        prompt: usize,
+        candidate: usize,
+        reason: FinishReason,
+        tokens: usize,
+        cumulative: f64,
+    ) -> Vec<Delta> {
+        let n = self.request.n;
+        let Some(candidates) = self.held.get_mut(prompt) else {
+            self.finished += 1;
+            self.completion_tokens += tokens;
+            return vec![Delta {
+                index: (prompt * n + candidate) as u32,
+                text: String::new(),
+                logprobs: None,
+                finish_reason: Some(reason),
+            }];
+        };
+        if let Some(held) = candidates.get_mut(candidate) {
+            held.finish = Some(reason);
+            held.tokens = tokens;
+            held.cumulative_logprob = cumulative;
+        }
+        if candidates.iter().any(|c| c.finish.is_none()) {
+            return Vec::new();
+        }
+        // All candidates are in: the n most likely, best first.
+        let mut order: Vec<usize> = (0..candidates.len()).collect();
+        order.sort_by(|&a, &b| {
+            candidates[b]
+                .cumulative_logprob
+                .total_cmp(&candidates[a].cumulative_logprob)
+        });
+        let mut out = Vec::with_capacity(n);
+        for (rank, &c) in order.iter().take(n).enumerate() {
+            let held = std::mem::take(&mut candidates[c]);
+            self.finished += 1;
+            self.completion_tokens += held.tokens;
+            out.push(Delta {
+                index: (prompt * n + rank) as u32,
+                text: held.text,
+                logprobs: self.request.logprobs.map(|_| held.logprobs.unwrap_or_default()),
+                finish_reason: held.finish,
+            });
+        }
+        out
+    }
+}
+
+/// Adds a delta to the whole response's choices.
+pub fn merge(choices: &mut [Choice], delta: Delta) {
+    let Some(choice) = choices.get_mut(delta.index as usize) else {
+        return;
+    };
+    choice.text.push_str(&delta.text);
+    if let Some(more) = delta.logprobs {
+        append_logprobs(choice.logprobs.get_or_insert_with(LogProbs::default), more);
+    }
+    if let Some(reason) = delta.finish_reason {
+        choice.finish_reason = Some(reason.as_str().into());
+    }
+}
+
+/// The API's logprobs of some positions.
+pub fn logprobs_of(items: &[TokenLogprob]) -> LogProbs {
+    let mut lp = LogProbs::default();
+    for t in items {
+        lp.tokens.push(t.token.clone());
+        lp.token_logprobs.push(t.logprob);
+        lp.top_logprobs.push(t.logprob.is_some().then(|| {
+            // Most likely first; tokens that decode to the same text keep the likelier entry.
+            let mut top = serde_json::Map::new();
+            for (tok, p) in &t.top {
+                top.entry(tok.clone()).or_insert_with(|| serde_json::Value::from(*p));
+            }
+            top
+        }));
+        lp.text_offset.push(t.offset);
+    }
+    lp
+}
+
+fn append_logprobs(lp: &mut LogProbs, more: LogProbs) {
+    lp.tokens.extend(more.tokens);
+    lp.token_logprobs.extend(more.token_logprobs);
+    lp.top_logprobs.extend(more.top_logprobs);
+    lp.text_offset.extend(more.text_offset);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validation::ValidPrompt;
+
+    fn request(prompts: usize, n: usize, best_of: usize, logprobs: Option<usize>) -> Arc<ValidRequest> {
+        Arc::new(ValidRequest {
+            prompts: (0..prompts)
+                .map(|p| ValidPrompt {
+                    ids: vec![1; p + 2],
+                    text: format!("prompt{p}"),
+                })
+                .collect(),
+            max_tokens: 4,
+            min_tokens: 0,
+            sampling: gpt::SamplingParams::default(),
+            stop: vec![],
+            stop_token_ids: vec![],
+            ignore_eos: false,
+            n,
+            best_of,
+            logprobs,
+            echo: false,
+            stream: false,
+            include_usage: false,
+            beam_search: None,
+        })
+    }
+
+    fn text(prompt: usize, candidate: usize, text: &str) -> Event {
+        Event::Text {
+            prompt,
+            candidate,
+            text: text.into(),
+            logprobs: vec![],
+        }
+    }
+
+    fn done(prompt: usize, candidate: usize, tokens: usize, cumulative: f64) -> Event {
+        Event::Done {
+            prompt,
+            candidate,
+            finish_reason: FinishReason::Length,
+            completion_tokens: tokens,
+            cumulative_logprob: cumulative,
+        }
+    }
+
+    /// Applies events and merges the deltas as the whole response does.
+    fn fold(req: Arc<ValidRequest>, events: Vec<Event>) -> (Vec<Choice>, Usage, bool) {
+        let mut f = Fold::new(req);
+        let mut choices = f.empty_choices();
+        for e in events {
+            for d in f.apply(e).expect("no error") {
+                merge(&mut choices, d);
+            }
+        }
+        (choices, f.usage(), f.is_done())
+    }
+
+    #[test]
+    fn choices_are_numbered_prompt_times_n_plus_i() {
+        let events = vec![
+            text(1, 1, "d"),
+            text(0, 0, "a"),
+            done(1, 1, 3, 0.0),
+            text(0, 1, "b"),
+            text(1, 0, "c"),
+            done(0, 0, 1, 0.0),
+            done(0, 1, 1, 0.0),
+            done(1, 0, 2, 0.0),
+        ];
+        let (choices, usage, complete) = fold(request(2, 2, 2, None), events);
+        let texts: Vec<&str> = choices.iter().map(|c| c.text.as_str()).collect();
+        assert_eq!(texts, ["a", "b", "c", "d"]);
+        assert!(complete);
+        assert_eq!(usage.prompt_tokens, 2 + 3);
+        assert_eq!(usage.completion_tokens, 1 + 1 + 2 + 3);
+        assert!(choices.iter().all(|c| c.finish_reason.as_deref() == Some("length")));
+    }
+
+    #[test]
+    fn best_of_returns_the_n_most_likely_candidates_best_first() {
+        let req = request(1, 2, 3, None);
+        let mut f = Fold::new(req.clone());
+        assert!(f.apply(text(0, 0, "worst")).expect("ok").is_empty(), "held");
+        f.apply(text(0, 1, "best")).expect("ok");
+        f.apply(text(0, 2, "middle")).expect("ok");
+        assert!(f.apply(done(0, 0, 5, -9.0)).expect("ok").is_empty());
+        assert!(f.apply(done(0, 1, 6, -1.0)).expect("ok").is_empty());
+        let out = f.apply(done(0, 2, 7, -4.0)).expect("ok");
+        let got: Vec<(u32, &str)> = out.iter().map(|d| (d.index, d.text.as_str())).collect();
+        assert_eq!(got, [(0, "best"), (1, "middle")]);
+        assert!(f.is_done());
+        assert_eq!(f.usage().completion_tokens, 6 + 7, "usage counts the choices returned");
+    }
+
+    #[test]
+    fn an_engine_error_fails_the_request() {
+        let mut f = Fold::new(request(1, 1, 1, None));
+        assert!(f.apply(Event::Error("boom".into())).is_err());
+    }
+}

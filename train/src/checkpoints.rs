@@ -1,0 +1,262 @@
+//! A run's checkpoints, all or nothing. Each save is a directory of its own,
+//! `OUT/checkpoints/step-NNNNNNNN/` (a GPT-2 checkpoint plus `optimizer.safetensors` and
+//! `trainer_state.json`): written under a temporary name, every file and the directory fsynced,
+//! then renamed into place in one step. Only then does `OUT/latest` (a symbolic link) move to it
+//! and are checkpoints beyond `--keep-last` removed, so at every instant at least one complete
+//! checkpoint exists, and a crash at any moment, a save included, loses at most the steps since
+//! the previous save. `--resume` takes the newest complete checkpoint; the best one by
+//! validation loss is `OUT/best/`, replaced as a whole.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use candle_nn::VarMap;
+use gpt::checkpoint;
+use gpt::files::write_atomic;
+use gpt::{Gpt, Tokenizer};
+use serde::{Deserialize, Serialize};
+
+use crate::config::RunConfig;
+use crate::optim::AdamW;
+
+pub const STATE_FILE: &str = "trainer_state.json";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const CHECKPOINTS_DIR: &str = "checkpoints";
+pub const LATEST: &str = "latest";
+pub const BEST: &str = "best";
+const TMP: &str = ".tmp-";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Updates done so far.
+    pub step: usize,
+    pub best_val_loss: Option<f64>,
+    /// Batches are drawn from `data::batch_rng(seed, step, ..)`: this pair is the RNG state.
+    pub rng_seed: u64,
+    pub last_eval_step: Option<usize>,
+    pub elapsed_s: f64,
+    pub run: RunConfig,
+}
+
+/// A complete checkpoint on disk.
+#[derive(Debug, Clone)]
+pub struct Saved {
+    pub dir: PathBuf,
+    pub state: TrainerState,
+}
+
+fn step_dir_name(step: usize) -> String {
+    format!("step-{step:08}")
+}
+
+fn step_of(name: &str) -> Option<usize> {
+    name.strip_prefix("step-")?.parse().ok()
+}
+
+/// Test hook: `GPT_TRAIN_SAVE_DELAY_MS` sleeps that long after each file of a save, so that a test
+/// can kill a run in the middle of one.
+fn save_delay() {
+    if let Some(ms) = std::env::var("GPT_TRAIN_SAVE_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing {}", dir.display()))
+}
+
+/// The complete checkpoints of the run in `out`, oldest first. (A run started before this layout
+/// kept its one checkpoint in `out` itself: it counts too.)
+pub fn list(out: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    let mut found = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(out.join(CHECKPOINTS_DIR)) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(step) = step_of(&name) {
+                found.push((step, entry.path()));
+            }
+        }
+    }
+    if out.join(STATE_FILE).is_file() {
+        if let Ok(state) = read_state(out) {
+            found.push((state.step, out.to_path_buf()));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+fn read_state(dir: &Path) -> Result<TrainerState> {
+    let path = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))
+}
+
+/// Reads and checks one checkpoint: its three files must be from the same step.
+fn read(dir: &Path) -> Result<Saved> {
+    let state = read_state(dir)?;
+    for file in [checkpoint::WEIGHTS_FILE, OPTIMIZER_FILE] {
+        let path = dir.join(file);
+        let step = checkpoint::read_metadata(&path)?
+            .get("step")
+            .and_then(|s| s.parse().ok());
+        if step != Some(state.step) {
+            bail!(
+                "{} is from step {step:?} but {STATE_FILE} says step {}: the checkpoint was cut while being written",
+                path.display(),
+                state.step
+            );
+        }
+    }
+    Ok(Saved {
+        dir: dir.to_path_buf(),
+        state,
+    })
+}
+
+/// The newest complete checkpoint of the run in `out`; `None` when it has none. Incomplete ones
+/// (from a crash) are passed over with a warning.
+pub fn latest(out: &Path) -> Result<Option<Saved>> {
+    for (_, dir) in list(out)?.into_iter().rev() {
+        match read(&dir) {
+            Ok(saved) => return Ok(Some(saved)),
+            Err(e) => tracing::warn!(error = %e, "skipping an incomplete checkpoint"),
+        }
+    }
+    Ok(None)
+}
+
+/// Removes what crashed saves left: temporary checkpoint directories, and puts back a `best/`
+/// that was being replaced.
+pub fn clean_up(out: &Path) -> Result<()> {
+    if let Ok(entries) = std::fs::read_dir(out.join(CHECKPOINTS_DIR)) {
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(TMP) {
+                std::fs::remove_dir_all(entry.path())
+                    .with_context(|| format!("removing {}", entry.path().display()))?;
+            }
+        }
+    }
+    let old_best = out.join(format!("{TMP}{BEST}-old"));
+    if old_best.is_dir() {
+        if out.join(BEST).is_dir() {
+            std::fs::remove_dir_all(&old_best)?;
+        } else {
+            std::fs::rename(&old_best, out.join(BEST))?;
+        }
+    }
+    let new_best = out.join(format!("{TMP}{BEST}"));
+    if new_best.is_dir() {
+        std::fs::remove_dir_all(new_best)?;
+    }
+    Ok(())
+}
+
+fn step_metadata(step: usize) -> HashMap<String, String> {
+    HashMap::from([("step".to_string(), step.to_string())])
+}
+
+/// Saves the run at `state.step` (see the module docs) and returns the checkpoint's directory.
+/// Keeps the newest `keep_last` checkpoints (at least one).
+pub fn save(
+    out: &Path,
+    model: &Gpt,
+    tokenizer: &Tokenizer,
+    opt: &AdamW,
+    state: &TrainerState,
+    keep_last: usize,
+) -> Result<PathBuf> {
+    let dir = out.join(CHECKPOINTS_DIR);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let final_dir = dir.join(step_dir_name(state.step));
+    if !final_dir.is_dir() {
+        // (A checkpoint of this step already saved holds the same weights: a run stopped right
+        // after resuming saves nothing new.)
+        let tmp = dir.join(format!("{TMP}{}-{}", step_dir_name(state.step), std::process::id()));
+        let meta = step_metadata(state.step);
+        checkpoint::save_dir_with_metadata(&tmp, model, tokenizer, DType::F32, &meta)?;
+        save_delay();
+        let opt_bytes = safetensors::serialize(opt.state_tensors(), Some(meta))?;
+        write_atomic(&tmp.join(OPTIMIZER_FILE), &opt_bytes)?;
+        save_delay();
+        write_atomic(&tmp.join(STATE_FILE), serde_json::to_string_pretty(state)?.as_bytes())?;
+        save_delay();
+        sync_dir(&tmp)?;
+        std::fs::rename(&tmp, &final_dir).with_context(|| format!("renaming {} into place", tmp.display()))?;
+        sync_dir(&dir)?;
+    }
+    point_latest(out, &final_dir)?;
+    let all = list(out)?;
+    let keep = keep_last.max(1);
+    for (step, old) in all.iter().take(all.len().saturating_sub(keep)) {
+        if old.starts_with(&dir) && *step != state.step {
+            std::fs::remove_dir_all(old).with_context(|| format!("removing {}", old.display()))?;
+        }
+    }
+    Ok(final_dir)
+}
+
+/// `OUT/latest` → the checkpoint just saved, replaced atomically (a new link, then a rename).
+fn point_latest(out: &Path, target: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        let relative = target.strip_prefix(out).unwrap_or(target);
+        let tmp = out.join(format!("{TMP}{LATEST}-{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(relative, &tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        std::fs::rename(&tmp, out.join(LATEST)).with_context(|| format!("updating {}/{LATEST}", out.display()))?;
+    }
+    #[cfg(not(unix))]
+    let _ = (out, target);
+    Ok(())
+}
+
+/// Replaces `OUT/best` with `model` as a whole: the new one is written beside it, then swapped in
+/// with two renames ([`clean_up`] finishes a swap that a crash interrupted).
+pub fn save_best(out: &Path, model: &Gpt, tokenizer: &Tokenizer, step: usize) -> Result<()> {
+    let (best, tmp, old) = (
+        out.join(BEST),
+        out.join(format!("{TMP}{BEST}")),
+        out.join(format!("{TMP}{BEST}-old")),
+    );
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    checkpoint::save_dir_with_metadata(&tmp, model, tokenizer, DType::F32, &step_metadata(step))?;
+    sync_dir(&tmp)?;
+    if best.is_dir() {
+        std::fs::rename(&best, &old)?;
+    }
+    std::fs::rename(&tmp, &best)?;
+    sync_dir(out)?;
+    if old.is_dir() {
+        std::fs::remove_dir_all(&old)?;
+    }
+    Ok(())
+}
+
+/// Loads a checkpoint's weights into the model's variables, and the optimizer's state.
+pub fn restore(saved: &Saved, varmap: &VarMap, opt: &mut AdamW, device: &Device) -> Result<()> {
+    let weights = saved.dir.join(checkpoint::WEIGHTS_FILE);
+    let tensors = candle_core::safetensors::load(&weights, device)?;
+    let vars = varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap poisoned"))?;
+    for (name, var) in vars.iter() {
+        let key = format!("transformer.{name}");
+        let t = tensors
+            .get(&key)
+            .with_context(|| format!("{}: tensor {key} missing", weights.display()))?;
+        var.set(&t.to_dtype(DType::F32)?)?;
+    }
+    let optimizer = saved.dir.join(OPTIMIZER_FILE);
+    let state_tensors = candle_core::safetensors::load(&optimizer, device)?;
+    opt.load_state(state_tensors, saved.state.step as u64)
+        .with_context(|| format!("restoring {}", optimizer.display()))?;
+    Ok(())
+}

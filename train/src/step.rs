@@ -1,0 +1,124 @@
+//! One optimisation step's loss and gradients: next-token cross-entropy over `(B, T)` windows,
+//! backward, and gradient accumulation over micro-batches, data-parallel over CPU threads.
+
+use anyhow::Result;
+use candle_core::{Tensor, Var};
+use gpt::{Dropout, Gpt};
+
+/// What a training step's loss depends on besides the batches.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Objective {
+    /// Label smoothing ε of the cross-entropy (0: plain negative log-likelihood).
+    pub label_smoothing: f32,
+    /// The step's dropout key: micro-batch m's masks are keyed by `(dropout_key, m)`.
+    pub dropout_key: u64,
+}
+
+/// Mean cross-entropy of next-token prediction over all positions of `(B, T)` windows, with
+/// label smoothing `eps`; `train` while training (dropout on, with masks from its key).
+pub fn loss(model: &Gpt, x: &Tensor, y: &Tensor, train: Option<Dropout>, eps: f32) -> Result<Tensor> {
+    let logits = model.forward_t(x, train)?; // (B, T, V)
+    let (b_sz, seq_len, vocab) = logits.dims3()?;
+    Ok(gpt::ops::cross_entropy(
+        &logits.reshape((b_sz * seq_len, vocab))?,
+        &y.flatten_all()?,
+        eps,
+    )?)
+}
+
+/// Runs `work(0) .. work(n - 1)` on `n` scoped threads (inline when `n` is 1) and returns their
+/// results in worker order, or the first error.
+pub fn in_threads<T: Send>(n: usize, work: impl Fn(usize) -> Result<T> + Sync) -> Result<Vec<T>> {
+    if n <= 1 {
+        return Ok(vec![work(0)?]);
+    }
+    let work = &work;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n).map(|w| scope.spawn(move || work(w))).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a worker thread panicked")))
+            })
+            .collect()
+    })
+}
+
+/// Adds `scale * g` into `slot`, detached: a gradient otherwise keeps its step's whole graph
+/// alive, and the optimizer's running moments would chain every step's activations (a leak).
+fn accumulate(slot: &mut Option<Tensor>, g: &Tensor, scale: f64) -> Result<()> {
+    let g = (g.detach() * scale)?;
+    *slot = Some(match slot.take() {
+        Some(a) => (a + g)?,
+        None => g,
+    });
+    Ok(())
+}
+
+/// Gradients of the mean loss (see [`Objective`]) over equally sized micro-batches, summed as gradient accumulation
+/// does (each micro-batch's loss divided by their count). Returns the mean loss and one gradient
+/// per variable (zeros for a variable the loss does not reach).
+///
+/// With `shards` > 1 each micro-batch is split by rows across that many threads, each running
+/// forward and backward on its part (data parallelism: on a few CPU cores this beats spreading
+/// every small matmul over them). Shard gradients are weighted by their share of the rows and
+/// summed in a fixed order, so the result does not depend on thread timing.
+pub fn accumulate_grads(
+    model: &Gpt,
+    vars: &[Var],
+    batches: &[(Tensor, Tensor)],
+    shards: usize,
+    objective: Objective,
+) -> Result<(f64, Vec<Tensor>)> {
+    // Every (micro-batch, shard) piece with its weight in the mean.
+    let mut pieces = Vec::new();
+    for (micro, (x, y)) in batches.iter().enumerate() {
+        let rows = x.dim(0)?;
+        let n_shards = shards.clamp(1, rows.max(1));
+        let mut start = 0;
+        for s in 0..n_shards {
+            let len = rows / n_shards + usize::from(s < rows % n_shards);
+            let weight = len as f64 / rows as f64 / batches.len() as f64;
+            let dropout = Dropout {
+                key: gpt::rng::key(&[objective.dropout_key, micro as u64]),
+                first_row: start,
+            };
+            pieces.push((x.narrow(0, start, len)?, y.narrow(0, start, len)?, weight, dropout));
+            start += len;
+        }
+    }
+    let n_workers = shards.clamp(1, pieces.len().max(1));
+    let run_worker = |worker: usize| -> Result<(f64, Vec<Option<Tensor>>)> {
+        let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
+        let mut total = 0.0;
+        for (x, y, weight, dropout) in pieces.iter().skip(worker).step_by(n_workers) {
+            let loss = loss(model, x, y, Some(*dropout), objective.label_smoothing)?;
+            total += weight * loss.to_scalar::<f32>()? as f64;
+            let grads = loss.backward()?;
+            for (slot, var) in acc.iter_mut().zip(vars) {
+                if let Some(g) = grads.get(var.as_tensor()) {
+                    accumulate(slot, g, *weight)?;
+                }
+            }
+        }
+        Ok((total, acc))
+    };
+    let partials = in_threads(n_workers, run_worker)?;
+    let mut total = 0.0;
+    let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
+    for (loss, grads) in partials {
+        total += loss;
+        for (slot, g) in acc.iter_mut().zip(grads) {
+            if let Some(g) = g {
+                accumulate(slot, &g, 1.0)?;
+            }
+        }
+    }
+    let grads = acc
+        .into_iter()
+        .zip(vars)
+        .map(|(g, v)| g.map_or_else(|| v.as_tensor().zeros_like(), Ok))
+        .collect::<candle_core::Result<_>>()?;
+    Ok((total, grads))
+}
