@@ -88,6 +88,7 @@ async fn run() -> anyhow::Result<()> {
         max_queue: 64,
         max_tokens_cap: 1024,
         body_limit: 1 << 20,
+        ..ServerConfig::default()
     };
     let state = gpt_server::load_state(dir.path(), &Device::Cpu, DType::F32, &server_cfg)?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -285,6 +285,221 @@ pub struct Completion {
     pub usage: Option<Usage>,
 }
 
+/// Fields of OpenAI's chat API that this server does not implement, beside [`UNSUPPORTED`].
+pub const UNSUPPORTED_CHAT: &[&str] = &[
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "audio",
+    "modalities",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "store",
+    "metadata",
+    "service_tier",
+    "echo",
+];
+
+/// A message's content: a string, or text parts (`{"type": "text", "text": ...}`) joined with
+/// newlines. (Its schema is written by [`crate::openapi`].)
+#[derive(Debug, Clone, PartialEq)]
+pub struct Content(pub String);
+
+impl<'de> Deserialize<'de> for Content {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let parts = match Value::deserialize(d)? {
+            Value::String(s) => return Ok(Content(s)),
+            Value::Null => return Ok(Content(String::new())),
+            Value::Array(parts) => parts,
+            other => {
+                return Err(D::Error::custom(format!(
+                    "content must be a string or an array of text parts, got {other}"
+                )))
+            }
+        };
+        let mut texts = Vec::with_capacity(parts.len());
+        for (i, part) in parts.iter().enumerate() {
+            match (
+                part.get("type").and_then(Value::as_str),
+                part.get("text").and_then(Value::as_str),
+            ) {
+                (Some("text"), Some(text)) if part.as_object().is_some_and(|o| o.len() == 2) => texts.push(text),
+                (Some(kind), _) if kind != "text" => {
+                    return Err(D::Error::custom(format!(
+                        "content[{i}]: parts of type {kind:?} are not supported by this text-only model"
+                    )))
+                }
+                _ => {
+                    return Err(D::Error::custom(format!(
+                        "content[{i}] must be {{\"type\": \"text\", \"text\": string}}, got {part}"
+                    )))
+                }
+            }
+        }
+        Ok(Content(texts.join("\n")))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    /// OpenAI's newer name for `system`.
+    Developer,
+    User,
+    Assistant,
+}
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessage {
+    pub role: Role,
+    /// A string or an array of text parts; `null` only for an assistant turn.
+    #[schema(value_type = Object)]
+    pub content: Content,
+    /// Passed to the chat template.
+    pub name: Option<String>,
+    /// Accepted as the SDKs send it back with an assistant message, and ignored.
+    #[schema(value_type = Option<Object>)]
+    pub refusal: Option<Value>,
+}
+
+/// `POST /v1/chat/completions`: the messages are rendered to a prompt by the checkpoint's chat
+/// template, then generated from as `/v1/completions` does; every shared field means what it means
+/// there.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChatCompletionRequest {
+    pub model: Option<String>,
+    /// The conversation so far, at least one message.
+    pub messages: Vec<ChatMessage>,
+    /// Tokens to generate at most; default: up to the cap and the context. `max_tokens` is the
+    /// older name; `max_completion_tokens` wins when both are given.
+    #[serde(default, deserialize_with = "json_int::option")]
+    pub max_completion_tokens: Option<i64>,
+    #[serde(default, deserialize_with = "json_int::option")]
+    pub max_tokens: Option<i64>,
+    #[serde(default, deserialize_with = "json_int::option")]
+    pub min_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    #[serde(default, deserialize_with = "json_int::option")]
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    #[schema(value_type = Option<Object>)]
+    pub logit_bias: Option<BTreeMap<String, f64>>,
+    #[serde(default, deserialize_with = "json_int::option")]
+    pub seed: Option<i64>,
+    /// A string or an array of strings that end a choice, beside the chat template's own.
+    #[schema(value_type = Option<Object>)]
+    pub stop: Option<Stop>,
+    #[serde(default, deserialize_with = "json_int::option_vec")]
+    pub stop_token_ids: Option<Vec<i64>>,
+    pub ignore_eos: Option<bool>,
+    #[serde(default, deserialize_with = "json_int::option")]
+    pub n: Option<i64>,
+    #[serde(default, deserialize_with = "json_int::option")]
+    pub best_of: Option<i64>,
+    pub use_beam_search: Option<bool>,
+    pub length_penalty: Option<f64>,
+    /// Return each generated token's log-probability.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: also this many most likely tokens at each position.
+    #[serde(default, deserialize_with = "json_int::option")]
+    pub top_logprobs: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub user: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    /// The token's text as UTF-8 bytes.
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    /// The most likely tokens at this position, most likely first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ChatLogProbs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ChatResponseMessage {
+    /// Always "assistant".
+    pub role: String,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ChatChoice {
+    /// `i` of the `n` choices.
+    pub index: u32,
+    pub message: ChatResponseMessage,
+    pub logprobs: Option<ChatLogProbs>,
+    /// "stop" or "length".
+    pub finish_reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ChatCompletion {
+    pub id: String,
+    /// Always "chat.completion".
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+}
+
+/// What a chunk adds to a choice: the role first, then content.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ChatChunkChoice {
+    pub index: u32,
+    pub delta: ChatDelta,
+    pub logprobs: Option<ChatLogProbs>,
+    /// `null` but in a choice's last chunk.
+    pub finish_reason: Option<String>,
+}
+
+/// One chunk of a streamed chat completion (`data: {...}` events, then `data: [DONE]`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    /// Always "chat.completion.chunk".
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Model {
     pub id: String,

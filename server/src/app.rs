@@ -1,6 +1,7 @@
-//! Routes: `POST /v1/completions`, `GET /v1/models`, the tokenizer endpoints (in [`tokenize`]),
-//! `GET /health`, `GET /metrics`, `GET /openapi.json`. `app(state)` builds the router, so tests
-//! drive it without a socket.
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, the tokenizer
+//! endpoints (in [`tokenize`]), `GET /health`, `GET /metrics`, `GET /openapi.json`. `app(state)`
+//! builds the router, so tests drive it without a socket; around it, CORS (when origins are
+//! given) and a log line per request with a request id.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderName, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -16,13 +17,20 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
 use gpt::Tokenizer;
+use serde::Serialize;
+use subtle::ConstantTimeEq;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tower_http::cors::{AllowOrigin, CorsLayer};
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::{DefaultOnResponse, TraceLayer};
+use tracing::Level;
 
 use crate::api::*;
+use crate::chat::{self, ChatTemplate};
 use crate::engine::{Engine, Event};
 use crate::error::ApiError;
-use crate::fold::{merge, Fold};
+use crate::fold::{merge, Delta, Fold};
 use crate::metrics::Metrics;
 use crate::tokenize;
 use crate::validation::{validate, Limits, ValidRequest};
@@ -38,11 +46,18 @@ pub struct AppState {
     pub created: u64,
     /// The OpenAPI document, with this model's limits.
     pub openapi: serde_json::Value,
+    pub chat_template: ChatTemplate,
+    /// Origins allowed to call the API from a browser (`*`: any); none by default.
+    pub cors_origins: Vec<String>,
 }
+
+/// The response header that carries each request's id (also in its log line).
+pub const REQUEST_ID: &str = "x-request-id";
 
 pub fn app(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
@@ -55,7 +70,46 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/openapi.json", get(openapi))
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
         .layer(DefaultBodyLimit::max(state.body_limit))
+        .layer(cors(&state.cors_origins))
+        .layer(PropagateRequestIdLayer::new(HeaderName::from_static(REQUEST_ID)))
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(|request: &Request| {
+                    let id = request
+                        .headers()
+                        .get(REQUEST_ID)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("-");
+                    tracing::info_span!("request", id, method = %request.method(), path = %request.uri().path())
+                })
+                .on_request(())
+                .on_response(DefaultOnResponse::new().level(Level::INFO)),
+        )
+        // Outermost: a client's own id is kept, otherwise a new one.
+        .layer(SetRequestIdLayer::new(
+            HeaderName::from_static(REQUEST_ID),
+            MakeRequestUuid,
+        ))
         .with_state(state)
+}
+
+/// CORS for the given origins (`*` for any): the methods and headers the API uses, the request id
+/// readable by the page. No origin, no CORS headers: browsers then refuse cross-origin calls.
+fn cors(origins: &[String]) -> CorsLayer {
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+    };
+    if origins.is_empty() {
+        return CorsLayer::new();
+    }
+    CorsLayer::new()
+        .allow_origin(allow)
+        .allow_methods([Method::GET, Method::POST])
+        .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+        .expose_headers([HeaderName::from_static(REQUEST_ID)])
+        .max_age(Duration::from_secs(3600))
 }
 
 /// `Authorization: Bearer KEY` on `/v1/*` when the server has an API key. (The tokenizer
@@ -67,7 +121,9 @@ async fn authorize(State(state): State<Arc<AppState>>, request: Request, next: N
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_str()) {
+        // In constant time: how much of a guess matches must not show in the response time.
+        let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
+        if !matches {
             let msg = "a valid API key is required: send `Authorization: Bearer <key>`";
             return ApiError::Unauthorized(msg.into()).into_response();
         }
@@ -76,7 +132,7 @@ async fn authorize(State(state): State<Arc<AppState>>, request: Request, next: N
 }
 
 async fn count_requests(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
-    let counted = request.uri().path() == "/v1/completions";
+    let counted = matches!(request.uri().path(), "/v1/completions" | "/v1/chat/completions");
     let response = next.run(request).await;
     if counted {
         state
@@ -97,15 +153,18 @@ pub fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError
 }
 
 /// Parses a JSON body into `T`, refusing fields that the server knows but does not implement by
-/// name (`suffix`, say), and any other unknown field.
+/// name (`suffix`, say; the `unsupported` list), and any other unknown field.
 pub fn parse_body<T: serde::de::DeserializeOwned>(
     body: Result<Json<serde_json::Value>, JsonRejection>,
+    unsupported: &[&[&str]],
 ) -> Result<T, ApiError> {
     let Json(value) = body.map_err(rejection)?;
-    if let Some(field) = value
-        .as_object()
-        .and_then(|o| UNSUPPORTED.iter().find(|f| o.contains_key(**f)))
-    {
+    if let Some(field) = value.as_object().and_then(|o| {
+        unsupported
+            .iter()
+            .flat_map(|list| list.iter())
+            .find(|f| o.contains_key(**f))
+    }) {
         return Err(ApiError::invalid(
             *field,
             format!("`{field}` is not supported by this server"),
@@ -161,7 +220,7 @@ pub async fn completions(
     State(state): State<Arc<AppState>>,
     body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
-    let request: CompletionRequest = parse_body(body)?;
+    let request: CompletionRequest = parse_body(body, &[UNSUPPORTED])?;
     check_model(&state, request.model.as_deref())?;
     // Tokenising is CPU work: off the async runtime.
     let (tokenizer, limits) = (state.tokenizer.clone(), state.limits.clone());
@@ -180,18 +239,23 @@ pub async fn completions(
         usage: None,
     };
     if valid.stream {
-        Ok(stream_response(valid, completion, events).into_response())
+        Ok(completion_stream(valid, completion, events).into_response())
     } else {
-        Ok(Json(collect(valid, completion, events).await?).into_response())
+        let (choices, usage) = collect(valid, events).await?;
+        Ok(Json(Completion {
+            choices,
+            usage: Some(usage),
+            ..completion
+        })
+        .into_response())
     }
 }
 
-/// Waits for every choice and builds the whole response.
+/// Waits for every choice: the whole choices and the usage.
 async fn collect(
     req: Arc<ValidRequest>,
-    mut completion: Completion,
     mut events: mpsc::UnboundedReceiver<Event>,
-) -> Result<Completion, ApiError> {
+) -> Result<(Vec<Choice>, Usage), ApiError> {
     let mut fold = Fold::new(req);
     let mut choices = fold.empty_choices();
     while !fold.is_done() {
@@ -200,22 +264,24 @@ async fn collect(
             merge(&mut choices, delta);
         }
     }
-    completion.choices = choices;
-    completion.usage = Some(fold.usage());
-    Ok(completion)
+    Ok((choices, fold.usage()))
 }
 
-/// Server-Sent Events: a chunk per delta of the fold, an error event if generation fails midway,
-/// the usage chunk if asked for, then `[DONE]`.
-fn stream_response(
+/// Server-Sent Events: the `first` chunks, then the chunks `chunks` makes of each delta of the
+/// fold, an error event if generation fails midway, the chunk `usage` makes if the request asked
+/// for it, then `[DONE]`.
+fn stream_response<C: Serialize + Send + 'static>(
     req: Arc<ValidRequest>,
-    completion: Completion,
     events: mpsc::UnboundedReceiver<Event>,
+    first: Vec<C>,
+    mut chunks: impl FnMut(Delta) -> Vec<C> + Send + 'static,
+    usage: impl Fn(Usage) -> C + Send + 'static,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let include_usage = req.include_usage;
     let mut fold = Fold::new(req);
     let mut ended = false;
-    let data = |c: &Completion| SseEvent::default().data(serde_json::to_string(c).unwrap_or_default());
+    let data = |c: &C| Ok(SseEvent::default().data(serde_json::to_string(c).unwrap_or_default()));
+    let first = stream::iter(first.iter().map(data).collect::<Vec<_>>());
     // Ends when the engine drops the request's last sender, after its last choice.
     let body = UnboundedReceiverStream::new(events)
         .map(move |event| {
@@ -226,24 +292,11 @@ fn stream_response(
             match fold.apply(event) {
                 Ok(deltas) => {
                     for d in deltas {
-                        let chunk = Completion {
-                            choices: vec![Choice {
-                                text: d.text,
-                                index: d.index,
-                                logprobs: d.logprobs,
-                                finish_reason: d.finish_reason.map(|r| r.as_str().into()),
-                            }],
-                            ..completion.clone()
-                        };
-                        out.push(Ok(data(&chunk)));
+                        out.extend(chunks(d).iter().map(data));
                     }
                     ended = fold.is_done();
                     if ended && include_usage {
-                        let usage = Completion {
-                            usage: Some(fold.usage()),
-                            ..completion.clone()
-                        };
-                        out.push(Ok(data(&usage)));
+                        out.push(data(&usage(fold.usage())));
                     }
                 }
                 Err(e) => {
@@ -259,7 +312,114 @@ fn stream_response(
             stream::iter(out)
         })
         .flatten();
-    Sse::new(body).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    Sse::new(first.chain(body)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+/// The completions stream: a `Completion` chunk per delta.
+fn completion_stream(
+    req: Arc<ValidRequest>,
+    completion: Completion,
+    events: mpsc::UnboundedReceiver<Event>,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let usage_chunk = completion.clone();
+    let chunk = move |d: Delta| {
+        vec![Completion {
+            choices: vec![Choice {
+                text: d.text,
+                index: d.index,
+                logprobs: d.logprobs,
+                finish_reason: d.finish_reason.map(|r| r.as_str().into()),
+            }],
+            ..completion.clone()
+        }]
+    };
+    let usage = move |u| Completion {
+        usage: Some(u),
+        ..usage_chunk.clone()
+    };
+    stream_response(req, events, Vec::new(), chunk, usage)
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    request_body = ChatCompletionRequest,
+    responses(
+        (status = 200, description = "The chat completion, or with `stream: true` Server-Sent Events of `ChatCompletionChunk`s ending with `data: [DONE]`",
+            content((ChatCompletion = "application/json"), (String = "text/event-stream"))),
+        (status = 400, description = "Invalid request", body = ErrorResponse),
+        (status = 401, description = "Missing or wrong API key", body = ErrorResponse),
+        (status = 404, description = "Unknown model", body = ErrorResponse),
+        (status = 413, description = "Body too large", body = ErrorResponse),
+        (status = 503, description = "Queue full; see Retry-After", body = ErrorResponse),
+    )
+)]
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let request: ChatCompletionRequest = parse_body(body, &[UNSUPPORTED, UNSUPPORTED_CHAT])?;
+    check_model(&state, request.model.as_deref())?;
+    let used_max_completion_tokens = request.max_completion_tokens.is_some();
+    let state2 = state.clone();
+    // Rendering and tokenising are CPU work: off the async runtime.
+    let valid = tokio::task::spawn_blocking(move || {
+        let template = &state2.chat_template;
+        let prompt = template.render(&request.messages)?;
+        let completion = chat::completion_request(request, prompt, &template.stop, state2.limits.max_tokens_cap)?;
+        // The template's stop strings come on top of the request's own.
+        let mut limits = state2.limits.clone();
+        limits.max_stop += template.stop.len();
+        validate(completion, &state2.tokenizer, &limits).map_err(|e| chat::chat_error(e, used_max_completion_tokens))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let valid = Arc::new(valid);
+    let events = state.engine.submit(valid.clone()).map_err(ApiError::QueueFull)?;
+    let (id, created, model) = (
+        format!("chatcmpl-{:016x}", rand::random::<u64>()),
+        now(),
+        state.model_name.clone(),
+    );
+    if valid.stream {
+        let chunk = ChatCompletionChunk {
+            id,
+            object: "chat.completion.chunk".into(),
+            created,
+            model,
+            choices: Vec::new(),
+            usage: None,
+        };
+        let with =
+            |choices: Vec<ChatChunkChoice>, c: &ChatCompletionChunk| ChatCompletionChunk { choices, ..c.clone() };
+        let choices = valid.prompts.len() * valid.n;
+        let first = (0..choices as u32)
+            .map(|i| with(vec![chat::role_chunk(i)], &chunk))
+            .collect();
+        let usage_chunk = chunk.clone();
+        let chunks = move |d: Delta| {
+            chat::chat_chunks(d)
+                .into_iter()
+                .map(|c| with(vec![c], &chunk))
+                .collect()
+        };
+        let usage = move |u| ChatCompletionChunk {
+            usage: Some(u),
+            ..usage_chunk.clone()
+        };
+        Ok(stream_response(valid, events, first, chunks, usage).into_response())
+    } else {
+        let (choices, usage) = collect(valid, events).await?;
+        Ok(Json(ChatCompletion {
+            id,
+            object: "chat.completion".into(),
+            created,
+            model,
+            choices: choices.into_iter().map(chat::chat_choice).collect(),
+            usage,
+        })
+        .into_response())
+    }
 }
 
 #[utoipa::path(get, path = "/v1/models", responses(

@@ -10,9 +10,10 @@ use crate::api::{ErrorDetail, ErrorResponse};
 pub enum ApiError {
     #[error("{message}")]
     InvalidRequest { message: String, param: Option<String> },
-    /// A prompt longer than the model's context (OpenAI's `context_length_exceeded`).
-    #[error("{0}")]
-    ContextLength(String),
+    /// A prompt longer than the model's context (OpenAI's `context_length_exceeded`); the
+    /// parameter that holds it (`prompt`, or chat's `messages`).
+    #[error("{message}")]
+    ContextLength { message: String, param: &'static str },
     #[error("{0}")]
     Unauthorized(String),
     #[error("The model `{0}` does not exist")]
@@ -37,7 +38,7 @@ impl ApiError {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::InvalidRequest { .. } | ApiError::ContextLength(_) => StatusCode::BAD_REQUEST,
+            ApiError::InvalidRequest { .. } | ApiError::ContextLength { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -49,10 +50,10 @@ impl ApiError {
     pub fn body(&self) -> ErrorResponse {
         let (kind, code, param) = match self {
             ApiError::InvalidRequest { param, .. } => ("invalid_request_error", None, param.clone()),
-            ApiError::ContextLength(_) => (
+            ApiError::ContextLength { param, .. } => (
                 "invalid_request_error",
                 Some("context_length_exceeded"),
-                Some("prompt".into()),
+                Some(param.to_string()),
             ),
             ApiError::Unauthorized(_) => ("invalid_request_error", Some("invalid_api_key"), None),
             ApiError::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found"), Some("model".into())),

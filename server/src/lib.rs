@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod app;
+pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod fold;
@@ -15,12 +16,15 @@ pub mod stream;
 pub mod tokenize;
 pub mod validation;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
 
+use anyhow::Context;
+
 use crate::app::AppState;
+use crate::chat::ChatTemplate;
 use crate::engine::{Engine, EngineConfig};
 use crate::metrics::Metrics;
 use crate::validation::Limits;
@@ -34,6 +38,66 @@ pub struct ServerConfig {
     pub max_queue: usize,
     pub max_tokens_cap: usize,
     pub body_limit: usize,
+    /// A Jinja chat template file, instead of the checkpoint's own (or the fallback).
+    pub chat_template: Option<PathBuf>,
+    /// Origins allowed to call the API from a browser; `*` for any.
+    pub cors_origins: Vec<String>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            model_name: "default".into(),
+            api_key: None,
+            max_batch_size: 16,
+            max_queue: 64,
+            max_tokens_cap: 1024,
+            body_limit: 1 << 20,
+            chat_template: None,
+            cors_origins: Vec::new(),
+        }
+    }
+}
+
+/// The chat template: `--chat-template FILE`, else `chat_template` in the checkpoint's
+/// `tokenizer_config.json` (a string, or Hugging Face's list of named templates: `default`), else
+/// the plain fallback for base models ([`chat::FALLBACK_TEMPLATE`]).
+pub fn load_chat_template(checkpoint: &Path, file: Option<&Path>) -> anyhow::Result<ChatTemplate> {
+    let config_path = checkpoint.join(gpt::checkpoint::TOKENIZER_CONFIG_FILE);
+    let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
+        Ok(text) => {
+            serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", config_path.display()))?
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+        Err(e) => return Err(e).with_context(|| format!("reading {}", config_path.display())),
+    };
+    // A special token is a string, or an object with its `content`.
+    let token = |key: &str| {
+        let v = &config[key];
+        v.as_str().or_else(|| v["content"].as_str()).map(str::to_string)
+    };
+    let source = match file {
+        Some(file) => Some(
+            std::fs::read_to_string(file).with_context(|| format!("reading the chat template {}", file.display()))?,
+        ),
+        None => match &config["chat_template"] {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(named) => named
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string),
+            _ => None,
+        },
+    };
+    let template = match source {
+        Some(source) => ChatTemplate::new(source, Vec::new(), token("bos_token"), token("eos_token")),
+        None => ChatTemplate::fallback(),
+    };
+    template.with_context(|| match file {
+        Some(file) => file.display().to_string(),
+        None => config_path.display().to_string(),
+    })
 }
 
 /// Loads the checkpoint, starts the engine thread and returns the router's state.
@@ -75,6 +139,7 @@ pub fn load_state(
             chars
         }),
     };
+    let chat_template = load_chat_template(checkpoint, cfg.chat_template.as_deref())?;
     let openapi = openapi::document(&limits);
     let model_context = model.config().n_positions;
     let metrics = Arc::new(Metrics::new()?);
@@ -102,5 +167,7 @@ pub fn load_state(
         body_limit: cfg.body_limit,
         created,
         openapi,
+        chat_template,
+        cors_origins: cfg.cors_origins.clone(),
     }))
 }

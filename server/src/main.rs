@@ -51,6 +51,14 @@ struct Args {
     /// Largest request body, bytes.
     #[arg(long, env = "GPT_SERVER_BODY_LIMIT", default_value_t = 1 << 20)]
     body_limit: usize,
+    /// A Jinja chat template for /v1/chat/completions (default: `chat_template` in the
+    /// checkpoint's tokenizer_config.json, else a plain USER:/ASSISTANT: script).
+    #[arg(long, env = "GPT_SERVER_CHAT_TEMPLATE")]
+    chat_template: Option<PathBuf>,
+    /// An origin allowed to call the API from a browser (CORS); repeat it for several, `*` for
+    /// any. None by default. The variable takes a comma-separated list.
+    #[arg(long = "cors-origin", env = "GPT_SERVER_CORS_ORIGINS", value_delimiter = ',')]
+    cors_origins: Vec<String>,
     /// After Ctrl-C / SIGTERM, how long in-flight generations may run before they are cut.
     #[arg(long, env = "GPT_SERVER_SHUTDOWN_GRACE_SECS", default_value_t = 10)]
     shutdown_grace_secs: u64,
@@ -138,6 +146,8 @@ async fn run() -> Result<()> {
         max_queue: args.max_queue,
         max_tokens_cap: args.max_tokens_cap,
         body_limit: args.body_limit,
+        chat_template: args.chat_template.clone(),
+        cors_origins: args.cors_origins.clone(),
     };
     let state = tokio::task::spawn_blocking({
         let checkpoint = checkpoint.clone();

@@ -21,6 +21,7 @@ use crate::validation::{Limits, FLOAT_RANGES, LOGIT_BIAS, NOT_WITH_BEAMS};
     ),
     paths(
         crate::app::completions,
+        crate::app::chat_completions,
         crate::app::models,
         crate::app::health,
         crate::tokenize::tokenize,
@@ -30,6 +31,18 @@ use crate::validation::{Limits, FLOAT_RANGES, LOGIT_BIAS, NOT_WITH_BEAMS};
     components(schemas(
         CompletionRequest,
         Completion,
+        ChatCompletionRequest,
+        ChatMessage,
+        Role,
+        ChatCompletion,
+        ChatChoice,
+        ChatResponseMessage,
+        ChatLogProbs,
+        ChatTokenLogprob,
+        TopLogprob,
+        ChatCompletionChunk,
+        ChatChunkChoice,
+        ChatDelta,
         Choice,
         LogProbs,
         Usage,
@@ -61,18 +74,10 @@ pub fn document(limits: &Limits) -> Value {
         s
     };
 
+    for name in ["CompletionRequest", "ChatCompletionRequest"] {
+        shared_limits(&mut schemas[name], limits, &token);
+    }
     let request = &mut schemas["CompletionRequest"]["properties"];
-    for r in limits.int_ranges() {
-        request[r.param]["minimum"] = r.min.into();
-        request[r.param]["maximum"] = r.max.into();
-    }
-    for r in FLOAT_RANGES {
-        let min = if r.exclusive_min { "exclusiveMinimum" } else { "minimum" };
-        request[r.param][min] = r.min.into();
-        if let Some(max) = r.max {
-            request[r.param]["maximum"] = max.into();
-        }
-    }
     let ids = json!({"type": "array", "minItems": 1, "maxItems": limits.context - 1, "items": token});
     request["prompt"] = json!({
         "description": format!(
@@ -89,6 +94,94 @@ pub fn document(limits: &Limits) -> Value {
             {"type": "array", "minItems": 1, "maxItems": limits.max_prompts, "items": ids},
         ],
     });
+
+    let chat = &mut schemas["ChatCompletionRequest"];
+    let cap = limits.max_tokens_cap as i64;
+    chat["properties"]["max_completion_tokens"]["minimum"] = 0.into();
+    chat["properties"]["max_completion_tokens"]["maximum"] = cap.into();
+    chat["properties"]["top_logprobs"]["minimum"] = 0.into();
+    chat["properties"]["top_logprobs"]["maximum"] = (limits.max_logprobs as i64).into();
+    chat["properties"]["messages"]["minItems"] = 1.into();
+    chat["properties"]["messages"]["description"] = format!(
+        "The conversation, rendered to one prompt by the chat template; that prompt may hold at most {} \
+         tokens (a longer one is a 400 with code `context_length_exceeded`).",
+        limits.context - 1
+    )
+    .into();
+    // top_logprobs only with logprobs.
+    if let Some(all) = chat["allOf"].as_array_mut() {
+        all.push(json!({
+            "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+            "then": {"properties": {"logprobs": {"const": true}}, "required": ["logprobs"]},
+        }));
+    }
+    let message = &mut schemas["ChatMessage"];
+    message["additionalProperties"] = false.into();
+    message["properties"]["content"] = json!({
+        "description": "A string, or an array of text parts joined with newlines; null reads as empty.",
+        "oneOf": [
+            {"type": "null"},
+            text(0),
+            {"type": "array", "items": {
+                "type": "object",
+                "required": ["type", "text"],
+                "additionalProperties": false,
+                "properties": {"type": {"const": "text"}, "text": text(0)},
+            }},
+        ],
+    });
+    // Open API before 3.2 reads a text/event-stream schema as the schema of one event.
+    for (path, chunk) in [
+        ("/v1/completions", "Completion"),
+        ("/v1/chat/completions", "ChatCompletionChunk"),
+    ] {
+        doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"] = json!({
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "event": {"type": "string", "enum": ["message", "error"]},
+                "data": {
+                    "description": format!("A `{chunk}` chunk, an `ErrorResponse` (event `error`), or `[DONE]` last."),
+                    "anyOf": [
+                        {"const": "[DONE]"},
+                        {
+                            "type": "string",
+                            "contentMediaType": "application/json",
+                            "contentSchema": {"oneOf": [
+                                {"$ref": format!("#/components/schemas/{chunk}")},
+                                {"$ref": "#/components/schemas/ErrorResponse"},
+                            ]},
+                        },
+                    ],
+                },
+            },
+        });
+    }
+    let schemas = &mut doc["components"]["schemas"];
+    schemas["StreamOptions"]["additionalProperties"] = false.into();
+    schemas["TokenizeRequest"]["properties"]["prompt"] = text(0);
+    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token;
+    doc
+}
+
+/// The limits of the fields that completions and chat requests share: ranges, token ids, stop
+/// strings, `logit_bias`, `stream_options`, and beam search's exclusions.
+fn shared_limits(schema: &mut Value, limits: &Limits, token: &Value) {
+    let request = &mut schema["properties"];
+    for r in limits.int_ranges() {
+        // (Chat's `logprobs` is a boolean.)
+        if request.get(r.param).is_some_and(|p| !p.to_string().contains("boolean")) {
+            request[r.param]["minimum"] = r.min.into();
+            request[r.param]["maximum"] = r.max.into();
+        }
+    }
+    for r in FLOAT_RANGES {
+        let min = if r.exclusive_min { "exclusiveMinimum" } else { "minimum" };
+        request[r.param][min] = r.min.into();
+        if let Some(max) = r.max {
+            request[r.param]["maximum"] = max.into();
+        }
+    }
     request["stop"] = json!({
         "description": "A string or an array of strings that end a choice (not included in its text).",
         "oneOf": [
@@ -109,7 +202,6 @@ pub fn document(limits: &Limits) -> Value {
         "description": "With `stream`; ignored otherwise.",
         "oneOf": [{"type": "null"}, {"$ref": "#/components/schemas/StreamOptions"}],
     });
-    schemas["StreamOptions"]["additionalProperties"] = false.into();
     // Beam search takes no sampling parameter: stated as an if/then on the request.
     let mut neutral = serde_json::Map::new();
     for (param, values) in NOT_WITH_BEAMS {
@@ -126,37 +218,10 @@ pub fn document(limits: &Limits) -> Value {
         "stop_token_ids".into(),
         json!({"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}),
     );
-    schemas["CompletionRequest"]["allOf"] = json!([{
+    schema["allOf"] = json!([{
         "if": {"properties": {"use_beam_search": {"const": true}}, "required": ["use_beam_search"]},
         "then": {"properties": neutral},
     }]);
-
-    // Open API before 3.2 reads a text/event-stream schema as the schema of one event.
-    doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"] = json!({
-        "type": "object",
-        "required": ["data"],
-        "properties": {
-            "event": {"type": "string", "enum": ["message", "error"]},
-            "data": {
-                "description": "A `Completion` chunk, an `ErrorResponse` (event `error`), or `[DONE]` last.",
-                "anyOf": [
-                    {"const": "[DONE]"},
-                    {
-                        "type": "string",
-                        "contentMediaType": "application/json",
-                        "contentSchema": {"oneOf": [
-                            {"$ref": "#/components/schemas/Completion"},
-                            {"$ref": "#/components/schemas/ErrorResponse"},
-                        ]},
-                    },
-                ],
-            },
-        },
-    });
-    let schemas = &mut doc["components"]["schemas"];
-    schemas["TokenizeRequest"]["properties"]["prompt"] = text(0);
-    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token;
-    doc
 }
 
 /// A regular-expression character class (without the brackets) of exactly these characters:

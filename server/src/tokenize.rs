@@ -37,7 +37,7 @@ pub async fn tokenize(
     State(state): State<Arc<AppState>>,
     body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
-    let req: TokenizeRequest = parse_body(body)?;
+    let req: TokenizeRequest = parse_body(body, &[])?;
     check_model(&state, req.model.as_deref())?;
     let (tokenizer, max_model_len) = (state.tokenizer.clone(), state.limits.context);
     let response = blocking(move || {
@@ -77,7 +77,7 @@ pub async fn detokenize(
     State(state): State<Arc<AppState>>,
     body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
-    let req: DetokenizeRequest = parse_body(body)?;
+    let req: DetokenizeRequest = parse_body(body, &[])?;
     check_model(&state, req.model.as_deref())?;
     let vocab = state.limits.vocab_size;
     let ids = req
@@ -113,6 +113,6 @@ pub async fn tokenizer_info(State(state): State<Arc<AppState>>) -> Json<Tokenize
         unk_token: None,
         model_max_length: state.limits.context,
         vocab_size: state.limits.vocab_size,
-        chat_template: None,
+        chat_template: Some(state.chat_template.source.clone()),
     })
 }

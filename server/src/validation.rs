@@ -261,13 +261,16 @@ fn prompt_ids(
         return Err(ApiError::invalid("prompt", format!("{at} encodes to no tokens")));
     }
     if prompt.ids.len() >= limits.context {
-        return Err(ApiError::ContextLength(format!(
-            "{at} has {} tokens, but this model's context length is {} tokens and a prompt must leave room for \
+        return Err(ApiError::ContextLength {
+            message: format!(
+                "{at} has {} tokens, but this model's context length is {} tokens and a prompt must leave room for \
              one more: shorten it to at most {} tokens",
-            prompt.ids.len(),
-            limits.context,
-            limits.context - 1
-        )));
+                prompt.ids.len(),
+                limits.context,
+                limits.context - 1
+            ),
+            param: "prompt",
+        });
     }
     Ok(prompt)
 }

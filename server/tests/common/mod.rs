@@ -21,6 +21,7 @@ pub fn config() -> ServerConfig {
         max_queue: 64,
         max_tokens_cap: 1024,
         body_limit: 1 << 20,
+        ..ServerConfig::default()
     }
 }
 
@@ -75,9 +76,14 @@ impl Server {
 
     /// A whole stream: the parsed `data:` chunks before `[DONE]` (which must come last).
     pub async fn stream(&self, body: Value) -> anyhow::Result<Vec<Value>> {
+        self.stream_at("/v1/completions", body).await
+    }
+
+    /// A whole stream from `path`.
+    pub async fn stream_at(&self, path: &str, body: Value) -> anyhow::Result<Vec<Value>> {
         let resp = self
             .client
-            .post(format!("{}/v1/completions", self.url))
+            .post(format!("{}{path}", self.url))
             .json(&body)
             .send()
             .await?;

@@ -1,0 +1,366 @@
+//! `POST /v1/chat/completions`: the messages are rendered to one prompt by the checkpoint's chat
+//! template (Jinja, with `minijinja` as text-generation-inference and mistral.rs render them),
+//! the request becomes a completion request, and the completions engine and fold do the rest;
+//! this module shapes their output as chat responses and chunks.
+
+use minijinja::{context, Environment, ErrorKind};
+
+use crate::api::*;
+use crate::error::ApiError;
+use crate::fold::Delta;
+
+/// The template for a checkpoint without one (a base model): turns as a play script, each
+/// speaker's name in capitals on its own line and a blank line after each turn. A system message
+/// is written as it is, before the conversation. Generation stops at [`FALLBACK_STOP`], the blank
+/// line that ends the assistant's turn, which is also how a model trained on plays (the default
+/// model) ends a speech.
+pub const FALLBACK_TEMPLATE: &str = "{% for message in messages %}\
+{% if message.role in ['system', 'developer'] %}{{ message.content }}\n\n\
+{% else %}{{ message.role | upper }}:\n{{ message.content }}\n\n\
+{% endif %}{% endfor %}\
+{% if add_generation_prompt %}ASSISTANT:\n{% endif %}";
+
+/// The fallback template's end of turn.
+pub const FALLBACK_STOP: &str = "\n\n";
+
+/// A compiled chat template with the stop strings that end an assistant turn under it.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    pub source: String,
+    pub stop: Vec<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; an error names what is wrong with it (at start-up, not per request).
+    pub fn new(
+        source: String,
+        stop: Vec<String>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> anyhow::Result<Self> {
+        let mut env = Environment::new();
+        // Python's string and dict methods (`.strip()`, `.items()`), which Hugging Face templates use.
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // Hugging Face templates reject conversations they cannot render with this function.
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_template_owned("chat", source.clone())
+            .map_err(|e| anyhow::anyhow!("the chat template does not compile: {e:#}"))?;
+        Ok(Self {
+            env,
+            source,
+            stop,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// The plain template for a base model, with its end-of-turn stop string.
+    pub fn fallback() -> anyhow::Result<Self> {
+        Self::new(FALLBACK_TEMPLATE.into(), vec![FALLBACK_STOP.into()], None, None)
+    }
+
+    /// The prompt for `messages`, ending where the assistant's next turn begins.
+    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, ApiError> {
+        if messages.is_empty() {
+            return Err(ApiError::invalid("messages", "messages must hold at least one message"));
+        }
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|m| context! { role => m.role, content => m.content.0, name => m.name })
+            .collect();
+        let template = self
+            .env
+            .get_template("chat")
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        template
+            .render(context! {
+                messages,
+                add_generation_prompt => true,
+                bos_token => self.bos_token,
+                eos_token => self.eos_token,
+            })
+            .map_err(|e| {
+                let detail = e.detail().map_or_else(|| e.to_string(), str::to_string);
+                ApiError::invalid(
+                    "messages",
+                    format!("the chat template cannot render these messages: {detail}"),
+                )
+            })
+    }
+}
+
+/// The completion request that generates the assistant's turn for `req`, whose messages the
+/// template rendered to `prompt`. `max_tokens_cap` is the default length (generation also ends at
+/// the context).
+pub fn completion_request(
+    req: ChatCompletionRequest,
+    prompt: String,
+    template_stop: &[String],
+    max_tokens_cap: usize,
+) -> Result<CompletionRequest, ApiError> {
+    // The older name is checked even where `max_completion_tokens` wins.
+    if let (Some(_), Some(v)) = (req.max_completion_tokens, req.max_tokens) {
+        if !(0..=max_tokens_cap as i64).contains(&v) {
+            let msg = format!("max_tokens must be between 0 and {max_tokens_cap}, got {v}");
+            return Err(ApiError::invalid("max_tokens", msg));
+        }
+    }
+    let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (true, top) => Some(top.unwrap_or(0)),
+        (false, Some(_)) => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs requires logprobs: true",
+            ))
+        }
+        (false, None) => None,
+    };
+    let mut stop = match req.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    for s in template_stop {
+        if !stop.contains(s) {
+            stop.push(s.clone());
+        }
+    }
+    Ok(CompletionRequest {
+        model: req.model,
+        prompt: Prompt::Text(prompt),
+        max_tokens: req
+            .max_completion_tokens
+            .or(req.max_tokens)
+            .or(Some(max_tokens_cap as i64)),
+        min_tokens: req.min_tokens,
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
+        repetition_penalty: req.repetition_penalty,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        logit_bias: req.logit_bias,
+        seed: req.seed,
+        stop: (!stop.is_empty()).then_some(Stop::Many(stop)),
+        stop_token_ids: req.stop_token_ids,
+        ignore_eos: req.ignore_eos,
+        n: req.n,
+        best_of: req.best_of,
+        use_beam_search: req.use_beam_search,
+        length_penalty: req.length_penalty,
+        logprobs,
+        echo: None,
+        stream: req.stream,
+        stream_options: req.stream_options,
+        user: req.user,
+    })
+}
+
+/// Names a completions error by the chat request's parameters: `max_completion_tokens` (when it
+/// was the one given) for `max_tokens`, `top_logprobs` for `logprobs`, `messages` for `prompt`.
+pub fn chat_error(e: ApiError, used_max_completion_tokens: bool) -> ApiError {
+    fn rename(param: &str, used_max_completion_tokens: bool) -> &str {
+        match param {
+            "max_tokens" if used_max_completion_tokens => "max_completion_tokens",
+            "logprobs" => "top_logprobs",
+            "prompt" => "messages",
+            other => other,
+        }
+    }
+    match e {
+        ApiError::InvalidRequest {
+            message,
+            param: Some(param),
+        } => {
+            let new = rename(&param, used_max_completion_tokens);
+            let message = match message.strip_prefix(param.as_str()) {
+                Some(rest) => format!("{new}{rest}"),
+                None => message,
+            };
+            let message = match new {
+                "messages" => format!("the prompt rendered from messages: {message}"),
+                _ => message,
+            };
+            ApiError::InvalidRequest {
+                message,
+                param: Some(new.to_string()),
+            }
+        }
+        ApiError::ContextLength { message, .. } => ApiError::ContextLength {
+            message: match message.strip_prefix("prompt") {
+                Some(rest) => format!("the prompt rendered from messages{rest}"),
+                None => message,
+            },
+            param: "messages",
+        },
+        other => other,
+    }
+}
+
+/// A completion's logprobs in chat's shape.
+pub fn chat_logprobs(lp: LogProbs) -> ChatLogProbs {
+    let content = lp
+        .tokens
+        .into_iter()
+        .zip(lp.token_logprobs)
+        .zip(lp.top_logprobs)
+        .map(|((token, logprob), top)| ChatTokenLogprob {
+            bytes: token.as_bytes().to_vec(),
+            // Generated tokens always have one; OpenAI writes -9999 for an impossible token.
+            logprob: logprob.unwrap_or(-9999.0),
+            top_logprobs: top
+                .into_iter()
+                .flatten()
+                .map(|(token, p)| TopLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    logprob: p.as_f64().unwrap_or(-9999.0) as f32,
+                    token,
+                })
+                .collect(),
+            token,
+        })
+        .collect();
+    ChatLogProbs { content }
+}
+
+/// A whole completion's choice as a chat choice.
+pub fn chat_choice(choice: Choice) -> ChatChoice {
+    ChatChoice {
+        index: choice.index,
+        message: ChatResponseMessage {
+            role: "assistant".into(),
+            content: choice.text,
+        },
+        logprobs: choice.logprobs.map(chat_logprobs),
+        finish_reason: choice.finish_reason,
+    }
+}
+
+/// The chunks of one delta: its content (if any), then its finish reason in a chunk of its own,
+/// as OpenAI sends them.
+pub fn chat_chunks(delta: Delta) -> Vec<ChatChunkChoice> {
+    let mut out = Vec::new();
+    if !delta.text.is_empty() || delta.logprobs.as_ref().is_some_and(|l| !l.tokens.is_empty()) {
+        out.push(ChatChunkChoice {
+            index: delta.index,
+            delta: ChatDelta {
+                role: None,
+                content: Some(delta.text),
+            },
+            logprobs: delta.logprobs.map(chat_logprobs),
+            finish_reason: None,
+        });
+    }
+    if let Some(reason) = delta.finish_reason {
+        out.push(ChatChunkChoice {
+            index: delta.index,
+            delta: ChatDelta::default(),
+            logprobs: None,
+            finish_reason: Some(reason.as_str().into()),
+        });
+    }
+    out
+}
+
+/// The first chunk of a choice: its role, and empty content.
+pub fn role_chunk(index: u32) -> ChatChunkChoice {
+    ChatChunkChoice {
+        index,
+        delta: ChatDelta {
+            role: Some("assistant".into()),
+            content: Some(String::new()),
+        },
+        logprobs: None,
+        finish_reason: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(role: Role, content: &str) -> ChatMessage {
+        ChatMessage {
+            role,
+            content: Content(content.into()),
+            name: None,
+            refusal: None,
+        }
+    }
+
+    #[test]
+    fn the_fallback_template_writes_a_play_script() -> anyhow::Result<()> {
+        let t = ChatTemplate::fallback()?;
+        let prompt = t.render(&[
+            msg(Role::System, "A scene in Verona."),
+            msg(Role::User, "Who goes there?"),
+            msg(Role::Assistant, "A friend."),
+            msg(Role::User, "Speak, friend."),
+        ])?;
+        assert_eq!(
+            prompt,
+            "A scene in Verona.\n\nUSER:\nWho goes there?\n\nASSISTANT:\nA friend.\n\nUSER:\nSpeak, friend.\n\nASSISTANT:\n"
+        );
+        assert_eq!(t.stop, vec!["\n\n".to_string()]);
+        Ok(())
+    }
+
+    #[test]
+    fn hugging_face_templates_render_with_python_methods_and_can_refuse() -> anyhow::Result<()> {
+        // The shape of many Hub templates: Python string methods, raise_exception, eos_token.
+        let source = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}\
+            {% for m in messages %}<|{{ m.role }}|>{{ m.content.strip() }}{{ eos_token }}{% endfor %}\
+            {% if add_generation_prompt %}<|assistant|>{% endif %}";
+        let t = ChatTemplate::new(source.into(), vec![], None, Some("</s>".into()))?;
+        assert_eq!(t.render(&[msg(Role::User, "  hi  ")])?, "<|user|>hi</s><|assistant|>");
+        let err = t
+            .render(&[msg(Role::Assistant, "x")])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("first message must be from the user"), "{err}");
+        assert!(t.render(&[]).is_err());
+        let bad = ChatTemplate::new("{% for %}".into(), vec![], None, None);
+        assert!(bad.err().is_some_and(|e| e.to_string().contains("does not compile")));
+        Ok(())
+    }
+
+    #[test]
+    fn chat_parameters_become_completion_parameters_and_errors_name_them() -> anyhow::Result<()> {
+        let req: ChatCompletionRequest = serde_json::from_value(serde_json::json!({
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_tokens": 5, "max_completion_tokens": 7, "logprobs": true, "top_logprobs": 3, "stop": "x",
+        }))?;
+        assert_eq!(req.messages[0].content, Content("a\nb".into()));
+        let c = completion_request(req, "p".into(), &["\n\n".into()], 100)?;
+        assert_eq!(c.max_tokens, Some(7));
+        assert_eq!(c.logprobs, Some(3));
+        assert!(matches!(c.stop, Some(Stop::Many(ref v)) if v == &["x".to_string(), "\n\n".into()]));
+        let req: ChatCompletionRequest = serde_json::from_value(serde_json::json!({
+            "messages": [{"role": "user", "content": "a"}], "top_logprobs": 3,
+        }))?;
+        assert!(
+            completion_request(req, "p".into(), &[], 100).is_err_and(|e| e.to_string().contains("requires logprobs"))
+        );
+        let e = chat_error(
+            ApiError::invalid("max_tokens", "max_tokens must be between 0 and 9, got 10"),
+            true,
+        );
+        assert!(
+            matches!(&e, ApiError::InvalidRequest { param: Some(p), message } if p == "max_completion_tokens" && message.starts_with("max_completion_tokens must"))
+        );
+        let image = serde_json::from_value::<ChatMessage>(serde_json::json!({
+            "role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]
+        }));
+        assert!(image.is_err_and(|e| e.to_string().contains("not supported")));
+        Ok(())
+    }
+}
