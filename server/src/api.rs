@@ -364,8 +364,7 @@ pub struct ChatMessage {
     /// Passed to the chat template.
     pub name: Option<String>,
     /// Accepted as the SDKs send it back with an assistant message, and ignored.
-    #[schema(value_type = Option<Object>)]
-    pub refusal: Option<Value>,
+    pub refusal: Option<String>,
 }
 
 /// `POST /v1/chat/completions`: the messages are rendered to a prompt by the checkpoint's chat
