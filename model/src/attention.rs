@@ -142,6 +142,17 @@ impl CausalSelfAttention {
     /// and uses softmax built from differentiable ops (candle-nn's fused `softmax_last_dim` has no
     /// backward pass).
     pub fn forward_t(&self, x: &Tensor, train: Option<Dropout>) -> candle_core::Result<Tensor> {
+        self.forward_recorded(x, train, None)
+    }
+
+    /// [`Self::forward_t`], also pushing the attention probabilities `(B, nh, T, T)` (after the
+    /// causal softmax, before dropout) onto `record` when given: what attention-map views show.
+    pub fn forward_recorded(
+        &self,
+        x: &Tensor,
+        train: Option<Dropout>,
+        record: Option<&mut Vec<Tensor>>,
+    ) -> candle_core::Result<Tensor> {
         let (b_sz, seq_len, n_embd) = x.dims3()?;
         let heads = |i: usize| -> candle_core::Result<Tensor> {
             self.c_attn
@@ -153,6 +164,9 @@ impl CausalSelfAttention {
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let att = (matmul(&q, &k.t()?, self.autocast)? * self.scale())?; // (B, nh, T, T)
         let att = crate::ops::causal_softmax(&att, train.is_some())?; // upper triangle masked to 0
+        if let Some(record) = record {
+            record.push(att.clone());
+        }
         let att = dropout(att, self.attn_pdrop, train.map(|d| d.site(0)))?;
         let y = matmul(&att, &v, self.autocast)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b_sz, seq_len, n_embd))?; // (B, T, C)

@@ -62,10 +62,15 @@ impl Block {
         })
     }
 
-    fn forward_t(&self, x: &Tensor, train: Option<Dropout>) -> candle_core::Result<Tensor> {
+    fn forward_t(
+        &self,
+        x: &Tensor,
+        train: Option<Dropout>,
+        record: Option<&mut Vec<Tensor>>,
+    ) -> candle_core::Result<Tensor> {
         let x = (x + self
             .attn
-            .forward_t(&layer_norm(&self.ln_1, x, train.is_some())?, train)?)?;
+            .forward_recorded(&layer_norm(&self.ln_1, x, train.is_some())?, train, record)?)?;
         &x + self
             .mlp
             .forward_t(&layer_norm(&self.ln_2, &x, train.is_some())?, train)?
@@ -172,6 +177,28 @@ impl Gpt {
     /// while training) switches on dropout, with masks from its key, and the differentiable paths;
     /// use it when gradients are needed.
     pub fn forward_t(&self, idx: &Tensor, train: Option<Dropout>) -> Result<Tensor> {
+        self.forward_recorded(idx, train, None)
+    }
+
+    /// Inference logits `(B, T, V)` in f32 and every layer's attention probabilities
+    /// `(B, n_head, T, T)` in f32 (each row sums to 1, zero above the diagonal), from the same
+    /// forward pass: what `transformers` returns with `output_attentions=True`.
+    pub fn forward_with_attentions(&self, idx: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut attentions = Vec::with_capacity(self.cfg.n_layer);
+        let logits = self.forward_recorded(idx, None, Some(&mut attentions))?;
+        let attentions = attentions
+            .into_iter()
+            .map(|a| a.to_dtype(DType::F32))
+            .collect::<candle_core::Result<_>>()?;
+        Ok((logits.to_dtype(DType::F32)?, attentions))
+    }
+
+    fn forward_recorded(
+        &self,
+        idx: &Tensor,
+        train: Option<Dropout>,
+        mut record: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
         let (b_sz, seq_len) = idx.dims2()?;
         if seq_len > self.cfg.n_positions {
             return Err(Error::ContextOverflow {
@@ -191,7 +218,8 @@ impl Gpt {
             train.map(|d| d.site(0)),
         )?;
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.forward_t(&x, train.map(|d| d.site(i as u64 + 1)))?; // (B, T, C)
+            x = block.forward_t(&x, train.map(|d| d.site(i as u64 + 1)), record.as_deref_mut())?;
+            // (B, T, C)
         }
         let x = layer_norm(&self.ln_f, &x, train.is_some())?;
         let logits = matmul(

@@ -499,6 +499,36 @@ pub struct ChatCompletionChunk {
     pub usage: Option<Usage>,
 }
 
+/// `POST /v1/attention`: the model's attention probabilities over a prompt.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AttentionRequest {
+    pub model: Option<String>,
+    /// A string or an array of token ids, at most `max_attention_tokens` tokens (see
+    /// `/openapi.json`).
+    #[schema(value_type = Object)]
+    pub prompt: Prompt,
+    /// Layers to return, in this order (default: all).
+    #[serde(default, deserialize_with = "json_int::option_vec")]
+    pub layers: Option<Vec<i64>>,
+    /// Heads to return, in this order (default: all).
+    #[serde(default, deserialize_with = "json_int::option_vec")]
+    pub heads: Option<Vec<i64>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AttentionResponse {
+    /// Each token's text.
+    pub tokens: Vec<String>,
+    pub token_ids: Vec<u32>,
+    /// The selected layers and heads, as numbered in the model.
+    pub layers: Vec<usize>,
+    pub heads: Vec<usize>,
+    /// `[layer][head][query][key]`: how much each query token attends to each key token; each
+    /// row sums to 1 and is 0 above the diagonal (a token sees only itself and earlier ones).
+    pub attentions: Vec<Vec<Vec<Vec<f32>>>>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Model {
     pub id: String,

@@ -1,5 +1,5 @@
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, the tokenizer
-//! endpoints (in [`tokenize`]), `GET /health`, `GET /metrics`, `GET /openapi.json`. `app(state)`
+//! endpoints (in [`tokenize`]), `POST /v1/attention` (in [`crate::attention`]), `GET /health`, `GET /metrics`, `GET /openapi.json`. `app(state)`
 //! builds the router, so tests drive it without a socket; around it, CORS (when origins are
 //! given) and a log line per request with a request id.
 
@@ -47,6 +47,8 @@ pub struct AppState {
     /// The OpenAPI document, with this model's limits.
     pub openapi: serde_json::Value,
     pub chat_template: ChatTemplate,
+    /// The engine's model (its weights shared), for `/v1/attention`'s whole-prompt passes.
+    pub attention_model: gpt::Gpt,
     /// Origins allowed to call the API from a browser (`*`: any); none by default.
     pub cors_origins: Vec<String>,
 }
@@ -58,6 +60,7 @@ pub fn app(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/attention", post(crate::attention::attention))
         .route("/v1/models", get(models))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()

@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod app;
+pub mod attention;
 pub mod chat;
 pub mod engine;
 pub mod error;
@@ -125,6 +126,9 @@ pub fn load_state(
         max_logprobs: 20,
         max_stop: 64,
         max_prompts: 128,
+        n_layer: model.config().n_layer,
+        n_head: model.config().n_head,
+        max_attention_tokens: attention::MAX_ATTENTION_TOKENS.min(model.config().n_positions),
         alphabet: tokenizer.is_char_level().then(|| {
             let mut chars: Vec<char> = tokenizer
                 .inner()
@@ -144,6 +148,7 @@ pub fn load_state(
     let model_context = model.config().n_positions;
     let metrics = Arc::new(Metrics::new()?);
     let tokenizer = Arc::new(tokenizer);
+    let attention_model = model.clone(); // shares the weights
     let engine = Engine::start(
         model,
         (*tokenizer).clone(),
@@ -168,6 +173,7 @@ pub fn load_state(
         created,
         openapi,
         chat_template,
+        attention_model,
         cors_origins: cfg.cors_origins.clone(),
     }))
 }

@@ -22,6 +22,7 @@ use crate::validation::{Limits, FLOAT_RANGES, LOGIT_BIAS, NOT_WITH_BEAMS};
     paths(
         crate::app::completions,
         crate::app::chat_completions,
+        crate::attention::attention,
         crate::app::models,
         crate::app::health,
         crate::tokenize::tokenize,
@@ -43,6 +44,8 @@ use crate::validation::{Limits, FLOAT_RANGES, LOGIT_BIAS, NOT_WITH_BEAMS};
         ChatCompletionChunk,
         ChatChunkChoice,
         ChatDelta,
+        AttentionRequest,
+        AttentionResponse,
         Choice,
         LogProbs,
         Usage,
@@ -158,6 +161,20 @@ pub fn document(limits: &Limits) -> Value {
         });
     }
     let schemas = &mut doc["components"]["schemas"];
+    let attention = &mut schemas["AttentionRequest"]["properties"];
+    let cap = limits.max_attention_tokens;
+    attention["prompt"] = json!({
+        "description": format!("A string or an array of token ids, at most {cap} tokens (a longer one is a 400 \
+            with code `context_length_exceeded`)."),
+        "oneOf": [
+            text(1),
+            {"type": "array", "minItems": 1, "maxItems": cap, "items": token},
+        ],
+    });
+    for (param, count) in [("layers", limits.n_layer), ("heads", limits.n_head)] {
+        attention[param]["minItems"] = 1.into();
+        attention[param]["items"] = json!({"type": "integer", "minimum": 0, "maximum": count - 1});
+    }
     schemas["StreamOptions"]["additionalProperties"] = false.into();
     schemas["TokenizeRequest"]["properties"]["prompt"] = text(0);
     schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token;

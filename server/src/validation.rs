@@ -23,6 +23,10 @@ pub struct Limits {
     pub max_prompts: usize,
     /// A character-level vocabulary's characters: a prompt with any other is refused.
     pub alphabet: Option<Vec<char>>,
+    pub n_layer: usize,
+    pub n_head: usize,
+    /// The longest prompt `/v1/attention` takes.
+    pub max_attention_tokens: usize,
 }
 
 /// An integer parameter's allowed values, both ends included.
