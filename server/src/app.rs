@@ -64,6 +64,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
+        .route("/", get(playground))
         .merge(v1)
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
@@ -440,6 +441,28 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
             max_model_len: state.limits.context,
         }],
     })
+}
+
+/// The playground page, compiled into the binary (no JavaScript build step), with what it needs
+/// to know about the served model.
+const PLAYGROUND: &str = include_str!("../static/playground.html");
+
+async fn playground(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let config = serde_json::json!({
+        "model": state.model_name,
+        "context": state.limits.context,
+        "n_layer": state.limits.n_layer,
+        "n_head": state.limits.n_head,
+        "max_tokens_cap": state.limits.max_tokens_cap,
+        "max_attention_tokens": state.limits.max_attention_tokens,
+        "api_key_required": state.api_key.is_some(),
+    });
+    // `<` escaped: the JSON sits in a <script> element.
+    let config = config.to_string().replace('<', "\\u003c");
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        PLAYGROUND.replacen("/*CONFIG*/null", &config, 1),
+    )
 }
 
 #[utoipa::path(get, path = "/health", responses((status = 200, body = Health)))]

@@ -312,3 +312,49 @@ async fn cors_only_for_the_given_origins_and_every_response_has_a_request_id() -
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn the_playground_is_served_at_the_root_with_the_models_settings() -> anyhow::Result<()> {
+    let cfg = ServerConfig {
+        api_key: Some("k".into()),
+        model_name: "</script><b>".into(),
+        ..config()
+    };
+    let server = start(&fixture(), cfg).await?;
+    let resp = reqwest::get(format!("{}/", server.url)).await?;
+    assert_eq!(resp.status().as_u16(), 200, "the page needs no key");
+    let kind = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    assert_eq!(kind.as_deref(), Some("text/html; charset=utf-8"));
+    let page = resp.text().await?;
+    let start = page
+        .find("const CONFIG = ")
+        .ok_or_else(|| anyhow::anyhow!("no CONFIG"))?
+        + "const CONFIG = ".len();
+    let end = start + page[start..].find(";\n").unwrap_or(0);
+    let config: Value = serde_json::from_str(&page[start..end])?;
+    assert_eq!(
+        config,
+        json!({"model": "</script><b>", "context": 64, "n_layer": 2, "n_head": 4, "max_tokens_cap": 64,
+               "max_attention_tokens": 64, "api_key_required": true})
+    );
+    assert!(
+        !page[start..end].contains('<'),
+        "a model name cannot close the script element"
+    );
+    for id in [
+        "prompt",
+        "generate",
+        "conversation",
+        "send",
+        "show-attention",
+        "heatmap",
+        "apikey",
+    ] {
+        assert!(page.contains(&format!("id=\"{id}\"")), "{id}");
+    }
+    Ok(())
+}
