@@ -131,13 +131,17 @@ async fn run() -> Result<()> {
         Dtype::F16 => DType::F16,
         Dtype::Bf16 => DType::BF16,
     };
-    let model_name = args.model_name.clone().unwrap_or_else(|| match &args.checkpoint {
-        None => "default".into(), // the model in weights/
-        Some(dir) => {
-            let dir = dir.canonicalize().unwrap_or_else(|_| dir.clone());
-            dir.file_name()
-                .map_or("gpt".into(), |n| n.to_string_lossy().into_owned())
+    // The default model is `default` however it is named: left out, or given as a path to the
+    // same directory (the Docker image names /app/weights); any other checkpoint is named after
+    // its directory.
+    let model_name = args.model_name.clone().unwrap_or_else(|| {
+        let canonical = |dir: &Path| dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+        let dir = canonical(&checkpoint);
+        if dir == canonical(&default_checkpoint()) {
+            return "default".into();
         }
+        dir.file_name()
+            .map_or("gpt".into(), |n| n.to_string_lossy().into_owned())
     });
     let cfg = ServerConfig {
         model_name,

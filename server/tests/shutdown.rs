@@ -145,3 +145,17 @@ fn a_missing_or_broken_checkpoint_fails_at_start() -> anyhow::Result<()> {
     assert!(err.contains("model.safetensors"), "{err}");
     Ok(())
 }
+
+#[tokio::test]
+async fn the_default_model_is_named_default_however_its_directory_is_given() -> anyhow::Result<()> {
+    let weights = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights");
+    // As the Docker image starts it: an absolute path to the default weights.
+    for (checkpoint, name) in [(weights.canonicalize()?, "default"), (common::fixture(), "tiny-gpt2")] {
+        let (mut child, url, _log) = spawn(&checkpoint, &[])?;
+        let models: serde_json::Value = reqwest::get(format!("{url}/v1/models")).await?.json().await?;
+        child.kill()?;
+        child.wait()?;
+        assert_eq!(models["data"][0]["id"], name, "{}", checkpoint.display());
+    }
+    Ok(())
+}
