@@ -1,0 +1,100 @@
+//! Decode's bottleneck in isolation (issue #15): one token times a weight matrix, the product that
+//! takes ~80% of a batch-1 decode step (perf: `gemm_common`'s vectorised gemv). Compares candle's
+//! matmul on the inference layout (`x @ W^T`, W stored (out, in)) with a plain row-parallel dot
+//! product over std threads, in GB/s of weights read: decode's speed limit is the machine's read
+//! bandwidth divided by the weight bytes. Each shape is repeated over enough distinct copies of its
+//! weight (>= 1 GB in all: this VM reports a 260 MiB L3) that they come from memory, not cache, as in a decode step over all
+//! layers. Prints one JSON line per shape.
+//!
+//!     [THREADS=2] cargo bench -p gpt --bench gemv
+
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+
+/// `out[r] = w[r, :] . x` for this thread's rows, 8 independent accumulators so LLVM vectorises.
+fn dot_rows(w: &[f32], x: &[f32], out: &mut [f32]) {
+    let d_in = x.len();
+    for (r, o) in out.iter_mut().enumerate() {
+        let row = &w[r * d_in..(r + 1) * d_in];
+        let mut acc = [0f32; 16];
+        for (wc, xc) in row.chunks_exact(16).zip(x.chunks_exact(16)) {
+            for i in 0..16 {
+                acc[i] += wc[i] * xc[i];
+            }
+        }
+        let tail: f32 = row
+            .chunks_exact(16)
+            .remainder()
+            .iter()
+            .zip(x.chunks_exact(16).remainder())
+            .map(|(a, b)| a * b)
+            .sum();
+        *o = acc.iter().sum::<f32>() + tail;
+    }
+}
+
+fn gemv(w: &[f32], x: &[f32], out: &mut [f32], threads: usize) {
+    let d_in = x.len();
+    let rows_per = out.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        for (t, chunk) in out.chunks_mut(rows_per).enumerate() {
+            let w = &w[t * rows_per * d_in..(t * rows_per + chunk.len()) * d_in];
+            s.spawn(move || dot_rows(w, x, chunk));
+        }
+    });
+}
+
+fn best_of<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
+    (0..repeats)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn main() -> anyhow::Result<()> {
+    gpt::device::fix_cpu_thread_count();
+    let threads: usize = std::env::var("THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    for (d_in, d_out) in [(768, 2304), (768, 3072), (3072, 768), (768, 50257)] {
+        let size = d_in * d_out;
+        let copies = (1_000_000_000 / (size * 4)).max(1);
+        let w: Vec<f32> = (0..size * copies)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-4)
+            .collect();
+        let x: Vec<f32> = (0..d_in).map(|i| ((i * 31 % 100) as f32 - 50.0) * 1e-2).collect();
+        let xt = Tensor::from_slice(&x, (1, d_in), &Device::Cpu)?;
+        let tensors = (0..copies)
+            .map(|c| Tensor::from_slice(&w[c * size..(c + 1) * size], (d_out, d_in), &Device::Cpu)?.t())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let reference = xt.matmul(&tensors[0])?.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; d_out];
+        gemv(&w[..size], &x, &mut out, threads);
+        let max_diff = out
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let gb = (size * copies * 4) as f64 / 1e9;
+        let candle = best_of(5, || {
+            for t in &tensors {
+                let _ = xt.matmul(t);
+            }
+        });
+        let plain = best_of(5, || {
+            for c in 0..copies {
+                gemv(&w[c * size..(c + 1) * size], &x, &mut out, threads);
+            }
+        });
+        println!(
+            "{}",
+            serde_json::json!({
+                "shape": format!("1x{d_in} @ {d_in}x{d_out}"), "threads": threads,
+                "candle_gb_per_s": gb / candle, "plain_gb_per_s": gb / plain, "max_diff": max_diff,
+            })
+        );
+    }
+    Ok(())
+}
