@@ -148,6 +148,15 @@ async fn count_requests(State(state): State<Arc<AppState>>, request: Request, ne
     response
 }
 
+/// Runs CPU work (tokenising, rendering, a forward pass) off the async runtime.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+}
+
 /// A request's `model`, if given, must be the served one.
 pub fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     match model {
@@ -228,9 +237,7 @@ pub async fn completions(
     check_model(&state, request.model.as_deref())?;
     // Tokenising is CPU work: off the async runtime.
     let (tokenizer, limits) = (state.tokenizer.clone(), state.limits.clone());
-    let valid = tokio::task::spawn_blocking(move || validate(request, &tokenizer, &limits))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let valid = blocking(move || validate(request, &tokenizer, &limits)).await?;
     let valid = Arc::new(valid);
     let events = state.engine.submit(valid.clone()).map_err(ApiError::QueueFull)?;
     let id = format!("cmpl-{:016x}", rand::random::<u64>());
@@ -367,7 +374,7 @@ pub async fn chat_completions(
     let used_max_completion_tokens = request.max_completion_tokens.is_some();
     let state2 = state.clone();
     // Rendering and tokenising are CPU work: off the async runtime.
-    let valid = tokio::task::spawn_blocking(move || {
+    let valid = blocking(move || {
         let template = &state2.chat_template;
         let prompt = template.render(&request.messages)?;
         let completion = chat::completion_request(request, prompt, &template.stop, state2.limits.max_tokens_cap)?;
@@ -376,8 +383,7 @@ pub async fn chat_completions(
         limits.max_stop += template.stop.len();
         validate(completion, &state2.tokenizer, &limits).map_err(|e| chat::chat_error(e, used_max_completion_tokens))
     })
-    .await
-    .map_err(|e| ApiError::Internal(e.to_string()))??;
+    .await?;
     let valid = Arc::new(valid);
     let events = state.engine.submit(valid.clone()).map_err(ApiError::QueueFull)?;
     let (id, created, model) = (

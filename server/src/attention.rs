@@ -10,7 +10,7 @@ use axum::Json;
 use candle_core::{IndexOp, Tensor};
 
 use crate::api::{AttentionRequest, AttentionResponse, ErrorResponse, Prompt};
-use crate::app::{check_model, parse_body, AppState};
+use crate::app::{blocking, check_model, parse_body, AppState};
 use crate::error::ApiError;
 
 /// The longest prompt (tokens) the endpoint takes: its answer grows with the square of it.
@@ -51,16 +51,7 @@ fn compute(state: &AppState, req: AttentionRequest) -> Result<AttentionResponse,
         Prompt::Tokens(ids) if !ids.is_empty() => ids
             .iter()
             .enumerate()
-            .map(|(i, &id)| match u32::try_from(id) {
-                Ok(id) if (id as usize) < limits.vocab_size => Ok(id),
-                _ => Err(ApiError::invalid(
-                    "prompt",
-                    format!(
-                        "prompt[{i}]: token id {id} is outside the vocabulary [0, {})",
-                        limits.vocab_size
-                    ),
-                )),
-            })
+            .map(|(i, &id)| limits.token("prompt", &format!("prompt[{i}]"), id))
             .collect::<Result<_, _>>()?,
         Prompt::Text(_) | Prompt::Tokens(_) => return Err(ApiError::invalid("prompt", "prompt must not be empty")),
         _ => {
@@ -136,8 +127,6 @@ pub async fn attention(
     let req: AttentionRequest = parse_body(body, &[])?;
     check_model(&state, req.model.as_deref())?;
     // A forward pass: CPU (or GPU) work, off the async runtime.
-    let response = tokio::task::spawn_blocking(move || compute(&state, req))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let response = blocking(move || compute(&state, req)).await?;
     Ok(Json(response))
 }

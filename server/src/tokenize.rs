@@ -12,15 +12,8 @@ use gpt::tokenizer::END_OF_TEXT;
 use crate::api::{
     DetokenizeRequest, DetokenizeResponse, ErrorResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo,
 };
-use crate::app::{check_model, parse_body, AppState};
+use crate::app::{blocking, check_model, parse_body, AppState};
 use crate::error::ApiError;
-
-/// Tokenising is CPU work: off the async runtime.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?
-}
 
 #[utoipa::path(
     post,

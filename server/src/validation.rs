@@ -144,7 +144,7 @@ impl Limits {
     }
 
     /// The token id `id` of `at` (a prompt position, say), in the vocabulary.
-    fn token(&self, param: &'static str, at: &str, id: i64) -> Result<u32, ApiError> {
+    pub(crate) fn token(&self, param: &'static str, at: &str, id: i64) -> Result<u32, ApiError> {
         if id < 0 || id as usize >= self.vocab_size {
             let msg = format!("{at}: token id {id} is outside the vocabulary [0, {})", self.vocab_size);
             return Err(ApiError::invalid(param, msg));
