@@ -168,7 +168,7 @@ fn saved_checkpoint_has_the_transformers_layout() -> anyhow::Result<()> {
     // Half-precision saves convert every tensor.
     gpt::save_dir(tmp.path(), &model, &tok, DType::F16)?;
     let half = gpt::load_model(tmp.path(), DType::F32, &Device::Cpu)?;
-    let diff = max_abs_diff(&half.named_tensors()[0].1, &model.named_tensors()[0].1)?;
+    let diff = max_abs_diff(&half.named_tensors()?[0].1, &model.named_tensors()?[0].1)?;
     assert!(diff > 0.0 && diff < 1e-2, "f16 save: {diff}");
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json"))?)?;
     assert_eq!(cfg["torch_dtype"], "float16");

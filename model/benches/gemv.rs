@@ -98,6 +98,66 @@ fn main() -> anyhow::Result<()> {
                 gemv(&w[c * size..(c + 1) * size], &x, &mut out, threads);
             }
         });
+        let qt = |dt: candle_core::quantized::GgmlDType| -> candle_core::Result<Vec<candle_core::quantized::QTensor>> {
+            (0..copies)
+                .map(|c| {
+                    let t = Tensor::from_slice(&w[c * size..(c + 1) * size], (d_out, d_in), &Device::Cpu)?;
+                    candle_core::quantized::QTensor::quantize(&t, dt)
+                })
+                .collect()
+        };
+        let mut q = serde_json::Map::new();
+        let wts = (0..copies)
+            .map(|c| Tensor::from_slice(&w[c * size..(c + 1) * size], (d_out, d_in), &Device::Cpu))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        // This project's kernel (gpt::ops::matmul_wt) on the same weights in each dense dtype.
+        for (dt, bytes) in [
+            (candle_core::DType::F32, 4.0),
+            (candle_core::DType::F16, 2.0),
+            (candle_core::DType::BF16, 2.0),
+        ] {
+            let ws = wts
+                .iter()
+                .map(|t| t.to_dtype(dt))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let secs = best_of(5, || {
+                for t in &ws {
+                    let _ = gpt::ops::matmul_wt(&xt, t);
+                }
+            });
+            let y = gpt::ops::matmul_wt(&xt, &ws[0])?.flatten_all()?.to_vec1::<f32>()?;
+            let diff = y
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let gb_read = (size * copies) as f64 * bytes / 1e9;
+            q.insert(
+                format!("matmul_wt_{dt:?}"),
+                serde_json::json!({"gb_per_s": gb_read / secs, "max_diff": diff}),
+            );
+        }
+        for (name, dt, bytes) in [
+            ("qtensor_f32", candle_core::quantized::GgmlDType::F32, 4.0),
+            ("qtensor_f16", candle_core::quantized::GgmlDType::F16, 2.0),
+            ("qtensor_q8_0", candle_core::quantized::GgmlDType::Q8_0, 34.0 / 32.0),
+            ("qtensor_q4_0", candle_core::quantized::GgmlDType::Q4_0, 18.0 / 32.0),
+        ] {
+            let qs = qt(dt)?;
+            let y = xt.apply_op1_no_bwd(&qs[0])?.flatten_all()?.to_vec1::<f32>()?;
+            let diff = y
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let secs = best_of(5, || {
+                for t in &qs {
+                    let _ = xt.apply_op1_no_bwd(t);
+                }
+            });
+            let qgb = (size * copies) as f64 * bytes / 1e9;
+            q.insert(name.into(), serde_json::json!({"gb_per_s": qgb / secs, "tok_equiv_ms": secs / copies as f64 * 1e3, "max_diff": diff}));
+        }
         let pool = best_of(5, || {
             for c in 0..copies {
                 gemv_pool(&w[c * size..(c + 1) * size], &x, &mut out);
@@ -107,7 +167,7 @@ fn main() -> anyhow::Result<()> {
             "{}",
             serde_json::json!({
                 "shape": format!("1x{d_in} @ {d_in}x{d_out}"), "threads": threads,
-                "candle_gb_per_s": gb / candle, "plain_gb_per_s": gb / plain, "pool_gb_per_s": gb / pool, "max_diff": max_diff,
+                "candle_gb_per_s": gb / candle, "plain_gb_per_s": gb / plain, "pool_gb_per_s": gb / pool, "max_diff": max_diff, "quantized": q,
             })
         );
     }

@@ -4,7 +4,7 @@
 //! `bench/torch_inference.py` measures the same with PyTorch `transformers`; `bench/inference.sh`
 //! runs both on the CPU, `bench/gpu.sh` on a GPU. Prints one JSON object.
 //!
-//!     [DEVICE=cpu|cuda] [DTYPE=f32|bf16|f16] [LAYOUT=inference|gpt2] [PREFILL=128] [BATCH=1] [NEW_TOKENS=128] \
+//!     [DEVICE=cpu|cuda] [DTYPE=f32|bf16|f16] [WEIGHTS=f32|f16|bf16|q8_0|q4_0] [LAYOUT=inference|gpt2] [PREFILL=128] [BATCH=1] [NEW_TOKENS=128] \
 //!         cargo bench -p gpt --bench inference
 
 use std::time::Instant;
@@ -55,7 +55,7 @@ fn main() -> anyhow::Result<()> {
         .lock()
         .map_err(|_| anyhow::anyhow!("varmap poisoned"))?
         .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
         .collect();
     let model = Gpt::new(VarBuilder::from_tensors(weights, dtype, &device), &cfg)?;
     // What a loaded checkpoint is in (`LAYOUT=gpt2` for GPT-2's, as training has it).
@@ -65,6 +65,9 @@ fn main() -> anyhow::Result<()> {
     } else {
         model.into_inference_layout()?
     };
+    // How inference holds the weight matrices (`WEIGHTS=f16|bf16|q8_0|q4_0`, activations f32).
+    let weights: gpt::WeightFormat = env_or("WEIGHTS", "f32".to_string()).parse()?;
+    let model = model.with_weight_format(weights)?;
 
     let ids = prompt(prefill, cfg.vocab_size);
     let mut prefill_s = Vec::new();
@@ -109,6 +112,7 @@ fn main() -> anyhow::Result<()> {
         "device": gpt::device_name(&device),
         "dtype": dtype_name,
         "layout": layout,
+        "weights": weights.to_string(),
         "threads": candle_core::utils::get_num_threads(),
         "prefill_tokens": prefill,
         "prefill_tok_per_s": prefill as f64 / median(prefill_s),

@@ -154,12 +154,20 @@ impl CausalSelfAttention {
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
         let (b_sz, seq_len, n_embd) = x.dims3()?;
+        // Inference multiplies once and splits the product (quantized weights cannot be split);
+        // training splits the weight (see `forward_cols`).
+        let qkv = match train {
+            None => Some(self.c_attn.forward(x)?), // (B, T, 3C)
+            Some(_) => None,
+        };
         let heads = |i: usize| -> candle_core::Result<Tensor> {
-            self.c_attn
-                .forward_cols(x, i * n_embd, n_embd)? // (B, T, C): q, k or v
-                .reshape((b_sz, seq_len, self.n_head, self.head_dim))? // (B, T, nh, hs)
-                .transpose(1, 2)? // (B, nh, T, hs)
-                .contiguous()
+            match &qkv {
+                Some(qkv) => qkv.narrow(2, i * n_embd, n_embd)?,
+                None => self.c_attn.forward_cols(x, i * n_embd, n_embd)?,
+            } // (B, T, C): q, k or v
+            .reshape((b_sz, seq_len, self.n_head, self.head_dim))? // (B, T, nh, hs)
+            .transpose(1, 2)? // (B, nh, T, hs)
+            .contiguous()
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let att = (matmul(&q, &k.t()?, self.autocast)? * self.scale())?; // (B, nh, T, T)

@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::files::write_atomic;
 use crate::gpt::Gpt;
+use crate::layers::WeightFormat;
 use crate::tokenizer::Tokenizer;
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -46,6 +47,16 @@ fn loading_error(path: &Path, err: candle_core::Error) -> Error {
 pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
     let cfg = Config::from_file(&dir.join(CONFIG_FILE))?;
     let path = dir.join(WEIGHTS_FILE);
+    let gguf = dir.join(crate::gguf::GGUF_FILE);
+    if !path.exists() && gguf.exists() {
+        if dtype != DType::F32 {
+            return Err(Error::InvalidConfig(format!(
+                "{} holds its weights in its own format: load it without a dtype (f32 activations)",
+                gguf.display()
+            )));
+        }
+        return crate::gguf::load_gguf(&gguf, &cfg, device);
+    }
     if !path.exists() {
         return Err(Error::MissingFile { path });
     }
@@ -74,13 +85,44 @@ pub fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<(Gpt, Token
         });
     }
     let model = load_model(dir, dtype, device)?;
+    let tokenizer = load_tokenizer(dir, model.config().vocab_size)?;
+    Ok((model, tokenizer))
+}
+
+/// The tokenizer of `dir`, checked against the model's vocabulary.
+fn load_tokenizer(dir: &Path, model_vocab: usize) -> Result<Tokenizer> {
     let tokenizer = Tokenizer::from_file(&dir.join(TOKENIZER_FILE))?;
-    if tokenizer.vocab_size() > model.config().vocab_size {
+    if tokenizer.vocab_size() > model_vocab {
         return Err(Error::VocabMismatch {
             tokenizer: tokenizer.vocab_size(),
-            model: model.config().vocab_size,
+            model: model_vocab,
         });
     }
+    Ok(tokenizer)
+}
+
+/// Loads a checkpoint directory for inference with its weight matrices in `format` (`None`: as
+/// stored, f32 for safetensors). On the CPU, activations are f32 whatever the format; on a GPU,
+/// f16 and bf16 run the whole network in that dtype, as `load_dir` does.
+pub fn load_dir_as(dir: &Path, format: Option<WeightFormat>, device: &Device) -> Result<(Gpt, Tokenizer)> {
+    if !dir.is_dir() {
+        return Err(Error::MissingFile {
+            path: dir.to_path_buf(),
+        });
+    }
+    let model = match format {
+        Some(f) if !device.is_cpu() && f.ggml().is_none() => load_model(dir, f.dtype(), device)?,
+        Some(f) => {
+            let model = load_model(dir, DType::F32, device)?;
+            if model.weight_format() == Some(f) {
+                model
+            } else {
+                model.with_weight_format(f)?
+            }
+        }
+        None => load_model(dir, DType::F32, device)?,
+    };
+    let tokenizer = load_tokenizer(dir, model.config().vocab_size)?;
     Ok((model, tokenizer))
 }
 
@@ -96,7 +138,7 @@ fn torch_dtype(dtype: DType) -> &'static str {
 /// `{"format": "pt"}` metadata it requires), plus any `extra` metadata.
 pub fn weights_bytes(model: &Gpt, dtype: DType, extra: &HashMap<String, String>) -> Result<Vec<u8>> {
     let tensors = model
-        .named_tensors()
+        .named_tensors()?
         .into_iter()
         .map(|(name, t)| Ok((name, t.to_dtype(dtype)?.contiguous()?)))
         .collect::<Result<Vec<(String, Tensor)>>>()?;
@@ -126,13 +168,38 @@ pub fn save_dir_with_metadata(
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let weights = weights_bytes(model, dtype, metadata)?;
+    write_atomic(&dir.join(WEIGHTS_FILE), &weights)?;
+    write_side_files(dir, model, tokenizer, dtype)
+}
+
+/// Saves `model` with its weight matrices in `format` as `dir/model.gguf` (see [`crate::gguf`])
+/// with the same config and tokenizer files as [`save_dir`]; any `model.safetensors` there is
+/// removed (it would be loaded first).
+pub fn save_gguf_dir(dir: &Path, model: &Gpt, tokenizer: &Tokenizer, format: WeightFormat) -> Result<()> {
+    if tokenizer.vocab_size() > model.config().vocab_size {
+        return Err(Error::VocabMismatch {
+            tokenizer: tokenizer.vocab_size(),
+            model: model.config().vocab_size,
+        });
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let bytes = crate::gguf::gguf_bytes(model, format)?;
+    write_atomic(&dir.join(crate::gguf::GGUF_FILE), &bytes)?;
+    let stale = dir.join(WEIGHTS_FILE);
+    if stale.exists() {
+        std::fs::remove_file(&stale).map_err(|e| Error::io(&stale, e))?;
+    }
+    write_side_files(dir, model, tokenizer, DType::F32)
+}
+
+/// `config.json`, `tokenizer.json` and `tokenizer_config.json`.
+fn write_side_files(dir: &Path, model: &Gpt, tokenizer: &Tokenizer, dtype: DType) -> Result<()> {
     let mut config = model.config().to_hf_value()?;
     config["torch_dtype"] = torch_dtype(dtype).into(); // transformers < 5
     config["dtype"] = torch_dtype(dtype).into();
     let config = serde_json::to_string_pretty(&config).map_err(|e| Error::InvalidConfig(e.to_string()))?;
     let tokenizer_config = serde_json::to_string_pretty(&tokenizer.hf_config(model.config().n_positions))
         .map_err(|e| Error::InvalidConfig(e.to_string()))?;
-    write_atomic(&dir.join(WEIGHTS_FILE), &weights)?;
     tokenizer.save(&dir.join(TOKENIZER_FILE))?;
     write_atomic(&dir.join(TOKENIZER_CONFIG_FILE), tokenizer_config.as_bytes())?;
     write_atomic(&dir.join(CONFIG_FILE), config.as_bytes())

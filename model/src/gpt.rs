@@ -10,7 +10,7 @@ use candle_nn::{Init, LayerNorm, VarBuilder};
 use crate::attention::{CausalSelfAttention, KvCache};
 use crate::config::{Activation, Config, PositionEmbedding};
 use crate::error::{Error, Result};
-use crate::layers::{dropout, layer_norm, load_layer_norm, matmul, Autocast, Conv1D, Dropout};
+use crate::layers::{dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, Weight, WeightFormat};
 
 #[derive(Debug, Clone)]
 struct Mlp {
@@ -106,7 +106,7 @@ pub enum LogitsFor {
 
 #[derive(Debug, Clone)]
 pub struct Gpt {
-    wte: Tensor, // (V, C), also the LM head
+    wte: Weight, // (V, C), also the LM head
     wpe: Tensor, // (n_positions, C), learned or the fixed sinusoid table
     blocks: Vec<Block>,
     ln_f: LayerNorm,
@@ -147,7 +147,7 @@ impl Gpt {
             .collect::<candle_core::Result<Vec<_>>>()?;
         let ln_f = load_layer_norm(vb.pp("ln_f"), cfg)?;
         Ok(Self {
-            wte,
+            wte: Weight::Dense(wte),
             wpe,
             blocks,
             ln_f,
@@ -161,11 +161,13 @@ impl Gpt {
     }
 
     pub fn device(&self) -> &Device {
-        self.wte.device()
+        self.wpe.device()
     }
 
+    /// The dtype of activations (and of the weights, unless [`Gpt::with_weight_format`] changed
+    /// them).
     pub fn dtype(&self) -> DType {
-        self.wte.dtype()
+        self.wpe.dtype()
     }
 
     /// A fresh cache for one sequence.
@@ -206,10 +208,11 @@ impl Gpt {
                 max: self.cfg.n_positions,
             });
         }
-        let tok = self
-            .wte
-            .index_select(&idx.flatten_all()?, 0)?
-            .reshape((b_sz, seq_len, self.cfg.n_embd))?; // (B, T, C)
+        let tok = match &self.wte {
+            Weight::Dense(wte) => wte.index_select(&idx.flatten_all()?, 0)?.to_dtype(self.dtype())?,
+            q => q.rows(&idx.flatten_all()?, self.dtype())?,
+        }
+        .reshape((b_sz, seq_len, self.cfg.n_embd))?; // (B, T, C)
         let pos = self.wpe.narrow(0, 0, seq_len)?; // (T, C)
                                                    // Dropout sites: the embeddings 0, block i's layer key i + 1.
         let mut x = dropout(
@@ -222,11 +225,9 @@ impl Gpt {
             // (B, T, C)
         }
         let x = layer_norm(&self.ln_f, &x, train.is_some())?;
-        let logits = matmul(
-            &x.reshape((b_sz * seq_len, self.cfg.n_embd))?,
-            &self.wte.t()?,
-            self.autocast,
-        )?; // (B*T, V)
+        let logits = self
+            .wte
+            .forward(&x.reshape((b_sz * seq_len, self.cfg.n_embd))?, self.autocast)?; // (B*T, V)
         Ok(logits.reshape((b_sz, seq_len, self.cfg.vocab_size))?)
     }
 
@@ -297,7 +298,7 @@ impl Gpt {
         let device = self.device();
         let ids = Tensor::from_vec(ids, n_rows, device)?;
         let positions = Tensor::from_vec(positions, n_rows, device)?;
-        let mut x = (self.wte.embedding(&ids)? + self.wpe.embedding(&positions)?)?; // (N, C)
+        let mut x = (self.wte.rows(&ids, self.dtype())? + self.wpe.embedding(&positions)?)?; // (N, C)
         for (layer, block) in self.blocks.iter().enumerate() {
             let mut caches: Vec<_> = seqs.iter_mut().map(|s| s.cache.layer(layer)).collect();
             x = block.forward_packed(&x, &lens, &mut caches)?; // (N, C)
@@ -325,14 +326,15 @@ impl Gpt {
 
     /// The LM head: final hidden states `(rows, C)` → f32 logits `(rows, V)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(hidden.matmul(&self.wte.t()?)?.to_dtype(DType::F32)?)
+        Ok(self.wte.forward(hidden, self.autocast)?.to_dtype(DType::F32)?)
     }
 
     /// The weights under `transformers`' names (`transformer.` prefix, as `save_pretrained`
     /// writes them; the tied LM head is not stored separately).
-    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+    /// Quantized weights are dequantized to f32.
+    pub fn named_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = vec![
-            ("transformer.wte.weight".to_string(), self.wte.clone()),
+            ("transformer.wte.weight".to_string(), self.wte.tensor()?),
             ("transformer.wpe.weight".to_string(), self.wpe.clone()),
         ];
         let mut ln = |name: String, ln: &LayerNorm| {
@@ -354,11 +356,11 @@ impl Gpt {
                 ("mlp.c_fc", &b.mlp.c_fc),
                 ("mlp.c_proj", &b.mlp.c_proj),
             ] {
-                out.push((format!("{p}.{name}.weight"), conv.weight.clone()));
+                out.push((format!("{p}.{name}.weight"), conv.weight_in_out()?));
                 out.push((format!("{p}.{name}.bias"), conv.bias.clone()));
             }
         }
-        out
+        Ok(out)
     }
 
     /// The model with the matrix products of `forward_t` under `autocast` (see [`Autocast`]).
@@ -382,35 +384,99 @@ impl Gpt {
         self.autocast
     }
 
-    /// The model with each linear layer's weight held in `(out, in)` memory order (still seen as
-    /// GPT-2's `(in, out)`, through a transposed view). candle's CPU matrix product is faster with
-    /// the right-hand side in that order at the row counts of prefill and batched decode
-    /// (measured on 2 cores, GPT-2-small shapes: 38 x 768 x 3072 in 1.4 ms instead of 3.4 ms, 16
-    /// rows 1.4-1.6x faster, one row the same). For loaded models only: training keeps its
-    /// variables as created.
+    /// The model with each linear layer's weight held in contiguous `(out, in)` memory (GPT-2
+    /// checkpoints store `(in, out)`), the order in which [`crate::ops::matmul_wt`] streams it
+    /// and in which candle's CPU matmul is also faster at the row counts of prefill and batched
+    /// decode (2 cores, GPT-2-small shapes: 38 x 768 x 3072 in 1.4 ms instead of 3.4 ms). For
+    /// loaded models only: training keeps its variables as created.
     pub fn into_inference_layout(mut self) -> Result<Self> {
-        for block in &mut self.blocks {
-            for conv in [
-                &mut block.attn.c_attn,
-                &mut block.attn.c_proj,
-                &mut block.mlp.c_fc,
-                &mut block.mlp.c_proj,
-            ] {
-                conv.weight = conv.weight.t()?.contiguous()?.t()?;
+        for conv in self.convs_mut() {
+            if let Weight::Dense(w) = &conv.weight {
+                conv.weight = Weight::Dense(w.contiguous()?);
             }
         }
         Ok(self)
     }
 
+    /// The model with its weight matrices (every linear layer and the tied LM head, which is also
+    /// the token embedding) held in `format` for inference; see [`WeightFormat`]. Biases,
+    /// LayerNorms and the position table stay as they are, and so do activations: on the CPU
+    /// in f32, with f16/bf16 weights widened in registers. Quantized formats need rows whose
+    /// length is a multiple of the format's block (32 for q8_0 and q4_0), and run on the CPU.
+    pub fn with_weight_format(mut self, format: WeightFormat) -> Result<Self> {
+        if format.ggml().is_some() && !self.device().is_cpu() {
+            return Err(Error::InvalidConfig(format!(
+                "--dtype {format} runs on the CPU only (candle's quantized kernels); use f16 or bf16 on a GPU"
+            )));
+        }
+        for (name, weight) in self.matrices_mut() {
+            *weight = weight.converted(format, &name)?;
+        }
+        Ok(self)
+    }
+
+    /// Every weight matrix (`(out, in)`) under its checkpoint name: the tied LM head and token
+    /// embedding `transformer.wte.weight`, then each block's linear layers.
+    pub fn matrices_mut(&mut self) -> Vec<(String, &mut Weight)> {
+        let mut out = vec![("transformer.wte.weight".to_string(), &mut self.wte)];
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            for (name, conv) in [
+                ("attn.c_attn", &mut block.attn.c_attn),
+                ("attn.c_proj", &mut block.attn.c_proj),
+                ("mlp.c_fc", &mut block.mlp.c_fc),
+                ("mlp.c_proj", &mut block.mlp.c_proj),
+            ] {
+                out.push((format!("transformer.h.{i}.{name}.weight"), &mut conv.weight));
+            }
+        }
+        out
+    }
+
+    /// The format of the weight matrices (that of the LM head).
+    pub fn weight_format(&self) -> Option<WeightFormat> {
+        match &self.wte {
+            Weight::Dense(w) => WeightFormat::ALL
+                .into_iter()
+                .find(|f| f.ggml().is_none() && f.dtype() == w.dtype()),
+            Weight::Quantized(q) => WeightFormat::from_ggml(q.dtype()),
+        }
+    }
+
+    fn convs_mut(&mut self) -> impl Iterator<Item = &mut Conv1D> {
+        self.blocks.iter_mut().flat_map(|b| {
+            [
+                &mut b.attn.c_attn,
+                &mut b.attn.c_proj,
+                &mut b.mlp.c_fc,
+                &mut b.mlp.c_proj,
+            ]
+        })
+    }
+
     /// Number of trainable parameters (the tied LM head counted once; neither a sinusoid table
     /// nor the fixed zero biases of `bias: false` counted).
     pub fn num_parameters(&self) -> usize {
-        let sinusoidal = self.cfg.position_embedding == PositionEmbedding::Sinusoidal;
-        self.named_tensors()
-            .iter()
-            .filter(|(name, _)| !(sinusoidal && name.ends_with("wpe.weight")))
-            .filter(|(name, _)| self.cfg.bias || !name.ends_with(".bias"))
-            .map(|(_, t)| t.elem_count())
-            .sum()
+        let (v, c) = self.wte.dims();
+        let mut n = v * c;
+        if self.cfg.position_embedding == PositionEmbedding::Learned {
+            n += self.wpe.elem_count();
+        }
+        let ln = |ln: &LayerNorm| {
+            ln.weight().elem_count()
+                + if self.cfg.bias {
+                    ln.bias().map_or(0, |b| b.elem_count())
+                } else {
+                    0
+                }
+        };
+        n += ln(&self.ln_f);
+        for b in &self.blocks {
+            n += ln(&b.ln_1) + ln(&b.ln_2);
+            for conv in [&b.attn.c_attn, &b.attn.c_proj, &b.mlp.c_fc, &b.mlp.c_proj] {
+                let (out, inp) = conv.weight.dims();
+                n += out * inp + if self.cfg.bias { out } else { 0 };
+            }
+        }
+        n
     }
 }

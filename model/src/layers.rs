@@ -1,7 +1,10 @@
 //! The building blocks that the network and its attention share: GPT-2's `Conv1D` linear layer,
 //! LayerNorm, dropout, and the precision of the matrix products (autocast).
 
-use candle_core::{Module, Tensor};
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::{Init, LayerNorm, VarBuilder};
 
 use crate::config::Config;
@@ -30,13 +33,181 @@ pub fn matmul(a: &Tensor, b: &Tensor, autocast: Autocast) -> candle_core::Result
     }
 }
 
-/// GPT-2's `Conv1D`: a linear layer whose weight is `(in, out)`. candle-nn's `Linear` stores
-/// `(out, in)`; keeping GPT-2's shape means checkpoints load and save without transposes. For
-/// inference the same `(in, out)` weight may be a transposed view of `(out, in)` memory, see
-/// [`crate::Gpt::into_inference_layout`].
+/// A weight matrix `W` of shape `(out, in)` (PyTorch's `Linear` order), applied as `x @ W^T`.
+#[derive(Debug, Clone)]
+pub enum Weight {
+    /// A tensor: while training, a transposed view of GPT-2's `(in, out)` variable; for
+    /// inference, contiguous `(out, in)` memory ([`crate::Gpt::into_inference_layout`]), in f32,
+    /// f16 or bf16.
+    Dense(Tensor),
+    /// GGML blocks (q8_0, q4_0, ...), multiplied by candle's quantized kernels. Inference only.
+    Quantized(Arc<QTensor>),
+}
+
+impl Weight {
+    /// `x @ W^T` for `x` `(rows, in)`, under `autocast` for dense weights.
+    pub fn forward(&self, x: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(w) => matmul_wt(x, w, autocast),
+            Self::Quantized(q) => x.contiguous()?.apply_op1_no_bwd(q.as_ref()),
+        }
+    }
+
+    /// `W` as a tensor `(out, in)` in `dtype` (dequantized if quantized).
+    pub fn dense(&self, dtype: DType) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(w) => w.to_dtype(dtype),
+            Self::Quantized(q) => q.dequantize(&q.device())?.to_dtype(dtype),
+        }
+    }
+
+    /// The dense tensor as held, or the dequantized weights in f32.
+    pub fn tensor(&self) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(w) => Ok(w.clone()),
+            q => q.dense(DType::F32),
+        }
+    }
+
+    pub fn dims(&self) -> (usize, usize) {
+        let dims = match self {
+            Self::Dense(w) => w.dims().to_vec(),
+            Self::Quantized(q) => q.shape().dims().to_vec(),
+        };
+        (dims[0], dims[1])
+    }
+
+    /// Rows `ids` of `W` in `dtype`: the token embedding lookup of a tied LM head.
+    pub fn rows(&self, ids: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(w) => w.embedding(ids)?.to_dtype(dtype),
+            Self::Quantized(q) => q.embedding(ids)?.to_dtype(dtype),
+        }
+    }
+
+    /// The weight held in `format` for inference (see [`WeightFormat`]), from this one.
+    pub fn converted(&self, format: WeightFormat, name: &str) -> crate::Result<Self> {
+        let w = self.dense(DType::F32)?.contiguous()?;
+        Ok(match format.ggml() {
+            Some(ggml) => {
+                let block = ggml.block_size();
+                let (_, d_in) = self.dims();
+                if !d_in.is_multiple_of(block) {
+                    return Err(crate::Error::InvalidConfig(format!(
+                        "cannot store `{name}` as {format}: its rows have {d_in} values, not a multiple of the \
+                         format's block of {block}"
+                    )));
+                }
+                Self::Quantized(Arc::new(QTensor::quantize(&w, ggml)?))
+            }
+            None => Self::Dense(w.to_dtype(format.dtype())?),
+        })
+    }
+}
+
+/// `x @ w^T` for a 2-D `w` `(out, in)`. On the CPU, with f32 activations and `w` in contiguous
+/// `(out, in)` memory and not being trained, this is [`crate::ops::matmul_wt`]: weights read at
+/// the machine's bandwidth, half-precision weights widened in registers. Elsewhere candle's
+/// matmul, under `autocast`.
+pub fn matmul_wt(x: &Tensor, w: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
+    // Beyond a few dozen rows candle's blocked gemm is as fast for f32 weights (prefill of 128
+    // tokens: 428 against 413 tokens/s) and faster on long windows; half-precision weights
+    // always take the kernel (candle's f16 gemm needs f16 activations).
+    let few_rows = x.dim(0)? <= 32 || w.dtype() != DType::F32;
+    if x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && x.rank() == 2
+        && few_rows
+        && w.is_contiguous()
+        && !w.track_op()
+        && autocast == Autocast::Off
+    {
+        return crate::ops::matmul_wt(x, w);
+    }
+    if x.dtype() != w.dtype() && autocast == Autocast::Off {
+        return x.matmul(&w.to_dtype(x.dtype())?.t()?);
+    }
+    matmul(x, &w.t()?, autocast)
+}
+
+/// How inference holds the weight matrices (the linear layers and the tied LM head); biases,
+/// LayerNorms and activations stay in the model's dtype. `f16` and `bf16` halve the bytes a
+/// decode step reads, `q8_0` (8-bit, blocks of 32 with an f16 scale: 8.5 bits per weight) and
+/// `q4_0` (4.5 bits) quarter and eighth them, using candle's quantized CPU kernels.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WeightFormat {
+    #[default]
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Q4_0,
+}
+
+impl WeightFormat {
+    pub const ALL: [Self; 5] = [Self::F32, Self::F16, Self::Bf16, Self::Q8_0, Self::Q4_0];
+
+    /// The GGML block type, for the quantized formats.
+    pub fn ggml(self) -> Option<GgmlDType> {
+        match self {
+            Self::Q8_0 => Some(GgmlDType::Q8_0),
+            Self::Q4_0 => Some(GgmlDType::Q4_0),
+            _ => None,
+        }
+    }
+
+    /// The tensor dtype of the dense formats (f32 for the quantized ones, their compute type).
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F16 => DType::F16,
+            Self::Bf16 => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
+    pub fn from_ggml(dtype: GgmlDType) -> Option<Self> {
+        match dtype {
+            GgmlDType::F32 => Some(Self::F32),
+            GgmlDType::F16 => Some(Self::F16),
+            GgmlDType::BF16 => Some(Self::Bf16),
+            GgmlDType::Q8_0 => Some(Self::Q8_0),
+            GgmlDType::Q4_0 => Some(Self::Q4_0),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::Bf16 => "bf16",
+            Self::Q8_0 => "q8_0",
+            Self::Q4_0 => "q4_0",
+        })
+    }
+}
+
+impl std::str::FromStr for WeightFormat {
+    type Err = crate::Error;
+
+    fn from_str(s: &str) -> crate::Result<Self> {
+        Self::ALL.into_iter().find(|f| f.to_string() == s).ok_or_else(|| {
+            crate::Error::InvalidConfig(format!(
+                "unknown weight format `{s}`: expected f32, f16, bf16, q8_0 or q4_0"
+            ))
+        })
+    }
+}
+
+/// GPT-2's `Conv1D`: a linear layer whose weight is `(in, out)` in checkpoints. candle-nn's
+/// `Linear` stores `(out, in)`; keeping GPT-2's variable shape means checkpoints load and save
+/// without transposes, and the layer sees it as `(out, in)` through a transposed view (see
+/// [`Weight`]).
 #[derive(Debug, Clone)]
 pub struct Conv1D {
-    pub(crate) weight: Tensor, // (in, out)
+    pub(crate) weight: Weight, // (out, in)
     pub(crate) bias: Tensor,   // (out,)
     pub(crate) autocast: Autocast,
 }
@@ -56,10 +227,15 @@ impl Conv1D {
         let weight = vb.get_with_hints((d_in, d_out), "weight", Init::Randn { mean: 0.0, stdev })?;
         let bias = bias(vb, d_out, cfg)?;
         Ok(Self {
-            weight,
+            weight: Weight::Dense(weight.t()?),
             bias,
             autocast: Autocast::Off,
         })
+    }
+
+    /// GPT-2's `(in, out)` weight (dequantized to f32 if quantized).
+    pub fn weight_in_out(&self) -> candle_core::Result<Tensor> {
+        self.weight.tensor()?.t()
     }
 }
 
@@ -76,22 +252,22 @@ pub(crate) fn bias(vb: VarBuilder, size: usize, cfg: &Config) -> candle_core::Re
 impl Conv1D {
     /// Output columns `start..start + len` only: `x @ W[:, cols] + b[cols]`. Splitting the
     /// weight rather than the output keeps the backward pass's zero-padding at weight size.
+    /// Dense weights only (the training path).
     pub fn forward_cols(&self, x: &Tensor, start: usize, len: usize) -> candle_core::Result<Tensor> {
-        linear(
-            x,
-            &self.weight.narrow(1, start, len)?,
-            &self.bias.narrow(0, start, len)?,
-            self.autocast,
-        )
+        let part = match &self.weight {
+            Weight::Dense(w) => Weight::Dense(w.narrow(0, start, len)?),
+            Weight::Quantized(_) => candle_core::bail!("forward_cols: the weight is quantized"),
+        };
+        linear(x, &part, &self.bias.narrow(0, start, len)?, self.autocast)
     }
 }
 
 /// `(.., in)` → `(.., out)`, as one 2-D matmul over all leading dimensions.
-fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
+fn linear(x: &Tensor, weight: &Weight, bias: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
     let mut dims = x.dims().to_vec();
     let d_in = dims.pop().unwrap_or(0);
     let rows: usize = dims.iter().product();
-    let y = matmul(&x.reshape((rows, d_in))?, weight, autocast)?; // (rows, out)
+    let y = weight.forward(&x.reshape((rows, d_in))?, autocast)?; // (rows, out)
     let y = crate::ops::add_tiled(&y, bias)?;
     dims.push(bias.dim(0)?);
     y.reshape(dims)

@@ -5,7 +5,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
-use common::{batch, random_model, tokens};
+use common::{batch, max_abs_diff, random_model, tokens};
 use gpt::{checkpoint, Config, Error, Tokenizer};
 
 fn corpus(dir: &Path) -> anyhow::Result<PathBuf> {
@@ -34,7 +34,7 @@ fn save_then_load_is_bit_exact() -> anyhow::Result<()> {
         let (loaded, tok) = gpt::load_dir(dir.path(), DType::F32, &Device::Cpu)?;
         assert_eq!(loaded.config(), model.config());
         assert!(tok.is_char_level());
-        let (before, after) = (model.named_tensors(), loaded.named_tensors());
+        let (before, after) = (model.named_tensors()?, loaded.named_tensors()?);
         assert_eq!(before.len(), after.len());
         for ((name_a, a), (name_b, b)) in before.iter().zip(&after) {
             assert_eq!(name_a, name_b);
@@ -52,8 +52,9 @@ fn save_then_load_is_bit_exact() -> anyhow::Result<()> {
         assert_eq!(hf["model_max_length"], cfg.n_positions);
         assert!(hf["eos_token"].is_null());
         let idx = batch(&[tokens(12, cfg.vocab_size, 9)])?;
-        let (la, lb) = (model.forward(&idx)?, loaded.forward(&idx)?);
-        assert_eq!(la.flatten_all()?.to_vec1::<f32>()?, lb.flatten_all()?.to_vec1::<f32>()?);
+        // The loaded model multiplies with the inference kernel (another summation order).
+        let diff = max_abs_diff(&model.forward(&idx)?, &loaded.forward(&idx)?)?;
+        assert!(diff < 1e-5, "{diff}");
         // No temporary files are left behind.
         let leftovers: Vec<_> = std::fs::read_dir(dir.path())?
             .filter_map(|e| e.ok())
@@ -77,16 +78,14 @@ fn bias_free_models_save_zero_biases_and_load_back() -> anyhow::Result<()> {
     let biases = cfg.n_layer * (3 * 32 + 32 + 4 * 32 + 32 + 2 * 32) + 32; // linear + LayerNorm biases, and ln_f
     assert_eq!(model.num_parameters() + biases, with_bias.num_parameters());
     let (loaded, _) = gpt::load_dir(dir.path(), DType::F32, &Device::Cpu)?;
-    for (name, t) in loaded.named_tensors() {
+    for (name, t) in loaded.named_tensors()? {
         if name.ends_with(".bias") {
             assert_eq!(t.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0, "{name}");
         }
     }
     let idx = batch(&[tokens(12, cfg.vocab_size, 9)])?;
-    assert_eq!(
-        model.forward(&idx)?.flatten_all()?.to_vec1::<f32>()?,
-        loaded.forward(&idx)?.flatten_all()?.to_vec1::<f32>()?
-    );
+    let diff = max_abs_diff(&model.forward(&idx)?, &loaded.forward(&idx)?)?;
+    assert!(diff < 1e-5, "{diff}");
     Ok(())
 }
 
@@ -139,7 +138,7 @@ fn missing_tensor_and_wrong_shape_name_the_tensor() -> anyhow::Result<()> {
         Ok(safetensors::serialize_to_file(tensors, None, &path)?)
     };
 
-    let mut tensors = model.named_tensors();
+    let mut tensors = model.named_tensors()?;
     tensors.retain(|(name, _)| name != "transformer.h.1.mlp.c_fc.bias");
     write(tensors)?;
     match gpt::load_dir(dir.path(), DType::F32, &Device::Cpu) {
@@ -147,7 +146,7 @@ fn missing_tensor_and_wrong_shape_name_the_tensor() -> anyhow::Result<()> {
         other => panic!("expected MissingTensor, got {other:?}"),
     }
 
-    let mut tensors = model.named_tensors();
+    let mut tensors = model.named_tensors()?;
     for (name, t) in tensors.iter_mut() {
         if name == "transformer.h.0.attn.c_attn.weight" {
             *t = t.t()?.contiguous()?; // stored (out, in) by mistake

@@ -90,7 +90,7 @@ async fn run() -> anyhow::Result<()> {
         body_limit: 1 << 20,
         ..ServerConfig::default()
     };
-    let state = gpt_server::load_state(dir.path(), &Device::Cpu, DType::F32, &server_cfg)?;
+    let state = gpt_server::load_state(dir.path(), &Device::Cpu, None, &server_cfg)?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/v1/completions", listener.local_addr()?);
     tokio::spawn(async move { axum::serve(listener, gpt_server::app::app(state)).await });

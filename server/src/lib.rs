@@ -20,7 +20,7 @@ pub mod validation;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 
 use anyhow::Context;
 
@@ -105,15 +105,16 @@ pub fn load_chat_template(checkpoint: &Path, file: Option<&Path>) -> anyhow::Res
 pub fn load_state(
     checkpoint: &Path,
     device: &Device,
-    dtype: DType,
+    format: Option<gpt::WeightFormat>,
     cfg: &ServerConfig,
 ) -> anyhow::Result<Arc<AppState>> {
-    let (model, tokenizer) = gpt::load_dir(checkpoint, dtype, device)?;
+    let (model, tokenizer) = gpt::load_dir_as(checkpoint, format, device)?;
     tracing::info!(
         checkpoint = %checkpoint.display(),
         parameters = model.num_parameters(),
         device = gpt::device_name(device),
-        dtype = ?dtype,
+        dtype = ?model.dtype(),
+        weights = model.weight_format().map_or("?".to_string(), |f| f.to_string()),
         context = model.config().n_positions,
         vocab = model.config().vocab_size,
         "loaded model"

@@ -4,16 +4,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use candle_core::DType;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use gpt_server::{app::app, load_state, ServerConfig};
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Dtype {
-    F32,
-    F16,
-    Bf16,
-}
 
 /// Serves a GPT checkpoint with the OpenAI completions API. Every flag can also be set with the
 /// environment variable named in its help.
@@ -30,8 +22,12 @@ struct Args {
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, env = "GPT_SERVER_DEVICE", default_value = "auto")]
     device: String,
-    #[arg(long, env = "GPT_SERVER_DTYPE", value_enum, default_value = "f32")]
-    dtype: Dtype,
+    /// Weight format: f32, f16, bf16, q8_0 or q4_0 (default: as stored; f32 for
+    /// model.safetensors). On the CPU activations stay f32 and the formats shrink what each
+    /// decode step reads; q8_0 and q4_0 quantize at load (CPU only). On a GPU f16 and bf16 run
+    /// the whole network in that dtype.
+    #[arg(long, env = "GPT_SERVER_DTYPE")]
+    dtype: Option<gpt::WeightFormat>,
     /// The name clients pass as `model` (default: the checkpoint directory's name, or `default`
     /// for the model in weights/).
     #[arg(long, env = "GPT_SERVER_MODEL_NAME")]
@@ -126,11 +122,7 @@ async fn run() -> Result<()> {
         );
     }
     let device = gpt::parse_device(&args.device)?;
-    let dtype = match args.dtype {
-        Dtype::F32 => DType::F32,
-        Dtype::F16 => DType::F16,
-        Dtype::Bf16 => DType::BF16,
-    };
+    let dtype = args.dtype;
     // The default model is `default` however it is named: left out, or given as a path to the
     // same directory (the Docker image names /app/weights); any other checkpoint is named after
     // its directory.

@@ -119,9 +119,10 @@ pub fn eval_file(
     data: &Path,
     block_size: Option<usize>,
     stride: Option<usize>,
+    weights: Option<gpt::WeightFormat>,
     device: &Device,
 ) -> Result<Perplexity> {
-    let (model, tokenizer) = gpt::load_dir(checkpoint, DType::F32, device)?;
+    let (model, tokenizer) = gpt::load_dir_as(checkpoint, weights, device)?;
     let text = crate::data::read_text(data)?;
     let tokens = tokenizer.encode(&text)?;
     let block_size = block_size.unwrap_or(model.config().n_positions);

@@ -31,6 +31,10 @@ enum ExportDtype {
     F32,
     F16,
     Bf16,
+    #[value(name = "q8_0")]
+    Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 #[derive(Subcommand)]
@@ -60,7 +64,9 @@ enum Command {
         /// Directory for the copy.
         #[arg(long)]
         out: PathBuf,
-        /// Precision of the copy's weights.
+        /// Precision of the copy's weights: f32, f16 and bf16 write model.safetensors (for
+        /// transformers too); q8_0 and q4_0 write the weight matrices quantized to model.gguf,
+        /// which gpt-server and gpt-train eval load as they are.
         #[arg(long, value_enum, default_value = "f16")]
         dtype: ExportDtype,
     },
@@ -129,6 +135,10 @@ enum Command {
         /// auto, cpu, cuda or cuda:N.
         #[arg(long, default_value = "auto")]
         device: String,
+        /// Weight format to evaluate in: f32, f16, bf16, q8_0 or q4_0 (default: as stored).
+        /// q8_0 and q4_0 quantize the weight matrices at load, on the CPU.
+        #[arg(long)]
+        dtype: Option<gpt::WeightFormat>,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -176,15 +186,20 @@ fn main() -> Result<()> {
             }
         }
         Command::Export { checkpoint, out, dtype } => {
-            let dtype = match dtype {
-                ExportDtype::F32 => candle_core::DType::F32,
-                ExportDtype::F16 => candle_core::DType::F16,
-                ExportDtype::Bf16 => candle_core::DType::BF16,
-            };
             let (model, tokenizer) = gpt::load_dir(&checkpoint, candle_core::DType::F32, &candle_core::Device::Cpu)?;
-            gpt::save_dir(&out, &model, &tokenizer, dtype)?;
+            let format = match dtype {
+                ExportDtype::F32 => gpt::WeightFormat::F32,
+                ExportDtype::F16 => gpt::WeightFormat::F16,
+                ExportDtype::Bf16 => gpt::WeightFormat::Bf16,
+                ExportDtype::Q8_0 => gpt::WeightFormat::Q8_0,
+                ExportDtype::Q4_0 => gpt::WeightFormat::Q4_0,
+            };
+            match format.ggml() {
+                Some(_) => gpt::save_gguf_dir(&out, &model, &tokenizer, format)?,
+                None => gpt::save_dir(&out, &model, &tokenizer, format.dtype())?,
+            }
             println!(
-                "saved {} ({} parameters, {dtype:?})",
+                "saved {} ({} parameters, {format})",
                 out.display(),
                 model.num_parameters()
             );
@@ -260,10 +275,11 @@ fn main() -> Result<()> {
             block_size,
             stride,
             device,
+            dtype,
             json,
         } => {
             let device = gpt::parse_device(&device)?;
-            let p = gpt_train::eval::eval_file(&checkpoint, &data, block_size, stride, &device)?;
+            let p = gpt_train::eval::eval_file(&checkpoint, &data, block_size, stride, dtype, &device)?;
             if json {
                 println!("{}", serde_json::to_string(&p)?);
             } else {

@@ -360,7 +360,7 @@ fn load_weights(dir: &Path, vars: &[(String, Var)], device: &Device) -> Result<(
     let base = gpt::load_model(dir, candle_core::DType::F32, device)
         .with_context(|| format!("--init-from {}", dir.display()))?;
     let tensors: std::collections::HashMap<String, candle_core::Tensor> = base
-        .named_tensors()
+        .named_tensors()?
         .into_iter()
         .map(|(name, t)| (name.trim_start_matches("transformer.").to_string(), t))
         .collect();

@@ -32,7 +32,7 @@ pub struct Server {
 }
 
 pub async fn start(checkpoint: &Path, cfg: ServerConfig) -> anyhow::Result<Server> {
-    let state = gpt_server::load_state(checkpoint, &Device::Cpu, DType::F32, &cfg)?;
+    let state = gpt_server::load_state(checkpoint, &Device::Cpu, None, &cfg)?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     let router = gpt_server::app::app(state.clone());
