@@ -77,7 +77,7 @@ impl KvCache {
     }
 
     /// A new cache with copies of the first `len` positions of every layer.
-    fn prefix(&self, len: usize) -> candle_core::Result<Self> {
+    pub fn prefix(&self, len: usize) -> candle_core::Result<Self> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
             let mut copy = candle_nn::kv_cache::KvCache::new(1, self.chunk);

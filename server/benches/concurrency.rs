@@ -1,8 +1,11 @@
 //! Serving benchmark: aggregate generated tokens/s and time to first token (p50, p99) with 1, 4
-//! and 16 concurrent streaming clients, GPT-2-small shape with random f32 weights on the CPU,
-//! server in-process on a loopback port. Prints one JSON object per concurrency.
+//! and 16 concurrent streaming clients, GPT-2-small shape with random weights on the CPU (weight
+//! format `WEIGHTS`, default f32), server in-process on a loopback port; then the time to first
+//! token of a request whose 512-token prefix is in the prefix cache against the same request
+//! cold (`PREFIX=0` skips it). Prints one JSON object per measurement.
 //!
-//!     cargo bench -p gpt-server --bench concurrency -- [NEW_TOKENS] [CONCURRENCY...]
+//!     [WEIGHTS=f32|f16|bf16|q8_0|q4_0] [PREFIX=512] \
+//!         cargo bench -p gpt-server --bench concurrency -- [NEW_TOKENS] [CONCURRENCY...]
 
 use std::time::Instant;
 
@@ -90,7 +93,8 @@ async fn run() -> anyhow::Result<()> {
         body_limit: 1 << 20,
         ..ServerConfig::default()
     };
-    let state = gpt_server::load_state(dir.path(), &Device::Cpu, None, &server_cfg)?;
+    let weights: Option<gpt::WeightFormat> = std::env::var("WEIGHTS").ok().map(|w| w.parse()).transpose()?;
+    let state = gpt_server::load_state(dir.path(), &Device::Cpu, weights, &server_cfg)?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/v1/completions", listener.local_addr()?);
     tokio::spawn(async move { axum::serve(listener, gpt_server::app::app(state)).await });
@@ -118,6 +122,7 @@ async fn run() -> anyhow::Result<()> {
         println!(
             "{}",
             json!({
+                "weights": weights.unwrap_or_default().to_string(),
                 "clients": clients,
                 "new_tokens_each": new_tokens,
                 "tokens": tokens,
@@ -125,6 +130,35 @@ async fn run() -> anyhow::Result<()> {
                 "aggregate_tok_per_s": tokens as f64 / secs,
                 "ttft_p50_s": percentile(&ttfts, 0.5),
                 "ttft_p99_s": percentile(&ttfts, 0.99),
+            })
+        );
+    }
+
+    // Prefix caching: a prompt of PREFIX shared tokens and 16 of its own, cold (the prefix never
+    // seen) and then cached (the same prefix, other 16 tokens); one new token each, medians of 5
+    // distinct prefixes.
+    let prefix: usize = std::env::var("PREFIX").ok().and_then(|v| v.parse().ok()).unwrap_or(512);
+    if prefix > 0 {
+        let (mut cold, mut cached) = (Vec::new(), Vec::new());
+        for r in 0..5usize {
+            let shared: Vec<u32> = (0..prefix).map(|i| ((i * 131 + r * 977 + 5) % 50000) as u32).collect();
+            let with = |tail: usize| -> Vec<u32> {
+                let mut p = shared.clone();
+                p.extend((0..16).map(|i| ((i * 17 + tail * 1013) % 50000) as u32));
+                p
+            };
+            cold.push(stream(&client, &url, &with(1), 1).await?.0);
+            cached.push(stream(&client, &url, &with(2), 1).await?.0);
+        }
+        cold.sort_by(f64::total_cmp);
+        cached.sort_by(f64::total_cmp);
+        let (c, h) = (percentile(&cold, 0.5), percentile(&cached, 0.5));
+        println!(
+            "{}",
+            json!({
+                "weights": weights.unwrap_or_default().to_string(),
+                "prefix_tokens": prefix, "suffix_tokens": 16,
+                "ttft_cold_p50_s": c, "ttft_cached_p50_s": h, "speedup": c / h,
             })
         );
     }

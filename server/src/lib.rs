@@ -43,6 +43,8 @@ pub struct ServerConfig {
     pub chat_template: Option<PathBuf>,
     /// Origins allowed to call the API from a browser; `*` for any.
     pub cors_origins: Vec<String>,
+    /// MiB of KV cache kept for prefix caching (0: off).
+    pub prefix_cache_mib: usize,
 }
 
 impl Default for ServerConfig {
@@ -56,6 +58,7 @@ impl Default for ServerConfig {
             body_limit: 1 << 20,
             chat_template: None,
             cors_origins: Vec::new(),
+            prefix_cache_mib: 256,
         }
     }
 }
@@ -157,6 +160,7 @@ pub fn load_state(
             max_batch_size: cfg.max_batch_size.max(1),
             max_queue: cfg.max_queue.max(1),
             max_prefill_tokens: 4096.max(model_context),
+            prefix_cache_bytes: cfg.prefix_cache_mib << 20,
         },
         metrics.clone(),
     )?;

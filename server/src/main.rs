@@ -55,6 +55,10 @@ struct Args {
     /// any. None by default. The variable takes a comma-separated list.
     #[arg(long = "cors-origin", env = "GPT_SERVER_CORS_ORIGINS", value_delimiter = ',')]
     cors_origins: Vec<String>,
+    /// MiB of KV cache kept for prefix caching: prompts that start like a recent one (a system
+    /// prompt, few-shot examples) reuse its cache instead of prefilling it again. 0 turns it off.
+    #[arg(long, env = "GPT_SERVER_PREFIX_CACHE_MIB", default_value_t = 256)]
+    prefix_cache_mib: usize,
     /// After Ctrl-C / SIGTERM, how long in-flight generations may run before they are cut.
     #[arg(long, env = "GPT_SERVER_SHUTDOWN_GRACE_SECS", default_value_t = 10)]
     shutdown_grace_secs: u64,
@@ -144,6 +148,7 @@ async fn run() -> Result<()> {
         body_limit: args.body_limit,
         chat_template: args.chat_template.clone(),
         cors_origins: args.cors_origins.clone(),
+        prefix_cache_mib: args.prefix_cache_mib,
     };
     let state = tokio::task::spawn_blocking({
         let checkpoint = checkpoint.clone();

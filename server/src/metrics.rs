@@ -13,6 +13,10 @@ pub struct Metrics {
     pub queue_depth: IntGauge,
     /// Sequences in the last decode step.
     pub batch_size: IntGauge,
+    pub prefix_cache_lookups: IntCounter,
+    pub prefix_cache_hits: IntCounter,
+    pub prefix_cache_reused_tokens: IntCounter,
+    pub prefix_cache_bytes: IntGauge,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
 }
@@ -29,6 +33,16 @@ impl Metrics {
         let cancelled = IntCounter::new("gpt_cancelled_total", "Sequences cancelled by a client disconnect")?;
         let queue_depth = IntGauge::new("gpt_queue_depth", "Requests waiting for the engine")?;
         let batch_size = IntGauge::new("gpt_batch_size", "Sequences in the latest decode step")?;
+        let prefix_cache_lookups = IntCounter::new(
+            "gpt_prefix_cache_lookups_total",
+            "Prompts looked up in the prefix cache",
+        )?;
+        let prefix_cache_hits = IntCounter::new("gpt_prefix_cache_hits_total", "Prompts that reused a cached prefix")?;
+        let prefix_cache_reused_tokens = IntCounter::new(
+            "gpt_prefix_cache_reused_tokens_total",
+            "Prompt tokens not prefilled, their KV cache reused",
+        )?;
+        let prefix_cache_bytes = IntGauge::new("gpt_prefix_cache_bytes", "KV cache bytes held by the prefix cache")?;
         let latency_buckets = vec![
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ];
@@ -49,6 +63,10 @@ impl Metrics {
         registry.register(Box::new(cancelled.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
         registry.register(Box::new(batch_size.clone()))?;
+        registry.register(Box::new(prefix_cache_lookups.clone()))?;
+        registry.register(Box::new(prefix_cache_hits.clone()))?;
+        registry.register(Box::new(prefix_cache_reused_tokens.clone()))?;
+        registry.register(Box::new(prefix_cache_bytes.clone()))?;
         registry.register(Box::new(time_to_first_token.clone()))?;
         registry.register(Box::new(inter_token_latency.clone()))?;
         Ok(Self {
@@ -59,6 +77,10 @@ impl Metrics {
             cancelled,
             queue_depth,
             batch_size,
+            prefix_cache_lookups,
+            prefix_cache_hits,
+            prefix_cache_reused_tokens,
+            prefix_cache_bytes,
             time_to_first_token,
             inter_token_latency,
         })

@@ -77,15 +77,18 @@ async fn a_chat_turn_is_the_completion_of_the_rendered_prompt_whole_and_streamed
     assert!(n > 0 && Some(n) == plain_lp["tokens"].as_array().map(Vec::len));
     for i in 0..n {
         assert_eq!(lp[i]["token"], plain_lp["tokens"][i]);
-        assert_eq!(lp[i]["logprob"], plain_lp["token_logprobs"][i]);
+        // Within float rounding: the second request reuses the first's prompt from the prefix
+        // cache, whose attention ran over a different number of rows.
+        let close = |a: &Value, b: &Value| (a.as_f64().unwrap_or(f64::NAN) - b.as_f64().unwrap_or(0.0)).abs() < 1e-5;
+        assert!(close(&lp[i]["logprob"], &plain_lp["token_logprobs"][i]), "{i}");
         let bytes: Vec<u8> = serde_json::from_value(lp[i]["bytes"].clone())?;
         assert_eq!(Some(String::from_utf8(bytes)?.as_str()), lp[i]["token"].as_str());
         let top = lp[i]["top_logprobs"].as_array().cloned().unwrap_or_default();
         let plain_top = plain_lp["top_logprobs"][i].as_object().cloned().unwrap_or_default();
         assert_eq!(top.len(), plain_top.len());
         for (t, (token, p)) in top.iter().zip(plain_top) {
-            let (a, b) = (t["logprob"].as_f64().map(|v| v as f32), p.as_f64().map(|v| v as f32));
-            assert_eq!((t["token"].as_str(), a), (Some(token.as_str()), b));
+            assert_eq!(t["token"].as_str(), Some(token.as_str()));
+            assert!(close(&t["logprob"], &p));
         }
     }
 

@@ -297,9 +297,12 @@ mod x86 {
         unsafe { columns::<W, __m512>(x, w, y, m, n, k, col0) }
     }
 
-    /// The register-blocked kernel: one weight row at a time against one activation row
-    /// (decode), or 4 rows against two activation rows (each weight load used twice); 8
-    /// independent accumulators either way, enough to hide the FMA latency.
+    /// The register-blocked kernel: 8 weight rows against one activation row (decode), or 4
+    /// against two (each weight load used twice); 8 independent accumulators either way, enough
+    /// to hide the FMA latency. Every output is one accumulator over `k` in the same order
+    /// whatever the block, so a row's result does not depend on the other rows of the batch
+    /// (batch-invariant: a sequence decodes the same alone or batched, with or without a
+    /// cached prefix).
     #[inline(always)]
     unsafe fn columns<W: WeightElem, L: Lanes>(
         x: &[f32],
@@ -314,11 +317,14 @@ mod x86 {
         let (x, w) = (x.as_ptr(), w.as_ptr());
         let mut i = 0;
         if m == 1 {
-            // One weight row at a time, 8 accumulators along it: the weights are read in one
-            // sequential stream, which the hardware prefetcher follows best (8 interleaved rows
-            // read short half-precision rows ~25% slower).
-            for j in 0..rows {
-                unsafe { *y.add(col0 + j) = row_dot::<W, L>(x, w.add(j * k), k) };
+            let mut j = 0;
+            while j + 8 <= rows {
+                unsafe { block::<W, L, 8, 1>(x, w.add(j * k), y.add(col0 + j), n, k) };
+                j += 8;
+            }
+            while j < rows {
+                unsafe { block::<W, L, 1, 1>(x, w.add(j * k), y.add(col0 + j), n, k) };
+                j += 1;
             }
             return;
         }
@@ -340,31 +346,6 @@ mod x86 {
             for j in 0..rows {
                 unsafe { block::<W, L, 1, 1>(xi, w.add(j * k), yi.add(j), n, k) };
             }
-        }
-    }
-
-    /// `x . w` over `k` values, with 8 accumulators while 8 vectors remain.
-    #[inline(always)]
-    unsafe fn row_dot<W: WeightElem, L: Lanes>(x: *const f32, w: *const W, k: usize) -> f32 {
-        unsafe {
-            let mut acc = [L::zero(); 8];
-            let mut c = 0;
-            while c + 8 * L::N <= k {
-                for (u, a) in acc.iter_mut().enumerate() {
-                    let o = c + u * L::N;
-                    *a = L::fma(L::load_w(w.add(o)), L::load_x(x.add(o)), *a);
-                }
-                c += 8 * L::N;
-            }
-            while c < k {
-                acc[0] = L::fma(L::load_w(w.add(c)), L::load_x(x.add(c)), acc[0]);
-                c += L::N;
-            }
-            let mut s = acc[0].sum();
-            for a in &acc[1..] {
-                s += a.sum();
-            }
-            s
         }
     }
 

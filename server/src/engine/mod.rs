@@ -6,6 +6,7 @@
 //! is gone (the client disconnected) is dropped before the next step.
 
 pub mod beam;
+pub mod prefix;
 pub mod runner;
 pub mod scheduler;
 pub mod sequence;
@@ -20,6 +21,7 @@ use tokio::sync::mpsc;
 use crate::metrics::Metrics;
 use crate::validation::ValidRequest;
 use beam::BeamGroup;
+use prefix::PrefixStore;
 use runner::{Runner, StepInput, StepOutput};
 
 use scheduler::{Queued, Scheduler};
@@ -85,6 +87,8 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Prompt tokens prefilled in one step, at most (one prompt longer than this still runs).
     pub max_prefill_tokens: usize,
+    /// Bytes of KV cache the prefix store may hold (0: no prefix caching).
+    pub prefix_cache_bytes: usize,
 }
 
 /// The handle the HTTP layer holds.
@@ -113,7 +117,10 @@ impl Engine {
             eos: tokenizer.eos_token_id(),
             context: model.config().n_positions,
         };
+        let c = model.config();
+        let bytes_per_token = 2 * c.n_layer * c.n_embd * model.dtype().size_in_bytes();
         let worker = Worker {
+            prefix: PrefixStore::new(cfg.prefix_cache_bytes, bytes_per_token),
             runner: Runner::new(model),
             tokenizer,
             info,
@@ -219,6 +226,7 @@ impl Active {
 
 struct Worker {
     runner: Runner,
+    prefix: PrefixStore,
     tokenizer: Tokenizer,
     info: ModelInfo,
     scheduler: Scheduler<Group>,
@@ -321,7 +329,23 @@ impl Worker {
             end_unstarted(&group.events, group.prompt, 0..r.best_of);
             return;
         }
-        let cache = self.runner.model().new_cache();
+        let mut cache = self.runner.model().new_cache();
+        let mut cached_logprobs = Vec::new();
+        if r.beam_search.is_none() {
+            let ids = &r.prompts[group.prompt].ids;
+            let top_k = if r.echo { r.logprobs } else { None };
+            self.metrics.prefix_cache_lookups.inc();
+            match self.prefix.lookup(ids, top_k) {
+                Ok(Some(hit)) => {
+                    self.metrics.prefix_cache_hits.inc();
+                    self.metrics.prefix_cache_reused_tokens.inc_by(hit.len as u64);
+                    cache = hit.cache;
+                    cached_logprobs = hit.logprobs;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, "prefix cache lookup failed; prefilling the whole prompt"),
+            }
+        }
         self.running.push(match r.beam_search {
             Some(_) => Active::Beams(Box::new(BeamGroup::new(
                 group.request,
@@ -331,13 +355,10 @@ impl Worker {
                 group.queued_at,
                 self.info,
             ))),
-            None => Active::Seq(Box::new(Sequence::prefill(
-                group.request,
-                group.prompt,
-                cache,
-                group.events,
-                group.queued_at,
-            ))),
+            None => Active::Seq(Box::new(
+                Sequence::prefill(group.request, group.prompt, cache, group.events, group.queued_at)
+                    .with_cached_logprobs(cached_logprobs),
+            )),
         });
     }
 
@@ -381,7 +402,7 @@ impl Worker {
 
     /// A sampled sequence after its step: forked into its candidates after a prefill, each given
     /// its next token. Returns those still running.
-    fn advance(&self, seq: Sequence, out: StepOutput) -> Vec<Sequence> {
+    fn advance(&mut self, seq: Sequence, out: StepOutput) -> Vec<Sequence> {
         let family = if seq.is_prefill() {
             match self.after_prefill(seq, &out.prompt_logprobs) {
                 Ok(family) => family,
@@ -414,11 +435,23 @@ impl Worker {
     /// candidate.
     #[allow(clippy::type_complexity)]
     fn after_prefill(
-        &self,
-        seq: Sequence,
+        &mut self,
+        mut seq: Sequence,
         positions: &[runner::PositionLogprob],
     ) -> Result<Vec<Sequence>, (mpsc::UnboundedSender<Event>, gpt::Error)> {
         let events = seq.events.clone();
+        // The prompt's logprobs: those of a reused prefix, then the prefill's.
+        let mut all = seq.take_cached_logprobs();
+        all.extend_from_slice(positions);
+        let positions = &all[..];
+        let top_k = seq.wants_prompt_logprobs();
+        let stored = self
+            .prefix
+            .insert(seq.prompt_ids(), &seq.cache, top_k.map(|k| (k, positions)));
+        if let Err(e) = stored {
+            tracing::warn!(error = %e, "prefix cache insert failed");
+        }
+        self.metrics.prefix_cache_bytes.set(self.prefix.used_bytes() as i64);
         if seq.request.echo {
             let logprobs = match seq.request.logprobs {
                 Some(_) => sequence::prompt_logprobs(&self.tokenizer, seq.prompt_ids(), positions)

