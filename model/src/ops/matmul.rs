@@ -328,6 +328,21 @@ mod x86 {
             }
             return;
         }
+        // With 32 vector registers (AVX-512), 4 x 4 blocks: 16 accumulators, each weight load used
+        // four times.
+        while L::N == 16 && i + 4 <= m {
+            let (xi, yi) = unsafe { (x.add(i * k), y.add(i * n + col0)) };
+            let mut j = 0;
+            while j + 4 <= rows {
+                unsafe { block::<W, L, 4, 4>(xi, w.add(j * k), yi.add(j), n, k) };
+                j += 4;
+            }
+            while j < rows {
+                unsafe { block::<W, L, 1, 4>(xi, w.add(j * k), yi.add(j), n, k) };
+                j += 1;
+            }
+            i += 4;
+        }
         while i + 2 <= m {
             let (xi, yi) = unsafe { (x.add(i * k), y.add(i * n + col0)) };
             let mut j = 0;
