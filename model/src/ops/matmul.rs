@@ -6,8 +6,8 @@
 //! ~12.5 GB/s on one-row products on this 2-core machine, where the machine can read ~22 GB/s
 //! (`cargo bench -p gpt --bench gemv`), and its f16 path needs f16 activations. Here each task
 //! streams a few whole weight rows once, converting half-precision weights in registers, against
-//! every activation row: a register-blocked dot-product kernel (AVX2 + FMA + F16C, detected at
-//! run time) split over candle's own persistent thread pool.
+//! every activation row: a register-blocked dot-product kernel (AVX-512 or AVX2, with FMA and
+//! F16C, chosen at run time; plain Rust elsewhere) split over candle's own persistent thread pool.
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape};
 use half::{bf16, f16};
@@ -31,6 +31,9 @@ impl CustomOp2 for MatmulWt {
             candle_core::bail!("matmul-wt: the weight must be contiguous")
         };
         let mut y = vec![0f32; m * n];
+        if k == 0 {
+            return Ok((CpuStorage::F32(y), Shape::from((m, n)))); // empty sums
+        }
         match s2 {
             CpuStorage::F32(w) => run(x, &w[start..end], &mut y, m, n, k),
             CpuStorage::F16(w) => run(x, &w[start..end], &mut y, m, n, k),
