@@ -79,14 +79,19 @@ pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
 
 /// Loads a checkpoint directory: the model and its tokenizer, checked against each other.
 pub fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<(Gpt, Tokenizer)> {
-    if !dir.is_dir() {
-        return Err(Error::MissingFile {
-            path: dir.to_path_buf(),
-        });
-    }
+    require_dir(dir)?;
     let model = load_model(dir, dtype, device)?;
     let tokenizer = load_tokenizer(dir, model.config().vocab_size)?;
     Ok((model, tokenizer))
+}
+
+fn require_dir(dir: &Path) -> Result<()> {
+    match dir.is_dir() {
+        true => Ok(()),
+        false => Err(Error::MissingFile {
+            path: dir.to_path_buf(),
+        }),
+    }
 }
 
 /// The tokenizer of `dir`, checked against the model's vocabulary.
@@ -105,11 +110,7 @@ fn load_tokenizer(dir: &Path, model_vocab: usize) -> Result<Tokenizer> {
 /// stored, f32 for safetensors). On the CPU, activations are f32 whatever the format; on a GPU,
 /// f16 and bf16 run the whole network in that dtype, as `load_dir` does.
 pub fn load_dir_as(dir: &Path, format: Option<WeightFormat>, device: &Device) -> Result<(Gpt, Tokenizer)> {
-    if !dir.is_dir() {
-        return Err(Error::MissingFile {
-            path: dir.to_path_buf(),
-        });
-    }
+    require_dir(dir)?;
     let model = match format {
         Some(f) if !device.is_cpu() && f.ggml().is_none() => load_model(dir, f.dtype(), device)?,
         Some(f) => {

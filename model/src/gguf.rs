@@ -25,6 +25,9 @@ pub const GGUF_FILE: &str = "model.gguf";
 
 /// The bytes of `model.gguf` for `model` with its weight matrices in `format`.
 pub fn gguf_bytes(model: &Gpt, format: WeightFormat) -> Result<Vec<u8>> {
+    // The other tensors come from the model as given, whose dense matrices cost nothing to list
+    // (the converted model's quantized ones would be dequantized only to be skipped).
+    let named = model.named_tensors()?;
     let mut model = model.clone().with_weight_format(format)?;
     let mut tensors: Vec<(String, Arc<QTensor>)> = Vec::new();
     let mut matrices = HashMap::new();
@@ -38,7 +41,7 @@ pub fn gguf_bytes(model: &Gpt, format: WeightFormat) -> Result<Vec<u8>> {
         };
         matrices.insert(name, q);
     }
-    for (name, t) in model.named_tensors()? {
+    for (name, t) in named {
         match matrices.remove(&name) {
             Some(q) => tensors.push((name, q)),
             None => {

@@ -208,11 +208,10 @@ impl Gpt {
                 max: self.cfg.n_positions,
             });
         }
-        let tok = match &self.wte {
-            Weight::Dense(wte) => wte.index_select(&idx.flatten_all()?, 0)?.to_dtype(self.dtype())?,
-            q => q.rows(&idx.flatten_all()?, self.dtype())?,
-        }
-        .reshape((b_sz, seq_len, self.cfg.n_embd))?; // (B, T, C)
+        let tok = self
+            .wte
+            .rows(&idx.flatten_all()?, self.dtype())?
+            .reshape((b_sz, seq_len, self.cfg.n_embd))?; // (B, T, C)
         let pos = self.wpe.narrow(0, 0, seq_len)?; // (T, C)
                                                    // Dropout sites: the embeddings 0, block i's layer key i + 1.
         let mut x = dropout(

@@ -26,17 +26,6 @@ enum TokenizerKind {
     Bpe,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum ExportDtype {
-    F32,
-    F16,
-    Bf16,
-    #[value(name = "q8_0")]
-    Q8_0,
-    #[value(name = "q4_0")]
-    Q4_0,
-}
-
 #[derive(Subcommand)]
 enum Command {
     /// Train a tokenizer on text files and save OUT/tokenizer.json.
@@ -67,8 +56,8 @@ enum Command {
         /// Precision of the copy's weights: f32, f16 and bf16 write model.safetensors (for
         /// transformers too); q8_0 and q4_0 write the weight matrices quantized to model.gguf,
         /// which gpt-server and gpt-train eval load as they are.
-        #[arg(long, value_enum, default_value = "f16")]
-        dtype: ExportDtype,
+        #[arg(long, default_value = "f16")]
+        dtype: gpt::WeightFormat,
     },
     /// Average checkpoints of one model (the element-wise mean of their parameters), as the
     /// original transformer's reported models are: the named directories, or a run's newest.
@@ -187,13 +176,7 @@ fn main() -> Result<()> {
         }
         Command::Export { checkpoint, out, dtype } => {
             let (model, tokenizer) = gpt::load_dir(&checkpoint, candle_core::DType::F32, &candle_core::Device::Cpu)?;
-            let format = match dtype {
-                ExportDtype::F32 => gpt::WeightFormat::F32,
-                ExportDtype::F16 => gpt::WeightFormat::F16,
-                ExportDtype::Bf16 => gpt::WeightFormat::Bf16,
-                ExportDtype::Q8_0 => gpt::WeightFormat::Q8_0,
-                ExportDtype::Q4_0 => gpt::WeightFormat::Q4_0,
-            };
+            let format = dtype;
             match format.ggml() {
                 Some(_) => gpt::save_gguf_dir(&out, &model, &tokenizer, format)?,
                 None => gpt::save_dir(&out, &model, &tokenizer, format.dtype())?,
