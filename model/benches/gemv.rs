@@ -11,6 +11,8 @@
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
+use gpt::ops::PackedMatrix;
+use gpt::WeightFormat;
 
 /// `out[r] = w[r, :] . x` for this thread's rows, 8 independent accumulators so LLVM vectorises.
 fn dot_rows(w: &[f32], x: &[f32], out: &mut [f32]) {
@@ -110,30 +112,32 @@ fn main() -> anyhow::Result<()> {
         let wts = (0..copies)
             .map(|c| Tensor::from_slice(&w[c * size..(c + 1) * size], (d_out, d_in), &Device::Cpu))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        // This project's kernel (gpt::ops::matmul_wt) on the same weights in each dense dtype.
-        for (dt, bytes) in [
-            (candle_core::DType::F32, 4.0),
-            (candle_core::DType::F16, 2.0),
-            (candle_core::DType::BF16, 2.0),
-        ] {
+        // This project's packed kernel (gpt::ops::PackedMatrix) on the same weights in each format.
+        for format in WeightFormat::ALL {
             let ws = wts
                 .iter()
-                .map(|t| t.to_dtype(dt))
+                .map(|t| PackedMatrix::from_dense(t, format))
                 .collect::<candle_core::Result<Vec<_>>>()?;
             let secs = best_of(5, || {
-                for t in &ws {
-                    let _ = gpt::ops::matmul_wt(&xt, t);
+                for p in &ws {
+                    let _ = p.matmul(&xt);
                 }
             });
-            let y = gpt::ops::matmul_wt(&xt, &ws[0])?.flatten_all()?.to_vec1::<f32>()?;
+            let y = ws[0].matmul(&xt)?.flatten_all()?.to_vec1::<f32>()?;
             let diff = y
                 .iter()
                 .zip(&reference)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
+            let bytes = match format {
+                WeightFormat::F32 => 4.0,
+                WeightFormat::F16 | WeightFormat::Bf16 => 2.0,
+                WeightFormat::Q8_0 => 34.0 / 32.0,
+                WeightFormat::Q4_0 => 18.0 / 32.0,
+            };
             let gb_read = (size * copies) as f64 * bytes / 1e9;
             q.insert(
-                format!("matmul_wt_{dt:?}"),
+                format!("packed_{format}"),
                 serde_json::json!({"gb_per_s": gb_read / secs, "max_diff": diff}),
             );
         }

@@ -20,6 +20,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::gpt::Gpt;
 use crate::layers::{Weight, WeightFormat};
+use crate::ops::PackedMatrix;
 
 pub const GGUF_FILE: &str = "model.gguf";
 
@@ -33,7 +34,7 @@ pub fn gguf_bytes(model: &Gpt, format: WeightFormat) -> Result<Vec<u8>> {
     let mut matrices = HashMap::new();
     for (name, weight) in model.matrices_mut() {
         let q = match &*weight {
-            Weight::Quantized(q) => q.clone(),
+            Weight::Packed(p) => Arc::new(p.to_qtensor()?),
             Weight::Dense(w) => Arc::new(QTensor::quantize(
                 &w.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?,
                 dense_ggml(format),
@@ -154,10 +155,16 @@ pub fn load_gguf(path: &Path, cfg: &Config, device: &Device) -> Result<Gpt> {
             });
         }
         *weight = match WeightFormat::from_ggml(q.dtype()) {
+            _ if device.is_cpu() => Weight::Packed(Arc::new(PackedMatrix::from_qtensor(&q)?)),
             Some(f) if f.ggml().is_none() => {
                 Weight::Dense(q.dequantize(&Device::Cpu)?.to_dtype(f.dtype())?.to_device(device)?)
             }
-            _ => Weight::Quantized(Arc::new(q)),
+            _ => {
+                return Err(corrupt(format!(
+                    "tensor `{name}` is {:?}, which runs on the CPU only",
+                    q.dtype()
+                )))
+            }
         };
     }
     Ok(model)

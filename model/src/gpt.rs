@@ -383,33 +383,42 @@ impl Gpt {
         self.autocast
     }
 
-    /// The model with each linear layer's weight held in contiguous `(out, in)` memory (GPT-2
-    /// checkpoints store `(in, out)`), the order in which [`crate::ops::matmul_wt`] streams it
-    /// and in which candle's CPU matmul is also faster at the row counts of prefill and batched
-    /// decode (2 cores, GPT-2-small shapes: 38 x 768 x 3072 in 1.4 ms instead of 3.4 ms). For
-    /// loaded models only: training keeps its variables as created.
-    pub fn into_inference_layout(mut self) -> Result<Self> {
-        for conv in self.convs_mut() {
-            if let Weight::Dense(w) = &conv.weight {
-                conv.weight = Weight::Dense(w.contiguous()?);
+    /// The model as inference holds it: on the CPU with f32 activations, every weight matrix
+    /// (the linear layers and the tied LM head) packed for [`crate::ops::PackedMatrix`]'s kernel
+    /// in f32; elsewhere each linear layer's weight in contiguous `(out, in)` memory (GPT-2
+    /// checkpoints store `(in, out)`). For loaded models only: training keeps its variables as
+    /// created.
+    pub fn into_inference_layout(self) -> Result<Self> {
+        let format = match self.dtype() {
+            DType::F32 if self.device().is_cpu() => WeightFormat::F32,
+            _ => {
+                let mut model = self;
+                for conv in model.convs_mut() {
+                    if let Weight::Dense(w) = &conv.weight {
+                        conv.weight = Weight::Dense(w.contiguous()?);
+                    }
+                }
+                return Ok(model);
             }
-        }
-        Ok(self)
+        };
+        self.with_weight_format(format)
     }
 
     /// The model with its weight matrices (every linear layer and the tied LM head, which is also
     /// the token embedding) held in `format` for inference; see [`WeightFormat`]. Biases,
     /// LayerNorms and the position table stay as they are, and so do activations: on the CPU
-    /// in f32, with f16/bf16 weights widened in registers. Quantized formats need rows whose
+    /// in f32, with every format packed for [`crate::ops::PackedMatrix`] (half-precision weights
+    /// widened and quantized blocks scaled in registers). Quantized formats need rows whose
     /// length is a multiple of the format's block (32 for q8_0 and q4_0), and run on the CPU.
     pub fn with_weight_format(mut self, format: WeightFormat) -> Result<Self> {
         if format.ggml().is_some() && !self.device().is_cpu() {
             return Err(Error::InvalidConfig(format!(
-                "--dtype {format} runs on the CPU only (candle's quantized kernels); use f16 or bf16 on a GPU"
+                "--dtype {format} runs on the CPU only; use f16 or bf16 on a GPU"
             )));
         }
+        let device = self.device().clone();
         for (name, weight) in self.matrices_mut() {
-            *weight = weight.converted(format, &name)?;
+            *weight = weight.converted(format, &name, &device)?;
         }
         Ok(self)
     }
@@ -437,7 +446,7 @@ impl Gpt {
             Weight::Dense(w) => WeightFormat::ALL
                 .into_iter()
                 .find(|f| f.ggml().is_none() && f.dtype() == w.dtype()),
-            Weight::Quantized(q) => WeightFormat::from_ggml(q.dtype()),
+            Weight::Packed(p) => Some(p.format()),
         }
     }
 

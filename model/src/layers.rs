@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{DType, Module, Tensor};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, LayerNorm, VarBuilder};
 
 use crate::config::Config;
+use crate::ops::PackedMatrix;
 
 /// The matrix products of [`crate::Gpt::forward_t`] (projections, attention scores and values,
 /// LM head) in f32, or as `torch.autocast(dtype=torch.bfloat16)`: f32 operands cast to bf16,
@@ -36,12 +37,11 @@ pub fn matmul(a: &Tensor, b: &Tensor, autocast: Autocast) -> candle_core::Result
 /// A weight matrix `W` of shape `(out, in)` (PyTorch's `Linear` order), applied as `x @ W^T`.
 #[derive(Debug, Clone)]
 pub enum Weight {
-    /// A tensor: while training, a transposed view of GPT-2's `(in, out)` variable; for
-    /// inference, contiguous `(out, in)` memory ([`crate::Gpt::into_inference_layout`]), in f32,
-    /// f16 or bf16.
+    /// A tensor: while training, a transposed view of GPT-2's `(in, out)` variable; for inference
+    /// on a GPU, contiguous `(out, in)` memory ([`crate::Gpt::into_inference_layout`]).
     Dense(Tensor),
-    /// GGML blocks (q8_0, q4_0, ...), multiplied by candle's quantized kernels. Inference only.
-    Quantized(Arc<QTensor>),
+    /// Packed for the CPU's inference kernel ([`PackedMatrix`]), in any [`WeightFormat`].
+    Packed(Arc<PackedMatrix>),
 }
 
 impl Weight {
@@ -49,7 +49,7 @@ impl Weight {
     pub fn forward(&self, x: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
         match self {
             Self::Dense(w) => matmul_wt(x, w, autocast),
-            Self::Quantized(q) => x.contiguous()?.apply_op1_no_bwd(q.as_ref()),
+            Self::Packed(p) => p.matmul(x),
         }
     }
 
@@ -57,71 +57,67 @@ impl Weight {
     pub fn dense(&self, dtype: DType) -> candle_core::Result<Tensor> {
         match self {
             Self::Dense(w) => w.to_dtype(dtype),
-            Self::Quantized(q) => q.dequantize(&q.device())?.to_dtype(dtype),
+            Self::Packed(p) => p.dense()?.to_dtype(dtype),
         }
     }
 
-    /// The dense tensor as held, or the dequantized weights in f32.
+    /// The weights as a tensor in their own dtype (f32 for the quantized formats, dequantized).
     pub fn tensor(&self) -> candle_core::Result<Tensor> {
         match self {
             Self::Dense(w) => Ok(w.clone()),
-            q => q.dense(DType::F32),
+            Self::Packed(p) => self.dense(p.format().dtype()),
         }
     }
 
     pub fn dims(&self) -> (usize, usize) {
-        let dims = match self {
-            Self::Dense(w) => w.dims().to_vec(),
-            Self::Quantized(q) => q.shape().dims().to_vec(),
-        };
-        (dims[0], dims[1])
-    }
-
-    /// Rows `ids` of `W` in `dtype`: the token embedding lookup of a tied LM head.
-    pub fn rows(&self, ids: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
         match self {
-            Self::Dense(w) => w.embedding(ids)?.to_dtype(dtype),
-            Self::Quantized(q) => q.embedding(ids)?.to_dtype(dtype),
+            Self::Dense(w) => {
+                let dims = w.dims();
+                (dims[0], dims[1])
+            }
+            Self::Packed(p) => p.dims(),
         }
     }
 
-    /// The weight held in `format` for inference (see [`WeightFormat`]), from this one.
-    pub fn converted(&self, format: WeightFormat, name: &str) -> crate::Result<Self> {
-        let w = self.dense(DType::F32)?.contiguous()?;
-        Ok(match format.ggml() {
-            Some(ggml) => {
-                let block = ggml.block_size();
-                let (_, d_in) = self.dims();
-                if !d_in.is_multiple_of(block) {
-                    return Err(crate::Error::InvalidConfig(format!(
-                        "cannot store `{name}` as {format}: its rows have {d_in} values, not a multiple of the \
-                         format's block of {block}"
-                    )));
-                }
-                Self::Quantized(Arc::new(QTensor::quantize(&w, ggml)?))
+    /// Rows `ids` (1-D) of `W` in `dtype`: the token embedding of a tied LM head.
+    pub fn rows(&self, ids: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(w) => w.embedding(ids)?.to_dtype(dtype),
+            Self::Packed(p) => p.rows(&ids.to_vec1::<u32>()?)?.to_dtype(dtype),
+        }
+    }
+
+    /// The weight held in `format` for inference on `device` (see [`WeightFormat`]): packed on
+    /// the CPU, a dense tensor elsewhere (quantized formats: the CPU only).
+    pub fn converted(&self, format: WeightFormat, name: &str, device: &Device) -> crate::Result<Self> {
+        if let Some(ggml) = format.ggml() {
+            let (_, d_in) = self.dims();
+            if !d_in.is_multiple_of(ggml.block_size()) {
+                return Err(crate::Error::InvalidConfig(format!(
+                    "cannot store `{name}` as {format}: its rows have {d_in} values, not a multiple of the \
+                     format's block of {}",
+                    ggml.block_size()
+                )));
             }
-            None => Self::Dense(w.to_dtype(format.dtype())?),
-        })
+        }
+        if device.is_cpu() {
+            return Ok(Self::Packed(Arc::new(PackedMatrix::from_dense(
+                &self.dense(DType::F32)?,
+                format,
+            )?)));
+        }
+        if format.ggml().is_some() {
+            return Err(crate::Error::InvalidConfig(format!(
+                "{format} weights run on the CPU only"
+            )));
+        }
+        Ok(Self::Dense(self.dense(format.dtype())?.contiguous()?))
     }
 }
 
-/// `x @ w^T` for a 2-D `w` `(out, in)`. On the CPU, with f32 activations and `w` in contiguous
-/// `(out, in)` memory and not being trained, this is [`crate::ops::matmul_wt`]: weights read at
-/// the machine's bandwidth, half-precision weights widened in registers. Elsewhere candle's
-/// matmul, under `autocast`.
-pub fn matmul_wt(x: &Tensor, w: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
-    // Every row count takes the kernel, prefill too (128 tokens: 413 tokens/s, candle's gemm
-    // 428): its results do not depend on the batch, so cached prefixes and batching change no
-    // answer.
-    if x.device().is_cpu()
-        && x.dtype() == DType::F32
-        && x.rank() == 2
-        && w.is_contiguous()
-        && !w.track_op()
-        && autocast == Autocast::Off
-    {
-        return crate::ops::matmul_wt(x, w);
-    }
+/// `x @ w^T` for a 2-D `w` `(out, in)` with candle's matmul, under `autocast`: training, and
+/// inference off the CPU (where weights are [`Weight::Packed`]).
+fn matmul_wt(x: &Tensor, w: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
     if x.dtype() != w.dtype() && autocast == Autocast::Off {
         return x.matmul(&w.to_dtype(x.dtype())?.t()?);
     }
@@ -131,7 +127,7 @@ pub fn matmul_wt(x: &Tensor, w: &Tensor, autocast: Autocast) -> candle_core::Res
 /// How inference holds the weight matrices (the linear layers and the tied LM head); biases,
 /// LayerNorms and activations stay in the model's dtype. `f16` and `bf16` halve the bytes a
 /// decode step reads, `q8_0` (8-bit, blocks of 32 with an f16 scale: 8.5 bits per weight) and
-/// `q4_0` (4.5 bits) quarter and eighth them, using candle's quantized CPU kernels.
+/// `q4_0` (4.5 bits) quarter and eighth them (GGML's blocks; CPU only).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum WeightFormat {
     #[default]
@@ -254,7 +250,7 @@ impl Conv1D {
     pub fn forward_cols(&self, x: &Tensor, start: usize, len: usize) -> candle_core::Result<Tensor> {
         let part = match &self.weight {
             Weight::Dense(w) => Weight::Dense(w.narrow(0, start, len)?),
-            Weight::Quantized(_) => candle_core::bail!("forward_cols: the weight is quantized"),
+            Weight::Packed(_) => candle_core::bail!("forward_cols: the weight is packed for inference"),
         };
         linear(x, &part, &self.bias.narrow(0, start, len)?, self.autocast)
     }

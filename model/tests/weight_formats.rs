@@ -1,4 +1,4 @@
-//! Inference weight formats (issue #15): the CPU kernel for `x @ W^T` against candle's matmul,
+//! Inference weight formats (issue #15): the packed CPU kernel for `x @ W^T` against candle's matmul,
 //! half-precision and quantized weights against f32 on the default model's perplexity, and
 //! quantized checkpoints (`model.gguf`) written and loaded back.
 
@@ -8,30 +8,86 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, D};
 use common::{batch, max_abs_diff, random_model, tokens};
+use gpt::ops::{PackedMatrix, Simd};
 use gpt::{Config, Gpt, WeightFormat};
 
 fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
 }
 
-/// Every path of the kernel (one row, row pairs, an odd row; weight rows in blocks and single;
-/// lengths that take the AVX-512, the AVX2 and the scalar loops) in every weight dtype, against
-/// candle's matmul on the same (rounded) weights.
+/// The packed kernel in every format, on shapes that take every register tile (1 to 8 rows and
+/// more, a partial last panel, one and several tasks), against candle's matmul on the same
+/// (rounded or dequantized) weights; every instruction set this CPU has gives the same bits; and
+/// each row of a batch equals that row alone (batch invariance).
 #[test]
-fn matmul_wt_matches_candle_matmul() -> anyhow::Result<()> {
-    for (k, n) in [(768, 70), (64, 40), (48, 9), (40, 17), (20, 3)] {
-        for m in [1, 2, 3, 7, 33] {
-            let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+fn packed_matmul_matches_candle_and_is_batch_invariant() -> anyhow::Result<()> {
+    let simds = Simd::available();
+    for (k, n) in [(768, 70), (64, 49), (96, 200), (32, 3), (20, 17), (1, 5)] {
+        for format in WeightFormat::ALL {
+            if format.ggml().is_some() && k % 32 != 0 {
+                continue;
+            }
             let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
-            for dtype in [DType::F32, DType::F16, DType::BF16] {
-                let w = w.to_dtype(dtype)?;
-                let expected = x.matmul(&w.to_dtype(DType::F32)?.t()?)?;
-                let got = gpt::ops::matmul_wt(&x, &w)?;
+            let packed = PackedMatrix::from_dense(&w, format)?;
+            assert_eq!(packed.dims(), (n, k));
+            let dense = packed.dense()?;
+            if format.ggml().is_none() {
+                let rounded = w.to_dtype(format.dtype())?.to_dtype(DType::F32)?;
+                assert_eq!(
+                    max_abs_diff(&dense, &rounded)?,
+                    0.0,
+                    "{format}: packing changed a weight"
+                );
+            }
+            for m in [1, 2, 3, 7, 8, 9, 19] {
+                let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+                let expected = x.matmul(&dense.t()?)?;
+                let got = packed.matmul(&x)?;
                 assert_eq!(got.dims(), &[m, n]);
                 let diff = max_abs_diff(&got, &expected)?;
-                assert!(diff < 1e-4 * (k as f32).sqrt(), "m={m} k={k} n={n} {dtype:?}: {diff}");
+                let scale = expected.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+                assert!(
+                    diff < 1e-5 * scale * (k as f32).sqrt(),
+                    "m={m} k={k} n={n} {format}: {diff}"
+                );
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let bits = got.flatten_all()?.to_vec1::<f32>()?;
+                for &simd in &simds {
+                    assert_eq!(
+                        packed.matmul_with(&xs, m, simd),
+                        bits,
+                        "{simd:?} m={m} k={k} n={n} {format}"
+                    );
+                }
+                for i in 0..m {
+                    let alone = packed.matmul_with(&xs[i * k..(i + 1) * k], 1, simds[0]);
+                    assert_eq!(alone, bits[i * n..(i + 1) * n], "row {i} of {m}, k={k} n={n} {format}");
+                }
             }
+            // The embedding lookup of a tied head reads the same weights.
+            let ids = [0u32, (n - 1) as u32, (n / 2) as u32];
+            let rows = packed.rows(&ids)?;
+            let expected = dense.embedding(&Tensor::new(&ids, &Device::Cpu)?)?;
+            assert_eq!(max_abs_diff(&rows, &expected)?, 0.0);
+            let err = packed.rows(&[n as u32]).unwrap_err().to_string();
+            assert!(err.contains(&format!("token id {n}")), "{err}");
         }
+    }
+    Ok(())
+}
+
+/// Quantized blocks are moved into the packed layout and back, never requantized: GGML's bytes
+/// come back identical.
+#[test]
+fn packed_quantized_blocks_round_trip_to_ggml() -> anyhow::Result<()> {
+    let w = Tensor::randn(0f32, 1.0, (50, 96), &Device::Cpu)?;
+    for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
+        let Some(ggml) = format.ggml() else { continue };
+        let q = candle_core::quantized::QTensor::quantize(&w, ggml)?;
+        let packed = PackedMatrix::from_qtensor(&q)?;
+        assert_eq!(packed.to_qtensor()?.data()?, q.data()?, "{format}");
+        let dequantized = q.dequantize(&Device::Cpu)?;
+        assert_eq!(max_abs_diff(&packed.dense()?, &dequantized)?, 0.0, "{format}");
     }
     Ok(())
 }

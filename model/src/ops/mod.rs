@@ -17,7 +17,7 @@ mod cross_entropy;
 mod dropout;
 mod gelu;
 mod layer_norm;
-mod matmul;
+mod packed;
 mod softmax;
 #[cfg(test)]
 mod tests;
@@ -30,6 +30,8 @@ use dropout::Dropout;
 use gelu::Gelu;
 use layer_norm::LayerNorm;
 use softmax::CausalSoftmax;
+
+pub use packed::{PackedMatrix, Simd};
 
 /// The f32 data of a contiguous CPU tensor, for custom ops' `cpu_fwd`.
 pub fn f32_slice<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Result<&'a [f32]> {
@@ -108,12 +110,6 @@ pub fn add_tiled(x: &Tensor, b: &Tensor) -> Result<Tensor> {
     } else {
         x.broadcast_add(b)
     }
-}
-
-/// `x @ w^T` for `x` `(m, k)` f32 and `w` `(n, k)` contiguous f32, f16 or bf16, on the CPU;
-/// f32 result. Not differentiable (inference weights). See `ops/matmul.rs`.
-pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op2_no_bwd(w, &matmul::MatmulWt)
 }
 
 /// LayerNorm over the last dimension with weight `gamma` and bias `beta`, differentiable; fused

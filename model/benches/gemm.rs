@@ -1,0 +1,61 @@
+//! Prefill's and batched decode's product in isolation (issue #15): `rows x in` activations times
+//! a weight stored `(out, in)`, in GFLOPS, for this project's packed kernel (`gpt::ops::PackedMatrix`, each
+//! weight format) and candle's f32 matmul on the same operands, side by side in one run. Weights are small enough to stay
+//! in cache: this measures arithmetic, where `gemv` measures memory. Prints one JSON line per
+//! shape and weight dtype.
+//!
+//!     [ROWS=1,16,38,128] cargo bench -p gpt --bench gemm
+
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use gpt::ops::PackedMatrix;
+use gpt::WeightFormat;
+
+fn median_secs<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..repeats)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    gpt::device::fix_cpu_thread_count();
+    let rows: Vec<usize> = std::env::var("ROWS")
+        .unwrap_or_else(|_| "1,16,38,128".into())
+        .split(',')
+        .map(|r| r.trim().parse())
+        .collect::<Result<_, _>>()?;
+    for (k, n) in [(768, 2304), (768, 3072), (3072, 768), (768, 50257)] {
+        let w = Tensor::randn(0f32, 0.02, (n, k), &Device::Cpu)?;
+        for &m in &rows {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+            let flop = 2.0 * (m * n * k) as f64;
+            let repeats = ((2e10 / flop) as usize).clamp(3, 200);
+            let wt = w.t()?;
+            let candle = median_secs(repeats, || {
+                let _ = x.matmul(&wt);
+            });
+            for format in WeightFormat::ALL {
+                let packed = PackedMatrix::from_dense(&w, format)?;
+                let ours = median_secs(repeats, || {
+                    let _ = packed.matmul(&x);
+                });
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "shape": format!("{m}x{k} @ ({n}x{k})^T"), "weights": format.to_string(),
+                        "packed_gflops": flop / ours / 1e9, "candle_f32_gflops": flop / candle / 1e9,
+                    })
+                );
+            }
+        }
+    }
+    Ok(())
+}

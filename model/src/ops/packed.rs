@@ -1,0 +1,796 @@
+//! Weight matrices packed for the CPU's inference products `y = x @ W^T`, in f32, f16, bf16,
+//! q8_0 or q4_0, with f32 activations and f32 accumulation.
+//!
+//! Why not candle's kernels: decoding reads every weight once per step, so its limit is memory
+//! bandwidth, which candle's gemm reaches at about half (its one-row path) and its quantized
+//! matmul at ~11 GB/s on the LM head; prefill and batched decode are arithmetic, where the `gemm`
+//! crate on stable Rust runs AVX2 kernels (half an AVX-512 machine's rate) and `QMatMul` is slower
+//! still (q4_0 prefill: 128 tokens/s). One layout serves both regimes here.
+//!
+//! The layout: output columns (weight rows) in panels of 16; a panel holds, for each position
+//! along `k`, its 16 weights side by side, so a panel is read front to back as a stream of
+//! 16-wide vectors (64 bytes in f32). Quantized panels keep GGML's blocks of 32 along `k`: each
+//! block is its 16 x 32 codes (q4_0: two per byte, as in GGML) followed by the 16 columns' f16
+//! scales, and GGML's own bytes are moved, never requantized, so a GGUF file round-trips exactly.
+//! Columns are padded with zeros to a multiple of 48 (three panels: a task).
+//!
+//! The kernel is the classic outer-product form: a tile of up to 8 activation rows times 3
+//! panels (24 vector accumulators with AVX-512), each step one weight vector per panel (widened
+//! or dequantized in registers) and one broadcast per row. Every output is a single chain of
+//! fused multiply-adds along `k` in one fixed order, whatever the tile, the batch or the
+//! instruction set (AVX-512, AVX2 or plain Rust give the same bits): a sequence decodes the same
+//! alone or batched, with or without a cached prefix. Tasks (three panels each) run on candle's
+//! own persistent thread pool.
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+use crate::layers::WeightFormat;
+
+/// Output columns per panel: one AVX-512 vector of f32.
+const LANES: usize = 16;
+/// Panels per task and per register tile.
+const GROUP: usize = 3;
+/// The quantized formats' block along `k`, as in GGML.
+const BLOCK: usize = 32;
+
+/// Storage unit, so that panels start on cache lines.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u8; 64]);
+
+/// A weight matrix `W` `(n, k)` packed for [`PackedMatrix::matmul`]; see the module's notes.
+#[derive(Clone)]
+pub struct PackedMatrix {
+    format: WeightFormat,
+    n: usize,
+    k: usize,
+    lines: Vec<Line>,
+}
+
+impl std::fmt::Debug for PackedMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PackedMatrix({}, {}x{})", self.format, self.n, self.k)
+    }
+}
+
+impl PackedMatrix {
+    /// `w` `(n, k)` (any dtype and device) in `format`; quantized formats quantize with candle's
+    /// GGML code and need `k` a multiple of 32.
+    pub fn from_dense(w: &Tensor, format: WeightFormat) -> Result<Self> {
+        let (n, k) = w.dims2()?;
+        let w = w.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.contiguous()?;
+        if let Some(ggml) = format.ggml() {
+            if !k.is_multiple_of(BLOCK) {
+                candle_core::bail!("{format} needs rows of a multiple of {BLOCK} values, these have {k}")
+            }
+            return Self::from_qtensor(&QTensor::quantize(&w, ggml)?);
+        }
+        let values = w.flatten_all()?.to_vec1::<f32>()?;
+        let mut packed = Self::zeros(format, n, k);
+        let size = format_bytes(format);
+        for (r, row) in values.chunks_exact(k.max(1)).enumerate().take(n) {
+            for (c, &v) in row.iter().enumerate() {
+                let at = packed.panel_start(r) + (c * LANES + r % LANES) * size;
+                let bytes = packed.bytes_mut();
+                match format {
+                    WeightFormat::F16 => bytes[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+                    WeightFormat::Bf16 => bytes[at..at + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
+                    _ => bytes[at..at + 4].copy_from_slice(&v.to_le_bytes()),
+                }
+            }
+        }
+        Ok(packed)
+    }
+
+    /// A GGML tensor `(n, k)` in f32, f16, bf16, q8_0 or q4_0; quantized blocks are moved as
+    /// they are.
+    pub fn from_qtensor(q: &QTensor) -> Result<Self> {
+        let Some(format) = WeightFormat::from_ggml(q.dtype()) else {
+            candle_core::bail!(
+                "weights in {:?} are not supported: use f32, f16, bf16, q8_0 or q4_0",
+                q.dtype()
+            )
+        };
+        let (n, k) = q.shape().dims2()?;
+        if format.ggml().is_none() {
+            return Self::from_dense(&q.dequantize(&Device::Cpu)?, format);
+        }
+        let data = q.data()?;
+        let (block_bytes, codes) = (q.dtype().type_size(), code_bytes(format));
+        let blocks = k / BLOCK;
+        if data.len() != n * blocks * block_bytes {
+            candle_core::bail!(
+                "{format} tensor ({n}, {k}) holds {} bytes, expected {}",
+                data.len(),
+                n * blocks * block_bytes
+            )
+        }
+        let mut packed = Self::zeros(format, n, k);
+        for r in 0..n {
+            for b in 0..blocks {
+                let src = &data[(r * blocks + b) * block_bytes..][..block_bytes];
+                let at = packed.block_start(r, b);
+                let lane = r % LANES;
+                let bytes = packed.bytes_mut();
+                // GGML's block: the f16 scale, then the codes (`codes / 16` bytes per row).
+                for (t, &code) in src[2..].iter().enumerate() {
+                    bytes[at + t * LANES + lane] = code;
+                }
+                bytes[at + codes + 2 * lane..][..2].copy_from_slice(&src[..2]);
+            }
+        }
+        Ok(packed)
+    }
+
+    /// The GGML tensor of the same weights (quantized blocks moved back as they are).
+    pub fn to_qtensor(&self) -> Result<QTensor> {
+        let Some(ggml) = self.format.ggml() else {
+            let dense = match self.format {
+                WeightFormat::F16 => GgmlDType::F16,
+                WeightFormat::Bf16 => GgmlDType::BF16,
+                _ => GgmlDType::F32,
+            };
+            return QTensor::quantize(&self.dense()?, dense);
+        };
+        let (n, k, blocks, codes) = (self.n, self.k, self.k / BLOCK, code_bytes(self.format));
+        let block_bytes = ggml.type_size();
+        let mut data = vec![0u8; n * blocks * block_bytes];
+        let bytes = self.bytes();
+        for r in 0..n {
+            for b in 0..blocks {
+                let dst = &mut data[(r * blocks + b) * block_bytes..][..block_bytes];
+                let at = self.block_start(r, b);
+                let lane = r % LANES;
+                dst[..2].copy_from_slice(&bytes[at + codes + 2 * lane..][..2]);
+                for (t, code) in dst[2..].iter_mut().enumerate() {
+                    *code = bytes[at + t * LANES + lane];
+                }
+            }
+        }
+        candle_core::quantized::ggml_file::qtensor_from_ggml(ggml, &data, vec![n, k], &Device::Cpu)
+    }
+
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// `(n, k)`: output columns, inputs.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// `W` `(n, k)` in f32 (dequantized if quantized).
+    pub fn dense(&self) -> Result<Tensor> {
+        let mut values = Vec::with_capacity(self.n * self.k);
+        for r in 0..self.n {
+            values.extend((0..self.k).map(|c| self.value(r, c)));
+        }
+        Tensor::from_vec(values, (self.n, self.k), &Device::Cpu)
+    }
+
+    /// Rows `ids` of `W`, `(ids.len(), k)` in f32: the token embedding of a tied LM head.
+    pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let mut values = Vec::with_capacity(ids.len() * self.k);
+        for &id in ids {
+            let r = id as usize;
+            if r >= self.n {
+                candle_core::bail!("token id {id} is outside the embedding's {} rows", self.n)
+            }
+            values.extend((0..self.k).map(|c| self.value(r, c)));
+        }
+        Tensor::from_vec(values, (ids.len(), self.k), &Device::Cpu)
+    }
+
+    /// `x @ W^T` for `x` `(m, k)` f32 on the CPU: `(m, n)` f32. Not differentiable.
+    pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
+        x.contiguous()?.apply_op1_no_bwd(self)
+    }
+
+    /// [`PackedMatrix::matmul`] on a chosen instruction set, which must be available
+    /// ([`Simd::available`]); every one gives the same bits.
+    pub fn matmul_with(&self, x: &[f32], m: usize, simd: Simd) -> Vec<f32> {
+        let mut y = vec![0f32; m * self.n];
+        if m > 0 && self.n > 0 && x.len() == m * self.k {
+            kernel::run(self, x, &mut y, m, simd);
+        }
+        y
+    }
+
+    fn zeros(format: WeightFormat, n: usize, k: usize) -> Self {
+        let panels = n.div_ceil(LANES * GROUP) * GROUP;
+        let bytes = panels * panel_bytes(format, k);
+        Self {
+            format,
+            n,
+            k,
+            lines: vec![Line([0; 64]); bytes.div_ceil(64)],
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `Line` is plain bytes with no padding.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const u8, self.lines.len() * 64) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as `bytes`.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut u8, self.lines.len() * 64) }
+    }
+
+    /// Byte offset of row `r`'s panel.
+    fn panel_start(&self, r: usize) -> usize {
+        r / LANES * panel_bytes(self.format, self.k)
+    }
+
+    /// Byte offset of block `b` of row `r`'s panel (quantized formats).
+    fn block_start(&self, r: usize, b: usize) -> usize {
+        self.panel_start(r) + b * (code_bytes(self.format) + 2 * LANES)
+    }
+
+    /// `W[r, c]` in f32.
+    fn value(&self, r: usize, c: usize) -> f32 {
+        let (bytes, lane) = (self.bytes(), r % LANES);
+        let read2 = |at: usize| [bytes[at], bytes[at + 1]];
+        match self.format {
+            WeightFormat::F32 => {
+                let at = self.panel_start(r) + (c * LANES + lane) * 4;
+                f32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+            }
+            WeightFormat::F16 => f16::from_le_bytes(read2(self.panel_start(r) + (c * LANES + lane) * 2)).to_f32(),
+            WeightFormat::Bf16 => bf16::from_le_bytes(read2(self.panel_start(r) + (c * LANES + lane) * 2)).to_f32(),
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 => {
+                let at = self.block_start(r, c / BLOCK);
+                let codes = code_bytes(self.format);
+                let scale = f16::from_le_bytes(read2(at + codes + 2 * lane)).to_f32();
+                let j = c % BLOCK;
+                let q = if self.format == WeightFormat::Q8_0 {
+                    bytes[at + j * LANES + lane] as i8 as f32
+                } else {
+                    let byte = bytes[at + (j % 16) * LANES + lane];
+                    (if j < 16 { byte & 15 } else { byte >> 4 }) as f32 - 8.0
+                };
+                q * scale
+            }
+        }
+    }
+}
+
+/// Bytes of one dense weight.
+fn format_bytes(format: WeightFormat) -> usize {
+    match format {
+        WeightFormat::F16 | WeightFormat::Bf16 => 2,
+        _ => 4,
+    }
+}
+
+/// Bytes of a quantized block's codes in a panel (16 columns x 32 positions).
+fn code_bytes(format: WeightFormat) -> usize {
+    match format {
+        WeightFormat::Q4_0 => LANES * BLOCK / 2,
+        _ => LANES * BLOCK,
+    }
+}
+
+/// Bytes of one panel: 16 columns by `k`.
+fn panel_bytes(format: WeightFormat, k: usize) -> usize {
+    match format.ggml() {
+        Some(_) => k / BLOCK * (code_bytes(format) + 2 * LANES),
+        None => k * LANES * format_bytes(format),
+    }
+}
+
+impl CustomOp1 for PackedMatrix {
+    fn name(&self) -> &'static str {
+        "packed-matmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = super::f32_slice(storage, layout, "packed-matmul")?;
+        let (m, k) = layout.shape().dims2()?;
+        if k != self.k {
+            candle_core::bail!(
+                "packed-matmul: x is (.., {k}) but the weight is ({}, {})",
+                self.n,
+                self.k
+            )
+        }
+        Ok((
+            CpuStorage::F32(self.matmul_with(x, m, Simd::detect())),
+            Shape::from((m, self.n)),
+        ))
+    }
+}
+
+/// The instruction sets the kernel is written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    Avx512,
+    Avx2,
+    /// Plain Rust (`f32::mul_add`).
+    Portable,
+}
+
+impl Simd {
+    /// The widest this CPU runs (`is_x86_feature_detected` caches).
+    pub fn detect() -> Self {
+        Self::available()[0]
+    }
+
+    /// Every one this CPU runs, widest first.
+    pub fn available() -> Vec<Self> {
+        let mut out = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c");
+            if avx2 && std::is_x86_feature_detected!("avx512f") {
+                out.push(Self::Avx512);
+            }
+            if avx2 {
+                out.push(Self::Avx2);
+            }
+        }
+        out.push(Self::Portable);
+        out
+    }
+}
+
+mod kernel {
+    use super::{PackedMatrix, Simd, BLOCK, GROUP, LANES};
+    use crate::layers::WeightFormat;
+
+    /// Sixteen f32 lanes: an AVX-512 register, two AVX2 registers, or an array.
+    pub(super) trait Vec16: Copy {
+        /// Activation rows per register tile.
+        const ROWS: usize;
+        unsafe fn zero() -> Self;
+        unsafe fn set1(v: f32) -> Self;
+        /// `*p` in every lane.
+        unsafe fn splat(p: *const f32) -> Self;
+        /// `a * b + c`, rounded once.
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+        unsafe fn mul(a: Self, b: Self) -> Self;
+        unsafe fn load_f32(p: *const u8) -> Self;
+        unsafe fn load_f16(p: *const u8) -> Self;
+        unsafe fn load_bf16(p: *const u8) -> Self;
+        /// 16 signed bytes.
+        unsafe fn load_i8(p: *const u8) -> Self;
+        /// 16 bytes of two 4-bit codes each: (low, high).
+        unsafe fn load_nibbles(p: *const u8) -> (Self, Self);
+        unsafe fn store(self, p: *mut f32);
+    }
+
+    /// How one format's panel yields weight vectors: in blocks of `BLOCK` positions along `k`,
+    /// `STEPS` loads per block, each giving `PER_STEP` vectors.
+    pub(super) trait Format {
+        const BLOCK: usize;
+        const BLOCK_BYTES: usize;
+        const STEPS: usize;
+        const PER_STEP: usize;
+        /// The position within its block of vector `h` of step `t`.
+        fn pos(t: usize, h: usize) -> usize;
+        /// The block's scales (quantized formats).
+        unsafe fn scale<V: Vec16>(block: *const u8) -> V;
+        unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2];
+    }
+
+    pub(super) struct F32;
+    pub(super) struct F16;
+    pub(super) struct Bf16;
+    pub(super) struct Q8_0;
+    pub(super) struct Q4_0;
+
+    macro_rules! dense_format {
+        ($name:ident, $bytes:expr, $load:ident) => {
+            impl Format for $name {
+                const BLOCK: usize = 1;
+                const BLOCK_BYTES: usize = LANES * $bytes;
+                const STEPS: usize = 1;
+                const PER_STEP: usize = 1;
+                #[inline(always)]
+                fn pos(_: usize, _: usize) -> usize {
+                    0
+                }
+                #[inline(always)]
+                unsafe fn scale<V: Vec16>(_: *const u8) -> V {
+                    unsafe { V::zero() }
+                }
+                #[inline(always)]
+                unsafe fn weights<V: Vec16>(block: *const u8, _: usize, _: V) -> [V; 2] {
+                    unsafe { [V::$load(block), V::zero()] }
+                }
+            }
+        };
+    }
+    dense_format!(F32, 4, load_f32);
+    dense_format!(F16, 2, load_f16);
+    dense_format!(Bf16, 2, load_bf16);
+
+    impl Format for Q8_0 {
+        const BLOCK: usize = BLOCK;
+        const BLOCK_BYTES: usize = LANES * BLOCK + 2 * LANES;
+        const STEPS: usize = BLOCK;
+        const PER_STEP: usize = 1;
+        #[inline(always)]
+        fn pos(t: usize, _: usize) -> usize {
+            t
+        }
+        #[inline(always)]
+        unsafe fn scale<V: Vec16>(block: *const u8) -> V {
+            unsafe { V::load_f16(block.add(LANES * BLOCK)) }
+        }
+        #[inline(always)]
+        unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2] {
+            unsafe { [V::mul(V::load_i8(block.add(t * LANES)), scale), V::zero()] }
+        }
+    }
+
+    impl Format for Q4_0 {
+        const BLOCK: usize = BLOCK;
+        const BLOCK_BYTES: usize = LANES * BLOCK / 2 + 2 * LANES;
+        const STEPS: usize = BLOCK / 2;
+        const PER_STEP: usize = 2;
+        /// GGML's order: byte `t` holds positions `t` (low) and `t + 16` (high).
+        #[inline(always)]
+        fn pos(t: usize, h: usize) -> usize {
+            t + h * BLOCK / 2
+        }
+        #[inline(always)]
+        unsafe fn scale<V: Vec16>(block: *const u8) -> V {
+            unsafe { V::load_f16(block.add(LANES * BLOCK / 2)) }
+        }
+        #[inline(always)]
+        unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2] {
+            // (q - 8) * scale as q * scale - 8 * scale: one rounding of an exact value, so the
+            // same weight, in one instruction fewer (`-8 * scale` is computed once per block).
+            unsafe {
+                let (lo, hi) = V::load_nibbles(block.add(t * LANES));
+                let offset = V::mul(scale, V::set1(-8.0));
+                [V::fma(lo, scale, offset), V::fma(hi, scale, offset)]
+            }
+        }
+    }
+
+    /// One task's operands: output columns `col0..col0 + 48` (three panels from `panels`) of
+    /// every row.
+    pub(super) struct Task {
+        pub x: *const f32,
+        pub y: *mut f32,
+        pub m: usize,
+        pub n: usize,
+        pub k: usize,
+        pub panels: *const u8,
+        pub panel_bytes: usize,
+        pub col0: usize,
+    }
+
+    /// `y = x @ W^T` over candle's thread pool, a task per three panels.
+    pub(super) fn run(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Simd) {
+        match w.format {
+            WeightFormat::F32 => run_format::<F32>(w, x, y, m, simd),
+            WeightFormat::F16 => run_format::<F16>(w, x, y, m, simd),
+            WeightFormat::Bf16 => run_format::<Bf16>(w, x, y, m, simd),
+            WeightFormat::Q8_0 => run_format::<Q8_0>(w, x, y, m, simd),
+            WeightFormat::Q4_0 => run_format::<Q4_0>(w, x, y, m, simd),
+        }
+    }
+
+    fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Simd) {
+        debug_assert!(x.len() == m * w.k && y.len() == m * w.n);
+        let panel_bytes = super::panel_bytes(w.format, w.k);
+        let groups = w.n.div_ceil(LANES * GROUP);
+        let (x_at, y_at, w_at) = (
+            x.as_ptr() as usize,
+            y.as_mut_ptr() as usize,
+            w.bytes().as_ptr() as usize,
+        );
+        candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
+            for g in range {
+                let t = Task {
+                    x: x_at as *const f32,
+                    y: y_at as *mut f32,
+                    m,
+                    n: w.n,
+                    k: w.k,
+                    panels: (w_at + g * GROUP * panel_bytes) as *const u8,
+                    panel_bytes,
+                    col0: g * GROUP * LANES,
+                };
+                // SAFETY: tasks write disjoint columns of `y`, which outlives the pool's call;
+                // the panels of group `g` exist (the matrix is padded to whole groups); `simd`
+                // is available (`Simd::available`).
+                unsafe {
+                    match simd {
+                        #[cfg(target_arch = "x86_64")]
+                        Simd::Avx512 => x86::task512::<F>(&t),
+                        #[cfg(target_arch = "x86_64")]
+                        Simd::Avx2 => x86::task256::<F>(&t),
+                        _ => task::<F, [f32; LANES]>(&t),
+                    }
+                }
+            }
+        });
+    }
+
+    /// Every row of one task, `V::ROWS` at a time.
+    ///
+    /// # Safety
+    /// As [`Task`] describes; `V`'s instructions available.
+    #[inline(always)]
+    pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
+        let mut i = 0;
+        while i < t.m {
+            let rows = V::ROWS.min(t.m - i);
+            unsafe {
+                match rows {
+                    8 => tile::<F, V, 8>(t, i),
+                    7 => tile::<F, V, 7>(t, i),
+                    6 => tile::<F, V, 6>(t, i),
+                    5 => tile::<F, V, 5>(t, i),
+                    4 => tile::<F, V, 4>(t, i),
+                    3 => tile::<F, V, 3>(t, i),
+                    2 => tile::<F, V, 2>(t, i),
+                    _ => tile::<F, V, 1>(t, i),
+                }
+            }
+            i += rows;
+        }
+    }
+
+    /// Rows `i0..i0 + R` times the task's three panels, over all of `k`.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
+    unsafe fn tile<F: Format, V: Vec16, const R: usize>(t: &Task, i0: usize) {
+        unsafe {
+            let x = t.x.add(i0 * t.k);
+            let mut acc = [[V::zero(); GROUP]; R];
+            // No closures here: they would not inherit the caller's target features.
+            let (mut block, mut scale) = ([t.panels; GROUP], [V::zero(); GROUP]);
+            let mut w = [[V::zero(); 2]; GROUP];
+            for b in 0..t.k / F::BLOCK {
+                for j in 0..GROUP {
+                    block[j] = t.panels.add(j * t.panel_bytes + b * F::BLOCK_BYTES);
+                    scale[j] = F::scale(block[j]);
+                }
+                for s in 0..F::STEPS {
+                    for j in 0..GROUP {
+                        w[j] = F::weights(block[j], s, scale[j]);
+                    }
+                    for h in 0..F::PER_STEP {
+                        let c = b * F::BLOCK + F::pos(s, h);
+                        for i in 0..R {
+                            let xv = V::splat(x.add(i * t.k + c));
+                            for j in 0..GROUP {
+                                acc[i][j] = V::fma(xv, w[j][h], acc[i][j]);
+                            }
+                        }
+                    }
+                }
+            }
+            let cols = (t.n - t.col0).min(GROUP * LANES);
+            for i in 0..R {
+                let y = t.y.add((i0 + i) * t.n + t.col0);
+                for j in 0..GROUP {
+                    if (j + 1) * LANES <= cols {
+                        acc[i][j].store(y.add(j * LANES));
+                    } else if j * LANES < cols {
+                        let mut tmp = [0f32; LANES];
+                        acc[i][j].store(tmp.as_mut_ptr());
+                        std::ptr::copy_nonoverlapping(tmp.as_ptr(), y.add(j * LANES), cols - j * LANES);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Plain Rust: the reference, and the path of other CPUs.
+    impl Vec16 for [f32; LANES] {
+        const ROWS: usize = 2;
+        unsafe fn zero() -> Self {
+            [0.0; LANES]
+        }
+        unsafe fn set1(v: f32) -> Self {
+            [v; LANES]
+        }
+        unsafe fn splat(p: *const f32) -> Self {
+            [unsafe { *p }; LANES]
+        }
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            std::array::from_fn(|l| a[l].mul_add(b[l], c[l]))
+        }
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            std::array::from_fn(|l| a[l] * b[l])
+        }
+        unsafe fn load_f32(p: *const u8) -> Self {
+            std::array::from_fn(|l| unsafe { (p as *const f32).add(l).read_unaligned() })
+        }
+        unsafe fn load_f16(p: *const u8) -> Self {
+            std::array::from_fn(|l| unsafe { (p as *const half::f16).add(l).read_unaligned() }.to_f32())
+        }
+        unsafe fn load_bf16(p: *const u8) -> Self {
+            std::array::from_fn(|l| unsafe { (p as *const half::bf16).add(l).read_unaligned() }.to_f32())
+        }
+        unsafe fn load_i8(p: *const u8) -> Self {
+            std::array::from_fn(|l| unsafe { *p.add(l) } as i8 as f32)
+        }
+        unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
+            let byte = |l: usize| unsafe { *p.add(l) };
+            (
+                std::array::from_fn(|l| (byte(l) & 15) as f32),
+                std::array::from_fn(|l| (byte(l) >> 4) as f32),
+            )
+        }
+        unsafe fn store(self, p: *mut f32) {
+            unsafe { std::ptr::copy_nonoverlapping(self.as_ptr(), p, LANES) }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    mod x86 {
+        use std::arch::x86_64::*;
+
+        use super::{task, Format, Task, Vec16};
+
+        /// # Safety
+        /// As [`task`]; the CPU must have AVX-512F, AVX2, FMA and F16C.
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        pub(in super::super) unsafe fn task512<F: Format>(t: &Task) {
+            unsafe { task::<F, __m512>(t) }
+        }
+
+        /// # Safety
+        /// As [`task`]; the CPU must have AVX2, FMA and F16C.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(in super::super) unsafe fn task256<F: Format>(t: &Task) {
+            unsafe { task::<F, Y2>(t) }
+        }
+
+        /// 8 rows x 3 panels: 24 accumulators of the 32 registers.
+        impl Vec16 for __m512 {
+            const ROWS: usize = 8;
+            #[inline(always)]
+            unsafe fn zero() -> Self {
+                unsafe { _mm512_setzero_ps() }
+            }
+            #[inline(always)]
+            unsafe fn set1(v: f32) -> Self {
+                unsafe { _mm512_set1_ps(v) }
+            }
+            #[inline(always)]
+            unsafe fn splat(p: *const f32) -> Self {
+                unsafe { _mm512_set1_ps(*p) }
+            }
+            #[inline(always)]
+            unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+                unsafe { _mm512_fmadd_ps(a, b, c) }
+            }
+            #[inline(always)]
+            unsafe fn mul(a: Self, b: Self) -> Self {
+                unsafe { _mm512_mul_ps(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn load_f32(p: *const u8) -> Self {
+                unsafe { _mm512_loadu_ps(p as *const f32) }
+            }
+            #[inline(always)]
+            unsafe fn load_f16(p: *const u8) -> Self {
+                unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+            }
+            /// bf16 is the top half of an f32: widen to 32 bits and shift into place.
+            #[inline(always)]
+            unsafe fn load_bf16(p: *const u8) -> Self {
+                unsafe {
+                    let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+                }
+            }
+            #[inline(always)]
+            unsafe fn load_i8(p: *const u8) -> Self {
+                unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))) }
+            }
+            #[inline(always)]
+            unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
+                unsafe {
+                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+                    let lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+                    (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)))
+                }
+            }
+            #[inline(always)]
+            unsafe fn store(self, p: *mut f32) {
+                unsafe { _mm512_storeu_ps(p, self) }
+            }
+        }
+
+        /// Two AVX2 registers (16 registers in all: tiles of 2 rows).
+        #[derive(Clone, Copy)]
+        pub(in super::super) struct Y2(__m256, __m256);
+
+        impl Vec16 for Y2 {
+            const ROWS: usize = 2;
+            #[inline(always)]
+            unsafe fn zero() -> Self {
+                unsafe { Y2(_mm256_setzero_ps(), _mm256_setzero_ps()) }
+            }
+            #[inline(always)]
+            unsafe fn set1(v: f32) -> Self {
+                unsafe { Y2(_mm256_set1_ps(v), _mm256_set1_ps(v)) }
+            }
+            #[inline(always)]
+            unsafe fn splat(p: *const f32) -> Self {
+                unsafe {
+                    let v = _mm256_broadcast_ss(&*p);
+                    Y2(v, v)
+                }
+            }
+            #[inline(always)]
+            unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+                unsafe { Y2(_mm256_fmadd_ps(a.0, b.0, c.0), _mm256_fmadd_ps(a.1, b.1, c.1)) }
+            }
+            #[inline(always)]
+            unsafe fn mul(a: Self, b: Self) -> Self {
+                unsafe { Y2(_mm256_mul_ps(a.0, b.0), _mm256_mul_ps(a.1, b.1)) }
+            }
+            #[inline(always)]
+            unsafe fn load_f32(p: *const u8) -> Self {
+                unsafe {
+                    let p = p as *const f32;
+                    Y2(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+                }
+            }
+            #[inline(always)]
+            unsafe fn load_f16(p: *const u8) -> Self {
+                unsafe {
+                    let p = p as *const __m128i;
+                    Y2(
+                        _mm256_cvtph_ps(_mm_loadu_si128(p)),
+                        _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
+                    )
+                }
+            }
+            #[inline(always)]
+            unsafe fn load_bf16(p: *const u8) -> Self {
+                unsafe {
+                    let p = p as *const __m128i;
+                    let a = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)));
+                    let b = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(1))));
+                    Y2(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b))
+                }
+            }
+            #[inline(always)]
+            unsafe fn load_i8(p: *const u8) -> Self {
+                unsafe {
+                    let v = _mm_loadu_si128(p as *const __m128i);
+                    Y2(
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
+                    )
+                }
+            }
+            #[inline(always)]
+            unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
+                unsafe {
+                    let v = _mm_loadu_si128(p as *const __m128i);
+                    let (a, b) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v)));
+                    let fifteen = _mm256_set1_epi32(15);
+                    let (a_lo, b_lo) = (_mm256_and_si256(a, fifteen), _mm256_and_si256(b, fifteen));
+                    let (a_hi, b_hi) = (_mm256_srli_epi32::<4>(a), _mm256_srli_epi32::<4>(b));
+                    (
+                        Y2(_mm256_cvtepi32_ps(a_lo), _mm256_cvtepi32_ps(b_lo)),
+                        Y2(_mm256_cvtepi32_ps(a_hi), _mm256_cvtepi32_ps(b_hi)),
+                    )
+                }
+            }
+            #[inline(always)]
+            unsafe fn store(self, p: *mut f32) {
+                unsafe {
+                    _mm256_storeu_ps(p, self.0);
+                    _mm256_storeu_ps(p.add(8), self.1);
+                }
+            }
+        }
+    }
+}
