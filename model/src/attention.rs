@@ -192,7 +192,9 @@ impl CausalSelfAttention {
     ) -> candle_core::Result<Tensor> {
         let (_n_rows, n_embd) = x.dims2()?;
         let qkv = self.c_attn.forward(x)?; // (N, 3C): one matmul for every sequence
-        let mut outputs = Vec::with_capacity(lens.len());
+                                           // On the CPU in f32, one fused op attends for every sequence at once (ops/attention.rs).
+        let fused = crate::ops::fused(&qkv) && qkv.device().is_cpu();
+        let (mut kv, mut outputs) = (Vec::with_capacity(lens.len()), Vec::with_capacity(lens.len()));
         let mut start = 0;
         for (&len, cache) in lens.iter().zip(caches.iter_mut()) {
             let rows = qkv.narrow(0, start, len)?; // (t, 3C)
@@ -203,14 +205,22 @@ impl CausalSelfAttention {
                     .transpose(0, 1)? // (nh, t, hs)
                     .contiguous()
             };
-            let q = heads(0)?;
             let (k, v) = cache.append(&heads(1)?, &heads(2)?)?; // (nh, offset + t, hs)
+            if fused {
+                kv.push((k, v));
+                continue;
+            }
+            let q = heads(0)?;
             let att = (q.matmul(&k.t()?)? * self.scale())?; // (nh, t, offset + t)
             let att = crate::ops::causal_softmax(&att, false)?; // new token i sees keys ..= offset + i
             let y = att.matmul(&v.contiguous()?)?; // (nh, t, hs)
             outputs.push(y.transpose(0, 1)?.reshape((len, n_embd))?); // (t, C)
         }
-        let y = Tensor::cat(&outputs, 0)?; // (N, C)
+        let y = if fused {
+            crate::ops::cached_attention(&qkv, lens, &kv, self.n_head, self.scale() as f32)?
+        } else {
+            Tensor::cat(&outputs, 0)?
+        }; // (N, C)
         self.c_proj.forward(&y)
     }
 }

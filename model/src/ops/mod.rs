@@ -13,6 +13,7 @@
 //! callers fall back to candle's ops elsewhere.
 
 mod add;
+mod attention;
 mod cross_entropy;
 mod dropout;
 mod gelu;
@@ -31,6 +32,7 @@ use gelu::Gelu;
 use layer_norm::LayerNorm;
 use softmax::CausalSoftmax;
 
+pub use attention::cached_attention;
 pub use packed::{PackedMatrix, Simd};
 
 /// The f32 data of a contiguous CPU tensor, for custom ops' `cpu_fwd`.

@@ -32,6 +32,8 @@ use crate::layers::WeightFormat;
 const LANES: usize = 16;
 /// Panels per task and per register tile.
 const GROUP: usize = 3;
+/// How far ahead of the kernel, in bytes, the first row tile asks for its panels' next lines.
+const PREFETCH: usize = 1024;
 /// The quantized formats' block along `k`, as in GGML.
 const BLOCK: usize = 32;
 
@@ -339,7 +341,7 @@ impl Simd {
 }
 
 mod kernel {
-    use super::{PackedMatrix, Simd, BLOCK, GROUP, LANES};
+    use super::{PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
     use crate::layers::WeightFormat;
 
     /// Sixteen f32 lanes: an AVX-512 register, two AVX2 registers, or an array.
@@ -361,6 +363,8 @@ mod kernel {
         /// 16 bytes of two 4-bit codes each: (low, high).
         unsafe fn load_nibbles(p: *const u8) -> (Self, Self);
         unsafe fn store(self, p: *mut f32);
+        /// A hint to bring the cache line at `p` in (no effect where there is none).
+        unsafe fn prefetch(_p: *const u8) {}
     }
 
     /// How one format's panel yields weight vectors: in blocks of `BLOCK` positions along `k`,
@@ -554,6 +558,9 @@ mod kernel {
                 for j in 0..GROUP {
                     block[j] = t.panels.add(j * t.panel_bytes + b * F::BLOCK_BYTES);
                     scale[j] = F::scale(block[j]);
+                    if i0 == 0 {
+                        V::prefetch(block[j].wrapping_add(PREFETCH));
+                    }
                 }
                 for s in 0..F::STEPS {
                     for j in 0..GROUP {
@@ -702,6 +709,10 @@ mod kernel {
             #[inline(always)]
             unsafe fn store(self, p: *mut f32) {
                 unsafe { _mm512_storeu_ps(p, self) }
+            }
+            #[inline(always)]
+            unsafe fn prefetch(p: *const u8) {
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
             }
         }
 

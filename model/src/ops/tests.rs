@@ -163,3 +163,73 @@ fn label_smoothing_matches_pytorch_forward_and_backward() {
         }
     }
 }
+
+/// The fused attention of new tokens against their caches, for sequences with different cached
+/// lengths at once (keys and values read through strided views of larger buffers, as the KV cache
+/// holds them), against softmax(q k^T / sqrt(hs) + causal mask) v with candle's ops; head sizes
+/// that take the AVX2 kernel (64) and the plain one (24). Each sequence's rows equal those it gets
+/// alone.
+#[test]
+fn cached_attention_matches_candle() {
+    let dev = Device::Cpu;
+    for (n_head, hs) in [(3usize, 64usize), (2, 24)] {
+        let c = n_head * hs;
+        let (lens, cached) = ([1usize, 4, 2], [5usize, 0, 9]);
+        let n: usize = lens.iter().sum();
+        let qkv = Tensor::randn(0f32, 1.0, (n, 3 * c), &dev).unwrap();
+        let mut kv = Vec::new();
+        let mut expected = Vec::new();
+        let mut row0 = 0;
+        for (&len, &offset) in lens.iter().zip(&cached) {
+            let t = offset + len;
+            // (nh, T, hs) views into buffers with room for 7 more positions.
+            let buffer = |seed: f32| {
+                let full = (Tensor::randn(0f32, 1.0, (n_head, t + 7, hs), &dev).unwrap() * seed as f64).unwrap();
+                full.narrow(1, 0, t).unwrap()
+            };
+            let (k, v) = (buffer(1.0), buffer(0.5));
+            let heads = |i: usize| {
+                qkv.narrow(0, row0, len)
+                    .unwrap()
+                    .narrow(1, i * c, c)
+                    .unwrap()
+                    .reshape((len, n_head, hs))
+                    .unwrap()
+                    .transpose(0, 1)
+                    .unwrap()
+                    .contiguous()
+                    .unwrap()
+            };
+            let q = heads(0);
+            let att = (q.matmul(&k.t().unwrap()).unwrap() / (hs as f64).sqrt()).unwrap(); // (nh, len, T)
+            let mask: Vec<f32> = (0..len)
+                .flat_map(|i| (0..t).map(move |j| if j <= offset + i { 0.0 } else { f32::NEG_INFINITY }))
+                .collect();
+            let mask = Tensor::from_vec(mask, (len, t), &dev).unwrap();
+            let att = candle_nn::ops::softmax_last_dim(&att.broadcast_add(&mask).unwrap()).unwrap();
+            let y = att.matmul(&v.contiguous().unwrap()).unwrap(); // (nh, len, hs)
+            expected.push(y.transpose(0, 1).unwrap().reshape((len, c)).unwrap());
+            kv.push((k, v));
+            row0 += len;
+        }
+        let expected = Tensor::cat(&expected, 0).unwrap();
+        let got = cached_attention(&qkv, &lens, &kv, n_head, 1.0 / (hs as f32).sqrt()).unwrap();
+        let d = max_diff(&got, &expected);
+        assert!(d < 1e-5, "n_head={n_head} hs={hs}: {d}");
+        // Batch invariance: the middle sequence alone.
+        let alone = cached_attention(
+            &qkv.narrow(0, 1, 4).unwrap(),
+            &[4],
+            &kv[1..2],
+            n_head,
+            1.0 / (hs as f32).sqrt(),
+        )
+        .unwrap();
+        let diff = max_diff(&alone, &got.narrow(0, 1, 4).unwrap());
+        assert_eq!(diff, 0.0);
+    }
+    // Lengths that do not add up to the rows are an error, not a panic.
+    let qkv = Tensor::zeros((3, 3 * 64), DType::F32, &dev).unwrap();
+    let kv = Tensor::zeros((1, 3, 64), DType::F32, &dev).unwrap();
+    assert!(cached_attention(&qkv, &[2], &[(kv.clone(), kv)], 1, 0.125).is_err());
+}

@@ -1,0 +1,288 @@
+//! Causal attention of a generation step's new tokens against their sequences' KV caches, on
+//! the CPU in f32: one task per (sequence, head) on candle's thread pool, reading the queries
+//! from the fused `qkv` projection and the keys and values where the caches hold them.
+//!
+//! Why not candle's ops: per sequence and layer those are a transposed copy of the queries, a copy
+//! of the whole value cache (`contiguous` on the cache's view), two small matmuls and a softmax,
+//! each dispatched alone on the calling thread while the pool's other threads wait: at batch 16
+//! about a fifth of a decode step. Each output row here depends only on its own query and its
+//! sequence's keys and values, never on the batch (batch-invariant).
+
+use candle_core::{Device, Layout, Result, Storage, Tensor};
+
+/// Keys or values of one sequence: `(n_head, T, head_dim)` with unit stride in the last dim.
+struct Heads<'a> {
+    data: &'a [f32],
+    start: usize,
+    head_stride: usize,
+    pos_stride: usize,
+}
+
+impl<'a> Heads<'a> {
+    fn new(storage: &'a Storage, layout: &Layout, n_head: usize, t: usize, hs: usize) -> Result<Self> {
+        let Storage::Cpu(cpu) = storage else {
+            candle_core::bail!("cached-attention: the cache is not on the CPU")
+        };
+        let stride = layout.stride();
+        if layout.dims() != [n_head, t, hs] || stride[2] != 1 {
+            candle_core::bail!(
+                "cached-attention: the cache is {:?} with strides {stride:?}",
+                layout.dims()
+            )
+        }
+        Ok(Self {
+            data: cpu.as_slice::<f32>()?,
+            start: layout.start_offset(),
+            head_stride: stride[0],
+            pos_stride: stride[1],
+        })
+    }
+
+    /// Head `h` at position `j`.
+    fn row(&self, h: usize, j: usize, hs: usize) -> &[f32] {
+        &self.data[self.start + h * self.head_stride + j * self.pos_stride..][..hs]
+    }
+}
+
+/// `softmax(q k^T * scale) v` for each new token (causal: token `i` of a sequence whose cache held
+/// `T - len` positions before this step sees keys `..= T - len + i`). `qkv` is `(N, 3C)`, the new
+/// tokens of each sequence in turn (`lens[s]` of them); `kv[s]` are sequence `s`'s keys and values
+/// `(n_head, T, C / n_head)` after this step's append. Returns `(N, C)`.
+pub fn cached_attention(
+    qkv: &Tensor,
+    lens: &[usize],
+    kv: &[(Tensor, Tensor)],
+    n_head: usize,
+    scale: f32,
+) -> Result<Tensor> {
+    let (n_rows, width) = qkv.dims2()?;
+    let c = width / 3;
+    let hs = c / n_head.max(1);
+    if lens.iter().sum::<usize>() != n_rows || kv.len() != lens.len() || hs * n_head != c || 3 * c != width {
+        candle_core::bail!("cached-attention: {n_rows} rows of {width} for lengths {lens:?} and {n_head} heads")
+    }
+    let qkv = qkv.contiguous()?;
+    let (q_storage, q_layout) = qkv.storage_and_layout();
+    let Storage::Cpu(q_cpu) = &*q_storage else {
+        candle_core::bail!("cached-attention: qkv is not on the CPU")
+    };
+    let q = super::f32_slice(q_cpu, q_layout, "cached-attention")?;
+    let guards: Vec<_> = kv
+        .iter()
+        .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
+        .collect();
+    let mut seqs = Vec::with_capacity(lens.len());
+    let mut row0 = 0;
+    for (((k, k_layout), (v, v_layout)), &len) in guards.iter().zip(lens) {
+        let t = k_layout.dims().get(1).copied().unwrap_or(0);
+        if t < len {
+            candle_core::bail!("cached-attention: {len} new tokens but {t} cached positions")
+        }
+        let keys = Heads::new(k, k_layout, n_head, t, hs)?;
+        let values = Heads::new(v, v_layout, n_head, t, hs)?;
+        seqs.push((keys, values, row0, len, t));
+        row0 += len;
+    }
+    let mut y = vec![0f32; n_rows * c];
+    let y_at = y.as_mut_ptr() as usize;
+    let avx2 = cfg!(target_arch = "x86_64") && {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    };
+    candle_core::utils::barrier_pool().execute_chunked(seqs.len() * n_head, |range| {
+        for task in range {
+            let (keys, values, row0, len, t) = &seqs[task / n_head];
+            let head = Head {
+                q,
+                keys,
+                values,
+                h: task % n_head,
+                hs,
+                c,
+                row0: *row0,
+                len: *len,
+                t: *t,
+                scale,
+            };
+            // SAFETY: each task writes head `h`'s columns of its sequence's rows only, and `y`
+            // outlives the pool's call.
+            unsafe {
+                let y = y_at as *mut f32;
+                #[cfg(target_arch = "x86_64")]
+                if avx2 {
+                    match hs {
+                        32 => x86::attend::<4>(&head, y),
+                        64 => x86::attend::<8>(&head, y),
+                        128 => x86::attend::<16>(&head, y),
+                        _ => head.attend(y),
+                    }
+                    continue;
+                }
+                let _ = avx2;
+                head.attend(y);
+            }
+        }
+    });
+    drop(guards);
+    Tensor::from_vec(y, (n_rows, c), &Device::Cpu)
+}
+
+/// One (sequence, head) task: its new tokens' rows, in plain Rust (other head sizes and CPUs;
+/// `x86::attend` is the same computation for head sizes 32, 64 and 128 with AVX2).
+struct Head<'a> {
+    q: &'a [f32],
+    keys: &'a Heads<'a>,
+    values: &'a Heads<'a>,
+    h: usize,
+    hs: usize,
+    c: usize,
+    row0: usize,
+    len: usize,
+    t: usize,
+    scale: f32,
+}
+
+impl Head<'_> {
+    /// # Safety
+    /// `y` is `(N, C)` and no other thread writes this head's columns of these rows.
+    unsafe fn attend(&self, y: *mut f32) {
+        let (hs, offset) = (self.hs, self.t - self.len);
+        let mut scores = vec![0f32; self.t];
+        for i in 0..self.len {
+            let row = self.row0 + i;
+            let q = &self.q[row * 3 * self.c + self.h * hs..][..hs];
+            let keys = &mut scores[..offset + i + 1];
+            let mut max = f32::NEG_INFINITY;
+            for (j, s) in keys.iter_mut().enumerate() {
+                *s = dot(q, self.keys.row(self.h, j, hs)) * self.scale;
+                max = max.max(*s);
+            }
+            let mut sum = 0f32;
+            for s in keys.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            // softmax(..) v, 16 output columns at a time so that the sums stay in registers;
+            // each output sums over the keys in order.
+            let inv = 1.0 / sum;
+            let out = unsafe { y.add(row * self.c + self.h * hs) };
+            let mut d0 = 0;
+            while d0 < hs {
+                let width = LANES.min(hs - d0);
+                let mut acc = [0f32; LANES];
+                for (j, &p) in keys.iter().enumerate() {
+                    let v = &self.values.row(self.h, j, hs)[d0..d0 + width];
+                    if let Ok(v) = <&[f32; LANES]>::try_from(v) {
+                        for l in 0..LANES {
+                            acc[l] += p * v[l];
+                        }
+                    } else {
+                        for (a, &x) in acc.iter_mut().zip(v) {
+                            *a += p * x;
+                        }
+                    }
+                }
+                for (l, &a) in acc.iter().take(width).enumerate() {
+                    unsafe { *out.add(d0 + l) = a * inv };
+                }
+                d0 += width;
+            }
+        }
+    }
+}
+
+const LANES: usize = 16;
+
+/// `a . b` with 16 partial sums, added pairwise (vectorisable without reassociation).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        let (x, y): (&[f32; LANES], &[f32; LANES]) = (
+            x.try_into().unwrap_or(&[0.0; LANES]),
+            y.try_into().unwrap_or(&[0.0; LANES]),
+        );
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+    }
+    acc[0] + tail
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::Head;
+
+    /// [`Head::attend`] with the head's `8 * CH` values in AVX2 registers: the query, one key's
+    /// product, and the output's sums (one register per 8 columns, so that consecutive keys'
+    /// multiply-adds are independent).
+    ///
+    /// # Safety
+    /// As [`Head::attend`]; `head.hs == 8 * CH`; the CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn attend<const CH: usize>(head: &Head, y: *mut f32) {
+        let (hs, offset) = (head.hs, head.t - head.len);
+        let mut scores = vec![0f32; head.t];
+        unsafe {
+            for i in 0..head.len {
+                let row = head.row0 + i;
+                let q_at = head.q.as_ptr().add(row * 3 * head.c + head.h * hs);
+                let mut q = [_mm256_setzero_ps(); CH];
+                for (c, v) in q.iter_mut().enumerate() {
+                    *v = _mm256_loadu_ps(q_at.add(8 * c));
+                }
+                let keys = &mut scores[..offset + i + 1];
+                let mut max = f32::NEG_INFINITY;
+                for (j, s) in keys.iter_mut().enumerate() {
+                    let k = head.keys.row(head.h, j, hs).as_ptr();
+                    let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    for c in (0..CH).step_by(2) {
+                        a = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(k.add(8 * c)), a);
+                        b = _mm256_fmadd_ps(q[c + 1], _mm256_loadu_ps(k.add(8 * c + 8)), b);
+                    }
+                    let sum = _mm256_add_ps(a, b);
+                    let sum = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps::<1>(sum));
+                    let sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+                    let sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+                    *s = _mm_cvtss_f32(sum) * head.scale;
+                    max = max.max(*s);
+                }
+                let mut total = 0f32;
+                for s in keys.iter_mut() {
+                    *s = (*s - max).exp();
+                    total += *s;
+                }
+                let mut acc = [_mm256_setzero_ps(); CH];
+                for (j, &p) in keys.iter().enumerate() {
+                    let v = head.values.row(head.h, j, hs).as_ptr();
+                    let p = _mm256_set1_ps(p);
+                    for (c, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add(8 * c)), *a);
+                    }
+                }
+                let inv = _mm256_set1_ps(1.0 / total);
+                let out = y.add(row * head.c + head.h * hs);
+                for (c, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(8 * c), _mm256_mul_ps(*a, inv));
+                }
+            }
+        }
+    }
+}
