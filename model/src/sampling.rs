@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
 use crate::error::Result;
@@ -84,36 +84,60 @@ impl Sampler {
     /// tokens generated so far. This is what sampling sees; `logprobs` are reported from the raw
     /// logits instead.
     pub fn penalised(&self, logits: &Tensor, prompt: &[u32], output: &[u32]) -> Result<Tensor> {
+        let values = self.penalised_values(&logits.to_dtype(DType::F32)?.to_vec1::<f32>()?, prompt, output)?;
+        Ok(Tensor::from_vec(values, logits.shape(), logits.device())?)
+    }
+
+    /// [`Sampler::penalised`] on the host: one copy of the row.
+    fn penalised_values(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Result<Vec<f32>> {
         let p = &self.params;
-        let mut logits = logits.to_dtype(DType::F32)?;
-        if p.repetition_penalty != 1.0 {
+        let mut values = if p.repetition_penalty != 1.0 {
             let context: Vec<u32> = prompt.iter().chain(output).copied().collect();
-            logits = candle_transformers::utils::apply_repeat_penalty(&logits, p.repetition_penalty, &context)?;
-        }
-        let penalties = (p.presence_penalty != 0.0 || p.frequency_penalty != 0.0) && !self.counts.is_empty();
-        if penalties || !p.logit_bias.is_empty() {
-            let mut values = logits.to_vec1::<f32>()?;
-            if penalties {
-                for (&token, &count) in &self.counts {
-                    if let Some(v) = values.get_mut(token as usize) {
-                        *v -= p.presence_penalty + p.frequency_penalty * count as f32;
-                    }
-                }
-            }
-            for &(token, bias) in &p.logit_bias {
+            let row = Tensor::new(logits, &Device::Cpu)?;
+            candle_transformers::utils::apply_repeat_penalty(&row, p.repetition_penalty, &context)?.to_vec1::<f32>()?
+        } else {
+            logits.to_vec()
+        };
+        if (p.presence_penalty != 0.0 || p.frequency_penalty != 0.0) && !self.counts.is_empty() {
+            for (&token, &count) in &self.counts {
                 if let Some(v) = values.get_mut(token as usize) {
-                    *v += bias;
+                    *v -= p.presence_penalty + p.frequency_penalty * count as f32;
                 }
             }
-            logits = Tensor::from_vec(values, logits.shape(), logits.device())?;
         }
-        Ok(logits)
+        for &(token, bias) in &p.logit_bias {
+            if let Some(v) = values.get_mut(token as usize) {
+                *v += bias;
+            }
+        }
+        Ok(values)
+    }
+
+    /// [`Sampler::sample_row`] for a `(vocab,)` tensor.
+    pub fn sample(&mut self, logits: &Tensor, prompt: &[u32], output: &[u32], suppress: &[u32]) -> Result<u32> {
+        self.sample_row(
+            &logits.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+            prompt,
+            output,
+            suppress,
+        )
     }
 
     /// The next token for one sequence; `logits` is `(vocab,)`. `suppress` lists tokens that may
     /// not be chosen now (the end-of-text token before `min_tokens`, say).
-    pub fn sample(&mut self, logits: &Tensor, prompt: &[u32], output: &[u32], suppress: &[u32]) -> Result<u32> {
-        let mut values = self.penalised(logits, prompt, output)?.to_vec1::<f32>()?;
+    pub fn sample_row(&mut self, logits: &[f32], prompt: &[u32], output: &[u32], suppress: &[u32]) -> Result<u32> {
+        let p = &self.params;
+        let unpenalised = p.repetition_penalty == 1.0
+            && p.logit_bias.is_empty()
+            && ((p.presence_penalty == 0.0 && p.frequency_penalty == 0.0) || self.counts.is_empty());
+        if p.temperature < 1e-7 && unpenalised {
+            // Greedy on the raw row: one pass, no copy (the general path below picks the same).
+            let token =
+                argmax(logits, suppress).ok_or(crate::Error::EmptyInput("every token is excluded from sampling"))?;
+            *self.counts.entry(token).or_insert(0) += 1;
+            return Ok(token);
+        }
+        let mut values = self.penalised_values(logits, prompt, output)?;
         for &token in suppress {
             if let Some(v) = values.get_mut(token as usize) {
                 *v = f32::NEG_INFINITY;
@@ -147,16 +171,32 @@ impl Sampler {
                 *v - max
             };
         }
-        let token = self.processor.sample(&Tensor::new(values, logits.device())?)?;
+        let token = if temperature < 1e-7 {
+            argmax(&values, &[]).ok_or(crate::Error::EmptyInput("every token is excluded from sampling"))?
+        } else {
+            let n = values.len();
+            self.processor.sample(&Tensor::from_vec(values, n, &Device::Cpu)?)?
+        };
         *self.counts.entry(token).or_insert(0) += 1;
         Ok(token)
     }
 }
 
+/// Greedy choice, as `LogitsProcessor`'s argmax: the first of equal maxima, NaN never chosen,
+/// nor a token of `suppress`; `None` when every logit is -inf, NaN or suppressed.
+fn argmax(logits: &[f32], suppress: &[u32]) -> Option<u32> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > f32::NEG_INFINITY && best.is_none_or(|(_, b)| b < v) && !suppress.contains(&(i as u32)) {
+            best = Some((i, v));
+        }
+    }
+    best.map(|(i, _)| i as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
 
     fn logits() -> Tensor {
         Tensor::new(&[1.0f32, 3.0, 2.0, 0.5, 2.9], &Device::Cpu).unwrap()
@@ -227,6 +267,37 @@ mod tests {
         let draws: Vec<u32> = (0..200).map(|_| s.sample(&logits(), &[], &[], &[]).unwrap()).collect();
         assert!(draws.iter().all(|&t| t == 1 || t == 4), "{draws:?}");
         assert!(draws.contains(&1) && draws.contains(&4));
+    }
+
+    /// Greedy decoding's one-pass path picks what the general path picks (forced here by a bias
+    /// on a token outside the vocabulary): the first of tied maxima, never NaN, -inf or a
+    /// suppressed token, the first +inf; and an error when nothing can be chosen.
+    #[test]
+    fn greedy_fast_path_agrees_with_the_general_path() {
+        let nan = f32::NAN;
+        let rows: [&[f32]; 6] = [
+            &[1.0, 3.0, 3.0, 2.0],
+            &[nan, 0.5, nan, 0.7],
+            &[f32::NEG_INFINITY, -1e30, -2e30],
+            &[0.0, f32::INFINITY, 1.0, f32::INFINITY],
+            &[nan, f32::NEG_INFINITY],
+            &[2.0, 1.0, 2.0],
+        ];
+        for row in rows {
+            for suppress in [&[][..], &[1, 2][..], &[0][..]] {
+                let mut fast = Sampler::new(SamplingParams::default());
+                let mut general = Sampler::new(SamplingParams {
+                    logit_bias: vec![(99, 1.0)],
+                    ..Default::default()
+                });
+                let a = fast.sample_row(row, &[], &[], suppress).ok();
+                let b = general.sample_row(row, &[], &[], suppress).ok();
+                assert_eq!(a, b, "{row:?} suppress {suppress:?}");
+            }
+        }
+        let mut s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample_row(&[1.0, 3.0, 3.0], &[], &[], &[]).unwrap(), 1);
+        assert!(s.sample_row(&[f32::NAN, f32::NEG_INFINITY], &[], &[], &[]).is_err());
     }
 
     #[test]

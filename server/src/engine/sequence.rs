@@ -6,7 +6,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
 use gpt::{KvCache, Sampler, Tokenizer};
 use tokio::sync::mpsc;
 
@@ -189,9 +188,8 @@ impl Sequence {
         } else {
             Vec::new()
         };
-        let row = Tensor::new(logits, &Device::Cpu)?;
         let prompt = &r.prompts[self.prompt].ids;
-        let token = self.sampler.sample(&row, prompt, &self.output, &suppress)?;
+        let token = self.sampler.sample_row(logits, prompt, &self.output, &suppress)?;
         let now = Instant::now();
         match self.last_token_at {
             None => metrics
