@@ -563,7 +563,9 @@ mod kernel {
                     block[j] = t.panels.add(j * t.panel_bytes + b * F::BLOCK_BYTES);
                     scale[j] = F::scale(block[j]);
                     if i0 == 0 {
-                        V::prefetch(block[j].wrapping_add(PREFETCH));
+                        for line in 0..F::BLOCK_BYTES.div_ceil(64) {
+                            V::prefetch(block[j].wrapping_add(PREFETCH + 64 * line));
+                        }
                     }
                 }
                 for s in 0..F::STEPS {
