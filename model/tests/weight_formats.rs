@@ -198,3 +198,23 @@ fn quantizing_rows_that_are_not_whole_blocks_names_the_tensor() -> anyhow::Resul
     assert!(err.contains("transformer.wte.weight") && err.contains("32"), "{err}");
     Ok(())
 }
+
+/// Bad inputs to the packed kernel are errors that say what is wrong, not panics.
+#[test]
+fn packed_matrix_rejects_bad_inputs() -> anyhow::Result<()> {
+    let w = Tensor::randn(0f32, 1.0, (8, 64), &Device::Cpu)?;
+    let packed = PackedMatrix::from_dense(&w, WeightFormat::Q8_0)?;
+    let err = packed
+        .matmul(&Tensor::zeros((2, 32), DType::F32, &Device::Cpu)?)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("(.., 32)") && err.contains("(8, 64)"), "{err}");
+    let err = PackedMatrix::from_dense(&Tensor::zeros((4, 40), DType::F32, &Device::Cpu)?, WeightFormat::Q4_0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("multiple of 32") && err.contains("40"), "{err}");
+    let q41 = candle_core::quantized::QTensor::quantize(&w, candle_core::quantized::GgmlDType::Q4_1)?;
+    let err = PackedMatrix::from_qtensor(&q41).unwrap_err().to_string();
+    assert!(err.contains("Q4_1") && err.contains("q8_0"), "{err}");
+    Ok(())
+}
