@@ -144,17 +144,31 @@ impl Runner {
                 .to_device(&Device::Cpu)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
-            for (row, &(i, pos)) in logits.chunks_exact(vocab).zip(&owners[start..start + rows]) {
-                let input = &inputs[i];
-                if pos + 1 == input.tokens.len() {
+            // Prompt positions' log-probabilities: a pass over the vocabulary each, independent,
+            // so spread over candle's thread pool.
+            let owners = &owners[start..start + rows];
+            let positions: Vec<std::sync::OnceLock<PositionLogprob>> =
+                owners.iter().map(|_| Default::default()).collect();
+            candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
+                for r in range {
+                    let (i, pos) = owners[r];
+                    let input = &inputs[i];
+                    if let (true, Some(k)) = (pos + 1 < input.tokens.len(), input.prompt_logprobs) {
+                        let row = &logits[r * vocab..(r + 1) * vocab];
+                        let lse = log_sum_exp(row);
+                        let next = input.tokens[pos + 1] as usize;
+                        let _ = positions[r].set(PositionLogprob {
+                            logprob: row[next] - lse,
+                            top: top_k(row, k, lse),
+                        });
+                    }
+                }
+            });
+            for ((row, &(i, pos)), position) in logits.chunks_exact(vocab).zip(owners).zip(positions) {
+                if pos + 1 == inputs[i].tokens.len() {
                     outputs[i].last = row.to_vec();
-                } else if let Some(k) = input.prompt_logprobs {
-                    let lse = log_sum_exp(row);
-                    let next = input.tokens[pos + 1] as usize;
-                    outputs[i].prompt_logprobs.push(PositionLogprob {
-                        logprob: row[next] - lse,
-                        top: top_k(row, k, lse),
-                    });
+                } else if let Some(p) = position.into_inner() {
+                    outputs[i].prompt_logprobs.push(p);
                 }
             }
         }
@@ -173,20 +187,21 @@ pub fn log_sum_exp(row: &[f32]) -> f32 {
 }
 
 /// The `k` most likely tokens of a logits row as `(id, log-probability)`, most likely first
-/// (ties: lower id first). A linear-time selection, then a sort of the `k` chosen only.
+/// (ties: lower id first). One pass that keeps the best `k` seen in order: the API allows a small
+/// `k` (logprobs <= 20), and past the first few tokens almost none enters.
 pub fn top_k(row: &[f32], k: usize, lse: f32) -> Vec<(u32, f32)> {
     let k = k.min(row.len());
-    if k == 0 {
-        return Vec::new();
+    let mut best: Vec<(usize, f32)> = Vec::with_capacity(k + 1);
+    for (i, &v) in row.iter().enumerate() {
+        if best.len() == k && best.last().is_none_or(|&(_, w)| v.total_cmp(&w).is_le()) {
+            continue;
+        }
+        // After every kept value at least as large (earlier ids win ties).
+        let at = best.partition_point(|&(_, w)| w.total_cmp(&v).is_ge());
+        best.insert(at, (i, v));
+        best.truncate(k);
     }
-    let order = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
-    let mut ids: Vec<usize> = (0..row.len()).collect();
-    if k < ids.len() {
-        ids.select_nth_unstable_by(k - 1, order);
-        ids.truncate(k);
-    }
-    ids.sort_unstable_by(order);
-    ids.into_iter().map(|i| (i as u32, row[i] - lse)).collect()
+    best.into_iter().map(|(i, v)| (i as u32, v - lse)).collect()
 }
 
 #[cfg(test)]
@@ -270,5 +285,17 @@ mod tests {
         }
         let probs: f32 = row.iter().map(|&x| (x - lse).exp()).sum();
         assert!((probs - 1.0).abs() < 1e-4);
+        // Ties (lower id first), infinities and NaN, in the full sort's order too.
+        let mut row: Vec<f32> = (0..500).map(|i| (i % 7) as f32).collect();
+        row[3] = f32::NEG_INFINITY;
+        row[10] = f32::INFINITY;
+        row[20] = f32::NAN;
+        let mut sorted: Vec<usize> = (0..row.len()).collect();
+        sorted.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        for k in [1, 3, 20, 500] {
+            let want: Vec<u32> = sorted.iter().take(k).map(|&i| i as u32).collect();
+            let got: Vec<u32> = top_k(&row, k, 0.0).into_iter().map(|(i, _)| i).collect();
+            assert_eq!(got, want, "k = {k}");
+        }
     }
 }
