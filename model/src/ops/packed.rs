@@ -71,11 +71,12 @@ impl PackedMatrix {
         }
         let values = w.flatten_all()?.to_vec1::<f32>()?;
         let mut packed = Self::zeros(format, n, k);
-        let size = format_bytes(format);
+        let (size, panel) = (format_bytes(format), panel_bytes(format, k));
+        let bytes = packed.bytes_mut();
         for (r, row) in values.chunks_exact(k.max(1)).enumerate().take(n) {
+            let start = r / LANES * panel + r % LANES * size;
             for (c, &v) in row.iter().enumerate() {
-                let at = packed.panel_start(r) + (c * LANES + r % LANES) * size;
-                let bytes = packed.bytes_mut();
+                let at = start + c * LANES * size;
                 match format {
                     WeightFormat::F16 => bytes[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
                     WeightFormat::Bf16 => bytes[at..at + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
