@@ -192,7 +192,8 @@ impl CausalSelfAttention {
     ) -> candle_core::Result<Tensor> {
         let (_n_rows, n_embd) = x.dims2()?;
         let qkv = self.c_attn.forward(x)?; // (N, 3C): one matmul for every sequence
-                                           // On the CPU in f32, one fused op attends for every sequence at once (ops/attention.rs).
+
+        // On the CPU in f32, one fused op attends for every sequence at once (ops/attention.rs).
         let fused = crate::ops::fused(&qkv) && qkv.device().is_cpu();
         let (mut kv, mut outputs) = (Vec::with_capacity(lens.len()), Vec::with_capacity(lens.len()));
         let mut start = 0;

@@ -85,16 +85,7 @@ pub fn cached_attention(
     }
     let mut y = vec![0f32; n_rows * c];
     let y_at = y.as_mut_ptr() as usize;
-    let avx2 = cfg!(target_arch = "x86_64") && {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    };
+    let avx2 = avx2_fma();
     candle_core::utils::barrier_pool().execute_chunked(seqs.len() * n_head, |range| {
         for task in range {
             let (keys, values, row0, len, t) = &seqs[task / n_head];
@@ -131,6 +122,18 @@ pub fn cached_attention(
     });
     drop(guards);
     Tensor::from_vec(y, (n_rows, c), &Device::Cpu)
+}
+
+/// Whether this CPU runs `x86::attend` (AVX2 and FMA).
+fn avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// One (sequence, head) task: its new tokens' rows, in plain Rust (other head sizes and CPUs;

@@ -1,0 +1,474 @@
+//! The kernel behind [`super::PackedMatrix::matmul`]: register tiles of activation rows times
+//! panels, for each weight format and instruction set.
+
+use super::{PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
+use crate::layers::WeightFormat;
+
+/// Sixteen f32 lanes: an AVX-512 register, two AVX2 registers, or an array.
+pub(super) trait Vec16: Copy {
+    /// Activation rows per register tile.
+    const ROWS: usize;
+    unsafe fn zero() -> Self;
+    unsafe fn set1(v: f32) -> Self;
+    /// `*p` in every lane.
+    unsafe fn splat(p: *const f32) -> Self;
+    /// `a * b + c`, rounded once.
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    unsafe fn load_f32(p: *const u8) -> Self;
+    unsafe fn load_f16(p: *const u8) -> Self;
+    unsafe fn load_bf16(p: *const u8) -> Self;
+    /// 16 signed bytes.
+    unsafe fn load_i8(p: *const u8) -> Self;
+    /// 16 bytes of two 4-bit codes each: (low, high).
+    unsafe fn load_nibbles(p: *const u8) -> (Self, Self);
+    unsafe fn store(self, p: *mut f32);
+    /// A hint to bring the cache line at `p` in (no effect where there is none).
+    unsafe fn prefetch(_p: *const u8) {}
+}
+
+/// How one format's panel yields weight vectors: in blocks of `BLOCK` positions along `k`,
+/// `STEPS` loads per block, each giving `PER_STEP` vectors.
+pub(super) trait Format {
+    const BLOCK: usize;
+    const BLOCK_BYTES: usize;
+    const STEPS: usize;
+    const PER_STEP: usize;
+    /// The position within its block of vector `h` of step `t`.
+    fn pos(t: usize, h: usize) -> usize;
+    /// The block's scales (quantized formats).
+    unsafe fn scale<V: Vec16>(block: *const u8) -> V;
+    unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2];
+}
+
+pub(super) struct F32;
+pub(super) struct F16;
+pub(super) struct Bf16;
+pub(super) struct Q8_0;
+pub(super) struct Q4_0;
+
+macro_rules! dense_format {
+    ($name:ident, $bytes:expr, $load:ident) => {
+        impl Format for $name {
+            const BLOCK: usize = 1;
+            const BLOCK_BYTES: usize = LANES * $bytes;
+            const STEPS: usize = 1;
+            const PER_STEP: usize = 1;
+            #[inline(always)]
+            fn pos(_: usize, _: usize) -> usize {
+                0
+            }
+            #[inline(always)]
+            unsafe fn scale<V: Vec16>(_: *const u8) -> V {
+                unsafe { V::zero() }
+            }
+            #[inline(always)]
+            unsafe fn weights<V: Vec16>(block: *const u8, _: usize, _: V) -> [V; 2] {
+                unsafe { [V::$load(block), V::zero()] }
+            }
+        }
+    };
+}
+dense_format!(F32, 4, load_f32);
+dense_format!(F16, 2, load_f16);
+dense_format!(Bf16, 2, load_bf16);
+
+impl Format for Q8_0 {
+    const BLOCK: usize = BLOCK;
+    const BLOCK_BYTES: usize = LANES * BLOCK + 2 * LANES;
+    const STEPS: usize = BLOCK;
+    const PER_STEP: usize = 1;
+    #[inline(always)]
+    fn pos(t: usize, _: usize) -> usize {
+        t
+    }
+    #[inline(always)]
+    unsafe fn scale<V: Vec16>(block: *const u8) -> V {
+        unsafe { V::load_f16(block.add(LANES * BLOCK)) }
+    }
+    #[inline(always)]
+    unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2] {
+        unsafe { [V::mul(V::load_i8(block.add(t * LANES)), scale), V::zero()] }
+    }
+}
+
+impl Format for Q4_0 {
+    const BLOCK: usize = BLOCK;
+    const BLOCK_BYTES: usize = LANES * BLOCK / 2 + 2 * LANES;
+    const STEPS: usize = BLOCK / 2;
+    const PER_STEP: usize = 2;
+    /// GGML's order: byte `t` holds positions `t` (low) and `t + 16` (high).
+    #[inline(always)]
+    fn pos(t: usize, h: usize) -> usize {
+        t + h * BLOCK / 2
+    }
+    #[inline(always)]
+    unsafe fn scale<V: Vec16>(block: *const u8) -> V {
+        unsafe { V::load_f16(block.add(LANES * BLOCK / 2)) }
+    }
+    #[inline(always)]
+    unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2] {
+        // (q - 8) * scale as q * scale - 8 * scale: one rounding of an exact value, so the
+        // same weight, in one instruction fewer (`-8 * scale` is computed once per block).
+        unsafe {
+            let (lo, hi) = V::load_nibbles(block.add(t * LANES));
+            let offset = V::mul(scale, V::set1(-8.0));
+            [V::fma(lo, scale, offset), V::fma(hi, scale, offset)]
+        }
+    }
+}
+
+/// One task's operands: output columns `col0..col0 + 32` (two panels from `panels`) of
+/// every row.
+pub(super) struct Task {
+    pub x: *const f32,
+    pub y: *mut f32,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub panels: *const u8,
+    pub panel_bytes: usize,
+    pub col0: usize,
+}
+
+/// `y = x @ W^T` over candle's thread pool, a task per two panels.
+pub(super) fn run(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Simd) {
+    match w.format {
+        WeightFormat::F32 => run_format::<F32>(w, x, y, m, simd),
+        WeightFormat::F16 => run_format::<F16>(w, x, y, m, simd),
+        WeightFormat::Bf16 => run_format::<Bf16>(w, x, y, m, simd),
+        WeightFormat::Q8_0 => run_format::<Q8_0>(w, x, y, m, simd),
+        WeightFormat::Q4_0 => run_format::<Q4_0>(w, x, y, m, simd),
+    }
+}
+
+fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Simd) {
+    debug_assert!(x.len() == m * w.k && y.len() == m * w.n);
+    let panel_bytes = super::panel_bytes(w.format, w.k);
+    let groups = w.n.div_ceil(LANES * GROUP);
+    let (x_at, y_at, w_at) = (
+        x.as_ptr() as usize,
+        y.as_mut_ptr() as usize,
+        w.bytes().as_ptr() as usize,
+    );
+    candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
+        for g in range {
+            let t = Task {
+                x: x_at as *const f32,
+                y: y_at as *mut f32,
+                m,
+                n: w.n,
+                k: w.k,
+                panels: (w_at + g * GROUP * panel_bytes) as *const u8,
+                panel_bytes,
+                col0: g * GROUP * LANES,
+            };
+            // SAFETY: tasks write disjoint columns of `y`, which outlives the pool's call;
+            // the panels of group `g` exist (the matrix is padded to whole groups); `simd`
+            // is available (`Simd::available`).
+            unsafe {
+                match simd {
+                    #[cfg(target_arch = "x86_64")]
+                    Simd::Avx512 => x86::task512::<F>(&t),
+                    #[cfg(target_arch = "x86_64")]
+                    Simd::Avx2 => x86::task256::<F>(&t),
+                    _ => task::<F, [f32; LANES]>(&t),
+                }
+            }
+        }
+    });
+}
+
+/// Every row of one task, `V::ROWS` at a time.
+///
+/// # Safety
+/// As [`Task`] describes; `V`'s instructions available.
+#[inline(always)]
+pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
+    let mut i = 0;
+    while i < t.m {
+        let rows = V::ROWS.min(t.m - i);
+        unsafe {
+            match rows {
+                12 => tile::<F, V, 12>(t, i),
+                11 => tile::<F, V, 11>(t, i),
+                10 => tile::<F, V, 10>(t, i),
+                9 => tile::<F, V, 9>(t, i),
+                8 => tile::<F, V, 8>(t, i),
+                7 => tile::<F, V, 7>(t, i),
+                6 => tile::<F, V, 6>(t, i),
+                5 => tile::<F, V, 5>(t, i),
+                4 => tile::<F, V, 4>(t, i),
+                3 => tile::<F, V, 3>(t, i),
+                2 => tile::<F, V, 2>(t, i),
+                _ => tile::<F, V, 1>(t, i),
+            }
+        }
+        i += rows;
+    }
+}
+
+/// Rows `i0..i0 + R` times the task's two panels, over all of `k`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
+unsafe fn tile<F: Format, V: Vec16, const R: usize>(t: &Task, i0: usize) {
+    unsafe {
+        let x = t.x.add(i0 * t.k);
+        let mut acc = [[V::zero(); GROUP]; R];
+        // No closures here: they would not inherit the caller's target features.
+        let (mut block, mut scale) = ([t.panels; GROUP], [V::zero(); GROUP]);
+        let mut w = [[V::zero(); 2]; GROUP];
+        for b in 0..t.k / F::BLOCK {
+            for j in 0..GROUP {
+                block[j] = t.panels.add(j * t.panel_bytes + b * F::BLOCK_BYTES);
+                scale[j] = F::scale(block[j]);
+                if i0 == 0 {
+                    for line in 0..F::BLOCK_BYTES.div_ceil(64) {
+                        V::prefetch(block[j].wrapping_add(PREFETCH + 64 * line));
+                    }
+                }
+            }
+            for s in 0..F::STEPS {
+                for j in 0..GROUP {
+                    w[j] = F::weights(block[j], s, scale[j]);
+                }
+                for h in 0..F::PER_STEP {
+                    let c = b * F::BLOCK + F::pos(s, h);
+                    for i in 0..R {
+                        let xv = V::splat(x.add(i * t.k + c));
+                        for j in 0..GROUP {
+                            acc[i][j] = V::fma(xv, w[j][h], acc[i][j]);
+                        }
+                    }
+                }
+            }
+        }
+        let cols = (t.n - t.col0).min(GROUP * LANES);
+        for i in 0..R {
+            let y = t.y.add((i0 + i) * t.n + t.col0);
+            for j in 0..GROUP {
+                if (j + 1) * LANES <= cols {
+                    acc[i][j].store(y.add(j * LANES));
+                } else if j * LANES < cols {
+                    let mut tmp = [0f32; LANES];
+                    acc[i][j].store(tmp.as_mut_ptr());
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), y.add(j * LANES), cols - j * LANES);
+                }
+            }
+        }
+    }
+}
+
+/// Plain Rust: the reference, and the path of other CPUs.
+impl Vec16 for [f32; LANES] {
+    const ROWS: usize = 2;
+    unsafe fn zero() -> Self {
+        [0.0; LANES]
+    }
+    unsafe fn set1(v: f32) -> Self {
+        [v; LANES]
+    }
+    unsafe fn splat(p: *const f32) -> Self {
+        [unsafe { *p }; LANES]
+    }
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        std::array::from_fn(|l| a[l].mul_add(b[l], c[l]))
+    }
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        std::array::from_fn(|l| a[l] * b[l])
+    }
+    unsafe fn load_f32(p: *const u8) -> Self {
+        std::array::from_fn(|l| unsafe { (p as *const f32).add(l).read_unaligned() })
+    }
+    unsafe fn load_f16(p: *const u8) -> Self {
+        std::array::from_fn(|l| unsafe { (p as *const half::f16).add(l).read_unaligned() }.to_f32())
+    }
+    unsafe fn load_bf16(p: *const u8) -> Self {
+        std::array::from_fn(|l| unsafe { (p as *const half::bf16).add(l).read_unaligned() }.to_f32())
+    }
+    unsafe fn load_i8(p: *const u8) -> Self {
+        std::array::from_fn(|l| unsafe { *p.add(l) } as i8 as f32)
+    }
+    unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
+        let byte = |l: usize| unsafe { *p.add(l) };
+        (
+            std::array::from_fn(|l| (byte(l) & 15) as f32),
+            std::array::from_fn(|l| (byte(l) >> 4) as f32),
+        )
+    }
+    unsafe fn store(self, p: *mut f32) {
+        unsafe { std::ptr::copy_nonoverlapping(self.as_ptr(), p, LANES) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{task, Format, Task, Vec16};
+
+    /// # Safety
+    /// As [`task`]; the CPU must have AVX-512F, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(in super::super) unsafe fn task512<F: Format>(t: &Task) {
+        unsafe { task::<F, __m512>(t) }
+    }
+
+    /// # Safety
+    /// As [`task`]; the CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in super::super) unsafe fn task256<F: Format>(t: &Task) {
+        unsafe { task::<F, Y2>(t) }
+    }
+
+    /// 12 rows x 2 panels: 24 accumulators of the 32 registers. (8 x 3 does as well on
+    /// prefill but worse on batched decode, where fewer panels per row pass overlap the
+    /// weights' arrival with more arithmetic: batch 16, 386-416 against 446-478 tokens/s.)
+    impl Vec16 for __m512 {
+        const ROWS: usize = 12;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn set1(v: f32) -> Self {
+            unsafe { _mm512_set1_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn splat(p: *const f32) -> Self {
+            unsafe { _mm512_set1_ps(*p) }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            unsafe { _mm512_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn load_f32(p: *const u8) -> Self {
+            unsafe { _mm512_loadu_ps(p as *const f32) }
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u8) -> Self {
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+        }
+        /// bf16 is the top half of an f32: widen to 32 bits and shift into place.
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u8) -> Self {
+            unsafe {
+                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_i8(p: *const u8) -> Self {
+            unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))) }
+        }
+        #[inline(always)]
+        unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
+            unsafe {
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+                let lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+                (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            unsafe { _mm512_storeu_ps(p, self) }
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8) {
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        }
+    }
+
+    /// Two AVX2 registers (16 registers in all: tiles of 2 rows).
+    #[derive(Clone, Copy)]
+    pub(in super::super) struct Y2(__m256, __m256);
+
+    impl Vec16 for Y2 {
+        const ROWS: usize = 2;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            unsafe { Y2(_mm256_setzero_ps(), _mm256_setzero_ps()) }
+        }
+        #[inline(always)]
+        unsafe fn set1(v: f32) -> Self {
+            unsafe { Y2(_mm256_set1_ps(v), _mm256_set1_ps(v)) }
+        }
+        #[inline(always)]
+        unsafe fn splat(p: *const f32) -> Self {
+            unsafe {
+                let v = _mm256_broadcast_ss(&*p);
+                Y2(v, v)
+            }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            unsafe { Y2(_mm256_fmadd_ps(a.0, b.0, c.0), _mm256_fmadd_ps(a.1, b.1, c.1)) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            unsafe { Y2(_mm256_mul_ps(a.0, b.0), _mm256_mul_ps(a.1, b.1)) }
+        }
+        #[inline(always)]
+        unsafe fn load_f32(p: *const u8) -> Self {
+            unsafe {
+                let p = p as *const f32;
+                Y2(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u8) -> Self {
+            unsafe {
+                let p = p as *const __m128i;
+                Y2(
+                    _mm256_cvtph_ps(_mm_loadu_si128(p)),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u8) -> Self {
+            unsafe {
+                let p = p as *const __m128i;
+                let a = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)));
+                let b = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(1))));
+                Y2(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_i8(p: *const u8) -> Self {
+            unsafe {
+                let v = _mm_loadu_si128(p as *const __m128i);
+                Y2(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
+            unsafe {
+                let v = _mm_loadu_si128(p as *const __m128i);
+                let (a, b) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v)));
+                let fifteen = _mm256_set1_epi32(15);
+                let (a_lo, b_lo) = (_mm256_and_si256(a, fifteen), _mm256_and_si256(b, fifteen));
+                let (a_hi, b_hi) = (_mm256_srli_epi32::<4>(a), _mm256_srli_epi32::<4>(b));
+                (
+                    Y2(_mm256_cvtepi32_ps(a_lo), _mm256_cvtepi32_ps(b_lo)),
+                    Y2(_mm256_cvtepi32_ps(a_hi), _mm256_cvtepi32_ps(b_hi)),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            unsafe {
+                _mm256_storeu_ps(p, self.0);
+                _mm256_storeu_ps(p.add(8), self.1);
+            }
+        }
+    }
+}

@@ -1,0 +1,344 @@
+//! Weight matrices packed for the CPU's inference products `y = x @ W^T`, in f32, f16, bf16,
+//! q8_0 or q4_0, with f32 activations and f32 accumulation.
+//!
+//! Why not candle's kernels: decoding reads every weight once per step, so its limit is memory
+//! bandwidth, which candle's gemm reaches at about half (its one-row path) and its quantized
+//! matmul at ~11 GB/s on the LM head; prefill and batched decode are arithmetic, where the `gemm`
+//! crate on stable Rust runs AVX2 kernels (half an AVX-512 machine's rate) and `QMatMul` is slower
+//! still (q4_0 prefill: 128 tokens/s). One layout serves both regimes here.
+//!
+//! The layout: output columns (weight rows) in panels of 16; a panel holds, for each position
+//! along `k`, its 16 weights side by side, so a panel is read front to back as a stream of
+//! 16-wide vectors (64 bytes in f32). Quantized panels keep GGML's blocks of 32 along `k`: each
+//! block is its 16 x 32 codes (q4_0: two per byte, as in GGML) followed by the 16 columns' f16
+//! scales, and GGML's own bytes are moved, never requantized, so a GGUF file round-trips exactly.
+//! Columns are padded with zeros to a multiple of 32 (two panels: a task).
+//!
+//! The kernel is the classic outer-product form: a tile of up to 12 activation rows times 2
+//! panels (24 vector accumulators with AVX-512), each step one weight vector per panel (widened
+//! or dequantized in registers) and one broadcast per row. Every output is a single chain of
+//! fused multiply-adds along `k` in one fixed order, whatever the tile, the batch or the
+//! instruction set (AVX-512, AVX2 or plain Rust give the same bits): a sequence decodes the same
+//! alone or batched, with or without a cached prefix. Tasks (two panels each) run on candle's
+//! own persistent thread pool.
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+use crate::layers::WeightFormat;
+
+/// Output columns per panel: one AVX-512 vector of f32.
+const LANES: usize = 16;
+/// Panels per task and per register tile.
+const GROUP: usize = 2;
+/// How far ahead of the kernel, in bytes, the first row tile asks for its panels' next lines.
+const PREFETCH: usize = 1024;
+/// The quantized formats' block along `k`, as in GGML.
+const BLOCK: usize = 32;
+
+/// Storage unit, so that panels start on cache lines.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u8; 64]);
+
+/// A weight matrix `W` `(n, k)` packed for [`PackedMatrix::matmul`]; see the module's notes.
+#[derive(Clone)]
+pub struct PackedMatrix {
+    format: WeightFormat,
+    n: usize,
+    k: usize,
+    lines: Vec<Line>,
+}
+
+impl std::fmt::Debug for PackedMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PackedMatrix({}, {}x{})", self.format, self.n, self.k)
+    }
+}
+
+impl PackedMatrix {
+    /// `w` `(n, k)` (any dtype and device) in `format`; quantized formats quantize with candle's
+    /// GGML code and need `k` a multiple of 32.
+    pub fn from_dense(w: &Tensor, format: WeightFormat) -> Result<Self> {
+        let (n, k) = w.dims2()?;
+        let w = w.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.contiguous()?;
+        if let Some(ggml) = format.ggml() {
+            if !k.is_multiple_of(BLOCK) {
+                candle_core::bail!("{format} needs rows of a multiple of {BLOCK} values, these have {k}")
+            }
+            return Self::from_qtensor(&QTensor::quantize(&w, ggml)?);
+        }
+        let values = w.flatten_all()?.to_vec1::<f32>()?;
+        let mut packed = Self::zeros(format, n, k);
+        let (size, panel) = (format_bytes(format), panel_bytes(format, k));
+        let bytes = packed.bytes_mut();
+        for (r, row) in values.chunks_exact(k.max(1)).enumerate().take(n) {
+            let start = r / LANES * panel + r % LANES * size;
+            for (c, &v) in row.iter().enumerate() {
+                let at = start + c * LANES * size;
+                match format {
+                    WeightFormat::F16 => bytes[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+                    WeightFormat::Bf16 => bytes[at..at + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
+                    _ => bytes[at..at + 4].copy_from_slice(&v.to_le_bytes()),
+                }
+            }
+        }
+        Ok(packed)
+    }
+
+    /// A GGML tensor `(n, k)` in f32, f16, bf16, q8_0 or q4_0; quantized blocks are moved as
+    /// they are.
+    pub fn from_qtensor(q: &QTensor) -> Result<Self> {
+        let Some(format) = WeightFormat::from_ggml(q.dtype()) else {
+            candle_core::bail!(
+                "weights in {:?} are not supported: use f32, f16, bf16, q8_0 or q4_0",
+                q.dtype()
+            )
+        };
+        let (n, k) = q.shape().dims2()?;
+        if format.ggml().is_none() {
+            return Self::from_dense(&q.dequantize(&Device::Cpu)?, format);
+        }
+        let data = q.data()?;
+        let (block_bytes, codes) = (q.dtype().type_size(), code_bytes(format));
+        let blocks = k / BLOCK;
+        if data.len() != n * blocks * block_bytes {
+            candle_core::bail!(
+                "{format} tensor ({n}, {k}) holds {} bytes, expected {}",
+                data.len(),
+                n * blocks * block_bytes
+            )
+        }
+        let mut packed = Self::zeros(format, n, k);
+        for r in 0..n {
+            for b in 0..blocks {
+                let src = &data[(r * blocks + b) * block_bytes..][..block_bytes];
+                let at = packed.block_start(r, b);
+                let lane = r % LANES;
+                let bytes = packed.bytes_mut();
+                // GGML's block: the f16 scale, then the codes (`codes / 16` bytes per row).
+                for (t, &code) in src[2..].iter().enumerate() {
+                    bytes[at + t * LANES + lane] = code;
+                }
+                bytes[at + codes + 2 * lane..][..2].copy_from_slice(&src[..2]);
+            }
+        }
+        Ok(packed)
+    }
+
+    /// The GGML tensor of the same weights (quantized blocks moved back as they are).
+    pub fn to_qtensor(&self) -> Result<QTensor> {
+        let Some(ggml) = self.format.ggml() else {
+            let dense = match self.format {
+                WeightFormat::F16 => GgmlDType::F16,
+                WeightFormat::Bf16 => GgmlDType::BF16,
+                _ => GgmlDType::F32,
+            };
+            return QTensor::quantize(&self.dense()?, dense);
+        };
+        let (n, k, blocks, codes) = (self.n, self.k, self.k / BLOCK, code_bytes(self.format));
+        let block_bytes = ggml.type_size();
+        let mut data = vec![0u8; n * blocks * block_bytes];
+        let bytes = self.bytes();
+        for r in 0..n {
+            for b in 0..blocks {
+                let dst = &mut data[(r * blocks + b) * block_bytes..][..block_bytes];
+                let at = self.block_start(r, b);
+                let lane = r % LANES;
+                dst[..2].copy_from_slice(&bytes[at + codes + 2 * lane..][..2]);
+                for (t, code) in dst[2..].iter_mut().enumerate() {
+                    *code = bytes[at + t * LANES + lane];
+                }
+            }
+        }
+        candle_core::quantized::ggml_file::qtensor_from_ggml(ggml, &data, vec![n, k], &Device::Cpu)
+    }
+
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// `(n, k)`: output columns, inputs.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// `W` `(n, k)` in f32 (dequantized if quantized).
+    pub fn dense(&self) -> Result<Tensor> {
+        let mut values = Vec::with_capacity(self.n * self.k);
+        for r in 0..self.n {
+            values.extend((0..self.k).map(|c| self.value(r, c)));
+        }
+        Tensor::from_vec(values, (self.n, self.k), &Device::Cpu)
+    }
+
+    /// Rows `ids` of `W`, `(ids.len(), k)` in f32: the token embedding of a tied LM head.
+    pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let mut values = Vec::with_capacity(ids.len() * self.k);
+        for &id in ids {
+            let r = id as usize;
+            if r >= self.n {
+                candle_core::bail!("token id {id} is outside the embedding's {} rows", self.n)
+            }
+            values.extend((0..self.k).map(|c| self.value(r, c)));
+        }
+        Tensor::from_vec(values, (ids.len(), self.k), &Device::Cpu)
+    }
+
+    /// `x @ W^T` for `x` `(m, k)` f32 on the CPU: `(m, n)` f32. Not differentiable.
+    pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
+        x.contiguous()?.apply_op1_no_bwd(self)
+    }
+
+    /// [`PackedMatrix::matmul`] on a chosen instruction set, which must be available
+    /// ([`Simd::available`]); every one gives the same bits.
+    pub fn matmul_with(&self, x: &[f32], m: usize, simd: Simd) -> Vec<f32> {
+        let mut y = vec![0f32; m * self.n];
+        if m > 0 && self.n > 0 && x.len() == m * self.k {
+            kernel::run(self, x, &mut y, m, simd);
+        }
+        y
+    }
+
+    fn zeros(format: WeightFormat, n: usize, k: usize) -> Self {
+        let panels = n.div_ceil(LANES * GROUP) * GROUP;
+        let bytes = panels * panel_bytes(format, k);
+        Self {
+            format,
+            n,
+            k,
+            lines: vec![Line([0; 64]); bytes.div_ceil(64)],
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `Line` is plain bytes with no padding.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const u8, self.lines.len() * 64) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as `bytes`.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut u8, self.lines.len() * 64) }
+    }
+
+    /// Byte offset of row `r`'s panel.
+    fn panel_start(&self, r: usize) -> usize {
+        r / LANES * panel_bytes(self.format, self.k)
+    }
+
+    /// Byte offset of block `b` of row `r`'s panel (quantized formats).
+    fn block_start(&self, r: usize, b: usize) -> usize {
+        self.panel_start(r) + b * (code_bytes(self.format) + 2 * LANES)
+    }
+
+    /// `W[r, c]` in f32.
+    fn value(&self, r: usize, c: usize) -> f32 {
+        let (bytes, lane) = (self.bytes(), r % LANES);
+        let read2 = |at: usize| [bytes[at], bytes[at + 1]];
+        match self.format {
+            WeightFormat::F32 => {
+                let at = self.panel_start(r) + (c * LANES + lane) * 4;
+                f32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+            }
+            WeightFormat::F16 => f16::from_le_bytes(read2(self.panel_start(r) + (c * LANES + lane) * 2)).to_f32(),
+            WeightFormat::Bf16 => bf16::from_le_bytes(read2(self.panel_start(r) + (c * LANES + lane) * 2)).to_f32(),
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 => {
+                let at = self.block_start(r, c / BLOCK);
+                let codes = code_bytes(self.format);
+                let scale = f16::from_le_bytes(read2(at + codes + 2 * lane)).to_f32();
+                let j = c % BLOCK;
+                let q = if self.format == WeightFormat::Q8_0 {
+                    bytes[at + j * LANES + lane] as i8 as f32
+                } else {
+                    let byte = bytes[at + (j % 16) * LANES + lane];
+                    (if j < 16 { byte & 15 } else { byte >> 4 }) as f32 - 8.0
+                };
+                q * scale
+            }
+        }
+    }
+}
+
+/// Bytes of one dense weight.
+fn format_bytes(format: WeightFormat) -> usize {
+    match format {
+        WeightFormat::F16 | WeightFormat::Bf16 => 2,
+        _ => 4,
+    }
+}
+
+/// Bytes of a quantized block's codes in a panel (16 columns x 32 positions).
+fn code_bytes(format: WeightFormat) -> usize {
+    match format {
+        WeightFormat::Q4_0 => LANES * BLOCK / 2,
+        _ => LANES * BLOCK,
+    }
+}
+
+/// Bytes of one panel: 16 columns by `k`.
+fn panel_bytes(format: WeightFormat, k: usize) -> usize {
+    match format.ggml() {
+        Some(_) => k / BLOCK * (code_bytes(format) + 2 * LANES),
+        None => k * LANES * format_bytes(format),
+    }
+}
+
+impl CustomOp1 for PackedMatrix {
+    fn name(&self) -> &'static str {
+        "packed-matmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = super::f32_slice(storage, layout, "packed-matmul")?;
+        let (m, k) = layout.shape().dims2()?;
+        if k != self.k {
+            candle_core::bail!(
+                "packed-matmul: x is (.., {k}) but the weight is ({}, {})",
+                self.n,
+                self.k
+            )
+        }
+        Ok((
+            CpuStorage::F32(self.matmul_with(x, m, Simd::detect())),
+            Shape::from((m, self.n)),
+        ))
+    }
+}
+
+/// The instruction sets the kernel is written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    Avx512,
+    Avx2,
+    /// Plain Rust (`f32::mul_add`).
+    Portable,
+}
+
+impl Simd {
+    /// The widest this CPU runs (`is_x86_feature_detected` caches).
+    pub fn detect() -> Self {
+        Self::available()[0]
+    }
+
+    /// Every one this CPU runs, widest first.
+    pub fn available() -> Vec<Self> {
+        let mut out = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c");
+            if avx2 && std::is_x86_feature_detected!("avx512f") {
+                out.push(Self::Avx512);
+            }
+            if avx2 {
+                out.push(Self::Avx2);
+            }
+        }
+        out.push(Self::Portable);
+        out
+    }
+}
+
+mod kernel;
