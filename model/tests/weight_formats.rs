@@ -22,7 +22,8 @@ fn repo(path: &str) -> PathBuf {
 #[test]
 fn packed_matmul_matches_candle_and_is_batch_invariant() -> anyhow::Result<()> {
     let simds = Simd::available();
-    for (k, n) in [(768, 70), (64, 49), (96, 200), (32, 3), (20, 17), (1, 5)] {
+    // k = 320 and 768: several chunks of the many-row path, the last one partial in 320.
+    for (k, n) in [(768, 70), (320, 33), (64, 49), (96, 200), (32, 3), (20, 17), (1, 5)] {
         for format in WeightFormat::ALL {
             if format.ggml().is_some() && k % 32 != 0 {
                 continue;
@@ -39,7 +40,7 @@ fn packed_matmul_matches_candle_and_is_batch_invariant() -> anyhow::Result<()> {
                     "{format}: packing changed a weight"
                 );
             }
-            for m in [1, 2, 3, 7, 9, 12, 13, 25] {
+            for m in [1, 2, 3, 7, 9, 12, 13, 16, 25, 40] {
                 let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
                 let expected = x.matmul(&dense.t()?)?;
                 let got = packed.matmul(&x)?;

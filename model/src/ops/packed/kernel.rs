@@ -28,8 +28,11 @@ pub(super) trait Vec16: Copy {
 }
 
 /// How one format's panel yields weight vectors: in blocks of `BLOCK` positions along `k`,
-/// `STEPS` loads per block, each giving `PER_STEP` vectors.
+/// `STEPS` loads per block, each giving `PER_STEP` vectors, in ascending positions (so that the
+/// same products, widened to f32 by [`widen`], run in the same order).
 pub(super) trait Format {
+    /// Panels already in f32, read where they are.
+    const IN_PLACE: bool = false;
     const BLOCK: usize;
     const BLOCK_BYTES: usize;
     const STEPS: usize;
@@ -50,6 +53,7 @@ pub(super) struct Q4_0;
 macro_rules! dense_format {
     ($name:ident, $bytes:expr, $load:ident) => {
         impl Format for $name {
+            const IN_PLACE: bool = $bytes == 4;
             const BLOCK: usize = 1;
             const BLOCK_BYTES: usize = LANES * $bytes;
             const STEPS: usize = 1;
@@ -97,10 +101,10 @@ impl Format for Q4_0 {
     const BLOCK_BYTES: usize = LANES * BLOCK / 2 + 2 * LANES;
     const STEPS: usize = BLOCK / 2;
     const PER_STEP: usize = 2;
-    /// GGML's order: byte `t` holds positions `t` (low) and `t + 16` (high).
+    /// Byte `t` holds positions `2t` (low) and `2t + 1` (high).
     #[inline(always)]
     fn pos(t: usize, h: usize) -> usize {
-        t + h * BLOCK / 2
+        2 * t + h
     }
     #[inline(always)]
     unsafe fn scale<V: Vec16>(block: *const u8) -> V {
@@ -179,52 +183,231 @@ fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, s
     });
 }
 
-/// Every row of one task, `V::ROWS` at a time.
+/// Positions along `k` per chunk when several row tiles share a task's panels: the two panels'
+/// f32 weights for a chunk (2 x 128 x 64 B = 16 KiB) stay in L1 while every tile passes over them.
+const CHUNK: usize = 128;
+
+/// One register tile's operands: rows of `x` from position `k0` on, `kc` positions of two
+/// panels, the tile's outputs.
+struct Tile {
+    x: *const f32,
+    ldx: usize,
+    w: *const u8,
+    panel_stride: usize,
+    kc: usize,
+    y: *mut f32,
+    ldy: usize,
+    cols: usize,
+    /// Start from the outputs already in `y` (a later chunk) instead of zero.
+    accumulate: bool,
+    /// Bytes ahead of each block to prefetch its panels' lines (0: none; the single-tile path).
+    prefetch: usize,
+    /// Cache lines to prefetch while the tile runs instead (the chunked path): `ahead_lines`
+    /// consecutive lines from each of `ahead[j]` (one per panel), a few per step.
+    ahead: [*const u8; GROUP],
+    ahead_lines: usize,
+}
+
+/// Every row of one task.
+///
+/// One tile of rows (decode, small batches) reads the panels once, in their own format, over
+/// the whole of `k`, prefetching `PREFETCH` bytes ahead. With more rows, `k` is cut into chunks:
+/// per chunk the panels are widened or dequantized once into f32 (f32 panels are read in place)
+/// and every tile passes over them, keeping its outputs in `y` between chunks, while the tiles
+/// share the prefetching of the next chunk. Each output is the same chain of fused
+/// multiply-adds over the same weight values either way, so the bits do not depend on the row
+/// count (batch invariance), only the cost does: the dequantization is shared by all tiles, and
+/// reading the next chunk from memory overlaps the arithmetic on this one (batch 16 decodes
+/// 3-10% faster than with whole-`k` tiles, q8_0 and q4_0 prefill 10-25%).
 ///
 /// # Safety
 /// As [`Task`] describes; `V`'s instructions available.
 #[inline(always)]
 pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
-    let mut i = 0;
-    while i < t.m {
-        let rows = V::ROWS.min(t.m - i);
-        unsafe {
-            match rows {
-                12 => tile::<F, V, 12>(t, i),
-                11 => tile::<F, V, 11>(t, i),
-                10 => tile::<F, V, 10>(t, i),
-                9 => tile::<F, V, 9>(t, i),
-                8 => tile::<F, V, 8>(t, i),
-                7 => tile::<F, V, 7>(t, i),
-                6 => tile::<F, V, 6>(t, i),
-                5 => tile::<F, V, 5>(t, i),
-                4 => tile::<F, V, 4>(t, i),
-                3 => tile::<F, V, 3>(t, i),
-                2 => tile::<F, V, 2>(t, i),
-                _ => tile::<F, V, 1>(t, i),
+    let cols = (t.n - t.col0).min(GROUP * LANES);
+    let panel = |j: usize| unsafe { t.panels.add(j * t.panel_bytes) };
+    // Bytes of `F`'s panel holding positions `0..k`.
+    let span = |k: usize| k / F::BLOCK * F::BLOCK_BYTES;
+    let tile_at = |i0: usize, k0: usize| Tile {
+        x: unsafe { t.x.add(i0 * t.k + k0) },
+        ldx: t.k,
+        w: t.panels,
+        panel_stride: t.panel_bytes,
+        kc: t.k,
+        y: unsafe { t.y.add(i0 * t.n + t.col0) },
+        ldy: t.n,
+        cols,
+        accumulate: false,
+        prefetch: PREFETCH,
+        ahead: [t.panels; GROUP],
+        ahead_lines: 0,
+    };
+    if t.m <= V::ROWS {
+        unsafe { tile_rows::<F, V>(&tile_at(0, 0), t.m) };
+        return;
+    }
+    // Tiles of (nearly) equal height: 16 rows as 8 + 8, not 12 + 4.
+    let tiles = t.m.div_ceil(V::ROWS);
+    let (height, taller) = (t.m / tiles, t.m % tiles);
+    if F::IN_PLACE && tiles > 2 {
+        // Prefill: f32 panels are read in place over the whole of `k`, the first tile
+        // streaming them from memory, the others finding them in cache (measured ~10% faster
+        // than chunks here, where reloading the outputs per chunk costs more than it saves).
+        let mut i0 = 0;
+        for tile in 0..tiles {
+            let rows = height + usize::from(tile < taller);
+            let mut at = tile_at(i0, 0);
+            at.prefetch = if tile == 0 { PREFETCH } else { 0 };
+            unsafe { tile_rows::<F, V>(&at, rows) };
+            i0 += rows;
+        }
+        return;
+    }
+    #[repr(align(64))]
+    struct Scratch(#[allow(dead_code)] [f32; GROUP * CHUNK * LANES]);
+    // Left uninitialised: `widen` writes each chunk's positions before the tiles read them.
+    let mut scratch = std::mem::MaybeUninit::<Scratch>::uninit();
+    let scratch = scratch.as_mut_ptr() as *mut f32;
+    if !F::IN_PLACE {
+        // The first chunk, before any tile runs.
+        for j in 0..GROUP {
+            for line in 0..span(CHUNK.min(t.k)).div_ceil(64) {
+                unsafe { V::prefetch(panel(j).wrapping_add(64 * line)) };
             }
         }
-        i += rows;
+    }
+    for k0 in (0..t.k).step_by(CHUNK) {
+        let kc = CHUNK.min(t.k - k0);
+        let (w, panel_stride) = if F::IN_PLACE {
+            (unsafe { t.panels.add(span(k0)) }, t.panel_bytes)
+        } else {
+            unsafe { widen::<F, V>(t, k0, kc, scratch) };
+            (scratch as *const u8, CHUNK * LANES * 4)
+        };
+        // The next chunk's lines, shared among the tiles.
+        let next = span((k0 + kc + CHUNK).min(t.k)) - span(k0 + kc);
+        let lines = next.div_ceil(64);
+        let mut i0 = 0;
+        for tile in 0..tiles {
+            let rows = height + usize::from(tile < taller);
+            let (first, last) = (lines * tile / tiles, lines * (tile + 1) / tiles);
+            let mut at = tile_at(i0, k0);
+            (at.w, at.panel_stride, at.kc, at.accumulate) = (w, panel_stride, kc, k0 > 0);
+            at.ahead = std::array::from_fn(|j| panel(j).wrapping_add(span(k0 + kc) + 64 * first));
+            (at.prefetch, at.ahead_lines) = (0, last - first);
+            // (Direct calls, not a function pointer: they inherit the caller's target features.)
+            unsafe {
+                if F::IN_PLACE {
+                    tile_rows::<F, V>(&at, rows)
+                } else {
+                    tile_rows::<Widened<F>, V>(&at, rows)
+                }
+            }
+            i0 += rows;
+        }
     }
 }
 
-/// Rows `i0..i0 + R` times the task's two panels, over all of `k`.
+/// Format `F`'s weights widened to f32 by [`widen`]: one vector per position.
+struct Widened<F>(F);
+
+impl<F: Format> Format for Widened<F> {
+    const BLOCK: usize = F::BLOCK;
+    const BLOCK_BYTES: usize = F::BLOCK * LANES * 4;
+    const STEPS: usize = F::STEPS * F::PER_STEP;
+    const PER_STEP: usize = 1;
+    #[inline(always)]
+    fn pos(t: usize, _: usize) -> usize {
+        t
+    }
+    #[inline(always)]
+    unsafe fn scale<V: Vec16>(_: *const u8) -> V {
+        unsafe { V::zero() }
+    }
+    #[inline(always)]
+    unsafe fn weights<V: Vec16>(block: *const u8, t: usize, _: V) -> [V; 2] {
+        unsafe { [V::load_f32(block.add(t * LANES * 4)), V::zero()] }
+    }
+}
+
+/// Positions `k0..k0 + kc` of the task's two panels as f32, panel after panel, `CHUNK` positions
+/// apart.
+#[inline(always)]
+unsafe fn widen<F: Format, V: Vec16>(t: &Task, k0: usize, kc: usize, out: *mut f32) {
+    for j in 0..GROUP {
+        for b in k0 / F::BLOCK..(k0 + kc) / F::BLOCK {
+            unsafe {
+                let block = t.panels.add(j * t.panel_bytes + b * F::BLOCK_BYTES);
+                let scale = F::scale::<V>(block);
+                for s in 0..F::STEPS {
+                    let w = F::weights::<V>(block, s, scale);
+                    for (h, v) in w.iter().enumerate().take(F::PER_STEP) {
+                        let c = b * F::BLOCK + F::pos(s, h) - k0;
+                        v.store(out.add((j * CHUNK + c) * LANES));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One tile of `rows` rows (at most `V::ROWS`).
+#[inline(always)]
+unsafe fn tile_rows<F: Format, V: Vec16>(t: &Tile, rows: usize) {
+    unsafe {
+        match rows {
+            12 => tile::<F, V, 12>(t),
+            11 => tile::<F, V, 11>(t),
+            10 => tile::<F, V, 10>(t),
+            9 => tile::<F, V, 9>(t),
+            8 => tile::<F, V, 8>(t),
+            7 => tile::<F, V, 7>(t),
+            6 => tile::<F, V, 6>(t),
+            5 => tile::<F, V, 5>(t),
+            4 => tile::<F, V, 4>(t),
+            3 => tile::<F, V, 3>(t),
+            2 => tile::<F, V, 2>(t),
+            _ => tile::<F, V, 1>(t),
+        }
+    }
+}
+
+/// `R` rows times two panels over the tile's positions.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
-unsafe fn tile<F: Format, V: Vec16, const R: usize>(t: &Task, i0: usize) {
+unsafe fn tile<F: Format, V: Vec16, const R: usize>(t: &Tile) {
     unsafe {
-        let x = t.x.add(i0 * t.k);
         let mut acc = [[V::zero(); GROUP]; R];
+        if t.accumulate {
+            for i in 0..R {
+                for j in 0..GROUP {
+                    acc[i][j] = load_cols(t.y.add(i * t.ldy + j * LANES), t.cols.saturating_sub(j * LANES));
+                }
+            }
+        }
         // No closures here: they would not inherit the caller's target features.
-        let (mut block, mut scale) = ([t.panels; GROUP], [V::zero(); GROUP]);
+        let (mut block, mut scale) = ([t.w; GROUP], [V::zero(); GROUP]);
         let mut w = [[V::zero(); 2]; GROUP];
-        for b in 0..t.k / F::BLOCK {
+        let blocks = t.kc / F::BLOCK;
+        // `ahead_lines` spread over `blocks` steps: a line whenever the count passes `blocks`.
+        let (mut line, mut count) = (0, 0);
+        for b in 0..blocks {
+            if t.prefetch == 0 {
+                count += t.ahead_lines;
+                while count >= blocks && line < t.ahead_lines {
+                    for j in 0..GROUP {
+                        V::prefetch(t.ahead[j].wrapping_add(64 * line));
+                    }
+                    line += 1;
+                    count -= blocks;
+                }
+            }
             for j in 0..GROUP {
-                block[j] = t.panels.add(j * t.panel_bytes + b * F::BLOCK_BYTES);
+                block[j] = t.w.add(j * t.panel_stride + b * F::BLOCK_BYTES);
                 scale[j] = F::scale(block[j]);
-                if i0 == 0 {
+                if t.prefetch > 0 {
                     for line in 0..F::BLOCK_BYTES.div_ceil(64) {
-                        V::prefetch(block[j].wrapping_add(PREFETCH + 64 * line));
+                        V::prefetch(block[j].wrapping_add(t.prefetch + 64 * line));
                     }
                 }
             }
@@ -235,7 +418,7 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize>(t: &Task, i0: usize) {
                 for h in 0..F::PER_STEP {
                     let c = b * F::BLOCK + F::pos(s, h);
                     for i in 0..R {
-                        let xv = V::splat(x.add(i * t.k + c));
+                        let xv = V::splat(t.x.add(i * t.ldx + c));
                         for j in 0..GROUP {
                             acc[i][j] = V::fma(xv, w[j][h], acc[i][j]);
                         }
@@ -243,18 +426,31 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize>(t: &Task, i0: usize) {
                 }
             }
         }
-        let cols = (t.n - t.col0).min(GROUP * LANES);
         for i in 0..R {
-            let y = t.y.add((i0 + i) * t.n + t.col0);
+            let y = t.y.add(i * t.ldy);
             for j in 0..GROUP {
-                if (j + 1) * LANES <= cols {
+                if (j + 1) * LANES <= t.cols {
                     acc[i][j].store(y.add(j * LANES));
-                } else if j * LANES < cols {
+                } else if j * LANES < t.cols {
                     let mut tmp = [0f32; LANES];
                     acc[i][j].store(tmp.as_mut_ptr());
-                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), y.add(j * LANES), cols - j * LANES);
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), y.add(j * LANES), t.cols - j * LANES);
                 }
             }
+        }
+    }
+}
+
+/// The first `cols` (up to 16) values at `p`, zeros after them.
+#[inline(always)]
+unsafe fn load_cols<V: Vec16>(p: *const f32, cols: usize) -> V {
+    unsafe {
+        if cols >= LANES {
+            V::load_f32(p as *const u8)
+        } else {
+            let mut tmp = [0f32; LANES];
+            std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), cols);
+            V::load_f32(tmp.as_ptr() as *const u8)
         }
     }
 }

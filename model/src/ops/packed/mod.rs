@@ -10,8 +10,10 @@
 //! The layout: output columns (weight rows) in panels of 16; a panel holds, for each position
 //! along `k`, its 16 weights side by side, so a panel is read front to back as a stream of
 //! 16-wide vectors (64 bytes in f32). Quantized panels keep GGML's blocks of 32 along `k`: each
-//! block is its 16 x 32 codes (q4_0: two per byte, as in GGML) followed by the 16 columns' f16
-//! scales, and GGML's own bytes are moved, never requantized, so a GGUF file round-trips exactly.
+//! block is its 16 x 32 codes followed by the 16 columns' f16 scales. GGML's codes are moved,
+//! never requantized, so a GGUF file round-trips exactly; q4_0's two codes per byte are regrouped
+//! on the way (GGML pairs positions `t` and `t + 16`, here a byte holds `2t` and `2t + 1`) so that
+//! every format yields its weights in ascending positions.
 //! Columns are padded with zeros to a multiple of 32 (two panels: a task).
 //!
 //! The kernel is the classic outer-product form: a tile of up to 12 activation rows times 2
@@ -118,7 +120,11 @@ impl PackedMatrix {
                 let lane = r % LANES;
                 let bytes = packed.bytes_mut();
                 // GGML's block: the f16 scale, then the codes (`codes / 16` bytes per row).
-                for (t, &code) in src[2..].iter().enumerate() {
+                let src_codes = match format {
+                    WeightFormat::Q4_0 => q4_pairs(&src[2..]),
+                    _ => src[2..].to_vec(),
+                };
+                for (t, &code) in src_codes.iter().enumerate() {
                     bytes[at + t * LANES + lane] = code;
                 }
                 bytes[at + codes + 2 * lane..][..2].copy_from_slice(&src[..2]);
@@ -149,6 +155,10 @@ impl PackedMatrix {
                 dst[..2].copy_from_slice(&bytes[at + codes + 2 * lane..][..2]);
                 for (t, code) in dst[2..].iter_mut().enumerate() {
                     *code = bytes[at + t * LANES + lane];
+                }
+                if self.format == WeightFormat::Q4_0 {
+                    let ggml = ggml_q4_halves(&dst[2..]);
+                    dst[2..].copy_from_slice(&ggml);
                 }
             }
         }
@@ -251,8 +261,8 @@ impl PackedMatrix {
                 let q = if self.format == WeightFormat::Q8_0 {
                     bytes[at + j * LANES + lane] as i8 as f32
                 } else {
-                    let byte = bytes[at + (j % 16) * LANES + lane];
-                    (if j < 16 { byte & 15 } else { byte >> 4 }) as f32 - 8.0
+                    let byte = bytes[at + j / 2 * LANES + lane];
+                    (if j.is_multiple_of(2) { byte & 15 } else { byte >> 4 }) as f32 - 8.0
                 };
                 q * scale
             }
@@ -261,6 +271,25 @@ impl PackedMatrix {
 }
 
 /// Bytes of one dense weight.
+/// A q4_0 block's 16 code bytes from GGML's order (byte `t`: positions `t` low, `t + 16` high)
+/// to this layout's (byte `t`: positions `2t` low, `2t + 1` high).
+fn q4_pairs(ggml: &[u8]) -> Vec<u8> {
+    let code = |j: usize| if j < 16 { ggml[j] & 15 } else { ggml[j - 16] >> 4 };
+    (0..16).map(|t| code(2 * t) | code(2 * t + 1) << 4).collect()
+}
+
+/// The inverse of [`q4_pairs`].
+fn ggml_q4_halves(pairs: &[u8]) -> Vec<u8> {
+    let code = |j: usize| {
+        if j.is_multiple_of(2) {
+            pairs[j / 2] & 15
+        } else {
+            pairs[j / 2] >> 4
+        }
+    };
+    (0..16).map(|t| code(t) | code(t + 16) << 4).collect()
+}
+
 fn format_bytes(format: WeightFormat) -> usize {
     match format {
         WeightFormat::F16 | WeightFormat::Bf16 => 2,
