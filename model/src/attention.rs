@@ -78,9 +78,20 @@ impl KvCache {
 
     /// A new cache with copies of the first `len` positions of every layer.
     pub fn prefix(&self, len: usize) -> candle_core::Result<Self> {
+        self.copy(len, self.chunk)
+    }
+
+    /// A copy of the positions held in buffers of exactly their size (a copy that is kept but
+    /// not grown, as the server's prefix store does: smaller, and quicker to allocate).
+    pub fn compact(&self) -> candle_core::Result<Self> {
+        self.copy(self.len, self.len.max(1))
+    }
+
+    /// Copies of the first `len` positions in buffers of `room` positions (growing by `room`).
+    fn copy(&self, len: usize, room: usize) -> candle_core::Result<Self> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            let mut copy = candle_nn::kv_cache::KvCache::new(1, self.chunk);
+            let mut copy = candle_nn::kv_cache::KvCache::new(1, room);
             if let (Some(k), Some(v)) = (layer.k()?, layer.v()?) {
                 let keep = len.min(k.dim(1)?);
                 if keep > 0 {

@@ -98,6 +98,13 @@ fn forked_caches_continue_independently_and_truncate_undoes_steps() -> anyhow::R
     assert_eq!(first.len(), prompt.len());
     let again = step(&mut first, &b)?;
     assert!(max_abs_diff(&again, &lb)? < 1e-5);
+    // A compact copy (exactly its positions, as the prefix store keeps) gives the same again,
+    // grown through a prefix of it past its own size.
+    let mut kept = first.prefix(prompt.len())?.compact()?;
+    assert_eq!(kept.len(), prompt.len());
+    let mut grown = kept.prefix(prompt.len())?;
+    assert_eq!(step(&mut grown, &b)?.to_vec2::<f32>()?, again.to_vec2::<f32>()?);
+    assert_eq!(step(&mut kept, &b)?.to_vec2::<f32>()?, again.to_vec2::<f32>()?);
     Ok(())
 }
 

@@ -133,7 +133,8 @@ impl PrefixStore {
         self.clock += 1;
         self.entries.push(Entry {
             tokens: tokens.to_vec(),
-            cache: cache.fork()?,
+            // Exactly the prompt's positions: entries are copied from, never grown.
+            cache: cache.compact()?,
             logprobs: logprobs.map(|(k, l)| (k, l.to_vec())),
             last_used: self.clock,
         });
