@@ -33,11 +33,10 @@ impl Mlp {
 
     /// `train`: this layer's dropout key; the MLP's masks are its site 2.
     fn forward_t(&self, x: &Tensor, train: Option<Dropout>) -> candle_core::Result<Tensor> {
-        let h = self.c_fc.forward(x)?; // (.., 4C)
         let h = match self.activation {
-            Activation::GeluNew => crate::ops::gelu(&h)?, // tanh approximation
-            Activation::Gelu => h.gelu_erf()?,
-            Activation::Relu => h.relu()?,
+            Activation::GeluNew => self.c_fc.forward_gelu(x)?, // (.., 4C), tanh approximation
+            Activation::Gelu => self.c_fc.forward(x)?.gelu_erf()?,
+            Activation::Relu => self.c_fc.forward(x)?.relu()?,
         };
         dropout(self.c_proj.forward(&h)?, self.resid_pdrop, train.map(|d| d.site(2)))
         // (.., C)

@@ -256,15 +256,43 @@ impl Conv1D {
     }
 }
 
-/// `(.., in)` → `(.., out)`, as one 2-D matmul over all leading dimensions.
-fn linear(x: &Tensor, weight: &Weight, bias: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
+/// `(.., in)` → `(.., out)`, as one 2-D matmul over all leading dimensions, then GELU (tanh
+/// form) if `gelu`. Packed weights add the bias and apply GELU in the kernel's epilogue.
+fn linear_act(
+    x: &Tensor,
+    weight: &Weight,
+    bias: &Tensor,
+    autocast: Autocast,
+    gelu: bool,
+) -> candle_core::Result<Tensor> {
     let mut dims = x.dims().to_vec();
     let d_in = dims.pop().unwrap_or(0);
     let rows: usize = dims.iter().product();
-    let y = weight.forward(&x.reshape((rows, d_in))?, autocast)?; // (rows, out)
-    let y = crate::ops::add_tiled(&y, bias)?;
+    let x = x.reshape((rows, d_in))?;
+    let y = match weight {
+        Weight::Packed(p) => p.matmul_bias(&x, bias, gelu)?,
+        Weight::Dense(_) => {
+            let y = crate::ops::add_tiled(&weight.forward(&x, autocast)?, bias)?; // (rows, out)
+            if gelu {
+                crate::ops::gelu(&y)?
+            } else {
+                y
+            }
+        }
+    };
     dims.push(bias.dim(0)?);
     y.reshape(dims)
+}
+
+fn linear(x: &Tensor, weight: &Weight, bias: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
+    linear_act(x, weight, bias, autocast, false)
+}
+
+impl Conv1D {
+    /// GELU (tanh form) of the layer's output, fused with it where the weight is packed.
+    pub fn forward_gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        linear_act(x, &self.weight, &self.bias, self.autocast, true)
+    }
 }
 
 impl Module for Conv1D {

@@ -64,6 +64,16 @@ fn packed_matmul_matches_candle_and_is_batch_invariant() -> anyhow::Result<()> {
                     let alone = packed.matmul_with(&xs[i * k..(i + 1) * k], 1, simds[0]);
                     assert_eq!(alone, bits[i * n..(i + 1) * n], "row {i} of {m}, k={k} n={n} {format}");
                 }
+                // The fused bias and GELU give the bits of the separate ops.
+                let bias = Tensor::randn(0f32, 1.0, n, &Device::Cpu)?;
+                let with_bias = gpt::ops::add_tiled(&got, &bias)?;
+                for (gelu, expected) in [(false, with_bias.clone()), (true, gpt::ops::gelu(&with_bias)?)] {
+                    assert_eq!(
+                        packed.matmul_bias(&x, &bias, gelu)?.to_vec2::<f32>()?,
+                        expected.to_vec2::<f32>()?,
+                        "bias, gelu {gelu}: m={m} k={k} n={n} {format}"
+                    );
+                }
             }
             // The embedding lookup of a tied head reads the same weights.
             let ids = [0u32, (n - 1) as u32, (n / 2) as u32];
@@ -72,6 +82,10 @@ fn packed_matmul_matches_candle_and_is_batch_invariant() -> anyhow::Result<()> {
             assert_eq!(max_abs_diff(&rows, &expected)?, 0.0);
             let err = packed.rows(&[n as u32]).unwrap_err().to_string();
             assert!(err.contains(&format!("token id {n}")), "{err}");
+            let short_bias = Tensor::zeros(n + 1, DType::F32, &Device::Cpu)?;
+            let x = Tensor::zeros((1, k), DType::F32, &Device::Cpu)?;
+            let err = packed.matmul_bias(&x, &short_bias, false).unwrap_err().to_string();
+            assert!(err.contains("bias has shape"), "{err}");
         }
     }
     Ok(())

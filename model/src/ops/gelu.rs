@@ -30,6 +30,12 @@ pub(super) fn fast_tanh(x: f32) -> f32 {
 }
 
 /// GELU, tanh approximation (GPT-2's `gelu_new`).
+/// GPT-2's GELU (tanh form) of one value: the fused op's and the packed kernel's epilogue's.
+#[inline(always)]
+pub(crate) fn gelu_new(x: f32) -> f32 {
+    0.5 * x * (1.0 + fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x)))
+}
+
 pub(super) struct Gelu;
 
 impl CustomOp1 for Gelu {
@@ -39,10 +45,7 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(storage, layout, "gelu")?;
-        let y: Vec<f32> = x
-            .iter()
-            .map(|&x| 0.5 * x * (1.0 + fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x))))
-            .collect();
+        let y: Vec<f32> = x.iter().map(|&x| gelu_new(x)).collect();
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 

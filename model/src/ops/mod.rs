@@ -33,6 +33,7 @@ use layer_norm::LayerNorm;
 use softmax::CausalSoftmax;
 
 pub use attention::cached_attention;
+pub(crate) use gelu::gelu_new;
 pub use packed::{PackedMatrix, Simd};
 
 /// The f32 data of a contiguous CPU tensor, for custom ops' `cpu_fwd`.

@@ -1,7 +1,7 @@
 //! The kernel behind [`super::PackedMatrix::matmul`]: register tiles of activation rows times
 //! panels, for each weight format and instruction set.
 
-use super::{PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
+use super::{Epilogue, PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
 use crate::layers::WeightFormat;
 
 /// Sixteen f32 lanes: an AVX-512 register, two AVX2 registers, or an array.
@@ -135,18 +135,18 @@ pub(super) struct Task {
     pub col0: usize,
 }
 
-/// `y = x @ W^T` over candle's thread pool, a task per two panels.
-pub(super) fn run(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Simd) {
+/// `y = x @ W^T`, then the epilogue, over candle's thread pool, a task per two panels.
+pub(super) fn run(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Simd, ep: Epilogue) {
     match w.format {
-        WeightFormat::F32 => run_format::<F32>(w, x, y, m, simd),
-        WeightFormat::F16 => run_format::<F16>(w, x, y, m, simd),
-        WeightFormat::Bf16 => run_format::<Bf16>(w, x, y, m, simd),
-        WeightFormat::Q8_0 => run_format::<Q8_0>(w, x, y, m, simd),
-        WeightFormat::Q4_0 => run_format::<Q4_0>(w, x, y, m, simd),
+        WeightFormat::F32 => run_format::<F32>(w, x, y, m, simd, ep),
+        WeightFormat::F16 => run_format::<F16>(w, x, y, m, simd, ep),
+        WeightFormat::Bf16 => run_format::<Bf16>(w, x, y, m, simd, ep),
+        WeightFormat::Q8_0 => run_format::<Q8_0>(w, x, y, m, simd, ep),
+        WeightFormat::Q4_0 => run_format::<Q4_0>(w, x, y, m, simd, ep),
     }
 }
 
-fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Simd) {
+fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Simd, ep: Epilogue) {
     debug_assert!(x.len() == m * w.k && y.len() == m * w.n);
     let panel_bytes = super::panel_bytes(w.format, w.k);
     let groups = w.n.div_ceil(LANES * GROUP);
@@ -177,6 +177,19 @@ fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, s
                     #[cfg(target_arch = "x86_64")]
                     Simd::Avx2 => x86::task256::<F>(&t),
                     _ => task::<F, [f32; LANES]>(&t),
+                }
+            }
+            if let Some(bias) = ep.bias {
+                let cols = (w.n - t.col0).min(GROUP * LANES);
+                for i in 0..m {
+                    // SAFETY: this task's own columns of row `i`, in bounds.
+                    let out = unsafe { std::slice::from_raw_parts_mut(t.y.add(i * w.n + t.col0), cols) };
+                    for (v, &b) in out.iter_mut().zip(&bias[t.col0..]) {
+                        *v += b;
+                        if ep.gelu {
+                            *v = crate::ops::gelu_new(*v);
+                        }
+                    }
                 }
             }
         }
@@ -309,7 +322,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
 }
 
 /// Format `F`'s weights widened to f32 by [`widen`]: one vector per position.
-struct Widened<F>(F);
+struct Widened<F>(std::marker::PhantomData<F>);
 
 impl<F: Format> Format for Widened<F> {
     const BLOCK: usize = F::BLOCK;

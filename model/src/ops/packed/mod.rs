@@ -204,9 +204,36 @@ impl PackedMatrix {
     /// [`PackedMatrix::matmul`] on a chosen instruction set, which must be available
     /// ([`Simd::available`]); every one gives the same bits.
     pub fn matmul_with(&self, x: &[f32], m: usize, simd: Simd) -> Vec<f32> {
+        self.matmul_epilogue(x, m, simd, Epilogue::default())
+    }
+
+    /// `x @ W^T + bias`, then GELU (tanh form) if `gelu`: a linear layer in one pass, the
+    /// bias and activation applied by each task to the outputs it has just written (while they
+    /// are in cache, and on the thread pool rather than in separate passes). The same bits as
+    /// [`Self::matmul`], then `ops::add_tiled` and `ops::gelu`.
+    pub fn matmul_bias(&self, x: &Tensor, bias: &Tensor, gelu: bool) -> Result<Tensor> {
+        if bias.dims() != [self.n] {
+            candle_core::bail!(
+                "packed-matmul: the bias has shape {:?}, the weight ({}, {}) needs ({},)",
+                bias.dims(),
+                self.n,
+                self.k,
+                self.n
+            )
+        }
+        let bias = bias.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        x.contiguous()?.apply_op1_no_bwd(&WithEpilogue {
+            w: self,
+            bias: &bias,
+            gelu,
+        })
+    }
+
+    /// [`Self::matmul_with`] and an epilogue.
+    pub(crate) fn matmul_epilogue(&self, x: &[f32], m: usize, simd: Simd, ep: Epilogue) -> Vec<f32> {
         let mut y = vec![0f32; m * self.n];
         if m > 0 && self.n > 0 && x.len() == m * self.k {
-            kernel::run(self, x, &mut y, m, simd);
+            kernel::run(self, x, &mut y, m, simd, ep);
         }
         y
     }
@@ -313,12 +340,25 @@ fn panel_bytes(format: WeightFormat, k: usize) -> usize {
     }
 }
 
+/// What each task applies to the outputs it has written: the bias, then GELU.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Epilogue<'a> {
+    pub bias: Option<&'a [f32]>,
+    pub gelu: bool,
+}
+
 impl CustomOp1 for PackedMatrix {
     fn name(&self) -> &'static str {
         "packed-matmul"
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.forward_cpu(storage, layout, Epilogue::default())
+    }
+}
+
+impl PackedMatrix {
+    fn forward_cpu(&self, storage: &CpuStorage, layout: &Layout, ep: Epilogue) -> Result<(CpuStorage, Shape)> {
         let x = super::f32_slice(storage, layout, "packed-matmul")?;
         let (m, k) = layout.shape().dims2()?;
         if k != self.k {
@@ -329,9 +369,30 @@ impl CustomOp1 for PackedMatrix {
             )
         }
         Ok((
-            CpuStorage::F32(self.matmul_with(x, m, Simd::detect())),
+            CpuStorage::F32(self.matmul_epilogue(x, m, Simd::detect(), ep)),
             Shape::from((m, self.n)),
         ))
+    }
+}
+
+/// [`PackedMatrix::matmul_bias`] as a candle op.
+struct WithEpilogue<'a> {
+    w: &'a PackedMatrix,
+    bias: &'a [f32],
+    gelu: bool,
+}
+
+impl CustomOp1 for WithEpilogue<'_> {
+    fn name(&self) -> &'static str {
+        "packed-matmul-bias"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let ep = Epilogue {
+            bias: Some(self.bias),
+            gelu: self.gelu,
+        };
+        self.w.forward_cpu(storage, layout, ep)
     }
 }
 
