@@ -18,7 +18,9 @@
 //!
 //! The kernel is the classic outer-product form: a tile of up to 12 activation rows times 2
 //! panels (24 vector accumulators with AVX-512), each step one weight vector per panel (widened
-//! or dequantized in registers) and one broadcast per row. Every output is a single chain of
+//! or dequantized in registers) and one broadcast per row. With more rows than one tile, `k` goes
+//! in chunks whose weights are widened once for all the tiles (see `kernel::task`); linear layers
+//! add their bias and GELU as each task finishes (`matmul_bias`). Every output is a single chain of
 //! fused multiply-adds along `k` in one fixed order, whatever the tile, the batch or the
 //! instruction set (AVX-512, AVX2 or plain Rust give the same bits): a sequence decodes the same
 //! alone or batched, with or without a cached prefix. Tasks (two panels each) run on candle's
