@@ -29,13 +29,13 @@ pub(super) fn fast_tanh(x: f32) -> f32 {
     x * p / q
 }
 
-/// GELU, tanh approximation (GPT-2's `gelu_new`).
 /// GPT-2's GELU (tanh form) of one value: the fused op's and the packed kernel's epilogue's.
 #[inline(always)]
 pub(crate) fn gelu_new(x: f32) -> f32 {
     0.5 * x * (1.0 + fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x)))
 }
 
+/// GELU, tanh approximation (GPT-2's `gelu_new`).
 pub(super) struct Gelu;
 
 impl CustomOp1 for Gelu {

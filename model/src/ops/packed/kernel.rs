@@ -321,7 +321,9 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
     }
 }
 
-/// Format `F`'s weights widened to f32 by [`widen`]: one vector per position.
+/// Format `F`'s weights widened to f32 by [`widen`]: one vector per position. The layout of
+/// [`F32`] panels, in `F`'s blocks: the tile's loop then runs a whole block (32 positions for
+/// q8_0 and q4_0) per iteration, measured 2-4% faster at 128 rows than [`F32`]'s one position.
 struct Widened<F>(std::marker::PhantomData<F>);
 
 impl<F: Format> Format for Widened<F> {

@@ -27,7 +27,7 @@
 //! own persistent thread pool.
 
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 use crate::layers::WeightFormat;
@@ -223,12 +223,9 @@ impl PackedMatrix {
                 self.n
             )
         }
-        let bias = bias.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        x.contiguous()?.apply_op1_no_bwd(&WithEpilogue {
-            w: self,
-            bias: &bias,
-            gelu,
-        })
+        // The bias is read where it is (an f32 model's is f32 already, no copy).
+        let bias = bias.to_dtype(DType::F32)?.contiguous()?;
+        x.contiguous()?.apply_op2_no_bwd(&bias, &WithEpilogue { w: self, gelu })
     }
 
     /// [`Self::matmul_with`] and an epilogue.
@@ -377,24 +374,23 @@ impl PackedMatrix {
     }
 }
 
-/// [`PackedMatrix::matmul_bias`] as a candle op.
+/// [`PackedMatrix::matmul_bias`] as a candle op of `x` and the bias.
 struct WithEpilogue<'a> {
     w: &'a PackedMatrix,
-    bias: &'a [f32],
     gelu: bool,
 }
 
-impl CustomOp1 for WithEpilogue<'_> {
+impl CustomOp2 for WithEpilogue<'_> {
     fn name(&self) -> &'static str {
         "packed-matmul-bias"
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, b: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
         let ep = Epilogue {
-            bias: Some(self.bias),
+            bias: Some(super::f32_slice(b, lb, "packed-matmul-bias")?),
             gelu: self.gelu,
         };
-        self.w.forward_cpu(storage, layout, ep)
+        self.w.forward_cpu(x, lx, ep)
     }
 }
 
