@@ -22,10 +22,35 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
 fi
+# The engine's own containerd, started first and waited for: dockerd gives the containerd it
+# starts itself 15 s, and on a loaded CI machine that once was not enough ("timeout waiting for
+# containerd to start"). Fresh directories of its own, so that no earlier daemon's lock on its
+# database can hold it up, and three tries before giving up.
+start_engine() {
+  local root=/var/lib/gpt-ci-docker run=/run/gpt-ci-docker attempt
+  local sock=$run/containerd/containerd.sock
+  for attempt in 1 2 3; do
+    mkdir -p "$root" "$run"
+    containerd --root "$root/containerd" --state "$run/containerd" --address "$sock" \
+      >"$out/containerd.log" 2>&1 &
+    for _ in $(seq 120); do ctr --address "$sock" version >/dev/null 2>&1 && break; sleep 1; done
+    if ctr --address "$sock" version >/dev/null 2>&1; then
+      dockerd --containerd="$sock" --data-root "$root/docker" --exec-root "$run/docker" \
+        --pidfile "$run/dockerd.pid" --iptables=false --bridge=none --storage-driver=vfs \
+        >"$out/dockerd.log" 2>&1 &
+      for _ in $(seq 120); do docker info >/dev/null 2>&1 && return 0; sleep 1; done
+    fi
+    echo "Docker engine, try $attempt: not up after 120 s"
+    tail -15 "$out/containerd.log" "$out/dockerd.log" 2>/dev/null || true
+    pkill -f "dockerd --containerd=$sock" || true
+    pkill -f "containerd --root $root/containerd" || true
+    sleep 5
+    rm -rf "$run"
+  done
+  return 1
+}
 if ! docker info >/dev/null 2>&1; then
-  dockerd --iptables=false --bridge=none --storage-driver=vfs >"$out/dockerd.log" 2>&1 &
-  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-  docker info >/dev/null || { tail -20 "$out/dockerd.log"; exit 1; }
+  start_engine || { echo "no Docker engine could be started"; exit 1; }
 fi
 .ci/docker_base_images.sh
 
