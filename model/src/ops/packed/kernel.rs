@@ -297,8 +297,15 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
             unsafe { widen::<F, V>(t, k0, kc, scratch) };
             (scratch as *const u8, CHUNK * LANES * 4)
         };
-        // The next chunk's lines, shared among the tiles.
-        let next = span((k0 + kc + CHUNK).min(t.k)) - span(k0 + kc);
+        // The next chunk's lines, shared among the tiles; during the last chunk, the first
+        // chunk of the next task's panels, which follow this task's in memory (the pool runs
+        // consecutive tasks on one thread; past the matrix's end a prefetch is only a wasted
+        // read, never a fault): 1-5% at 16 and 64 rows, every format.
+        let last = k0 + kc >= t.k;
+        let (ahead, next) = match last {
+            false => (span(k0 + kc), span((k0 + kc + CHUNK).min(t.k)) - span(k0 + kc)),
+            true => (GROUP * t.panel_bytes, span(CHUNK.min(t.k))),
+        };
         let lines = next.div_ceil(64);
         let mut i0 = 0;
         for tile in 0..tiles {
@@ -306,7 +313,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
             let (first, last) = (lines * tile / tiles, lines * (tile + 1) / tiles);
             let mut at = tile_at(i0, k0);
             (at.w, at.panel_stride, at.kc, at.accumulate) = (w, panel_stride, kc, k0 > 0);
-            at.ahead = std::array::from_fn(|j| panel(j).wrapping_add(span(k0 + kc) + 64 * first));
+            at.ahead = std::array::from_fn(|j| panel(j).wrapping_add(ahead + 64 * first));
             (at.prefetch, at.ahead_lines) = (0, last - first);
             // (Direct calls, not a function pointer: they inherit the caller's target features.)
             unsafe {
