@@ -79,7 +79,7 @@ impl Block {
         &self,
         x: &Tensor,
         lens: &[usize],
-        caches: &mut [&mut candle_nn::kv_cache::KvCache],
+        caches: &mut [&mut crate::attention::LayerKv],
     ) -> candle_core::Result<Tensor> {
         let x = (x + self
             .attn

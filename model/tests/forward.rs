@@ -37,9 +37,13 @@ fn changing_later_tokens_leaves_earlier_logits_unchanged() -> anyhow::Result<()>
 
 #[test]
 fn prefill_then_decode_matches_full_forward() -> anyhow::Result<()> {
-    let cfg = cfg();
+    // Decoding one token at a time past the cache's first 64-position buffer (it grows).
+    let cfg = Config {
+        n_positions: 128,
+        ..cfg()
+    };
     let (_vm, model) = random_model(&cfg)?;
-    let ids = tokens(40, cfg.vocab_size, 7);
+    let ids = tokens(90, cfg.vocab_size, 7);
     let full = model.forward(&batch(std::slice::from_ref(&ids))?)?.squeeze(0)?; // (T, V)
 
     let mut cache = model.new_cache();
@@ -105,6 +109,55 @@ fn forked_caches_continue_independently_and_truncate_undoes_steps() -> anyhow::R
     let mut grown = kept.prefix(prompt.len())?;
     assert_eq!(step(&mut grown, &b)?.to_vec2::<f32>()?, again.to_vec2::<f32>()?);
     assert_eq!(step(&mut kept, &b)?.to_vec2::<f32>()?, again.to_vec2::<f32>()?);
+    Ok(())
+}
+
+#[test]
+fn reserved_caches_decode_as_growing_ones() -> anyhow::Result<()> {
+    let cfg = Config {
+        n_positions: 256,
+        ..cfg()
+    };
+    let (_vm, model) = random_model(&cfg)?;
+    let ids = tokens(150, cfg.vocab_size, 9);
+    let prompt = 20;
+    // Grown chunk by chunk; reserved before the first step; reserved after it (buffers already
+    // there grow and keep what they hold); forked from a reserved one half-way.
+    let mut caches = [model.new_cache(), model.new_cache(), model.new_cache()];
+    caches[1].reserve(ids.len())?;
+    let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 4];
+    let mut fork = None;
+    for (i, cache) in caches.iter_mut().enumerate() {
+        let step = |cache: &mut gpt::KvCache, t: &[u32]| -> anyhow::Result<Vec<f32>> {
+            let out = model.forward_step(&mut [SeqStep { tokens: t, cache }], LogitsFor::Last)?;
+            Ok(out.flatten_all()?.to_vec1::<f32>()?)
+        };
+        logits[i].push(step(cache, &ids[..prompt])?);
+        if i == 2 {
+            cache.reserve(ids.len())?;
+        }
+        for (p, id) in ids.iter().enumerate().skip(prompt) {
+            logits[i].push(step(cache, std::slice::from_ref(id))?);
+            if i == 1 && p == 100 {
+                fork = Some(cache.fork()?);
+            }
+        }
+    }
+    let mut fork = fork.expect("forked at position 100");
+    for id in &ids[101..] {
+        let out = model.forward_step(
+            &mut [SeqStep {
+                tokens: std::slice::from_ref(id),
+                cache: &mut fork,
+            }],
+            LogitsFor::Last,
+        )?;
+        logits[3].push(out.flatten_all()?.to_vec1::<f32>()?);
+    }
+    assert_eq!(logits[0].len(), ids.len() - prompt + 1);
+    assert_eq!(logits[1], logits[0], "reserved at the start");
+    assert_eq!(logits[2], logits[0], "reserved after the prompt");
+    assert_eq!(logits[3], logits[0][logits[0].len() - logits[3].len()..], "forked");
     Ok(())
 }
 

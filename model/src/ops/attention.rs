@@ -44,6 +44,61 @@ impl<'a> Heads<'a> {
     }
 }
 
+/// Writes rows `row0..row0 + rows` of a `(N, ld)` f32 matrix, columns `col0..col0 + nh * hs`,
+/// into positions `at..at + rows` of an `(nh, room, hs)` buffer, head after head: a step's new
+/// keys or values into a sequence's cache, in place (`Tensor::inplace_op1`). CPU, f32.
+pub struct WriteRows<'a> {
+    pub src: &'a [f32],
+    pub ld: usize,
+    pub col0: usize,
+    pub row0: usize,
+    pub rows: usize,
+    pub at: usize,
+}
+
+impl candle_core::InplaceOp1 for WriteRows<'_> {
+    fn name(&self) -> &'static str {
+        "write-rows"
+    }
+
+    fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &Layout) -> Result<()> {
+        let &[nh, room, hs] = layout.dims() else {
+            candle_core::bail!(
+                "write-rows: the buffer is {:?}, not (heads, positions, head size)",
+                layout.dims()
+            )
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("write-rows: the buffer is not contiguous")
+        };
+        let width = nh * hs;
+        if self.at + self.rows > room
+            || self.col0 + width > self.ld
+            || self.src.len() < (self.row0 + self.rows) * self.ld
+        {
+            candle_core::bail!(
+                "write-rows: {} rows at {} of {room} positions, columns {}..{} of {}",
+                self.rows,
+                self.at,
+                self.col0,
+                self.col0 + width,
+                self.ld
+            )
+        }
+        let candle_core::CpuStorage::F32(data) = storage else {
+            candle_core::bail!("write-rows: the buffer is not f32")
+        };
+        let data = &mut data[start..end];
+        for i in 0..self.rows {
+            let row = &self.src[(self.row0 + i) * self.ld + self.col0..][..width];
+            for (h, head) in row.chunks_exact(hs).enumerate() {
+                data[(h * room + self.at + i) * hs..][..hs].copy_from_slice(head);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// `softmax(q k^T * scale) v` for each new token (causal: token `i` of a sequence whose cache held
 /// `T - len` positions before this step sees keys `..= T - len + i`). `qkv` is `(N, 3C)`, the new
 /// tokens of each sequence in turn (`lens[s]` of them); `kv[s]` are sequence `s`'s keys and values

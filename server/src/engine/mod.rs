@@ -346,6 +346,11 @@ impl Worker {
                 Err(e) => tracing::warn!(error = %e, "prefix cache lookup failed; prefilling the whole prompt"),
             }
         }
+        // Room for the prompt and every token it may generate, at once (`KvCache::reserve`).
+        let positions = (r.prompts[group.prompt].ids.len() + r.max_tokens).min(self.info.context);
+        if let Err(e) = cache.reserve(positions) {
+            tracing::warn!(error = %e, "reserving the KV cache failed; it grows as it fills");
+        }
         self.running.push(match r.beam_search {
             Some(_) => Active::Beams(Box::new(BeamGroup::new(
                 group.request,
