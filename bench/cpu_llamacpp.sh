@@ -27,17 +27,18 @@ results=$work/results.jsonl
 # 1. llama.cpp
 src=$work/llama_cpp_python-$version/vendor/llama.cpp
 if [ ! -d "$src" ]; then
-  url=$("$py" - "$version" <<'PY'
-import json, sys, urllib.parse, urllib.request
-base = f"https://pypi.org/pypi/llama-cpp-python/{sys.argv[1]}/json"
-info = json.load(urllib.request.urlopen(base))
-print(urllib.parse.urljoin(base, next(u["url"] for u in info["urls"] if u["packagetype"] == "sdist")))
-PY
-)
-  curl -sfL "$url" | tar xz -C "$work"
+  # The source package, as the issue says (PyPI's JSON API is not reachable from every machine
+  # that reaches its package index).
+  "$py" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+    "llama-cpp-python==$version" -d "$work/sdist"
+  tar xzf "$work/sdist/llama_cpp_python-$version.tar.gz" -C "$work"
 fi
 if [ ! -x "$work/build/bin/llama-bench" ] || [ ! -x "$work/build/bin/llama-quantize" ]; then
+  # Without AMX: on a Sapphire Rapids VM here its q8_0 product crashed llama-bench (SIGSEGV in
+  # ggml_backend_amx_mul_mat, gdb); AVX-512 as on the machines without AMX.
+  noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx" \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > "$work/cmake.log"
   cmake --build "$work/build" -j "$threads" --target llama-bench llama-quantize > "$work/build.log"
 fi
