@@ -56,11 +56,9 @@ impl KvCache {
         for layer in &mut self.layers {
             layer.want = positions;
             if let Some((k, _)) = &layer.buffers {
-                let (n_head, room, head_dim) = k.dims3()?;
-                if room < positions {
-                    let (dtype, device) = (k.dtype(), k.device().clone());
-                    layer.reallocate(layer.rounded(positions), n_head, head_dim, dtype, &device)?;
-                }
+                let (n_head, _, head_dim) = k.dims3()?;
+                let (dtype, device) = (k.dtype(), k.device().clone());
+                layer.reserve(0, n_head, head_dim, dtype, &device)?;
             }
         }
         Ok(())
@@ -162,8 +160,8 @@ impl LayerKv {
         self.buffers.as_ref().map_or(0, |(k, _)| k.dims()[1])
     }
 
-    /// Makes room for `extra` more positions of `n_head` heads of `head_dim`, in whole chunks
-    /// (copying what is held into larger buffers when it does not fit).
+    /// Makes room for `extra` more positions of `n_head` heads of `head_dim`, and for what was
+    /// reserved, in whole chunks (copying what is held into larger buffers when it does not fit).
     pub(crate) fn reserve(
         &mut self,
         extra: usize,
@@ -173,7 +171,7 @@ impl LayerKv {
         device: &candle_core::Device,
     ) -> candle_core::Result<()> {
         let need = self.len + extra;
-        if need > self.room() {
+        if need.max(self.want) > self.room() {
             self.reallocate(self.rounded(need), n_head, head_dim, dtype, device)?;
         }
         Ok(())

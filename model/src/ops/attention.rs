@@ -47,7 +47,7 @@ impl<'a> Heads<'a> {
 /// Writes rows `row0..row0 + rows` of a `(N, ld)` f32 matrix, columns `col0..col0 + nh * hs`,
 /// into positions `at..at + rows` of an `(nh, room, hs)` buffer, head after head: a step's new
 /// keys or values into a sequence's cache, in place (`Tensor::inplace_op1`). CPU, f32.
-pub struct WriteRows<'a> {
+pub(crate) struct WriteRows<'a> {
     pub src: &'a [f32],
     pub ld: usize,
     pub col0: usize,

@@ -32,7 +32,8 @@ use gelu::Gelu;
 use layer_norm::LayerNorm;
 use softmax::CausalSoftmax;
 
-pub use attention::{cached_attention, WriteRows};
+pub use attention::cached_attention;
+pub(crate) use attention::WriteRows;
 pub(crate) use gelu::gelu_new;
 pub use packed::{PackedMatrix, Simd};
 

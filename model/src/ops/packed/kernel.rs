@@ -301,10 +301,10 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
         // chunk of the next task's panels, which follow this task's in memory (the pool runs
         // consecutive tasks on one thread; past the matrix's end a prefetch is only a wasted
         // read, never a fault): 1-5% at 16 and 64 rows, every format.
-        let last = k0 + kc >= t.k;
-        let (ahead, next) = match last {
-            false => (span(k0 + kc), span((k0 + kc + CHUNK).min(t.k)) - span(k0 + kc)),
-            true => (GROUP * t.panel_bytes, span(CHUNK.min(t.k))),
+        let (ahead, next) = if k0 + kc < t.k {
+            (span(k0 + kc), span((k0 + kc + CHUNK).min(t.k)) - span(k0 + kc))
+        } else {
+            (GROUP * t.panel_bytes, span(CHUNK.min(t.k)))
         };
         let lines = next.div_ceil(64);
         let mut i0 = 0;
