@@ -4,7 +4,7 @@
 //! `bench/torch_inference.py` measures the same with PyTorch `transformers`; `bench/inference.sh`
 //! runs both on the CPU, `bench/gpu.sh` on a GPU. Prints one JSON object.
 //!
-//!     [DEVICE=cpu|cuda] [DTYPE=f32|bf16|f16] [WEIGHTS=f32|f16|bf16|q8_0|q4_0] [LAYOUT=inference|gpt2] [PREFILL=128] [BATCH=1] [NEW_TOKENS=128] \
+//!     [DEVICE=cpu|cuda] [DTYPE=f32|bf16|f16] [WEIGHTS=f32|f16|bf16|q8_0|q4_0] [LAYOUT=inference|gpt2] [PRECISION=highest|high] [PREFILL=128] [BATCH=1] [NEW_TOKENS=128] \
 //!         cargo bench -p gpt --bench inference
 
 use std::time::Instant;
@@ -68,6 +68,9 @@ fn main() -> anyhow::Result<()> {
     // How inference holds the weight matrices (`WEIGHTS=f16|bf16|q8_0|q4_0`, activations f32).
     let weights: gpt::WeightFormat = env_or("WEIGHTS", "f32".to_string()).parse()?;
     let model = model.with_weight_format(weights)?;
+    // `PRECISION=high`: f32 products as bf16x3 on AMX tiles (`gpt::MatmulPrecision`).
+    let precision: gpt::MatmulPrecision = env_or("PRECISION", "highest".to_string()).parse()?;
+    let model = model.with_matmul_precision(precision)?;
 
     let ids = prompt(prefill, cfg.vocab_size);
     let mut prefill_s = Vec::new();
@@ -113,6 +116,7 @@ fn main() -> anyhow::Result<()> {
         "dtype": dtype_name,
         "layout": layout,
         "weights": weights.to_string(),
+        "precision": precision.to_string(),
         "threads": candle_core::utils::get_num_threads(),
         "prefill_tokens": prefill,
         "prefill_tok_per_s": prefill as f64 / median(prefill_s),

@@ -4,7 +4,7 @@
 //! count, the weights' read rate (GB/s) and the arithmetic rate (GFLOPS): `gemv` is this at one
 //! row, `gemm` the same arithmetic with the weights in cache.
 //!
-//!     [ROWS=1,8,12,16,24,32] [WEIGHTS=f32] cargo bench -p gpt --bench rows_stream
+//!     [ROWS=1,8,12,16,24,32] [WEIGHTS=f32] [PRECISION=highest|high] cargo bench -p gpt --bench rows_stream
 
 use std::time::Instant;
 
@@ -26,6 +26,10 @@ fn main() -> anyhow::Result<()> {
         WeightFormat::Q8_0 => 34.0 / 32.0,
         WeightFormat::Q4_0 => 18.0 / 32.0,
     };
+    // `PRECISION=high`: f32 weights as bf16 halves on AMX tiles (the same bytes per weight).
+    let precision: gpt::MatmulPrecision = std::env::var("PRECISION")
+        .unwrap_or_else(|_| "highest".into())
+        .parse()?;
     let shapes = [(768, 2304), (768, 3072), (3072, 768)];
     let mut matrices = Vec::new();
     for (d_in, d_out) in shapes {
@@ -36,7 +40,8 @@ fn main() -> anyhow::Result<()> {
                 let w: Vec<f32> = (0..size)
                     .map(|i| (((i + c) * 7919 % 1000) as f32 - 500.0) * 1e-4)
                     .collect();
-                PackedMatrix::from_dense(&Tensor::from_vec(w, (d_out, d_in), &Device::Cpu)?, format)
+                PackedMatrix::from_dense(&Tensor::from_vec(w, (d_out, d_in), &Device::Cpu)?, format)?
+                    .with_precision(precision)
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         matrices.push((d_in, d_out, ws));
@@ -61,7 +66,7 @@ fn main() -> anyhow::Result<()> {
         }
         println!(
             "{}",
-            serde_json::json!({"rows": m, "weights": format.to_string(), "gb_per_s": bytes / secs / 1e9,
+            serde_json::json!({"rows": m, "weights": format.to_string(), "precision": precision.to_string(), "gb_per_s": bytes / secs / 1e9,
                                "gflops": flops / secs / 1e9, "ms_per_gb": secs / (bytes / 1e9) * 1e3})
         );
     }

@@ -10,7 +10,9 @@ use candle_nn::{Init, LayerNorm, VarBuilder};
 use crate::attention::{CausalSelfAttention, KvCache};
 use crate::config::{Activation, Config, PositionEmbedding};
 use crate::error::{Error, Result};
-use crate::layers::{dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, Weight, WeightFormat};
+use crate::layers::{
+    dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, MatmulPrecision, Weight, WeightFormat,
+};
 
 #[derive(Debug, Clone)]
 struct Mlp {
@@ -418,6 +420,33 @@ impl Gpt {
         let device = self.device().clone();
         for (name, weight) in self.matrices_mut() {
             *weight = weight.converted(format, &name, &device)?;
+        }
+        Ok(self)
+    }
+
+    /// The model with its CPU products at `precision` (see [`MatmulPrecision`]). `High` needs
+    /// the f32 weights packed for the CPU ([`Gpt::into_inference_layout`] on the CPU) and a CPU
+    /// with AMX-BF16; it keeps a second copy of every weight matrix (the same bytes again).
+    pub fn with_matmul_precision(mut self, precision: MatmulPrecision) -> Result<Self> {
+        for (name, weight) in self.matrices_mut() {
+            match weight {
+                Weight::Packed(p) if p.precision() != precision => {
+                    let packed = (**p).clone().with_precision(precision).map_err(|e| {
+                        Error::InvalidConfig(format!("--matmul-precision {precision} for `{name}`: {e}"))
+                    })?;
+                    *weight = Weight::Packed(std::sync::Arc::new(packed));
+                }
+                Weight::Packed(_) => {}
+                Weight::Dense(_) if precision == MatmulPrecision::Highest => {}
+                Weight::Dense(_) => {
+                    return Err(Error::InvalidConfig(format!(
+                        "--matmul-precision {precision} applies to f32 weights on the CPU; `{name}` is held \
+                         as a {:?} tensor on {:?}",
+                        weight.tensor()?.dtype(),
+                        self.device()
+                    )))
+                }
+            }
         }
         Ok(self)
     }

@@ -45,6 +45,8 @@ pub struct ServerConfig {
     pub cors_origins: Vec<String>,
     /// MiB of KV cache kept for prefix caching (0: off).
     pub prefix_cache_mib: usize,
+    /// How the CPU's products with f32 weights round (`high`: bf16x3 on AMX tiles).
+    pub matmul_precision: gpt::MatmulPrecision,
 }
 
 impl Default for ServerConfig {
@@ -59,6 +61,7 @@ impl Default for ServerConfig {
             chat_template: None,
             cors_origins: Vec::new(),
             prefix_cache_mib: 256,
+            matmul_precision: gpt::MatmulPrecision::Highest,
         }
     }
 }
@@ -112,12 +115,14 @@ pub fn load_state(
     cfg: &ServerConfig,
 ) -> anyhow::Result<Arc<AppState>> {
     let (model, tokenizer) = gpt::load_dir_as(checkpoint, format, device)?;
+    let model = model.with_matmul_precision(cfg.matmul_precision)?;
     tracing::info!(
         checkpoint = %checkpoint.display(),
         parameters = model.num_parameters(),
         device = gpt::device_name(device),
         dtype = ?model.dtype(),
         weights = model.weight_format().map_or("?".to_string(), |f| f.to_string()),
+        matmul_precision = %cfg.matmul_precision,
         context = model.config().n_positions,
         vocab = model.config().vocab_size,
         "loaded model"

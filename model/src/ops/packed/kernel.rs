@@ -179,21 +179,29 @@ fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, s
                     _ => task::<F, [f32; LANES]>(&t),
                 }
             }
-            if let Some(bias) = ep.bias {
-                let cols = (w.n - t.col0).min(GROUP * LANES);
-                for i in 0..m {
-                    // SAFETY: this task's own columns of row `i`, in bounds.
-                    let out = unsafe { std::slice::from_raw_parts_mut(t.y.add(i * w.n + t.col0), cols) };
-                    for (v, &b) in out.iter_mut().zip(&bias[t.col0..]) {
-                        *v += b;
-                        if ep.gelu {
-                            *v = crate::ops::gelu_new(*v);
-                        }
-                    }
-                }
-            }
+            // SAFETY: this task's columns, written above.
+            unsafe { epilogue(ep, t.y, m, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
         }
     });
+}
+
+/// The epilogue (bias, then GELU) on columns `col0..col0 + cols` of `y` `(m, n)`, which a task
+/// has just written.
+///
+/// # Safety
+/// `y` holds `m * n` f32 and no other thread touches these columns meanwhile.
+pub(super) unsafe fn epilogue(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
+    let Some(bias) = ep.bias else { return };
+    for i in 0..m {
+        // SAFETY: the caller's columns of row `i`, in bounds.
+        let out = unsafe { std::slice::from_raw_parts_mut(y.add(i * n + col0), cols) };
+        for (v, &b) in out.iter_mut().zip(&bias[col0..]) {
+            *v += b;
+            if ep.gelu {
+                *v = crate::ops::gelu_new(*v);
+            }
+        }
+    }
 }
 
 /// Positions along `k` per chunk when several row tiles share a task's panels: the two panels'

@@ -25,12 +25,15 @@
 //! instruction set (AVX-512, AVX2 or plain Rust give the same bits): a sequence decodes the same
 //! alone or batched, with or without a cached prefix. Tasks (two panels each) run on candle's
 //! own persistent thread pool.
+//!
+//! [`MatmulPrecision::High`] adds a second copy of f32 weights split into bf16 halves for Intel's
+//! AMX tiles (`amx.rs`), which then take every product of that matrix.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
-use crate::layers::WeightFormat;
+use crate::layers::{MatmulPrecision, WeightFormat};
 
 /// Output columns per panel: one AVX-512 vector of f32.
 const LANES: usize = 16;
@@ -53,11 +56,20 @@ pub struct PackedMatrix {
     n: usize,
     k: usize,
     lines: Vec<Line>,
+    /// The same weights split for AMX's bf16 tiles ([`MatmulPrecision::High`]; `amx.rs`).
+    bf16x3: Option<std::sync::Arc<amx::Bf16x3>>,
 }
 
 impl std::fmt::Debug for PackedMatrix {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PackedMatrix({}, {}x{})", self.format, self.n, self.k)
+        write!(
+            f,
+            "PackedMatrix({}, {}x{}, {:?})",
+            self.format,
+            self.n,
+            self.k,
+            self.precision()
+        )
     }
 }
 
@@ -171,6 +183,40 @@ impl PackedMatrix {
         self.format
     }
 
+    /// The matrix with its products taken at `precision`. [`MatmulPrecision::High`] needs f32
+    /// weights and a CPU with AMX-BF16 ([`MatmulPrecision::available`]), and keeps a second copy
+    /// of the weights (split into bf16 halves: as many bytes as the f32 ones).
+    pub fn with_precision(mut self, precision: MatmulPrecision) -> Result<Self> {
+        match precision {
+            MatmulPrecision::Highest => self.bf16x3 = None,
+            MatmulPrecision::High => {
+                if self.format != WeightFormat::F32 {
+                    candle_core::bail!(
+                        "matmul precision `high` splits f32 weights into bf16 halves; these weights are {}",
+                        self.format
+                    )
+                }
+                if !amx::available() {
+                    candle_core::bail!(
+                        "matmul precision `high` runs on AMX tiles (Intel Sapphire Rapids or later, Linux 5.16 \
+                         or later); this CPU or kernel has none"
+                    )
+                }
+                if self.bf16x3.is_none() {
+                    self.bf16x3 = Some(std::sync::Arc::new(amx::Bf16x3::new(&self)));
+                }
+            }
+        }
+        Ok(self)
+    }
+
+    pub fn precision(&self) -> MatmulPrecision {
+        match self.bf16x3 {
+            Some(_) => MatmulPrecision::High,
+            None => MatmulPrecision::Highest,
+        }
+    }
+
     /// `(n, k)`: output columns, inputs.
     pub fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
@@ -204,7 +250,8 @@ impl PackedMatrix {
     }
 
     /// [`PackedMatrix::matmul`] on a chosen instruction set, which must be available
-    /// ([`Simd::available`]); every one gives the same bits.
+    /// ([`Simd::available`]); every one gives the same bits. (At [`MatmulPrecision::High`] the
+    /// AMX tiles run whatever `simd` says.)
     pub fn matmul_with(&self, x: &[f32], m: usize, simd: Simd) -> Vec<f32> {
         self.matmul_epilogue(x, m, simd, Epilogue::default())
     }
@@ -232,7 +279,10 @@ impl PackedMatrix {
     pub(crate) fn matmul_epilogue(&self, x: &[f32], m: usize, simd: Simd, ep: Epilogue) -> Vec<f32> {
         let mut y = vec![0f32; m * self.n];
         if m > 0 && self.n > 0 && x.len() == m * self.k {
-            kernel::run(self, x, &mut y, m, simd, ep);
+            match &self.bf16x3 {
+                Some(tiles) if self.k > 0 => amx::run(self, tiles, x, &mut y, m, ep),
+                _ => kernel::run(self, x, &mut y, m, simd, ep),
+            }
         }
         y
     }
@@ -245,6 +295,7 @@ impl PackedMatrix {
             n,
             k,
             lines: vec![Line([0; 64]); bytes.div_ceil(64)],
+            bf16x3: None,
         }
     }
 
@@ -429,4 +480,7 @@ impl Simd {
     }
 }
 
+mod amx;
 mod kernel;
+
+pub(crate) use amx::available as amx_available;

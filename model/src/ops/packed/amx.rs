@@ -1,0 +1,356 @@
+//! f32 products on Intel's AMX tiles, for [`crate::MatmulPrecision::High`]: each f32 operand
+//! split into two bf16 (`hi = bf16(v)`, `lo = bf16(v - hi)`, 16 of f32's 24 mantissa bits) and
+//! `x @ W^T` taken as `hi·lo + hi·hi + lo·hi` with bf16 tile products (`tdpbf16ps`) accumulated in
+//! f32: PyTorch's `set_float32_matmul_precision("high")` on such CPUs (oneDNN's "bf16x3").
+//! Relative error about 1e-5 of `Σ|x||w|` instead of f32's ~1e-7; the arithmetic rate of a
+//! Sapphire Rapids core is several times its AVX-512 FMA rate, so prefill runs at the memory's
+//! rate instead of the FMA units'.
+//!
+//! Why by hand: neither candle nor the `gemm` crate uses AMX, and Rust's AMX intrinsics are
+//! nightly-only; the few instructions are written with `asm!`.
+//!
+//! Layout: the weights in panels of 16 output columns as in the f32 kernel, each panel in blocks
+//! of 32 positions along `k`: the block's `hi` tile then its `lo` tile, each 16 rows (pairs of
+//! positions) of 16 columns x 2 bf16 (the "VNNI" order `tdpbf16ps` reads). Activations are split
+//! per call into row-major `hi` and `lo` copies, rows padded to 16 and `k` to 32 with zeros.
+//! A task (two panels, as in the f32 kernel) holds four 16 x 16 f32 accumulators (tmm0-3) for 32
+//! rows x 32 columns, two activation tiles (tmm4-5) and two weight tiles (tmm6-7). Every output
+//! is the same chain of tile products along `k` whatever the row count, so results do not
+//! depend on the batch.
+
+use std::sync::OnceLock;
+
+use super::{Epilogue, PackedMatrix, GROUP, LANES};
+
+/// Positions along `k` per tile product: one 64-byte tile row of bf16.
+const KB: usize = 32;
+/// Rows of a tile.
+const TILE_ROWS: usize = 16;
+/// Bytes of one tile (16 rows of 64 bytes).
+const TILE_BYTES: usize = 1024;
+
+/// Whether this CPU and kernel run AMX-BF16 for this process (checked, and the kernel's
+/// permission asked, once).
+pub(crate) fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(detect)
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detect() -> bool {
+    use std::arch::x86_64::__cpuid_count;
+    // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; OSXSAVE (CPUID.1:ECX bit 27) for xgetbv.
+    let (leaf1, leaf7) = (__cpuid_count(1, 0), __cpuid_count(7, 0));
+    if leaf1.ecx & (1 << 27) == 0 || leaf7.edx & (1 << 22) == 0 || leaf7.edx & (1 << 24) == 0 {
+        return false;
+    }
+    let (xcr0_lo, _xcr0_hi): (u32, u32);
+    // SAFETY: xgetbv with ecx = 0 reads XCR0, available when OSXSAVE is set (checked above).
+    unsafe { std::arch::asm!("xgetbv", in("ecx") 0u32, out("eax") xcr0_lo, out("edx") _xcr0_hi) };
+    // XCR0 bits 17 (XTILECFG) and 18 (XTILEDATA): the OS saves tile state.
+    if xcr0_lo & (3 << 17) != 3 << 17 {
+        return false;
+    }
+    // Linux hands out the tile data state only on request: ARCH_REQ_XCOMP_PERM (0x1023) for
+    // XFEATURE_XTILEDATA (18), once per process.
+    // SAFETY: a plain system call with integer arguments.
+    unsafe { libc::syscall(libc::SYS_arch_prctl, 0x1023, 18) == 0 }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn detect() -> bool {
+    false
+}
+
+/// `v` as `hi + lo`, both bf16 rounded to nearest even (bits; NaN and infinity not kept).
+#[inline(always)]
+fn split(v: f32) -> (u16, u16) {
+    let round = |v: f32| {
+        let u = v.to_bits();
+        (u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16) as u16
+    };
+    let hi = round(v);
+    (hi, round(v - f32::from_bits((hi as u32) << 16)))
+}
+
+/// [`split`] over a row, vectorised (a scalar loop here cost more than the tile products at
+/// 40 rows).
+#[inline(always)]
+fn split_row(x: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+    for ((&v, h), l) in x.iter().zip(hi.iter_mut()).zip(lo.iter_mut()) {
+        (*h, *l) = split(v);
+    }
+}
+
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bw"))]
+unsafe fn split_row_avx512(x: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+    split_row(x, hi, lo)
+}
+
+/// The weights of an f32 [`PackedMatrix`], split and laid out for the tiles (module notes).
+#[derive(Clone)]
+pub(crate) struct Bf16x3 {
+    /// `k` rounded up to 32.
+    kp: usize,
+    /// Per panel, `kp / 32` blocks of a `hi` and a `lo` tile.
+    tiles: Vec<super::Line>,
+}
+
+impl Bf16x3 {
+    pub(crate) fn new(w: &PackedMatrix) -> Self {
+        let (n, k) = (w.n, w.k);
+        let kp = k.div_ceil(KB) * KB;
+        let panels = n.div_ceil(LANES * GROUP) * GROUP;
+        let mut tiles = vec![super::Line([0; 64]); panels * kp / KB * 2 * TILE_BYTES / 64];
+        // SAFETY: `Line` is plain bytes; u16 needs 2-byte alignment (lines are 64-aligned).
+        let words = unsafe { std::slice::from_raw_parts_mut(tiles.as_mut_ptr() as *mut u16, tiles.len() * 32) };
+        for r in 0..n {
+            let (panel, lane) = (r / LANES, r % LANES);
+            for c in 0..k {
+                let (hi, lo) = split(w.value(r, c));
+                let (block, t, e) = (c / KB, c % KB / 2, c % 2);
+                let at = (panel * (kp / KB) + block) * 2 * (TILE_BYTES / 2) + (t * LANES + lane) * 2 + e;
+                words[at] = hi;
+                words[at + TILE_BYTES / 2] = lo;
+            }
+        }
+        Self { kp, tiles }
+    }
+}
+
+/// `y = x @ W^T` (then the epilogue) for `x` `(m, k)`, on the tiles; [`available`] must hold.
+pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usize, ep: Epilogue) {
+    let (n, k, kp) = (w.n, w.k, t.kp);
+    let mp = m.div_ceil(TILE_ROWS) * TILE_ROWS;
+    // The activations' halves, row-major (mp, kp), zero-padded.
+    let mut hi = vec![0u16; mp * kp];
+    let mut lo = vec![0u16; mp * kp];
+    for (i, row) in x.chunks_exact(k).enumerate() {
+        let (hi, lo) = (&mut hi[i * kp..i * kp + k], &mut lo[i * kp..i * kp + k]);
+        // SAFETY: AMX's CPUs all have AVX-512 (F and BW).
+        unsafe { split_row_avx512(row, hi, lo) };
+    }
+    let groups = n.div_ceil(LANES * GROUP);
+    let (hi_at, lo_at, y_at) = (hi.as_ptr() as usize, lo.as_ptr() as usize, y.as_mut_ptr() as usize);
+    let w_at = t.tiles.as_ptr() as usize;
+    let panel_bytes = kp / KB * 2 * TILE_BYTES;
+    candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
+        // SAFETY: `available()` (the caller's contract) granted this process the tile state;
+        // the configuration is this thread's own, set before and released after its tiles.
+        unsafe { tiles::configure() };
+        let mut acc = Acc([0.0; 4 * TILE_ROWS * LANES]);
+        let end = range.end;
+        for g in range {
+            let col0 = g * GROUP * LANES;
+            let cols = (n - col0).min(GROUP * LANES);
+            let panels = (w_at + g * GROUP * panel_bytes) as *const u8;
+            let next = (g + 1 < end).then(|| panels.wrapping_add(GROUP * panel_bytes));
+            for r0 in (0..mp).step_by(2 * TILE_ROWS) {
+                let two = mp - r0 >= 2 * TILE_ROWS;
+                let last = r0 + 2 * TILE_ROWS >= mp;
+                // The first pass over the panels reads them from memory, prefetching ahead;
+                // with more than one pass, the last one (from cache) prefetches the next task's
+                // panels instead, so that memory keeps streaming.
+                let ahead = match (r0, last, next) {
+                    (0, false, _) | (0, true, None) => Ahead::Own,
+                    (_, true, Some(next)) => Ahead::Next(next),
+                    _ => Ahead::None,
+                };
+                let a = Operands {
+                    hi: (hi_at + r0 * kp * 2) as *const u8,
+                    lo: (lo_at + r0 * kp * 2) as *const u8,
+                    stride: kp * 2,
+                    b: panels,
+                    panel_bytes,
+                    blocks: kp / KB,
+                    ahead,
+                };
+                // SAFETY: the operands lie within `hi`, `lo` (rows r0.. r0 + 16 or 32 < mp)
+                // and the task's two panels; `acc` holds four tiles.
+                unsafe { tiles::block(&a, two, acc.0.as_mut_ptr()) };
+                let rows = (m - r0).min(2 * TILE_ROWS);
+                for i in 0..rows {
+                    let (tile_row, i_t) = (i / TILE_ROWS, i % TILE_ROWS);
+                    for j in 0..cols {
+                        let tile = tile_row * 2 + j / LANES;
+                        let v = acc.0[tile * TILE_ROWS * LANES + i_t * LANES + j % LANES];
+                        // SAFETY: row r0 + i < m and column col0 + j < n: inside `y`, and only
+                        // this task writes these columns.
+                        unsafe { *(y_at as *mut f32).add((r0 + i) * n + col0 + j) = v };
+                    }
+                }
+            }
+            // SAFETY: this task's columns of `y`, written above.
+            unsafe { super::kernel::epilogue(ep, y_at as *mut f32, m, n, col0, cols) };
+        }
+        // SAFETY: as `configure`.
+        unsafe { tiles::release() };
+    });
+}
+
+/// Four accumulator tiles' worth of f32, 64-byte aligned for `tilestored`.
+#[repr(C, align(64))]
+struct Acc([f32; 4 * TILE_ROWS * LANES]);
+
+/// One block's operands: activation halves from row `r0`, the task's two panels.
+struct Operands {
+    hi: *const u8,
+    lo: *const u8,
+    /// Bytes between activation rows.
+    stride: usize,
+    b: *const u8,
+    panel_bytes: usize,
+    blocks: usize,
+    ahead: Ahead,
+}
+
+/// Which weights a pass over `k` prefetches, block by block.
+#[derive(Clone, Copy)]
+enum Ahead {
+    /// Its own panels, some blocks ahead.
+    Own,
+    /// The same blocks of the next task's panels.
+    Next(*const u8),
+    None,
+}
+
+#[cfg(target_arch = "x86_64")]
+mod tiles {
+    use std::arch::asm;
+
+    use super::{Ahead, Operands, TILE_BYTES};
+
+    /// Blocks ahead that [`block`] prefetches the weights.
+    const AHEAD: usize = 4;
+
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        // SAFETY: a prefetch is a hint; it does not fault on any address.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8) };
+    }
+
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+
+    /// Palette 1, tiles 0-7 of 16 rows x 64 bytes.
+    ///
+    /// # Safety
+    /// AMX available and permitted ([`super::available`]).
+    pub(super) unsafe fn configure() {
+        let mut c = Config([0; 64]);
+        c.0[0] = 1;
+        for t in 0..8 {
+            c.0[16 + 2 * t] = 64;
+            c.0[48 + t] = 16;
+        }
+        // SAFETY: the caller's contract; `c` is a valid palette-1 configuration.
+        unsafe { asm!("ldtilecfg [{0}]", in(reg) c.0.as_ptr(), options(nostack, readonly)) };
+    }
+
+    /// # Safety
+    /// As [`configure`].
+    pub(super) unsafe fn release() {
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    macro_rules! load {
+        ($tmm:literal, $p:expr, $stride:expr) => {
+            asm!(concat!("tileloadd ", $tmm, ", [{p} + {s} * 1]"), p = in(reg) $p, s = in(reg) $stride,
+                options(nostack, readonly))
+        };
+    }
+    macro_rules! dp {
+        ($c:literal, $a:literal, $b:literal) => {
+            asm!(
+                concat!("tdpbf16ps ", $c, ", ", $a, ", ", $b),
+                options(nostack, nomem)
+            )
+        };
+    }
+    macro_rules! store {
+        ($tmm:literal, $p:expr) => {
+            asm!(concat!("tilestored [{p} + {s} * 1], ", $tmm), p = in(reg) $p, s = in(reg) 64usize,
+                options(nostack))
+        };
+    }
+
+    /// Rows r0..r0 + 32 (`two`) or r0..r0 + 16 of the task's 32 columns into `acc` (tiles in
+    /// order rows 0-15 x panel 0, x panel 1, rows 16-31 x panel 0, x panel 1). Per block of 32
+    /// positions, in this order: `hi·lo`, `hi·hi`, `lo·hi`.
+    ///
+    /// # Safety
+    /// Tiles configured ([`configure`]); the operands' rows and blocks readable; `acc` holds
+    /// four 16 x 16 f32.
+    pub(super) unsafe fn block(a: &Operands, two: bool, acc: *mut f32) {
+        let (s, lb) = (a.stride, 16 * a.stride);
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+            for kb in 0..a.blocks {
+                let (ah, al) = (a.hi.add(kb * 64), a.lo.add(kb * 64));
+                let b0 = a.b.add(kb * 2 * TILE_BYTES);
+                let b1 = b0.add(a.panel_bytes);
+                // The hardware prefetcher does not follow tile loads far enough ahead (past the
+                // end of the weights a prefetch is a harmless hint).
+                let p0 = match a.ahead {
+                    Ahead::Own => b0.wrapping_add(AHEAD * 2 * TILE_BYTES),
+                    Ahead::Next(next) => next.wrapping_add(kb * 2 * TILE_BYTES),
+                    Ahead::None => std::ptr::null(),
+                };
+                if !p0.is_null() {
+                    for line in (0..2 * TILE_BYTES).step_by(64) {
+                        prefetch(p0.wrapping_add(line));
+                        prefetch(p0.wrapping_add(a.panel_bytes + line));
+                    }
+                }
+                load!("tmm4", ah, s);
+                load!("tmm6", b0.add(TILE_BYTES), 64usize);
+                load!("tmm7", b1.add(TILE_BYTES), 64usize);
+                dp!("tmm0", "tmm4", "tmm6");
+                dp!("tmm1", "tmm4", "tmm7");
+                if two {
+                    load!("tmm5", ah.add(lb), s);
+                    dp!("tmm2", "tmm5", "tmm6");
+                    dp!("tmm3", "tmm5", "tmm7");
+                }
+                load!("tmm6", b0, 64usize);
+                load!("tmm7", b1, 64usize);
+                dp!("tmm0", "tmm4", "tmm6");
+                dp!("tmm1", "tmm4", "tmm7");
+                if two {
+                    dp!("tmm2", "tmm5", "tmm6");
+                    dp!("tmm3", "tmm5", "tmm7");
+                }
+                load!("tmm4", al, s);
+                dp!("tmm0", "tmm4", "tmm6");
+                dp!("tmm1", "tmm4", "tmm7");
+                if two {
+                    load!("tmm5", al.add(lb), s);
+                    dp!("tmm2", "tmm5", "tmm6");
+                    dp!("tmm3", "tmm5", "tmm7");
+                }
+            }
+            store!("tmm0", acc);
+            store!("tmm1", acc.add(256));
+            if two {
+                store!("tmm2", acc.add(512));
+                store!("tmm3", acc.add(768));
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod tiles {
+    use super::Operands;
+    pub(super) unsafe fn configure() {
+        unreachable!("AMX is x86-64 only")
+    }
+    pub(super) unsafe fn release() {}
+    pub(super) unsafe fn block(_: &Operands, _: bool, _: *mut f32) {}
+}
