@@ -122,22 +122,26 @@ impl Bf16x3 {
 pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usize, ep: Epilogue) {
     let (n, k, kp) = (w.n, w.k, t.kp);
     let mp = m.div_ceil(TILE_ROWS) * TILE_ROWS;
-    // The activations' halves, row-major (mp, kp), zero-padded.
-    let mut hi = vec![0u16; mp * kp];
-    let mut lo = vec![0u16; mp * kp];
+    // The activations' halves, zero-padded, tile by tile: per 16 rows, per block of 32
+    // positions, the `hi` tile then the `lo` tile (1 KiB each, read front to back).
+    let blocks = kp / KB;
+    let mut halves = vec![0u16; mp * kp * 2];
     for (i, row) in x.chunks_exact(k).enumerate() {
-        let (hi, lo) = (&mut hi[i * kp..i * kp + k], &mut lo[i * kp..i * kp + k]);
-        // SAFETY: AMX's CPUs all have AVX-512 (F and BW).
-        unsafe { split_row_avx512(row, hi, lo) };
+        for (b, part) in row.chunks(KB).enumerate() {
+            let at = ((i / TILE_ROWS * blocks + b) * 2 * TILE_ROWS + i % TILE_ROWS) * KB;
+            let (hi, lo) = halves[at..].split_at_mut(TILE_ROWS * KB);
+            // SAFETY: AMX's CPUs all have AVX-512 (F and BW).
+            unsafe { split_row_avx512(part, &mut hi[..part.len()], &mut lo[..part.len()]) };
+        }
     }
     let groups = n.div_ceil(LANES * GROUP);
-    let (hi_at, lo_at, y_at) = (hi.as_ptr() as usize, lo.as_ptr() as usize, y.as_mut_ptr() as usize);
+    let (a_at, y_at) = (halves.as_ptr() as usize, y.as_mut_ptr() as usize);
     let w_at = t.tiles.as_ptr() as usize;
     let panel_bytes = kp / KB * 2 * TILE_BYTES;
     candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
         // SAFETY: `available()` (the caller's contract) granted this process the tile state;
         // the configuration is this thread's own, set before and released after its tiles.
-        unsafe { tiles::configure() };
+        unsafe { tiles::configure(m.min(TILE_ROWS)) };
         let mut acc = Acc([0.0; 4 * TILE_ROWS * LANES]);
         let end = range.end;
         for g in range {
@@ -157,9 +161,7 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
                     _ => Ahead::None,
                 };
                 let a = Operands {
-                    hi: (hi_at + r0 * kp * 2) as *const u8,
-                    lo: (lo_at + r0 * kp * 2) as *const u8,
-                    stride: kp * 2,
+                    a: (a_at + r0 / TILE_ROWS * blocks * 2 * TILE_BYTES) as *const u8,
                     b: panels,
                     panel_bytes,
                     blocks: kp / KB,
@@ -192,12 +194,9 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
 #[repr(C, align(64))]
 struct Acc([f32; 4 * TILE_ROWS * LANES]);
 
-/// One block's operands: activation halves from row `r0`, the task's two panels.
+/// One block's operands: the activation tiles from row `r0` on, the task's two panels.
 struct Operands {
-    hi: *const u8,
-    lo: *const u8,
-    /// Bytes between activation rows.
-    stride: usize,
+    a: *const u8,
     b: *const u8,
     panel_bytes: usize,
     blocks: usize,
@@ -232,16 +231,18 @@ mod tiles {
     #[repr(C, align(64))]
     struct Config([u8; 64]);
 
-    /// Palette 1, tiles 0-7 of 16 rows x 64 bytes.
+    /// Palette 1, tiles 0-7 of 64 bytes a row: the weight tiles (6, 7) of 16 rows, the others of
+    /// `rows` (1-16: fewer than 16 when that is all the rows there are, a decode batch, so the
+    /// products skip the padding).
     ///
     /// # Safety
     /// AMX available and permitted ([`super::available`]).
-    pub(super) unsafe fn configure() {
+    pub(super) unsafe fn configure(rows: usize) {
         let mut c = Config([0; 64]);
         c.0[0] = 1;
         for t in 0..8 {
             c.0[16 + 2 * t] = 64;
-            c.0[48 + t] = 16;
+            c.0[48 + t] = if t >= 6 { 16 } else { rows as u8 };
         }
         // SAFETY: the caller's contract; `c` is a valid palette-1 configuration.
         unsafe { asm!("ldtilecfg [{0}]", in(reg) c.0.as_ptr(), options(nostack, readonly)) };
@@ -282,7 +283,8 @@ mod tiles {
     /// Tiles configured ([`configure`]); the operands' rows and blocks readable; `acc` holds
     /// four 16 x 16 f32.
     pub(super) unsafe fn block(a: &Operands, two: bool, acc: *mut f32) {
-        let (s, lb) = (a.stride, 16 * a.stride);
+        // Per block: the `hi` and `lo` tiles of rows 0-15, then (`lb` on) of rows 16-31.
+        let (s, lb) = (64usize, a.blocks * 2 * TILE_BYTES);
         unsafe {
             asm!(
                 "tilezero tmm0",
@@ -292,7 +294,8 @@ mod tiles {
                 options(nostack, nomem)
             );
             for kb in 0..a.blocks {
-                let (ah, al) = (a.hi.add(kb * 64), a.lo.add(kb * 64));
+                let ah = a.a.add(kb * 2 * TILE_BYTES);
+                let al = ah.add(TILE_BYTES);
                 let b0 = a.b.add(kb * 2 * TILE_BYTES);
                 let b1 = b0.add(a.panel_bytes);
                 // The hardware prefetcher does not follow tile loads far enough ahead (past the
@@ -348,7 +351,7 @@ mod tiles {
 #[cfg(not(target_arch = "x86_64"))]
 mod tiles {
     use super::Operands;
-    pub(super) unsafe fn configure() {
+    pub(super) unsafe fn configure(_: usize) {
         unreachable!("AMX is x86-64 only")
     }
     pub(super) unsafe fn release() {}
