@@ -7,7 +7,7 @@
 # - the byte-level BPE fixture with an end-of-text token, with lm-eval's default batch of one
 #   prompt per request and with 8;
 # - the character-level default model in weights/ (no end-of-text token: the rolling task's
-#   prefix token is given, `\n`).
+#   prefix token is given, `\n`), also with `--matmul-precision high` where the CPU has AMX.
 # Rerun alone with `.ci/lm_eval.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,3 +61,10 @@ check() {
 
 check tiny-gpt2 tests/fixtures/tiny-gpt2 64 "" 1 8
 check default weights 256 ",prefix_token_id=0" 8
+# `--matmul-precision high` (bf16x3 on AMX tiles) where the CPU has AMX: the same scores within 1e-4.
+if grep -qw amx_bf16 /proc/cpuinfo; then
+  GPT_SERVER_MATMUL_PRECISION=high check default-high weights 256 ",prefix_token_id=0" 8
+  grep -q "matmul_precision=high" "$out/default-high-server.log" || { echo "the server did not run at high precision"; exit 1; }
+else
+  echo "no AMX-BF16 on this machine: --matmul-precision high not checked against lm-eval"
+fi

@@ -4,7 +4,7 @@
 # gpt-server (lm-eval's batch of 8 prompts per request) against lm-eval's hf backend, side by
 # side on this machine, and their scores compared (1e-4 relative).
 #
-#   bash bench/lm_eval.sh [N]
+#   [GPT_SERVER_MATMUL_PRECISION=high] bash bench/lm_eval.sh [N]
 # Needs: target/gpt2-tokenizer (made by .ci/run), and the venv of .ci/lm_eval.sh (LM_EVAL_VENV).
 set -euo pipefail
 cd "$(dirname "$0")/.."
