@@ -12,7 +12,8 @@
 //! Layout: the weights in panels of 16 output columns as in the f32 kernel, each panel in blocks
 //! of 32 positions along `k`: the block's `hi` tile then its `lo` tile, each 16 rows (pairs of
 //! positions) of 16 columns x 2 bf16 (the "VNNI" order `tdpbf16ps` reads). Activations are split
-//! per call into row-major `hi` and `lo` copies, rows padded to 16 and `k` to 32 with zeros.
+//! per call into the same tile order (per 16 rows, per block: `hi` tile, `lo` tile), rows padded
+//! to 16 and `k` to 32 with zeros.
 //! A task (two panels, as in the f32 kernel) holds four 16 x 16 f32 accumulators (tmm0-3) for 32
 //! rows x 32 columns, two activation tiles (tmm4-5) and two weight tiles (tmm6-7). Every output
 //! is the same chain of tile products along `k` whatever the row count, so results do not
@@ -167,8 +168,8 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
                     blocks: kp / KB,
                     ahead,
                 };
-                // SAFETY: the operands lie within `hi`, `lo` (rows r0.. r0 + 16 or 32 < mp)
-                // and the task's two panels; `acc` holds four tiles.
+                // SAFETY: the operands lie within `halves` (row tiles from r0, one or two, all
+                // below mp) and the task's two panels; `acc` holds four tiles.
                 unsafe { tiles::block(&a, two, acc.0.as_mut_ptr()) };
                 let rows = (m - r0).min(2 * TILE_ROWS);
                 for i in 0..rows {
