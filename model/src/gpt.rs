@@ -430,13 +430,10 @@ impl Gpt {
     pub fn with_matmul_precision(mut self, precision: MatmulPrecision) -> Result<Self> {
         for (name, weight) in self.matrices_mut() {
             match weight {
-                Weight::Packed(p) if p.precision() != precision => {
-                    let packed = (**p).clone().with_precision(precision).map_err(|e| {
-                        Error::InvalidConfig(format!("--matmul-precision {precision} for `{name}`: {e}"))
-                    })?;
-                    *weight = Weight::Packed(std::sync::Arc::new(packed));
-                }
-                Weight::Packed(_) => {}
+                // In place (a loaded model's matrices are not shared: no copy of the f32 panels).
+                Weight::Packed(p) => std::sync::Arc::make_mut(p)
+                    .set_precision(precision)
+                    .map_err(|e| Error::InvalidConfig(format!("--matmul-precision {precision} for `{name}`: {e}")))?,
                 Weight::Dense(_) if precision == MatmulPrecision::Highest => {}
                 Weight::Dense(_) => {
                     return Err(Error::InvalidConfig(format!(

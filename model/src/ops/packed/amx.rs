@@ -89,7 +89,6 @@ unsafe fn split_row_avx512(x: &[f32], hi: &mut [u16], lo: &mut [u16]) {
 }
 
 /// The weights of an f32 [`PackedMatrix`], split and laid out for the tiles (module notes).
-#[derive(Clone)]
 pub(crate) struct Bf16x3 {
     /// `k` rounded up to 32.
     kp: usize,
@@ -165,7 +164,7 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
                     a: (a_at + r0 / TILE_ROWS * blocks * 2 * TILE_BYTES) as *const u8,
                     b: panels,
                     panel_bytes,
-                    blocks: kp / KB,
+                    blocks,
                     ahead,
                 };
                 // SAFETY: the operands lie within `halves` (row tiles from r0, one or two, all

@@ -183,10 +183,16 @@ impl PackedMatrix {
         self.format
     }
 
-    /// The matrix with its products taken at `precision`. [`MatmulPrecision::High`] needs f32
-    /// weights and a CPU with AMX-BF16 ([`MatmulPrecision::available`]), and keeps a second copy
-    /// of the weights (split into bf16 halves: as many bytes as the f32 ones).
+    /// The matrix with its products taken at `precision` (see [`Self::set_precision`]).
     pub fn with_precision(mut self, precision: MatmulPrecision) -> Result<Self> {
+        self.set_precision(precision)?;
+        Ok(self)
+    }
+
+    /// Takes this matrix's products at `precision`. [`MatmulPrecision::High`] needs f32 weights
+    /// and a CPU with AMX-BF16 ([`MatmulPrecision::available`]), and keeps a second copy of the
+    /// weights (split into bf16 halves: as many bytes as the f32 ones). On error nothing changes.
+    pub fn set_precision(&mut self, precision: MatmulPrecision) -> Result<()> {
         match precision {
             MatmulPrecision::Highest => self.bf16x3 = None,
             MatmulPrecision::High => {
@@ -203,11 +209,11 @@ impl PackedMatrix {
                     )
                 }
                 if self.bf16x3.is_none() {
-                    self.bf16x3 = Some(std::sync::Arc::new(amx::Bf16x3::new(&self)));
+                    self.bf16x3 = Some(std::sync::Arc::new(amx::Bf16x3::new(self)));
                 }
             }
         }
-        Ok(self)
+        Ok(())
     }
 
     pub fn precision(&self) -> MatmulPrecision {
