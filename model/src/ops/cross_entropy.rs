@@ -33,8 +33,7 @@ impl CrossEntropy {
 
 /// Row `r`'s max and log of the sum of exp(x - max).
 fn row_logsumexp(row: &[f32]) -> (f32, f32) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
+    let (max, sum) = super::rows::max_and_sum_exp(row);
     (max, sum.ln())
 }
 

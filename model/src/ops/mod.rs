@@ -19,6 +19,7 @@ mod dropout;
 mod gelu;
 mod layer_norm;
 mod packed;
+mod rows;
 mod softmax;
 #[cfg(test)]
 mod tests;
@@ -37,6 +38,7 @@ pub(crate) use attention::WriteRows;
 pub(crate) use gelu::gelu_new;
 pub(crate) use packed::amx_available;
 pub use packed::{PackedMatrix, Simd};
+pub use rows::{argmax, log_sum_exp};
 
 /// The f32 data of a contiguous CPU tensor, for custom ops' `cpu_fwd`.
 pub fn f32_slice<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Result<&'a [f32]> {
