@@ -322,11 +322,11 @@ mod x86 {
                     *s = _mm_cvtss_f32(sum) * head.scale;
                     max = max.max(*s);
                 }
-                let mut total = 0f32;
+                // Two loops: the exponentials vectorise alone (`f32::exp` is a libm call each).
                 for s in keys.iter_mut() {
-                    *s = (*s - max).exp();
-                    total += *s;
+                    *s = crate::ops::rows::exp(*s - max);
                 }
+                let total: f32 = keys.iter().sum();
                 let mut acc = [_mm256_setzero_ps(); CH];
                 for (j, &p) in keys.iter().enumerate() {
                     let v = head.values.row(head.h, j, hs).as_ptr();

@@ -143,7 +143,7 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
         // SAFETY: `available()` (the caller's contract) granted this process the tile state;
         // the configuration is this thread's own, set before and released after its tiles.
         unsafe { tiles::configure(m.min(TILE_ROWS)) };
-        let mut acc = Acc([0.0; 4 * TILE_ROWS * LANES]);
+        let mut acc = Acc([[0.0; LANES]; 4 * TILE_ROWS]);
         let (first, end) = (range.start, range.end);
         // Memory streams while the tiles work: each pass over a task's panels (two row tiles a
         // pass) prefetches its share of the next task's panels, spread evenly over its blocks,
@@ -179,18 +179,25 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
                 };
                 // SAFETY: the operands lie within `halves` (row tiles from r0, one or two, all
                 // below mp) and the task's two panels; `acc` holds four tiles.
-                unsafe { tiles::block(&a, two, acc.0.as_mut_ptr()) };
+                unsafe { tiles::block(&a, two, acc.0.as_mut_ptr() as *mut f32) };
                 let rows = (m - r0).min(2 * TILE_ROWS);
                 for i in 0..rows {
                     let (tile_row, i_t) = (i / TILE_ROWS, i % TILE_ROWS);
                     for panel in 0..cols.div_ceil(LANES) {
                         let tile = tile_row * 2 + panel;
-                        let from = &acc.0[(tile * TILE_ROWS + i_t) * LANES..][..(cols - panel * LANES).min(LANES)];
+                        let from = &acc.0[tile * TILE_ROWS + i_t];
+                        let len = (cols - panel * LANES).min(LANES);
                         // SAFETY: row r0 + i < m and columns col0 + panel * 16 + j < n: inside
                         // `y`, and only this task writes these columns.
                         unsafe {
                             let to = (y_at as *mut f32).add((r0 + i) * n + col0 + panel * LANES);
-                            std::ptr::copy_nonoverlapping(from.as_ptr(), to, from.len());
+                            if len == LANES {
+                                // A whole row of the tile: a fixed-size copy (a `memmove` call
+                                // per 64 bytes otherwise).
+                                (to as *mut [f32; LANES]).write_unaligned(*from);
+                            } else {
+                                std::ptr::copy_nonoverlapping(from.as_ptr(), to, len);
+                            }
                         }
                     }
                 }
@@ -203,9 +210,9 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
     });
 }
 
-/// Four accumulator tiles' worth of f32, 64-byte aligned for `tilestored`.
+/// Four accumulator tiles of 16 rows of 16 f32, 64-byte aligned for `tilestored`.
 #[repr(C, align(64))]
-struct Acc([f32; 4 * TILE_ROWS * LANES]);
+struct Acc([[f32; LANES]; 4 * TILE_ROWS]);
 
 /// One block's operands: the activation tiles from row `r0` on, the task's two panels.
 struct Operands {

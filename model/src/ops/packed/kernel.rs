@@ -191,6 +191,35 @@ fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, s
 /// # Safety
 /// `y` holds `m * n` f32 and no other thread touches these columns meanwhile.
 pub(super) unsafe fn epilogue(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
+    if ep.bias.is_none() {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // The GELU's rational tanh vectorises: 16 lanes where the CPU has them (a long prefill's
+        // MLP spent ~6% of its time here at the baseline's 4).
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
+            unsafe { epilogue_any(ep, y, m, n, col0, cols) }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
+            unsafe { epilogue_any(ep, y, m, n, col0, cols) }
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F; the rest is the caller's contract.
+            return unsafe { avx512(ep, y, m, n, col0, cols) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: as above, AVX2 and FMA.
+            return unsafe { avx2(ep, y, m, n, col0, cols) };
+        }
+    }
+    unsafe { epilogue_any(ep, y, m, n, col0, cols) }
+}
+
+#[inline(always)]
+unsafe fn epilogue_any(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
     let Some(bias) = ep.bias else { return };
     for i in 0..m {
         // SAFETY: the caller's columns of row `i`, in bounds.
