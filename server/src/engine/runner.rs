@@ -6,6 +6,7 @@
 //! `(tokens, vocab)` logits matrix.
 
 use candle_core::Device;
+use gpt::ops::log_sum_exp;
 use gpt::{Gpt, KvCache, LogitsFor, SeqStep};
 
 /// Rows of logits computed at once: 256 x GPT-2's 50257 x 4 bytes is 51 MB.
@@ -180,8 +181,6 @@ impl Runner {
         Ok(outputs)
     }
 }
-
-pub use gpt::ops::log_sum_exp;
 
 /// The `k` most likely tokens of a logits row as `(id, log-probability)`, most likely first
 /// (ties: lower id first). One pass that keeps the best `k` seen in order: the API allows a small

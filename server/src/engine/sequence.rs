@@ -9,11 +9,12 @@ use std::time::Instant;
 use gpt::{KvCache, Sampler, Tokenizer};
 use tokio::sync::mpsc;
 
-use super::runner::{log_sum_exp, top_k, PositionLogprob, StepInput};
+use super::runner::{top_k, PositionLogprob, StepInput};
 use super::{Event, FinishReason, TokenLogprob};
 use crate::metrics::Metrics;
 use crate::stream::{Detokenizer, TextStream};
 use crate::validation::ValidRequest;
+use gpt::ops::log_sum_exp;
 
 /// What every sequence needs to know of the model.
 #[derive(Debug, Clone, Copy)]

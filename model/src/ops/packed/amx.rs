@@ -21,7 +21,7 @@
 
 use std::sync::OnceLock;
 
-use super::{Epilogue, PackedMatrix, GROUP, LANES};
+use super::{Epilogue, PackedMatrix, Simd, GROUP, LANES};
 
 /// Positions along `k` per tile product: one 64-byte tile row of bf16.
 const KB: usize = 32;
@@ -125,11 +125,10 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
     // The activations' halves, zero-padded, tile by tile: per 16 rows, per block of 32
     // positions, the `hi` tile then the `lo` tile (1 KiB each, read front to back).
     let blocks = kp / KB;
-    let a_stride = blocks * 2 * TILE_BYTES;
     let mut halves = vec![0u16; mp * kp * 2];
     for (i, row) in x.chunks_exact(k).enumerate() {
         for (b, part) in row.chunks(KB).enumerate() {
-            let at = i / TILE_ROWS * a_stride / 2 + (b * 2 * TILE_ROWS + i % TILE_ROWS) * KB;
+            let at = ((i / TILE_ROWS * blocks + b) * 2 * TILE_ROWS + i % TILE_ROWS) * KB;
             let (hi, lo) = halves[at..].split_at_mut(TILE_ROWS * KB);
             // SAFETY: AMX's CPUs all have AVX-512 (F and BW).
             unsafe { split_row_avx512(part, &mut hi[..part.len()], &mut lo[..part.len()]) };
@@ -164,8 +163,7 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
             for (pass, r0) in (0..mp).step_by(2 * TILE_ROWS).enumerate() {
                 let two = mp - r0 >= 2 * TILE_ROWS;
                 let a = Operands {
-                    a: (a_at + r0 / TILE_ROWS * a_stride) as *const u8,
-                    a_stride,
+                    a: (a_at + r0 / TILE_ROWS * blocks * 2 * TILE_BYTES) as *const u8,
                     b: panels,
                     panel_bytes,
                     blocks,
@@ -174,7 +172,6 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
                         at: next,
                         from: pass * blocks * step,
                         step,
-                        len: task_bytes,
                     },
                 };
                 // SAFETY: the operands lie within `halves` (row tiles from r0, one or two, all
@@ -203,7 +200,8 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usi
                 }
             }
             // SAFETY: this task's columns of `y`, written above.
-            unsafe { super::kernel::epilogue(ep, y_at as *mut f32, m, n, col0, cols) };
+            // SAFETY: as above; AMX's CPUs all have AVX-512.
+            unsafe { super::kernel::epilogue(ep, Simd::Avx512, y_at as *mut f32, m, n, col0, cols) };
         }
         // SAFETY: as `configure`.
         unsafe { tiles::release() };
@@ -217,8 +215,6 @@ struct Acc([[f32; LANES]; 4 * TILE_ROWS]);
 /// One block's operands: the activation tiles from row `r0` on, the task's two panels.
 struct Operands {
     a: *const u8,
-    /// Bytes from one row tile's activations to the next's.
-    a_stride: usize,
     b: *const u8,
     panel_bytes: usize,
     blocks: usize,
@@ -228,19 +224,18 @@ struct Operands {
 }
 
 /// The part of the next task's panels that a pass prefetches: block `kb` of the pass the bytes
-/// `from + kb * step..` (at most `step`, within `len`) from `at` (none when null).
+/// `from + kb * step..` (at most `step`, within the task's panels) from `at` (none when null).
 struct Stream {
     at: *const u8,
     from: usize,
     step: usize,
-    len: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
 mod tiles {
     use std::arch::asm;
 
-    use super::{Operands, TILE_BYTES};
+    use super::{Operands, GROUP, TILE_BYTES};
 
     /// Blocks ahead that [`block`] prefetches the weights.
     const AHEAD: usize = 4;
@@ -336,7 +331,7 @@ mod tiles {
     /// four 16 x 16 f32.
     pub(super) unsafe fn block(a: &Operands, two: bool, acc: *mut f32) {
         // Per block: the `hi` and `lo` tiles of rows 0-15, then (`lb` on) of rows 16-31.
-        let (s, lb) = (64usize, a.a_stride);
+        let (s, lb) = (64usize, a.blocks * 2 * TILE_BYTES);
         unsafe {
             asm!(
                 "tilezero tmm0",
@@ -370,7 +365,7 @@ mod tiles {
                 let stream = if next.at.is_null() {
                     0
                 } else {
-                    (from + next.step).min(next.len).saturating_sub(from) / 64
+                    (from + next.step).min(GROUP * a.panel_bytes).saturating_sub(from) / 64
                 };
                 let pf = Lines::new([
                     (ahead, own),

@@ -180,24 +180,20 @@ fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, s
                 }
             }
             // SAFETY: this task's columns, written above.
-            unsafe { epilogue(ep, t.y, m, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
+            unsafe { epilogue(ep, simd, t.y, m, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
         }
     });
 }
 
 /// The epilogue (bias, then GELU) on columns `col0..col0 + cols` of `y` `(m, n)`, which a task
-/// has just written.
+/// has just written, on `simd`'s vectors (the GELU's rational tanh vectorises; at the baseline's
+/// 4 lanes a long prefill's MLP spent ~6% of its time here).
 ///
 /// # Safety
-/// `y` holds `m * n` f32 and no other thread touches these columns meanwhile.
-pub(super) unsafe fn epilogue(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
-    if ep.bias.is_none() {
-        return;
-    }
+/// `y` holds `m * n` f32 and no other thread touches these columns meanwhile; `simd` available.
+pub(super) unsafe fn epilogue(ep: Epilogue, simd: Simd, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        // The GELU's rational tanh vectorises: 16 lanes where the CPU has them (a long prefill's
-        // MLP spent ~6% of its time here at the baseline's 4).
         #[target_feature(enable = "avx512f")]
         unsafe fn avx512(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
             unsafe { epilogue_any(ep, y, m, n, col0, cols) }
@@ -206,15 +202,15 @@ pub(super) unsafe fn epilogue(ep: Epilogue, y: *mut f32, m: usize, n: usize, col
         unsafe fn avx2(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
             unsafe { epilogue_any(ep, y, m, n, col0, cols) }
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F; the rest is the caller's contract.
-            return unsafe { avx512(ep, y, m, n, col0, cols) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: as above, AVX2 and FMA.
-            return unsafe { avx2(ep, y, m, n, col0, cols) };
+        // SAFETY: the caller's contract (`simd` available, the columns its own).
+        match simd {
+            Simd::Avx512 => return unsafe { avx512(ep, y, m, n, col0, cols) },
+            Simd::Avx2 => return unsafe { avx2(ep, y, m, n, col0, cols) },
+            Simd::Portable => {}
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = simd;
     unsafe { epilogue_any(ep, y, m, n, col0, cols) }
 }
 
