@@ -1,15 +1,52 @@
-//! Crash safety: a run killed with SIGKILL at arbitrary moments, saves included, resumes from
-//! its newest complete checkpoint every time and never loses more than one save interval.
+//! Crash safety: a run killed with SIGKILL again and again, half of the kills inside a save and
+//! half at random moments of training, resumes from its newest complete checkpoint every time and
+//! never loses more than one save interval.
+//!
+//! The kills follow the run's progress on disk rather than the clock, so that a loaded machine
+//! (a slow start, a slow step) changes when they land but not what they test.
 
 use std::path::Path;
-use std::process::Command;
-use std::time::Duration;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpt-train");
+const SAVE_EVERY: u64 = 5;
+/// How long the test hook sleeps after each of a save's three files, in the runs to be killed
+/// inside one.
+const SAVE_DELAY_MS: u64 = 50;
 
 fn latest_step(out: &Path) -> Option<u64> {
     let text = std::fs::read_to_string(out.join("latest/trainer_state.json")).ok()?;
     serde_json::from_str::<serde_json::Value>(&text).ok()?["step"].as_u64()
+}
+
+/// Whether the run with process id `pid` has a save under way (its temporary directory).
+fn saving(out: &Path, pid: u32) -> bool {
+    let suffix = format!("-{pid}");
+    std::fs::read_dir(out.join("checkpoints"))
+        .map(|d| {
+            d.flatten().any(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.starts_with(".tmp-") && name.ends_with(&suffix)
+            })
+        })
+        .unwrap_or(false)
+}
+
+/// Polls `ready` until it holds; fails if the run exits or a minute goes by first.
+fn wait_for(child: &mut Child, what: &str, mut ready: impl FnMut() -> bool) -> anyhow::Result<()> {
+    let start = Instant::now();
+    while !ready() {
+        if let Some(status) = child.try_wait()? {
+            anyhow::bail!("the run ended by itself ({status}) before {what}");
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            child.kill()?;
+            anyhow::bail!("no {what} within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
 }
 
 #[cfg(unix)]
@@ -22,7 +59,7 @@ fn a_run_killed_at_random_moments_resumes_every_time() -> anyhow::Result<()> {
     std::fs::write(&corpus, text)?;
     let out = dir.path().join("run");
     let (corpus, out_str) = (corpus.to_str().unwrap_or_default(), out.to_str().unwrap_or_default());
-    // A save every 5 steps, each file of a save followed by 10 ms: kills land inside saves too.
+    let save_every = SAVE_EVERY.to_string();
     let args = [
         "train",
         "--data",
@@ -36,7 +73,7 @@ fn a_run_killed_at_random_moments_resumes_every_time() -> anyhow::Result<()> {
         "--batch-size",
         "4",
         "--eval-interval",
-        "5",
+        &save_every,
         "--eval-iters",
         "1",
         "--device",
@@ -44,53 +81,62 @@ fn a_run_killed_at_random_moments_resumes_every_time() -> anyhow::Result<()> {
         "--threads",
         "1",
     ];
-    let mut x: u64 = 0x2545_F491_4F6C_DD1D; // a fixed sequence of kill times
-    let (mut kills, mut newest, mut resumes, mut inside_saves) = (0, 0u64, 0, 0);
-    while kills < 20 {
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D; // a fixed sequence of delays
+    let (mut newest, mut resumes, mut inside_saves) = (0u64, 0, 0);
+    const KILLS: usize = 20;
+    for kill in 1..=KILLS {
         let resume = out.join("latest").exists();
         let mut cmd = Command::new(BIN);
-        cmd.args(args)
-            .args(["--max-iters", "1000000"])
-            .env("GPT_TRAIN_SAVE_DELAY_MS", "10")
-            .env("RUST_LOG", "error");
+        let in_save = kill % 2 == 0;
+        cmd.args(args).args(["--max-iters", "1000000"]).env("RUST_LOG", "error");
+        if in_save {
+            cmd.env("GPT_TRAIN_SAVE_DELAY_MS", SAVE_DELAY_MS.to_string());
+        }
         if resume {
             cmd.arg("--resume");
             resumes += 1;
         }
         let mut child = cmd
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
             .spawn()?;
+        let pid = child.id();
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        std::thread::sleep(Duration::from_millis(150 + x % 450));
-        if child.try_wait()?.is_some() {
-            let output = child.wait_with_output()?;
-            anyhow::bail!("the run ended by itself: {}", String::from_utf8_lossy(&output.stderr));
+        if in_save {
+            // Inside a save: at most 40 ms after its temporary directory appears (a save lasts
+            // at least three delays of 50 ms).
+            wait_for(&mut child, "save", || saving(&out, pid))?;
+            std::thread::sleep(Duration::from_millis(x % 40));
+        } else {
+            // Anywhere in training (saves without the delay are short), once the run has saved a
+            // step beyond the one it resumed.
+            let from = latest_step(&out);
+            wait_for(&mut child, "new checkpoint", || latest_step(&out) > from)?;
+            std::thread::sleep(Duration::from_millis(x % 100));
         }
-        Command::new("kill").args(["-KILL", &child.id().to_string()]).status()?;
+        Command::new("kill").args(["-KILL", &pid.to_string()]).status()?;
         child.wait()?;
-        kills += 1;
-        // A temporary checkpoint directory left behind: the kill fell inside a save.
-        let in_save = std::fs::read_dir(out.join("checkpoints"))
-            .map(|d| {
-                d.flatten()
-                    .any(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
-            })
-            .unwrap_or(false);
-        inside_saves += usize::from(in_save);
+        inside_saves += usize::from(saving(&out, pid));
         if let Some(step) = latest_step(&out) {
             assert!(
                 step >= newest,
-                "kill {kills}: the newest checkpoint went back from step {newest} to {step}"
+                "kill {kill}: the newest checkpoint went back from step {newest} to {step}"
             );
             newest = step;
         }
     }
+    assert_eq!(resumes, KILLS - 1, "every run after the first resumed");
     assert!(
-        kills >= 12 && resumes >= 10 && (3..kills).contains(&inside_saves),
-        "{kills} kills, {inside_saves} inside saves, {resumes} resumes: too few to mean anything"
+        (KILLS / 2..KILLS).contains(&inside_saves),
+        "{inside_saves} of {KILLS} kills left a save half-written: expected every other one"
+    );
+    // Each kill at random saw one more save: no resume lost more than it had gained.
+    assert!(
+        newest >= SAVE_EVERY * (KILLS / 2) as u64,
+        "after {} kills past a save, the newest checkpoint is at step {newest}",
+        KILLS / 2
     );
     // The run then finishes 20 steps on from where it was.
     let end = (newest + 20).to_string();
