@@ -42,6 +42,16 @@ impl<'a> Heads<'a> {
     fn row(&self, h: usize, j: usize, hs: usize) -> &[f32] {
         &self.data[self.start + h * self.head_stride + j * self.pos_stride..][..hs]
     }
+
+    /// Head `h`'s positions `..n` (`n >= 1`) as a pointer to position 0, every position
+    /// `j < n` then at `j * pos_stride` from it, `hs` values long: checked once here, for loops
+    /// that would otherwise check every position.
+    fn rows(&self, h: usize, n: usize, hs: usize) -> *const f32 {
+        // Position n - 1 is in bounds (a panic here is a bug: the layout was checked in `new`),
+        // and so then is every earlier one.
+        let _ = self.row(h, n - 1, hs);
+        self.row(h, 0, hs).as_ptr()
+    }
 }
 
 /// Writes rows `row0..row0 + rows` of a `(N, ld)` f32 matrix, columns `col0..col0 + nh * hs`,
@@ -140,7 +150,7 @@ pub fn cached_attention(
     }
     let mut y = vec![0f32; n_rows * c];
     let y_at = y.as_mut_ptr() as usize;
-    let avx2 = avx2_fma();
+    let simd = Simd::detect();
     candle_core::utils::barrier_pool().execute_chunked(seqs.len() * n_head, |range| {
         for task in range {
             let (keys, values, row0, len, t) = &seqs[task / n_head];
@@ -157,21 +167,24 @@ pub fn cached_attention(
                 scale,
             };
             // SAFETY: each task writes head `h`'s columns of its sequence's rows only, and `y`
-            // outlives the pool's call.
+            // outlives the pool's call; `simd` is this CPU's.
             unsafe {
                 let y = y_at as *mut f32;
-                #[cfg(target_arch = "x86_64")]
-                if avx2 {
-                    match hs {
-                        32 => x86::attend::<4>(&head, y),
-                        64 => x86::attend::<8>(&head, y),
-                        128 => x86::attend::<16>(&head, y),
-                        _ => head.attend(y),
-                    }
-                    continue;
+                match (simd, hs) {
+                    #[cfg(target_arch = "x86_64")]
+                    (Simd::Avx512, 32) => x86::attend512::<2, 4>(&head, y),
+                    #[cfg(target_arch = "x86_64")]
+                    (Simd::Avx512, 64) => x86::attend512::<4, 4>(&head, y),
+                    #[cfg(target_arch = "x86_64")]
+                    (Simd::Avx512, 128) => x86::attend512::<8, 2>(&head, y),
+                    #[cfg(target_arch = "x86_64")]
+                    (Simd::Avx2, 32) => x86::attend::<4>(&head, y),
+                    #[cfg(target_arch = "x86_64")]
+                    (Simd::Avx2, 64) => x86::attend::<8>(&head, y),
+                    #[cfg(target_arch = "x86_64")]
+                    (Simd::Avx2, 128) => x86::attend::<16>(&head, y),
+                    _ => head.attend(y),
                 }
-                let _ = avx2;
-                head.attend(y);
             }
         }
     });
@@ -179,15 +192,28 @@ pub fn cached_attention(
     Tensor::from_vec(y, (n_rows, c), &Device::Cpu)
 }
 
-/// Whether this CPU runs `x86::attend` (AVX2 and FMA).
-fn avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+/// The kernels this CPU runs: `x86::attend512` (AVX-512), `x86::attend` (AVX2 and FMA), or
+/// [`Head::attend`]. A given CPU always takes the same one, so results never depend on the batch.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Simd {
+    Avx512,
+    Avx2,
+    Plain,
+}
+
+impl Simd {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+            if avx2 && std::is_x86_feature_detected!("avx512f") {
+                return Self::Avx512;
+            }
+            if avx2 {
+                return Self::Avx2;
+            }
+        }
+        Self::Plain
     }
 }
 
@@ -287,6 +313,201 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::Head;
+
+    /// [`Head::attend`] on AVX-512 for head sizes `16 * CH`, the new tokens in groups of up to
+    /// `R` rows that share each key's and value's loads (a long prompt's keys and values sit in
+    /// L2, and at one row each a key's 256 bytes cost about as much as its arithmetic). Each row
+    /// takes the same operations in the same order whatever its group: per key a chain of `CH`
+    /// multiply-adds, then the 16 lanes summed in halves (for 16 keys at once, or for one, in
+    /// the same order), the maximum, the exponentials and their sum in 16 lanes, and the values'
+    /// weighted sum key after key. So a row's output depends only on its query and its
+    /// sequence's cache, as in [`Head::attend`]: a prompt's rows equal those of decoding it
+    /// token by token, bit for bit (tested).
+    ///
+    /// # Safety
+    /// As [`Head::attend`]; `head.hs == 16 * CH`; the CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn attend512<const CH: usize, const R: usize>(head: &Head, y: *mut f32) {
+        let mut scores = vec![0f32; R * head.t];
+        let mut i0 = 0;
+        while i0 < head.len {
+            let rows = (head.len - i0).min(R);
+            // SAFETY: the caller's contract, for rows i0..i0 + rows of this task.
+            unsafe {
+                match rows {
+                    1 => group::<CH, 1>(head, i0, &mut scores, y),
+                    2 => group::<CH, 2>(head, i0, &mut scores, y),
+                    3 => group::<CH, 3>(head, i0, &mut scores, y),
+                    _ => group::<CH, 4>(head, i0, &mut scores, y),
+                }
+            }
+            i0 += rows;
+        }
+    }
+
+    /// Rows `i0..i0 + R` of [`attend512`]; `scores` holds `R` rows of `head.t`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn group<const CH: usize, const R: usize>(head: &Head, i0: usize, scores: &mut [f32], y: *mut f32) {
+        let (hs, t) = (head.hs, head.t);
+        // Row r sees keys ..n[r] (causal); the group's first row sees the fewest.
+        let n: [usize; R] = std::array::from_fn(|r| t - head.len + i0 + r + 1);
+        unsafe {
+            let q: [[__m512; CH]; R] = std::array::from_fn(|r| {
+                let at = head.q.as_ptr().add((head.row0 + i0 + r) * 3 * head.c + head.h * hs);
+                std::array::from_fn(|c| _mm512_loadu_ps(at.add(16 * c)))
+            });
+            // Scores, every row against the keys of the last (a row's extra ones are unused):
+            // 16 keys at a time, their lane sums taken together (`sums16`), then one at a time.
+            let full = n[R - 1] / 16 * 16;
+            let scale = _mm512_set1_ps(head.scale);
+            let (keys, stride) = (head.keys.rows(head.h, n[R - 1], hs), head.keys.pos_stride);
+            let dot = |q: &[__m512; CH], k: *const f32| {
+                let mut acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+                for (c, &qc) in q.iter().enumerate().skip(1) {
+                    acc = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k.add(16 * c)), acc);
+                }
+                acc
+            };
+            for j0 in (0..full).step_by(16) {
+                let block = keys.add(j0 * stride);
+                for (r, q) in q.iter().enumerate() {
+                    // The 16 products, kept in registers (slot s holds key SLOTS[s]: the
+                    // permutation is its own inverse).
+                    let a: [__m512; 16] = std::array::from_fn(|slot| dot(q, block.add(SLOTS[slot] * stride)));
+                    let s = _mm512_mul_ps(sums16(&a), scale);
+                    _mm512_storeu_ps(scores[r * t + j0..][..16].as_mut_ptr(), s);
+                }
+            }
+            for j in full..n[R - 1] {
+                for (r, q) in q.iter().enumerate() {
+                    scores[r * t + j] = sum16(dot(q, keys.add(j * stride))) * head.scale;
+                }
+            }
+            // Softmax's numerators and their sum, row by row.
+            let mut inv = [0f32; R];
+            for r in 0..R {
+                let row = &mut scores[r * t..r * t + n[r]];
+                let max = lanes_max(row);
+                for s in row.iter_mut() {
+                    *s = crate::ops::rows::exp(*s - max);
+                }
+                inv[r] = 1.0 / lanes_sum(row);
+            }
+            // The values' weighted sums: the keys all rows see together, then each row's rest.
+            let (values, stride) = (head.values.rows(head.h, n[R - 1], hs), head.values.pos_stride);
+            let mut acc = [[_mm512_setzero_ps(); CH]; R];
+            for j in 0..n[0] {
+                let v = values.add(j * stride);
+                let v: [__m512; CH] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(16 * c)));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let p = _mm512_set1_ps(scores[r * t + j]);
+                    for (a, &v) in acc.iter_mut().zip(&v) {
+                        *a = _mm512_fmadd_ps(p, v, *a);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for j in n[0]..n[r] {
+                    let (v, p) = (values.add(j * stride), _mm512_set1_ps(scores[r * t + j]));
+                    for (c, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(p, _mm512_loadu_ps(v.add(16 * c)), *a);
+                    }
+                }
+                let out = y.add((head.row0 + i0 + r) * head.c + head.h * hs);
+                let inv = _mm512_set1_ps(inv[r]);
+                for (c, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(out.add(16 * c), _mm512_mul_ps(*a, inv));
+                }
+            }
+        }
+    }
+
+    /// The 16 lanes' sum: halves added (lanes l and l + 8, then l + 4, l + 2, l + 1), written
+    /// out so that every call site adds in this order (the reduction intrinsics leave it open).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn sum16(v: __m512) -> f32 {
+        let h = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b11_10_11_10>(v, v));
+        let h = _mm512_castps512_ps256(h);
+        let h = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)))
+    }
+
+    /// Where [`sums16`] takes key `j`'s lanes so that its sum comes out in lane `j`.
+    const SLOTS: [usize; 16] = [0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15];
+
+    /// The lane sums of 16 vectors at once, each in [`sum16`]'s order (so a key's score is the
+    /// same bits whichever way it is summed): halves of pairs of vectors swapped and added four
+    /// times over. Vector `SLOTS[j]`'s sum comes out in lane `j`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn sums16(a: &[__m512; 16]) -> __m512 {
+        // Lanes l + 8 onto l: b[i] holds a[i]'s 8 sums, then a[i + 8]'s.
+        let b: [__m512; 8] = std::array::from_fn(|i| {
+            let x = _mm512_shuffle_f32x4::<0b01_00_01_00>(a[i], a[i + 8]);
+            let y = _mm512_shuffle_f32x4::<0b11_10_11_10>(a[i], a[i + 8]);
+            _mm512_add_ps(x, y)
+        });
+        // l + 4 onto l: c[i]'s quarters hold b[i]'s two vectors', then b[i + 4]'s.
+        let c: [__m512; 4] = std::array::from_fn(|i| {
+            let x = _mm512_shuffle_f32x4::<0b10_00_10_00>(b[i], b[i + 4]);
+            let y = _mm512_shuffle_f32x4::<0b11_01_11_01>(b[i], b[i + 4]);
+            _mm512_add_ps(x, y)
+        });
+        // l + 2 onto l, then l + 1, within each quarter.
+        let d: [__m512; 2] = std::array::from_fn(|i| {
+            let x = _mm512_shuffle_ps::<0b01_00_01_00>(c[i], c[i + 2]);
+            let y = _mm512_shuffle_ps::<0b11_10_11_10>(c[i], c[i + 2]);
+            _mm512_add_ps(x, y)
+        });
+        let x = _mm512_shuffle_ps::<0b10_00_10_00>(d[0], d[1]);
+        let y = _mm512_shuffle_ps::<0b11_01_11_01>(d[0], d[1]);
+        _mm512_add_ps(x, y)
+    }
+
+    /// `x`'s largest value, in 16 lanes (vectorised; the maximum does not depend on the order).
+    #[inline(always)]
+    fn lanes_max(x: &[f32]) -> f32 {
+        let mut acc = [f32::NEG_INFINITY; 16];
+        let chunks = x.chunks_exact(16);
+        let tail = chunks.remainder();
+        for chunk in chunks {
+            for l in 0..16 {
+                acc[l] = if chunk[l] > acc[l] { chunk[l] } else { acc[l] };
+            }
+        }
+        for (a, &v) in acc.iter_mut().zip(tail) {
+            *a = a.max(v);
+        }
+        acc.iter().fold(f32::NEG_INFINITY, |m, &a| m.max(a))
+    }
+
+    /// `x`'s sum in 16 lanes (element j into lane j % 16, in order), the lanes then added
+    /// pairwise: vectorised, and a function of `x` alone.
+    #[inline(always)]
+    fn lanes_sum(x: &[f32]) -> f32 {
+        let mut acc = [0f32; 16];
+        let chunks = x.chunks_exact(16);
+        let tail = chunks.remainder();
+        for chunk in chunks {
+            for l in 0..16 {
+                acc[l] += chunk[l];
+            }
+        }
+        for (a, &v) in acc.iter_mut().zip(tail) {
+            *a += v;
+        }
+        let mut width = 16;
+        while width > 1 {
+            width /= 2;
+            for l in 0..width {
+                acc[l] += acc[l + width];
+            }
+        }
+        acc[0]
+    }
 
     /// [`Head::attend`] with the head's `8 * CH` values in AVX2 registers: the query, one key's
     /// product, and the output's sums (one register per 8 columns, so that consecutive keys'

@@ -167,14 +167,15 @@ fn label_smoothing_matches_pytorch_forward_and_backward() {
 /// The fused attention of new tokens against their caches, for sequences with different cached
 /// lengths at once (keys and values read through strided views of larger buffers, as the KV cache
 /// holds them), against softmax(q k^T / sqrt(hs) + causal mask) v with candle's ops; head sizes
-/// that take the AVX2 kernel (64) and the plain one (24). Each sequence's rows equal those it gets
-/// alone.
+/// that take the SIMD kernels (32, 64, 128) and the plain one (24). Each sequence's rows equal,
+/// bit for bit, those it gets alone, and those it gets one token at a time (as in decoding: the
+/// SIMD kernels group a prompt's rows, never changing a row's arithmetic).
 #[test]
 fn cached_attention_matches_candle() {
     let dev = Device::Cpu;
-    for (n_head, hs) in [(3usize, 64usize), (2, 24)] {
+    for (n_head, hs) in [(3usize, 64usize), (2, 24), (2, 32), (1, 128)] {
         let c = n_head * hs;
-        let (lens, cached) = ([1usize, 4, 2], [5usize, 0, 9]);
+        let (lens, cached) = ([1usize, 7, 2], [5usize, 13, 9]);
         let n: usize = lens.iter().sum();
         let qkv = Tensor::randn(0f32, 1.0, (n, 3 * c), &dev).unwrap();
         let mut kv = Vec::new();
@@ -216,17 +217,21 @@ fn cached_attention_matches_candle() {
         let got = cached_attention(&qkv, &lens, &kv, n_head, 1.0 / (hs as f32).sqrt()).unwrap();
         let d = max_diff(&got, &expected);
         assert!(d < 1e-5, "n_head={n_head} hs={hs}: {d}");
-        // Batch invariance: the middle sequence alone.
-        let alone = cached_attention(
-            &qkv.narrow(0, 1, 4).unwrap(),
-            &[4],
-            &kv[1..2],
-            n_head,
-            1.0 / (hs as f32).sqrt(),
-        )
-        .unwrap();
-        let diff = max_diff(&alone, &got.narrow(0, 1, 4).unwrap());
-        assert_eq!(diff, 0.0);
+        // Batch invariance: the middle sequence alone, then token by token.
+        let scale = 1.0 / (hs as f32).sqrt();
+        let alone = cached_attention(&qkv.narrow(0, 1, 7).unwrap(), &[7], &kv[1..2], n_head, scale).unwrap();
+        assert_eq!(max_diff(&alone, &got.narrow(0, 1, 7).unwrap()), 0.0);
+        for i in 0..7 {
+            let (k, v) = &kv[1];
+            let t = cached[1] + i + 1;
+            let seen = (k.narrow(1, 0, t).unwrap(), v.narrow(1, 0, t).unwrap());
+            let one = cached_attention(&qkv.narrow(0, 1 + i, 1).unwrap(), &[1], &[seen], n_head, scale).unwrap();
+            assert_eq!(
+                max_diff(&one, &got.narrow(0, 1 + i, 1).unwrap()),
+                0.0,
+                "hs={hs}: token {i}"
+            );
+        }
     }
     // Lengths that do not add up to the rows are an error, not a panic.
     let qkv = Tensor::zeros((3, 3 * 64), DType::F32, &dev).unwrap();
