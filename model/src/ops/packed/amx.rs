@@ -19,6 +19,7 @@
 //! is the same chain of tile products along `k` whatever the row count, so results do not
 //! depend on the batch.
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use super::{Epilogue, PackedMatrix, Simd, GROUP, LANES};
@@ -119,7 +120,8 @@ impl Bf16x3 {
 }
 
 /// `y = x @ W^T` (then the epilogue) for `x` `(m, k)`, on the tiles; [`available`] must hold.
-pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [f32], m: usize, ep: Epilogue) {
+/// Every element of `y` is written, so it may start uninitialised.
+pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [MaybeUninit<f32>], m: usize, ep: Epilogue) {
     let (n, k, kp) = (w.n, w.k, t.kp);
     let mp = m.div_ceil(TILE_ROWS) * TILE_ROWS;
     // The activations' halves, zero-padded, tile by tile: per 16 rows, per block of 32

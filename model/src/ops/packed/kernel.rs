@@ -1,6 +1,8 @@
 //! The kernel behind [`super::PackedMatrix::matmul`]: register tiles of activation rows times
 //! panels, for each weight format and instruction set.
 
+use std::mem::MaybeUninit;
+
 use super::{Epilogue, PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
 use crate::layers::WeightFormat;
 
@@ -135,8 +137,10 @@ pub(super) struct Task {
     pub col0: usize,
 }
 
-/// `y = x @ W^T`, then the epilogue, over candle's thread pool, a task per two panels.
-pub(super) fn run(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Simd, ep: Epilogue) {
+/// `y = x @ W^T`, then the epilogue, over candle's thread pool, a task per two panels. Every
+/// element of `y` is written (the first pass over `k` stores, later ones add), so it may start
+/// uninitialised; `k > 0`.
+pub(super) fn run(w: &PackedMatrix, x: &[f32], y: &mut [MaybeUninit<f32>], m: usize, simd: Simd, ep: Epilogue) {
     match w.format {
         WeightFormat::F32 => run_format::<F32>(w, x, y, m, simd, ep),
         WeightFormat::F16 => run_format::<F16>(w, x, y, m, simd, ep),
@@ -146,7 +150,7 @@ pub(super) fn run(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Si
     }
 }
 
-fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [f32], m: usize, simd: Simd, ep: Epilogue) {
+fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [MaybeUninit<f32>], m: usize, simd: Simd, ep: Epilogue) {
     debug_assert!(x.len() == m * w.k && y.len() == m * w.n);
     let panel_bytes = super::panel_bytes(w.format, w.k);
     let groups = w.n.div_ceil(LANES * GROUP);

@@ -283,13 +283,19 @@ impl PackedMatrix {
 
     /// [`Self::matmul_with`] and an epilogue.
     pub(crate) fn matmul_epilogue(&self, x: &[f32], m: usize, simd: Simd, ep: Epilogue) -> Vec<f32> {
-        let mut y = vec![0f32; m * self.n];
-        if m > 0 && self.n > 0 && x.len() == m * self.k {
-            match &self.bf16x3 {
-                Some(tiles) if self.k > 0 => amx::run(self, tiles, x, &mut y, m, ep),
-                _ => kernel::run(self, x, &mut y, m, simd, ep),
-            }
+        let len = m * self.n;
+        if len == 0 || self.k == 0 || x.len() != m * self.k {
+            return vec![0f32; len];
         }
+        // Not zeroed first: the kernels write every output (zeroing the LM head's 50257 columns
+        // per row was ~3% of a prompt's time).
+        let mut y = Vec::with_capacity(len);
+        match &self.bf16x3 {
+            Some(tiles) => amx::run(self, tiles, x, &mut y.spare_capacity_mut()[..len], m, ep),
+            None => kernel::run(self, x, &mut y.spare_capacity_mut()[..len], m, simd, ep),
+        }
+        // SAFETY: the kernels initialised all `len` elements (their contract).
+        unsafe { y.set_len(len) };
         y
     }
 
