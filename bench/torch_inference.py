@@ -1,10 +1,11 @@
 """PyTorch reference for model/benches/inference.rs: GPT2LMHeadModel (eager, random weights,
-GPT-2-small shape). Prefill tokens/s for a 128-token prompt (batch 1); greedy decode tokens/s, all
-sequences together, with the KV cache (16-token prompt, then --new-tokens for each of --batch
-sequences) in a hand-written cache loop, as the Rust bench does. Prints one JSON object.
+GPT-2-small shape). Prefill tokens/s for a --prefill-token prompt (batch 1), the LM head on the
+last position only (`logits_to_keep=1`, as the Rust bench's `LogitsFor::Last`); greedy decode
+tokens/s, all sequences together, with the KV cache (16-token prompt, then --new-tokens for each
+of --batch sequences) in a hand-written cache loop, as the Rust bench does. Prints one JSON object.
 
     python bench/torch_inference.py [--threads N] [--device cpu|cuda] [--dtype f32|bf16|f16]
-        [--batch 1] [--new-tokens 128]
+        [--prefill 128] [--batch 1] [--new-tokens 128]
 """
 import argparse
 import json
@@ -14,7 +15,7 @@ import time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-PREFILL, PROMPT, REPEATS = 128, 16, 5
+PROMPT, REPEATS = 16, 5
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="f32")
+    parser.add_argument("--prefill", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
@@ -37,11 +39,11 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     prefill = []
-    ids = prompt(PREFILL, cfg.vocab_size, 1, args.device)
+    ids = prompt(args.prefill, cfg.vocab_size, 1, args.device)
     with torch.inference_mode():
         for _ in range(REPEATS + 1):
             start = time.perf_counter()
-            model(ids, use_cache=True).logits[:, -1].argmax(-1).tolist()
+            model(ids, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1).tolist()
             prefill.append(time.perf_counter() - start)
         prefill = prefill[1:]
 
@@ -63,8 +65,8 @@ def main() -> None:
         "device": args.device,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
-        "prefill_tokens": PREFILL,
-        "prefill_tok_per_s": PREFILL / statistics.median(prefill),
+        "prefill_tokens": args.prefill,
+        "prefill_tok_per_s": args.prefill / statistics.median(prefill),
         "batch": args.batch,
         "decode_prompt": PROMPT,
         "decode_new_tokens": args.new_tokens,
