@@ -6,7 +6,9 @@
 //! of the whole value cache (`contiguous` on the cache's view), two small matmuls and a softmax,
 //! each dispatched alone on the calling thread while the pool's other threads wait: at batch 16
 //! about a fifth of a decode step. Each output row here depends only on its own query and its
-//! sequence's keys and values, never on the batch (batch-invariant).
+//! sequence's keys and values, never on the batch (batch-invariant). With AVX-512 a prompt's
+//! rows go through in groups that share the loads of its keys and values (`x86::attend512`),
+//! each row computed exactly as if it were alone.
 
 use candle_core::{Device, Layout, Result, Storage, Tensor};
 
@@ -195,6 +197,7 @@ pub fn cached_attention(
 /// The kernels this CPU runs: `x86::attend512` (AVX-512), `x86::attend` (AVX2 and FMA), or
 /// [`Head::attend`]. A given CPU always takes the same one, so results never depend on the batch.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 enum Simd {
     Avx512,
     Avx2,
