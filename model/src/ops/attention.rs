@@ -12,6 +12,8 @@
 
 use candle_core::{Device, Layout, Result, Storage, Tensor};
 
+use super::Simd;
+
 /// Keys or values of one sequence: `(n_head, T, head_dim)` with unit stride in the last dim.
 struct Heads<'a> {
     data: &'a [f32],
@@ -152,6 +154,8 @@ pub fn cached_attention(
     }
     let mut y = vec![0f32; n_rows * c];
     let y_at = y.as_mut_ptr() as usize;
+    // `x86::attend512` (AVX-512), `x86::attend` (AVX2 and FMA) or `Head::attend`: a given CPU
+    // always takes the same one, so results never depend on the batch.
     let simd = Simd::detect();
     candle_core::utils::barrier_pool().execute_chunked(seqs.len() * n_head, |range| {
         for task in range {
@@ -192,32 +196,6 @@ pub fn cached_attention(
     });
     drop(guards);
     Tensor::from_vec(y, (n_rows, c), &Device::Cpu)
-}
-
-/// The kernels this CPU runs: `x86::attend512` (AVX-512), `x86::attend` (AVX2 and FMA), or
-/// [`Head::attend`]. A given CPU always takes the same one, so results never depend on the batch.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-enum Simd {
-    Avx512,
-    Avx2,
-    Plain,
-}
-
-impl Simd {
-    fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
-            if avx2 && std::is_x86_feature_detected!("avx512f") {
-                return Self::Avx512;
-            }
-            if avx2 {
-                return Self::Avx2;
-            }
-        }
-        Self::Plain
-    }
 }
 
 /// One (sequence, head) task: its new tokens' rows, in plain Rust (other head sizes and CPUs;
@@ -391,7 +369,7 @@ mod x86 {
             let mut inv = [0f32; R];
             for r in 0..R {
                 let row = &mut scores[r * t..r * t + n[r]];
-                let max = lanes_max(row);
+                let max = crate::ops::rows::max(row);
                 for s in row.iter_mut() {
                     *s = crate::ops::rows::exp(*s - max);
                 }
@@ -468,23 +446,6 @@ mod x86 {
         let x = _mm512_shuffle_ps::<0b10_00_10_00>(d[0], d[1]);
         let y = _mm512_shuffle_ps::<0b11_01_11_01>(d[0], d[1]);
         _mm512_add_ps(x, y)
-    }
-
-    /// `x`'s largest value, in 16 lanes (vectorised; the maximum does not depend on the order).
-    #[inline(always)]
-    fn lanes_max(x: &[f32]) -> f32 {
-        let mut acc = [f32::NEG_INFINITY; 16];
-        let chunks = x.chunks_exact(16);
-        let tail = chunks.remainder();
-        for chunk in chunks {
-            for l in 0..16 {
-                acc[l] = if chunk[l] > acc[l] { chunk[l] } else { acc[l] };
-            }
-        }
-        for (a, &v) in acc.iter_mut().zip(tail) {
-            *a = a.max(v);
-        }
-        acc.iter().fold(f32::NEG_INFINITY, |m, &a| m.max(a))
     }
 
     /// `x`'s sum in 16 lanes (element j into lane j % 16, in order), the lanes then added

@@ -46,22 +46,31 @@ unsafe fn max_and_sum_exp_avx2(row: &[f32]) -> (f32, f32) {
 /// registers (a single `f32` sum would have to be added in order).
 const LANES: usize = 16;
 
+/// The row's maximum (`-inf` when empty; NaNs passed over), in 16 lanes so that it vectorises
+/// in the caller's instruction set (the maximum does not depend on the order).
 #[inline(always)]
-fn max_and_sum_exp_any(row: &[f32]) -> (f32, f32) {
+pub(crate) fn max(row: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = row.chunks_exact(LANES);
     let tail = chunks.remainder();
     for c in chunks {
         for (m, &v) in lanes.iter_mut().zip(c) {
-            *m = m.max(v);
+            // A comparison, not `f32::max`: one `vmaxps` without NaN fix-ups (NaN still loses).
+            *m = if v > *m { v } else { *m };
         }
     }
-    let max = tail.iter().chain(&lanes).copied().fold(f32::NEG_INFINITY, f32::max);
+    tail.iter().chain(&lanes).copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+#[inline(always)]
+fn max_and_sum_exp_any(row: &[f32]) -> (f32, f32) {
+    let max = max(row);
     if !max.is_finite() {
         return (max, f32::NAN);
     }
     let mut sums = [0f32; LANES];
     let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
     for c in chunks {
         for (s, &v) in sums.iter_mut().zip(c) {
             *s += exp(v - max);

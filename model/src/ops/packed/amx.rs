@@ -201,8 +201,7 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [MaybeUninit<
                     }
                 }
             }
-            // SAFETY: this task's columns of `y`, written above.
-            // SAFETY: as above; AMX's CPUs all have AVX-512.
+            // SAFETY: this task's columns of `y`, written above; AMX's CPUs all have AVX-512.
             unsafe { super::kernel::epilogue(ep, Simd::Avx512, y_at as *mut f32, m, n, col0, cols) };
         }
         // SAFETY: as `configure`.
