@@ -37,9 +37,37 @@ lm_eval --model hf --device cpu --output_path "$out/runs/hf" \
   --model_args pretrained=$model,dtype=float32 > "$out/hf-run.log" 2>&1
 t2=$(date +%s.%N)
 python3 tests/lm_eval/compare.py "$out/runs/server" "$out/runs/hf"
-python3 - "$t0" "$t1" "$t2" "$n" <<'PY'
-import sys
-t0, t1, t2, n = map(float, sys.argv[1:])
+python3 - "$t0" "$t1" "$t2" "$n" "$out/server.log" "$out/server-run.log" "$out/hf-run.log" <<'PY'
+import re, sys
+from datetime import datetime
+t0, t1, t2, n = map(float, sys.argv[1:5])
 s, h = t1 - t0, t2 - t1
 print(f"{int(n)} paragraphs: gpt-server {s:.1f} s, hf backend {h:.1f} s, speed-up {h / s:.2f}x")
+# Where the server command's time went, from the server's request log: lm-eval's start-up before
+# its first request, the requests (the server's own latency summed), and lm-eval's work after
+# the last one.
+line = re.compile(r"^(\S+)Z .*path=(\S+)}.*finished processing request latency=(\d+) ms")
+spans = []
+for entry in open(sys.argv[5]):
+    if (m := line.match(entry)) and m[2] != "/health":
+        end = datetime.fromisoformat(m[1] + "+00:00").timestamp()
+        spans.append((end - int(m[3]) / 1e3, end, m[2], int(m[3]) / 1e3))
+if spans:
+    first, last = spans[0][0], spans[-1][1]
+    busy = sum(d for *_, p, d in spans if p == "/v1/completions")
+    print(f"gpt-server command: {first - t0:.1f} s before lm-eval's first request, "
+          f"{last - first:.1f} s of requests ({busy:.2f} s inside the server's completions), "
+          f"{t1 - last:.1f} s after the last")
+# Both commands' scoring phase alike, from lm-eval's own log (whole seconds): from "Running
+# loglikelihood_rolling requests" to "Saving results", everything else being lm-eval's start-up
+# (and the hf backend's model loading) and its writing of the results.
+stamp = re.compile(r"(\d{4}-\d\d-\d\d:\d\d:\d\d:\d\d) \w+ +\[[^]]*\] (Running loglikelihood_rolling|Saving results)")
+def phase(log):
+    marks = {}
+    for m in stamp.finditer(open(log, errors="replace").read()):
+        marks.setdefault(m[2], datetime.strptime(m[1], "%Y-%m-%d:%H:%M:%S").timestamp())
+    return marks["Saving results"] - marks["Running loglikelihood_rolling"] if len(marks) == 2 else float("nan")
+ps, ph = phase(sys.argv[6]), phase(sys.argv[7])
+print(f"scoring phase (lm-eval's log, whole seconds): gpt-server {ps:.0f} s, hf backend {ph:.0f} s, "
+      f"{ph / ps:.2f}x; the rest: {s - ps:.0f} s and {h - ph:.0f} s")
 PY
