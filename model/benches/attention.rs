@@ -6,25 +6,13 @@
 //!
 //!     [T=250,1000] cargo bench -p gpt --bench attention
 
-use std::time::Instant;
+mod common;
 
 use candle_core::{Device, Tensor, D};
 use gpt::ops::cached_attention;
 
 const N_HEAD: usize = 12;
 const HS: usize = 64;
-
-fn median_secs<F: FnMut() -> anyhow::Result<()>>(repeats: usize, mut f: F) -> anyhow::Result<f64> {
-    f()?;
-    let mut t = Vec::with_capacity(repeats);
-    for _ in 0..repeats {
-        let s = Instant::now();
-        f()?;
-        t.push(s.elapsed().as_secs_f64());
-    }
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
-}
 
 /// candle's ops for sequence `s` (rows `row0..row0 + len` of `qkv`, its cache `(k, v)`).
 fn reference(qkv: &Tensor, row0: usize, len: usize, k: &Tensor, v: &Tensor) -> anyhow::Result<Tensor> {
@@ -46,11 +34,7 @@ fn reference(qkv: &Tensor, row0: usize, len: usize, k: &Tensor, v: &Tensor) -> a
 
 fn main() -> anyhow::Result<()> {
     gpt::device::fix_cpu_thread_count();
-    let lengths: Vec<usize> = std::env::var("T")
-        .unwrap_or_else(|_| "250,1000".into())
-        .split(',')
-        .map(|r| r.trim().parse())
-        .collect::<Result<_, _>>()?;
+    let lengths = common::sizes("T", "250,1000")?;
     let dev = Device::Cpu;
     let c = N_HEAD * HS;
     for &t in &lengths {
@@ -67,11 +51,11 @@ fn main() -> anyhow::Result<()> {
             let scale = 1.0 / (HS as f32).sqrt();
             let pairs = (seqs * N_HEAD) as f64 * (0..len).map(|i| (t - len + i + 1) as f64).sum::<f64>();
             let repeats = ((2e9 / (pairs * 100.0)) as usize).clamp(5, 200);
-            let ours = median_secs(repeats, || {
+            let ours = common::median_secs(repeats, || {
                 cached_attention(&qkv, &lens, &kv, N_HEAD, scale)?;
                 Ok(())
             })?;
-            let candle = median_secs(repeats, || {
+            let candle = common::median_secs(repeats, || {
                 for (s, (k, v)) in kv.iter().enumerate() {
                     reference(&qkv, s * len, len, k, v)?;
                 }

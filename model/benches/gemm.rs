@@ -6,32 +6,15 @@
 //!
 //!     [ROWS=1,16,38,128] cargo bench -p gpt --bench gemm
 
-use std::time::Instant;
+mod common;
 
 use candle_core::{Device, Tensor};
 use gpt::ops::PackedMatrix;
 use gpt::WeightFormat;
 
-fn median_secs<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..repeats)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
-}
-
 fn main() -> anyhow::Result<()> {
     gpt::device::fix_cpu_thread_count();
-    let rows: Vec<usize> = std::env::var("ROWS")
-        .unwrap_or_else(|_| "1,16,38,128".into())
-        .split(',')
-        .map(|r| r.trim().parse())
-        .collect::<Result<_, _>>()?;
+    let rows = common::sizes("ROWS", "1,16,38,128")?;
     for (k, n) in [(768, 2304), (768, 3072), (3072, 768), (768, 50257)] {
         let w = Tensor::randn(0f32, 0.02, (n, k), &Device::Cpu)?;
         for &m in &rows {
@@ -39,14 +22,16 @@ fn main() -> anyhow::Result<()> {
             let flop = 2.0 * (m * n * k) as f64;
             let repeats = ((2e10 / flop) as usize).clamp(3, 200);
             let wt = w.t()?;
-            let candle = median_secs(repeats, || {
-                let _ = x.matmul(&wt);
-            });
+            let candle = common::median_secs(repeats, || {
+                x.matmul(&wt)?;
+                Ok(())
+            })?;
             for format in WeightFormat::ALL {
                 let packed = PackedMatrix::from_dense(&w, format)?;
-                let ours = median_secs(repeats, || {
-                    let _ = packed.matmul(&x);
-                });
+                let ours = common::median_secs(repeats, || {
+                    packed.matmul(&x)?;
+                    Ok(())
+                })?;
                 println!(
                     "{}",
                     serde_json::json!({

@@ -6,6 +6,8 @@
 //!
 //!     [ROWS=1,8,12,16,24,32] [WEIGHTS=f32] [PRECISION=highest|high] cargo bench -p gpt --bench rows_stream
 
+mod common;
+
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
@@ -14,11 +16,7 @@ use gpt::WeightFormat;
 
 fn main() -> anyhow::Result<()> {
     gpt::device::fix_cpu_thread_count();
-    let rows: Vec<usize> = std::env::var("ROWS")
-        .unwrap_or_else(|_| "1,8,12,16,24,32".into())
-        .split(',')
-        .map(|r| r.trim().parse())
-        .collect::<Result<_, _>>()?;
+    let rows = common::sizes("ROWS", "1,8,12,16,24,32")?;
     let format: WeightFormat = std::env::var("WEIGHTS").unwrap_or_else(|_| "f32".into()).parse()?;
     let bytes_per_weight = match format {
         WeightFormat::F32 => 4.0,
