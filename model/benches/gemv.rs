@@ -8,7 +8,7 @@
 //!
 //!     [THREADS=2] cargo bench -p gpt --bench gemv
 
-use std::time::Instant;
+mod common;
 
 use candle_core::{Device, Tensor};
 use gpt::ops::PackedMatrix;
@@ -57,16 +57,6 @@ fn gemv_pool(w: &[f32], x: &[f32], out: &mut [f32]) {
     });
 }
 
-fn best_of<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
-    (0..repeats)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
-}
-
 fn main() -> anyhow::Result<()> {
     gpt::device::fix_cpu_thread_count();
     let threads: usize = std::env::var("THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
@@ -90,16 +80,18 @@ fn main() -> anyhow::Result<()> {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         let gb = (size * copies * 4) as f64 / 1e9;
-        let candle = best_of(5, || {
+        let candle = common::best_secs(5, || {
             for t in &tensors {
-                let _ = xt.matmul(t);
+                xt.matmul(t)?;
             }
-        });
-        let plain = best_of(5, || {
+            Ok(())
+        })?;
+        let plain = common::best_secs(5, || {
             for c in 0..copies {
                 gemv(&w[c * size..(c + 1) * size], &x, &mut out, threads);
             }
-        });
+            Ok(())
+        })?;
         let qt = |dt: candle_core::quantized::GgmlDType| -> candle_core::Result<Vec<candle_core::quantized::QTensor>> {
             (0..copies)
                 .map(|c| {
@@ -118,24 +110,19 @@ fn main() -> anyhow::Result<()> {
                 .iter()
                 .map(|t| PackedMatrix::from_dense(t, format))
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            let secs = best_of(5, || {
+            let secs = common::best_secs(5, || {
                 for p in &ws {
-                    let _ = p.matmul(&xt);
+                    p.matmul(&xt)?;
                 }
-            });
+                Ok(())
+            })?;
             let y = ws[0].matmul(&xt)?.flatten_all()?.to_vec1::<f32>()?;
             let diff = y
                 .iter()
                 .zip(&reference)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            let bytes = match format {
-                WeightFormat::F32 => 4.0,
-                WeightFormat::F16 | WeightFormat::Bf16 => 2.0,
-                WeightFormat::Q8_0 => 34.0 / 32.0,
-                WeightFormat::Q4_0 => 18.0 / 32.0,
-            };
-            let gb_read = (size * copies) as f64 * bytes / 1e9;
+            let gb_read = (size * copies) as f64 * common::bytes_per_weight(format) / 1e9;
             q.insert(
                 format!("packed_{format}"),
                 serde_json::json!({"gb_per_s": gb_read / secs, "max_diff": diff}),
@@ -154,19 +141,21 @@ fn main() -> anyhow::Result<()> {
                 .zip(&reference)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            let secs = best_of(5, || {
+            let secs = common::best_secs(5, || {
                 for t in &qs {
-                    let _ = xt.apply_op1_no_bwd(t);
+                    xt.apply_op1_no_bwd(t)?;
                 }
-            });
+                Ok(())
+            })?;
             let qgb = (size * copies) as f64 * bytes / 1e9;
             q.insert(name.into(), serde_json::json!({"gb_per_s": qgb / secs, "tok_equiv_ms": secs / copies as f64 * 1e3, "max_diff": diff}));
         }
-        let pool = best_of(5, || {
+        let pool = common::best_secs(5, || {
             for c in 0..copies {
                 gemv_pool(&w[c * size..(c + 1) * size], &x, &mut out);
             }
-        });
+            Ok(())
+        })?;
         println!(
             "{}",
             serde_json::json!({

@@ -8,8 +8,6 @@
 
 mod common;
 
-use std::time::Instant;
-
 use candle_core::{Device, Tensor};
 use gpt::ops::PackedMatrix;
 use gpt::WeightFormat;
@@ -18,12 +16,7 @@ fn main() -> anyhow::Result<()> {
     gpt::device::fix_cpu_thread_count();
     let rows = common::sizes("ROWS", "1,8,12,16,24,32")?;
     let format: WeightFormat = std::env::var("WEIGHTS").unwrap_or_else(|_| "f32".into()).parse()?;
-    let bytes_per_weight = match format {
-        WeightFormat::F32 => 4.0,
-        WeightFormat::F16 | WeightFormat::Bf16 => 2.0,
-        WeightFormat::Q8_0 => 34.0 / 32.0,
-        WeightFormat::Q4_0 => 18.0 / 32.0,
-    };
+    let bytes_per_weight = common::bytes_per_weight(format);
     // `PRECISION=high`: f32 weights as bf16 halves on AMX tiles (the same bytes per weight).
     let precision: gpt::MatmulPrecision = std::env::var("PRECISION")
         .unwrap_or_else(|_| "highest".into())
@@ -49,15 +42,12 @@ fn main() -> anyhow::Result<()> {
         for (d_in, d_out, ws) in &matrices {
             let x: Vec<f32> = (0..m * d_in).map(|i| ((i * 31 % 100) as f32 - 50.0) * 1e-2).collect();
             let x = Tensor::from_vec(x, (m, *d_in), &Device::Cpu)?;
-            let best = (0..5)
-                .map(|_| {
-                    let t = Instant::now();
-                    for w in ws {
-                        let _ = w.matmul(&x);
-                    }
-                    t.elapsed().as_secs_f64()
-                })
-                .fold(f64::INFINITY, f64::min);
+            let best = common::best_secs(5, || {
+                for w in ws {
+                    w.matmul(&x)?;
+                }
+                Ok(())
+            })?;
             secs += best;
             bytes += (d_in * d_out * ws.len()) as f64 * bytes_per_weight;
             flops += 2.0 * (m * d_in * d_out * ws.len()) as f64;
