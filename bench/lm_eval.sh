@@ -4,7 +4,9 @@
 # gpt-server (lm-eval's batch of 8 prompts per request) against lm-eval's hf backend, side by
 # side on this machine, and their scores compared (1e-4 relative).
 #
-#   [GPT_SERVER_MATMUL_PRECISION=high] bash bench/lm_eval.sh [N]
+#   [GPT_SERVER_MATMUL_PRECISION=high] [GPT_SERVER_DTYPE=bf16 HF_DTYPE=bfloat16] bash bench/lm_eval.sh [N]
+# (HF_DTYPE: the hf backend's dtype, default float32; a score mismatch fails the script after the
+# timings are printed)
 # Needs: target/gpt2-tokenizer (made by .ci/run), and the venv of .ci/lm_eval.sh (LM_EVAL_VENV).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,9 +36,10 @@ lm_eval --model local-completions --batch_size 8 --output_path "$out/runs/server
 t1=$(date +%s.%N)
 kill $server; wait $server 2>/dev/null || true
 lm_eval --model hf --device cpu --output_path "$out/runs/hf" \
-  --model_args pretrained=$model,dtype=float32 > "$out/hf-run.log" 2>&1
+  --model_args pretrained=$model,dtype=${HF_DTYPE:-float32} > "$out/hf-run.log" 2>&1
 t2=$(date +%s.%N)
-python3 tests/lm_eval/compare.py "$out/runs/server" "$out/runs/hf"
+compared=0
+python3 tests/lm_eval/compare.py "$out/runs/server" "$out/runs/hf" || compared=$?
 python3 - "$t0" "$t1" "$t2" "$n" "$out/server.log" "$out/server-run.log" "$out/hf-run.log" <<'PY'
 import re, sys
 from datetime import datetime
@@ -71,3 +74,4 @@ ps, ph = phase(sys.argv[6]), phase(sys.argv[7])
 print(f"scoring phase (lm-eval's log, whole seconds): gpt-server {ps:.0f} s, hf backend {ph:.0f} s, "
       f"{ph / ps:.2f}x; the rest: {s - ps:.0f} s and {h - ph:.0f} s")
 PY
+exit $compared
