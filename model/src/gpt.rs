@@ -425,8 +425,8 @@ impl Gpt {
     }
 
     /// The model with its CPU products at `precision` (see [`MatmulPrecision`]). `High` needs
-    /// the f32 weights packed for the CPU ([`Gpt::into_inference_layout`] on the CPU) and a CPU
-    /// with AMX-BF16; it keeps a second copy of every weight matrix (the same bytes again).
+    /// f32 or bf16 weights packed for the CPU ([`Gpt::into_inference_layout`] on the CPU) and a
+    /// CPU with AMX-BF16; it keeps a second copy of every weight matrix (the same bytes again).
     pub fn with_matmul_precision(mut self, precision: MatmulPrecision) -> Result<Self> {
         for (name, weight) in self.matrices_mut() {
             match weight {
@@ -437,7 +437,7 @@ impl Gpt {
                 Weight::Dense(_) if precision == MatmulPrecision::Highest => {}
                 Weight::Dense(_) => {
                     return Err(Error::InvalidConfig(format!(
-                        "--matmul-precision {precision} applies to f32 weights on the CPU; `{name}` is held \
+                        "--matmul-precision {precision} applies to f32 or bf16 weights on the CPU; `{name}` is held \
                          as a {:?} tensor on {:?}",
                         weight.tensor()?.dtype(),
                         self.device()

@@ -195,14 +195,15 @@ impl std::str::FromStr for WeightFormat {
     }
 }
 
-/// How the CPU's inference products with f32 weights round (PyTorch's
+/// How the CPU's inference products with f32 or bf16 weights round (PyTorch's
 /// `set_float32_matmul_precision` names).
 /// - `Highest` (the default): f32 fused multiply-adds, each output one fixed chain along `k`.
 /// - `High`: each f32 operand split into two bf16 (`hi + lo`, 16 of f32's 24 mantissa bits) and
 ///   the product taken as `hi·lo + hi·hi + lo·hi` on AMX tiles with f32 accumulation (oneDNN's
 ///   "bf16x3"): relative error about 1e-5 instead of 1e-7, for several times the arithmetic rate
-///   of AVX-512 on Intel Sapphire Rapids or later (prefill, prompt log-probabilities). Results
-///   still do not depend on the batch; they differ from `Highest` in the last bits.
+///   of AVX-512 on Intel Sapphire Rapids or later (prefill, prompt log-probabilities). bf16
+///   weights need no split: `hi·w + lo·w`, two products, the same bound. Results still do not
+///   depend on the batch; they differ from `Highest` in the last bits.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum MatmulPrecision {
     #[default]

@@ -1,5 +1,5 @@
-//! `MatmulPrecision::High` (bf16x3 products on AMX tiles) against exact products, and the model
-//! with it against the model at f32. The kernel runs only where the CPU and kernel have AMX-BF16;
+//! `MatmulPrecision::High` (bf16x3 products on AMX tiles for f32 weights, two products for bf16
+//! ones) against exact products, and the model with it against the model at `Highest`. The kernel runs only where the CPU and kernel have AMX-BF16;
 //! elsewhere these tests check the clear error and say that they skipped the kernel.
 
 mod common;
@@ -21,21 +21,32 @@ fn values(t: &Tensor) -> anyhow::Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// Every output within bf16x3's bound of the exact (f64) product: the dropped `lo·lo` term and
-/// the two halves' residuals are each under 2^-18 of `|x||w|`, so with f32 accumulation 2^-15
-/// (3e-5) of `Σ|x||w|` holds; bf16 alone (2^-9) would be far outside it. Shapes take
-/// partial tiles in rows (16), columns (16, tasks of 32) and `k` (blocks of 32); each row of a
-/// batch is bit-identical to that row alone.
+/// Every output within bf16x3's bound of the exact (f64) product of the weights as held: the
+/// dropped `lo·lo` term and the two halves' residuals are each under 2^-18 of `|x||w|`, so with
+/// f32 accumulation 2^-15 (3e-5) of `Σ|x||w|` holds; bf16 alone (2^-9) would be far outside it.
+/// bf16 weights are exact in the tiles and only the activations split, within the same bound.
+/// Shapes take partial tiles in rows (16), columns (16, tasks of 32) and `k` (blocks of 32);
+/// each row of a batch is bit-identical to that row alone.
 #[test]
 fn high_precision_products_are_within_bf16x3_bounds_and_batch_invariant() -> anyhow::Result<()> {
     if !amx() {
         return Ok(());
     }
-    for (k, n) in [(768, 70), (33, 17), (96, 200), (32, 3), (20, 33), (1, 5)] {
+    for format in [WeightFormat::F32, WeightFormat::Bf16] {
+        for (k, n) in [(768, 70), (33, 17), (96, 200), (32, 3), (20, 33), (1, 5)] {
+            products_within_bound(format, k, n)?;
+        }
+    }
+    Ok(())
+}
+
+fn products_within_bound(format: WeightFormat, k: usize, n: usize) -> anyhow::Result<()> {
+    {
         let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
-        let packed = PackedMatrix::from_dense(&w, WeightFormat::F32)?.with_precision(MatmulPrecision::High)?;
+        let packed = PackedMatrix::from_dense(&w, format)?.with_precision(MatmulPrecision::High)?;
         assert_eq!(packed.precision(), MatmulPrecision::High);
-        let wv = values(&w)?;
+        // The weights as the matrix holds them (bf16-rounded for bf16).
+        let wv = values(&packed.dense()?)?;
         for m in [1, 5, 16, 17, 32, 40, 70] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
             let xv = values(&x)?;
@@ -50,12 +61,12 @@ fn high_precision_products_are_within_bf16x3_bounds_and_batch_invariant() -> any
                     worst = worst.max((got[i * n + j] as f64 - exact).abs() / size.max(1e-30));
                 }
             }
-            assert!(worst < 3e-5, "k {k} n {n} m {m}: error {worst:e} of Σ|x||w|");
+            assert!(worst < 3e-5, "{format} k {k} n {n} m {m}: error {worst:e} of Σ|x||w|");
             // Under bf16 alone the same products err by ~1e-3: the split is doing its work.
             if k >= 32 {
                 assert!(
                     worst > 0.0 || m * n < 8,
-                    "k {k} n {n} m {m}: exact to the bit, suspicious"
+                    "{format} k {k} n {n} m {m}: exact to the bit, suspicious"
                 );
             }
             for i in [0, m / 2, m - 1] {
@@ -63,7 +74,7 @@ fn high_precision_products_are_within_bf16x3_bounds_and_batch_invariant() -> any
                 assert_eq!(
                     alone,
                     got[i * n..(i + 1) * n],
-                    "k {k} n {n}: row {i} of {m} differs alone"
+                    "{format} k {k} n {n}: row {i} of {m} differs alone"
                 );
             }
         }
@@ -96,10 +107,18 @@ fn high_precision_linear_layer_matches_highest() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A whole model: prompt logits at every position within 1e-4 of f32's, the same greedy token at
-/// each, through the KV cache (prefill, then one-token steps).
+/// A whole model, with f32 and with bf16 weights: prompt logits at every position within 1e-4 of
+/// `Highest`'s, the same greedy token at each, through the KV cache (prefill, then one-token
+/// steps).
 #[test]
-fn high_precision_model_matches_f32() -> anyhow::Result<()> {
+fn high_precision_model_matches_highest() -> anyhow::Result<()> {
+    for format in [WeightFormat::F32, WeightFormat::Bf16] {
+        model_matches_highest(format)?;
+    }
+    Ok(())
+}
+
+fn model_matches_highest(format: WeightFormat) -> anyhow::Result<()> {
     let cfg = Config {
         n_layer: 2,
         n_head: 4,
@@ -109,7 +128,7 @@ fn high_precision_model_matches_f32() -> anyhow::Result<()> {
         ..Config::gpt2_small()
     };
     let (_vars, model) = random_model(&cfg)?;
-    let highest = model.into_inference_layout()?;
+    let highest = model.into_inference_layout()?.with_weight_format(format)?;
     if !amx() {
         let err = highest
             .with_matmul_precision(MatmulPrecision::High)
@@ -148,8 +167,14 @@ fn high_precision_model_matches_f32() -> anyhow::Result<()> {
     let (a, b) = (run(&highest)?, run(&high)?);
     let diff = common::max_abs_diff(&a, &b)?;
     let scale = a.abs()?.max_all()?.to_scalar::<f32>()?;
-    assert!(diff < 1e-4 * scale.max(1.0), "logits differ by {diff} (scale {scale})");
-    assert!(diff > 0.0, "`high` gave f32's exact bits: the tiles did not run");
+    assert!(
+        diff < 1e-4 * scale.max(1.0),
+        "{format}: logits differ by {diff} (scale {scale})"
+    );
+    assert!(
+        diff > 0.0,
+        "{format}: `high` gave `highest`'s exact bits: the tiles did not run"
+    );
     assert_eq!(
         a.argmax(D::Minus1)?.to_vec1::<u32>()?,
         b.argmax(D::Minus1)?.to_vec1::<u32>()?

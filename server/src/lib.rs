@@ -45,7 +45,7 @@ pub struct ServerConfig {
     pub cors_origins: Vec<String>,
     /// MiB of KV cache kept for prefix caching (0: off).
     pub prefix_cache_mib: usize,
-    /// How the CPU's products with f32 weights round (`high`: bf16x3 on AMX tiles).
+    /// How the CPU's products with f32 or bf16 weights round (`high`: bf16 products on AMX tiles).
     pub matmul_precision: gpt::MatmulPrecision,
 }
 

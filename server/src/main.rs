@@ -28,9 +28,10 @@ struct Args {
     /// the whole network in that dtype.
     #[arg(long, env = "GPT_SERVER_DTYPE")]
     dtype: Option<gpt::WeightFormat>,
-    /// How the CPU's products with f32 weights round: `highest` (f32) or `high` (each operand as
-    /// two bf16, three products on AMX tiles, as PyTorch's `set_float32_matmul_precision("high")`:
-    /// relative error ~1e-5, prefill 1.2-1.4x faster; Intel Sapphire Rapids or later).
+    /// How the CPU's products with f32 or bf16 weights round: `highest` (f32) or `high` (each f32
+    /// operand as two bf16, three products on AMX tiles, as PyTorch's
+    /// `set_float32_matmul_precision("high")`; two for bf16 weights: relative error ~1e-5,
+    /// prefill 1.3-1.45x faster, 1.6-2.2x with bf16 weights; Intel Sapphire Rapids or later).
     #[arg(long, env = "GPT_SERVER_MATMUL_PRECISION", default_value = "highest")]
     matmul_precision: gpt::MatmulPrecision,
     /// The name clients pass as `model` (default: the checkpoint directory's name, or `default`

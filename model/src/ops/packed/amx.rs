@@ -4,14 +4,16 @@
 //! f32: PyTorch's `set_float32_matmul_precision("high")` on such CPUs (oneDNN's "bf16x3").
 //! Relative error about 1e-5 of `Σ|x||w|` instead of f32's ~1e-7; the arithmetic rate of a
 //! Sapphire Rapids core is several times its AVX-512 FMA rate, so prefill runs at the memory's
-//! rate instead of the FMA units'.
+//! rate instead of the FMA units'. bf16 weights are their own `hi` (`lo` is zero), so their
+//! products are `hi·w + lo·w`: two tile products, the activations split as above, and half the
+//! weight bytes to stream.
 //!
 //! Why by hand: neither candle nor the `gemm` crate uses AMX, and Rust's AMX intrinsics are
 //! nightly-only; the few instructions are written with `asm!`.
 //!
 //! Layout: the weights in panels of 16 output columns as in the f32 kernel, each panel in blocks
-//! of 32 positions along `k`: the block's `hi` tile then its `lo` tile, each 16 rows (pairs of
-//! positions) of 16 columns x 2 bf16 (the "VNNI" order `tdpbf16ps` reads). Activations are split
+//! of 32 positions along `k`: the block's `hi` tile then (f32 weights) its `lo` tile, each 16 rows
+//! (pairs of positions) of 16 columns x 2 bf16 (the "VNNI" order `tdpbf16ps` reads). Activations are split
 //! per call into the same tile order (per 16 rows, per block: `hi` tile, `lo` tile), rows padded
 //! to 16 and `k` to 32 with zeros.
 //! A task (two panels, as in the f32 kernel) holds four 16 x 16 f32 accumulators (tmm0-3) for 32
@@ -23,6 +25,7 @@ use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use super::{Epilogue, PackedMatrix, Simd, GROUP, LANES};
+use crate::layers::WeightFormat;
 
 /// Positions along `k` per tile product: one 64-byte tile row of bf16.
 const KB: usize = 32;
@@ -89,39 +92,47 @@ unsafe fn split_row_avx512(x: &[f32], hi: &mut [u16], lo: &mut [u16]) {
     split_row(x, hi, lo)
 }
 
-/// The weights of an f32 [`PackedMatrix`], split and laid out for the tiles (module notes).
-pub(crate) struct Bf16x3 {
+/// The weights of an f32 or bf16 [`PackedMatrix`], split and laid out for the tiles (module
+/// notes).
+pub(crate) struct AmxWeights {
     /// `k` rounded up to 32.
     kp: usize,
-    /// Per panel, `kp / 32` blocks of a `hi` and a `lo` tile.
+    /// Weight tiles per block: 2 (`hi`, `lo`) for f32 weights, 1 for bf16 ones.
+    halves: usize,
+    /// Per panel, `kp / 32` blocks of `halves` tiles.
     tiles: Vec<super::Line>,
 }
 
-impl Bf16x3 {
+impl AmxWeights {
+    /// The tiles of `w`, f32 or bf16 (the caller checks).
     pub(crate) fn new(w: &PackedMatrix) -> Self {
         let (n, k) = (w.n, w.k);
+        let halves = if w.format == WeightFormat::Bf16 { 1 } else { 2 };
         let kp = k.div_ceil(KB) * KB;
         let panels = n.div_ceil(LANES * GROUP) * GROUP;
-        let mut tiles = vec![super::Line([0; 64]); panels * kp / KB * 2 * TILE_BYTES / 64];
+        let mut tiles = vec![super::Line([0; 64]); panels * kp / KB * halves * TILE_BYTES / 64];
         // SAFETY: `Line` is plain bytes; u16 needs 2-byte alignment (lines are 64-aligned).
         let words = unsafe { std::slice::from_raw_parts_mut(tiles.as_mut_ptr() as *mut u16, tiles.len() * 32) };
         for r in 0..n {
             let (panel, lane) = (r / LANES, r % LANES);
             for c in 0..k {
+                // A bf16 weight splits into itself and zero.
                 let (hi, lo) = split(w.value(r, c));
                 let (block, t, e) = (c / KB, c % KB / 2, c % 2);
-                let at = (panel * (kp / KB) + block) * 2 * (TILE_BYTES / 2) + (t * LANES + lane) * 2 + e;
+                let at = (panel * (kp / KB) + block) * halves * (TILE_BYTES / 2) + (t * LANES + lane) * 2 + e;
                 words[at] = hi;
-                words[at + TILE_BYTES / 2] = lo;
+                if halves == 2 {
+                    words[at + TILE_BYTES / 2] = lo;
+                }
             }
         }
-        Self { kp, tiles }
+        Self { kp, halves, tiles }
     }
 }
 
 /// `y = x @ W^T` (then the epilogue) for `x` `(m, k)`, on the tiles; [`available`] must hold.
 /// Every element of `y` is written, so it may start uninitialised.
-pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [MaybeUninit<f32>], m: usize, ep: Epilogue) {
+pub(super) fn run(w: &PackedMatrix, t: &AmxWeights, x: &[f32], y: &mut [MaybeUninit<f32>], m: usize, ep: Epilogue) {
     let (n, k, kp) = (w.n, w.k, t.kp);
     let mp = m.div_ceil(TILE_ROWS) * TILE_ROWS;
     // The activations' halves, zero-padded, tile by tile: per 16 rows, per block of 32
@@ -139,7 +150,7 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [MaybeUninit<
     let groups = n.div_ceil(LANES * GROUP);
     let (a_at, y_at) = (halves.as_ptr() as usize, y.as_mut_ptr() as usize);
     let w_at = t.tiles.as_ptr() as usize;
-    let panel_bytes = kp / KB * 2 * TILE_BYTES;
+    let (halves, panel_bytes) = (t.halves, kp / KB * t.halves * TILE_BYTES);
     candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
         // SAFETY: `available()` (the caller's contract) granted this process the tile state;
         // the configuration is this thread's own, set before and released after its tiles.
@@ -178,7 +189,12 @@ pub(super) fn run(w: &PackedMatrix, t: &Bf16x3, x: &[f32], y: &mut [MaybeUninit<
                 };
                 // SAFETY: the operands lie within `halves` (row tiles from r0, one or two, all
                 // below mp) and the task's two panels; `acc` holds four tiles.
-                unsafe { tiles::block(&a, two, acc.0.as_mut_ptr() as *mut f32) };
+                unsafe {
+                    match halves {
+                        2 => tiles::block(&a, two, acc.0.as_mut_ptr() as *mut f32),
+                        _ => tiles::block_bf16(&a, two, acc.0.as_mut_ptr() as *mut f32),
+                    }
+                };
                 let rows = (m - r0).min(2 * TILE_ROWS);
                 for i in 0..rows {
                     let (tile_row, i_t) = (i / TILE_ROWS, i % TILE_ROWS);
@@ -276,6 +292,26 @@ mod tiles {
         }
     }
 
+    impl Operands {
+        /// Block `kb`'s prefetches: `own` lines from `ahead` in each of the task's two panels,
+        /// and the block's share of the next task's panels.
+        #[inline(always)]
+        fn prefetches(&self, kb: usize, ahead: *const u8, own: usize) -> Lines {
+            let next = &self.next;
+            let from = next.from + kb * next.step;
+            let stream = if next.at.is_null() {
+                0
+            } else {
+                (from + next.step).min(GROUP * self.panel_bytes).saturating_sub(from) / 64
+            };
+            Lines::new([
+                (ahead, own),
+                (ahead.wrapping_add(self.panel_bytes), own),
+                (next.at.wrapping_add(from), stream),
+            ])
+        }
+    }
+
     #[repr(C, align(64))]
     struct Config([u8; 64]);
 
@@ -361,18 +397,7 @@ mod tiles {
                 // end of the weights a prefetch is a harmless hint).
                 let own = if a.own { 2 * TILE_BYTES / 64 } else { 0 };
                 let ahead = b0.wrapping_add(AHEAD * 2 * TILE_BYTES);
-                let next = &a.next;
-                let from = next.from + kb * next.step;
-                let stream = if next.at.is_null() {
-                    0
-                } else {
-                    (from + next.step).min(GROUP * a.panel_bytes).saturating_sub(from) / 64
-                };
-                let pf = Lines::new([
-                    (ahead, own),
-                    (ahead.wrapping_add(a.panel_bytes), own),
-                    (next.at.wrapping_add(from), stream),
-                ]);
+                let pf = a.prefetches(kb, ahead, own);
                 // In: tmm4 `hi` of rows 0-15, tmm5 `hi` of rows 16-31 (`two`), tmm6 and tmm7
                 // `lo` of panels 0 and 1. Per accumulator: `hi·lo`, `hi·hi`, `lo·hi`.
                 dp!("tmm0", "tmm4", "tmm6");
@@ -433,6 +458,83 @@ mod tiles {
             }
         }
     }
+
+    /// [`block`] for bf16 weights (one tile per block and panel): per block, `hi·w` then `lo·w`.
+    ///
+    /// # Safety
+    /// As [`block`].
+    pub(super) unsafe fn block_bf16(a: &Operands, two: bool, acc: *mut f32) {
+        let (s, lb) = (64usize, a.blocks * 2 * TILE_BYTES);
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+            // Pipelined as `block`: each tile is reloaded once the products reading it are issued.
+            load!("tmm4", a.a, s);
+            load!("tmm6", a.b, 64usize);
+            load!("tmm7", a.b.add(a.panel_bytes), 64usize);
+            if two {
+                load!("tmm5", a.a.add(lb), s);
+            }
+            for kb in 0..a.blocks {
+                let ah = a.a.add(kb * 2 * TILE_BYTES);
+                let al = ah.add(TILE_BYTES);
+                let b0 = a.b.add(kb * TILE_BYTES);
+                let b1 = b0.add(a.panel_bytes);
+                let own = if a.own { TILE_BYTES / 64 } else { 0 };
+                let pf = a.prefetches(kb, b0.wrapping_add(AHEAD * TILE_BYTES), own);
+                let more = kb + 1 < a.blocks;
+                // In: tmm4 `hi` of rows 0-15, tmm5 `hi` of rows 16-31 (`two`), tmm6 and tmm7
+                // the weights of panels 0 and 1.
+                dp!("tmm0", "tmm4", "tmm6");
+                pf.slice(0);
+                dp!("tmm1", "tmm4", "tmm7");
+                load!("tmm4", al, s);
+                pf.slice(1);
+                if two {
+                    dp!("tmm2", "tmm5", "tmm6");
+                    pf.slice(2);
+                    dp!("tmm3", "tmm5", "tmm7");
+                    load!("tmm5", al.add(lb), s);
+                }
+                pf.slice(3);
+                dp!("tmm0", "tmm4", "tmm6");
+                pf.slice(4);
+                dp!("tmm1", "tmm4", "tmm7");
+                if more {
+                    load!("tmm4", ah.add(2 * TILE_BYTES), s);
+                }
+                pf.slice(5);
+                if two {
+                    dp!("tmm2", "tmm5", "tmm6");
+                }
+                if more {
+                    load!("tmm6", b0.add(TILE_BYTES), 64usize);
+                }
+                pf.slice(6);
+                if two {
+                    dp!("tmm3", "tmm5", "tmm7");
+                    if more {
+                        load!("tmm5", ah.add(lb + 2 * TILE_BYTES), s);
+                    }
+                }
+                if more {
+                    load!("tmm7", b1.add(TILE_BYTES), 64usize);
+                }
+                pf.slice(7);
+            }
+            store!("tmm0", acc);
+            store!("tmm1", acc.add(256));
+            if two {
+                store!("tmm2", acc.add(512));
+                store!("tmm3", acc.add(768));
+            }
+        }
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -443,4 +545,5 @@ mod tiles {
     }
     pub(super) unsafe fn release() {}
     pub(super) unsafe fn block(_: &Operands, _: bool, _: *mut f32) {}
+    pub(super) unsafe fn block_bf16(_: &Operands, _: bool, _: *mut f32) {}
 }

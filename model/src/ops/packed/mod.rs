@@ -26,8 +26,9 @@
 //! alone or batched, with or without a cached prefix. Tasks (two panels each) run on candle's
 //! own persistent thread pool.
 //!
-//! [`MatmulPrecision::High`] adds a second copy of f32 weights split into bf16 halves for Intel's
-//! AMX tiles (`amx.rs`), which then take every product of that matrix.
+//! [`MatmulPrecision::High`] adds a second copy of f32 weights split into bf16 halves (of bf16
+//! weights as they are) for Intel's AMX tiles (`amx.rs`), which then take every product of that
+//! matrix.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
@@ -56,8 +57,9 @@ pub struct PackedMatrix {
     n: usize,
     k: usize,
     lines: Vec<Line>,
-    /// The same weights split for AMX's bf16 tiles ([`MatmulPrecision::High`]; `amx.rs`).
-    bf16x3: Option<std::sync::Arc<amx::Bf16x3>>,
+    /// The same weights laid out (f32 ones split) for AMX's bf16 tiles ([`MatmulPrecision::High`];
+    /// `amx.rs`).
+    amx: Option<std::sync::Arc<amx::AmxWeights>>,
 }
 
 impl std::fmt::Debug for PackedMatrix {
@@ -189,16 +191,18 @@ impl PackedMatrix {
         Ok(self)
     }
 
-    /// Takes this matrix's products at `precision`. [`MatmulPrecision::High`] needs f32 weights
-    /// and a CPU with AMX-BF16 ([`MatmulPrecision::available`]), and keeps a second copy of the
-    /// weights (split into bf16 halves: as many bytes as the f32 ones). On error nothing changes.
+    /// Takes this matrix's products at `precision`. [`MatmulPrecision::High`] needs f32 or bf16
+    /// weights and a CPU with AMX-BF16 ([`MatmulPrecision::available`]), and keeps a second copy
+    /// of the weights for the tiles (f32 ones split into bf16 halves: the same bytes again). On
+    /// error nothing changes.
     pub fn set_precision(&mut self, precision: MatmulPrecision) -> Result<()> {
         match precision {
-            MatmulPrecision::Highest => self.bf16x3 = None,
+            MatmulPrecision::Highest => self.amx = None,
             MatmulPrecision::High => {
-                if self.format != WeightFormat::F32 {
+                if !matches!(self.format, WeightFormat::F32 | WeightFormat::Bf16) {
                     candle_core::bail!(
-                        "matmul precision `high` splits f32 weights into bf16 halves; these weights are {}",
+                        "matmul precision `high` takes f32 weights (split into bf16 halves) or bf16 ones; \
+                         these weights are {}",
                         self.format
                     )
                 }
@@ -208,8 +212,8 @@ impl PackedMatrix {
                          or later); this CPU or kernel has none"
                     )
                 }
-                if self.bf16x3.is_none() {
-                    self.bf16x3 = Some(std::sync::Arc::new(amx::Bf16x3::new(self)));
+                if self.amx.is_none() {
+                    self.amx = Some(std::sync::Arc::new(amx::AmxWeights::new(self)));
                 }
             }
         }
@@ -217,7 +221,7 @@ impl PackedMatrix {
     }
 
     pub fn precision(&self) -> MatmulPrecision {
-        match self.bf16x3 {
+        match self.amx {
             Some(_) => MatmulPrecision::High,
             None => MatmulPrecision::Highest,
         }
@@ -290,7 +294,7 @@ impl PackedMatrix {
         // Not zeroed first: the kernels write every output (zeroing the LM head's 50257 columns
         // per row was ~3% of a prompt's time).
         let mut y = Vec::with_capacity(len);
-        match &self.bf16x3 {
+        match &self.amx {
             Some(tiles) => amx::run(self, tiles, x, &mut y.spare_capacity_mut()[..len], m, ep),
             None => kernel::run(self, x, &mut y.spare_capacity_mut()[..len], m, simd, ep),
         }
@@ -307,7 +311,7 @@ impl PackedMatrix {
             n,
             k,
             lines: vec![Line([0; 64]); bytes.div_ceil(64)],
-            bf16x3: None,
+            amx: None,
         }
     }
 
