@@ -359,6 +359,47 @@ mod tiles {
         };
     }
 
+    /// Zeroes the accumulators and loads block 0's first operands: the `hi` activation tiles of
+    /// rows 0-15 (tmm4) and 16-31 (tmm5, `two`), and the weight tiles at `w` bytes into each of
+    /// the two panels (tmm6, tmm7).
+    ///
+    /// # Safety
+    /// As [`block`].
+    #[inline(always)]
+    unsafe fn start(a: &Operands, two: bool, w: usize) {
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+            load!("tmm4", a.a, 64usize);
+            load!("tmm6", a.b.add(w), 64usize);
+            load!("tmm7", a.b.add(a.panel_bytes + w), 64usize);
+            if two {
+                load!("tmm5", a.a.add(a.blocks * 2 * TILE_BYTES), 64usize);
+            }
+        }
+    }
+
+    /// Stores the accumulators (rows 16-31's with `two`) into `acc`.
+    ///
+    /// # Safety
+    /// `acc` holds four 16 x 16 f32.
+    #[inline(always)]
+    unsafe fn finish(two: bool, acc: *mut f32) {
+        unsafe {
+            store!("tmm0", acc);
+            store!("tmm1", acc.add(256));
+            if two {
+                store!("tmm2", acc.add(512));
+                store!("tmm3", acc.add(768));
+            }
+        }
+    }
+
     /// Rows r0..r0 + 32 (`two`) or r0..r0 + 16 of the task's 32 columns into `acc` (tiles in
     /// order rows 0-15 x panel 0, x panel 1, rows 16-31 x panel 0, x panel 1). Per block of 32
     /// positions, in this order: `hi·lo`, `hi·hi`, `lo·hi`.
@@ -370,24 +411,12 @@ mod tiles {
         // Per block: the `hi` and `lo` tiles of rows 0-15, then (`lb` on) of rows 16-31.
         let (s, lb) = (64usize, a.blocks * 2 * TILE_BYTES);
         unsafe {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
-            );
             // Software-pipelined: a tile is loaded as soon as the products reading its old
             // contents are issued, a few products before its first use, since a product right
             // after the load of its operand waits out the load (from L2, where the panels and
-            // activations of a many-row product sit). Block 0's first operands here, each
-            // block's last products then load the next block's.
-            load!("tmm4", a.a, s);
-            load!("tmm6", a.b.add(TILE_BYTES), 64usize);
-            load!("tmm7", a.b.add(a.panel_bytes + TILE_BYTES), 64usize);
-            if two {
-                load!("tmm5", a.a.add(lb), s);
-            }
+            // activations of a many-row product sit). Block 0's first operands here (its `lo`
+            // weight tiles), each block's last products then load the next block's.
+            start(a, two, TILE_BYTES);
             for kb in 0..a.blocks {
                 let ah = a.a.add(kb * 2 * TILE_BYTES);
                 let al = ah.add(TILE_BYTES);
@@ -450,12 +479,7 @@ mod tiles {
                     }
                 }
             }
-            store!("tmm0", acc);
-            store!("tmm1", acc.add(256));
-            if two {
-                store!("tmm2", acc.add(512));
-                store!("tmm3", acc.add(768));
-            }
+            finish(two, acc);
         }
     }
 
@@ -466,20 +490,8 @@ mod tiles {
     pub(super) unsafe fn block_bf16(a: &Operands, two: bool, acc: *mut f32) {
         let (s, lb) = (64usize, a.blocks * 2 * TILE_BYTES);
         unsafe {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
-            );
             // Pipelined as `block`: each tile is reloaded once the products reading it are issued.
-            load!("tmm4", a.a, s);
-            load!("tmm6", a.b, 64usize);
-            load!("tmm7", a.b.add(a.panel_bytes), 64usize);
-            if two {
-                load!("tmm5", a.a.add(lb), s);
-            }
+            start(a, two, 0);
             for kb in 0..a.blocks {
                 let ah = a.a.add(kb * 2 * TILE_BYTES);
                 let al = ah.add(TILE_BYTES);
@@ -527,12 +539,7 @@ mod tiles {
                 }
                 pf.slice(7);
             }
-            store!("tmm0", acc);
-            store!("tmm1", acc.add(256));
-            if two {
-                store!("tmm2", acc.add(512));
-                store!("tmm3", acc.add(768));
-            }
+            finish(two, acc);
         }
     }
 }
