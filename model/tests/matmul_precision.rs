@@ -41,42 +41,40 @@ fn high_precision_products_are_within_bf16x3_bounds_and_batch_invariant() -> any
 }
 
 fn products_within_bound(format: WeightFormat, k: usize, n: usize) -> anyhow::Result<()> {
-    {
-        let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
-        let packed = PackedMatrix::from_dense(&w, format)?.with_precision(MatmulPrecision::High)?;
-        assert_eq!(packed.precision(), MatmulPrecision::High);
-        // The weights as the matrix holds them (bf16-rounded for bf16).
-        let wv = values(&packed.dense()?)?;
-        for m in [1, 5, 16, 17, 32, 40, 70] {
-            let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
-            let xv = values(&x)?;
-            let got = values(&packed.matmul(&x)?)?;
-            assert_eq!(got.len(), m * n);
-            let mut worst = 0f64;
-            for i in 0..m {
-                for j in 0..n {
-                    let (xs, ws) = (&xv[i * k..(i + 1) * k], &wv[j * k..(j + 1) * k]);
-                    let exact: f64 = xs.iter().zip(ws).map(|(&a, &b)| a as f64 * b as f64).sum();
-                    let size: f64 = xs.iter().zip(ws).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
-                    worst = worst.max((got[i * n + j] as f64 - exact).abs() / size.max(1e-30));
-                }
+    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
+    let packed = PackedMatrix::from_dense(&w, format)?.with_precision(MatmulPrecision::High)?;
+    assert_eq!(packed.precision(), MatmulPrecision::High);
+    // The weights as the matrix holds them (bf16-rounded for bf16).
+    let wv = values(&packed.dense()?)?;
+    for m in [1, 5, 16, 17, 32, 40, 70] {
+        let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+        let xv = values(&x)?;
+        let got = values(&packed.matmul(&x)?)?;
+        assert_eq!(got.len(), m * n);
+        let mut worst = 0f64;
+        for i in 0..m {
+            for j in 0..n {
+                let (xs, ws) = (&xv[i * k..(i + 1) * k], &wv[j * k..(j + 1) * k]);
+                let exact: f64 = xs.iter().zip(ws).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let size: f64 = xs.iter().zip(ws).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                worst = worst.max((got[i * n + j] as f64 - exact).abs() / size.max(1e-30));
             }
-            assert!(worst < 3e-5, "{format} k {k} n {n} m {m}: error {worst:e} of Σ|x||w|");
-            // Under bf16 alone the same products err by ~1e-3: the split is doing its work.
-            if k >= 32 {
-                assert!(
-                    worst > 0.0 || m * n < 8,
-                    "{format} k {k} n {n} m {m}: exact to the bit, suspicious"
-                );
-            }
-            for i in [0, m / 2, m - 1] {
-                let alone = values(&packed.matmul(&x.narrow(0, i, 1)?)?)?;
-                assert_eq!(
-                    alone,
-                    got[i * n..(i + 1) * n],
-                    "{format} k {k} n {n}: row {i} of {m} differs alone"
-                );
-            }
+        }
+        assert!(worst < 3e-5, "{format} k {k} n {n} m {m}: error {worst:e} of Σ|x||w|");
+        // Under bf16 alone the same products err by ~1e-3: the split is doing its work.
+        if k >= 32 {
+            assert!(
+                worst > 0.0 || m * n < 8,
+                "{format} k {k} n {n} m {m}: exact to the bit, suspicious"
+            );
+        }
+        for i in [0, m / 2, m - 1] {
+            let alone = values(&packed.matmul(&x.narrow(0, i, 1)?)?)?;
+            assert_eq!(
+                alone,
+                got[i * n..(i + 1) * n],
+                "{format} k {k} n {n}: row {i} of {m} differs alone"
+            );
         }
     }
     Ok(())

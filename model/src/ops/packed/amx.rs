@@ -92,14 +92,21 @@ unsafe fn split_row_avx512(x: &[f32], hi: &mut [u16], lo: &mut [u16]) {
     split_row(x, hi, lo)
 }
 
+/// Weight tiles per block and panel: 2 (`hi`, `lo`) for f32 weights, 1 for bf16 ones.
+fn weight_tiles(format: WeightFormat) -> usize {
+    if format == WeightFormat::Bf16 {
+        1
+    } else {
+        2
+    }
+}
+
 /// The weights of an f32 or bf16 [`PackedMatrix`], split and laid out for the tiles (module
 /// notes).
 pub(crate) struct AmxWeights {
     /// `k` rounded up to 32.
     kp: usize,
-    /// Weight tiles per block: 2 (`hi`, `lo`) for f32 weights, 1 for bf16 ones.
-    halves: usize,
-    /// Per panel, `kp / 32` blocks of `halves` tiles.
+    /// Per panel, `kp / 32` blocks of [`weight_tiles`] tiles.
     tiles: Vec<super::Line>,
 }
 
@@ -107,7 +114,7 @@ impl AmxWeights {
     /// The tiles of `w`, f32 or bf16 (the caller checks).
     pub(crate) fn new(w: &PackedMatrix) -> Self {
         let (n, k) = (w.n, w.k);
-        let halves = if w.format == WeightFormat::Bf16 { 1 } else { 2 };
+        let halves = weight_tiles(w.format);
         let kp = k.div_ceil(KB) * KB;
         let panels = n.div_ceil(LANES * GROUP) * GROUP;
         let mut tiles = vec![super::Line([0; 64]); panels * kp / KB * halves * TILE_BYTES / 64];
@@ -126,7 +133,7 @@ impl AmxWeights {
                 }
             }
         }
-        Self { kp, halves, tiles }
+        Self { kp, tiles }
     }
 }
 
@@ -150,7 +157,8 @@ pub(super) fn run(w: &PackedMatrix, t: &AmxWeights, x: &[f32], y: &mut [MaybeUni
     let groups = n.div_ceil(LANES * GROUP);
     let (a_at, y_at) = (halves.as_ptr() as usize, y.as_mut_ptr() as usize);
     let w_at = t.tiles.as_ptr() as usize;
-    let (halves, panel_bytes) = (t.halves, kp / KB * t.halves * TILE_BYTES);
+    let per_block = weight_tiles(w.format);
+    let panel_bytes = kp / KB * per_block * TILE_BYTES;
     candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
         // SAFETY: `available()` (the caller's contract) granted this process the tile state;
         // the configuration is this thread's own, set before and released after its tiles.
@@ -190,9 +198,10 @@ pub(super) fn run(w: &PackedMatrix, t: &AmxWeights, x: &[f32], y: &mut [MaybeUni
                 // SAFETY: the operands lie within `halves` (row tiles from r0, one or two, all
                 // below mp) and the task's two panels; `acc` holds four tiles.
                 unsafe {
-                    match halves {
-                        2 => tiles::block(&a, two, acc.0.as_mut_ptr() as *mut f32),
-                        _ => tiles::block_bf16(&a, two, acc.0.as_mut_ptr() as *mut f32),
+                    if per_block == 2 {
+                        tiles::block(&a, two, acc.0.as_mut_ptr() as *mut f32)
+                    } else {
+                        tiles::block_bf16(&a, two, acc.0.as_mut_ptr() as *mut f32)
                     }
                 };
                 let rows = (m - r0).min(2 * TILE_ROWS);
