@@ -301,7 +301,40 @@ mod tiles {
         }
     }
 
+    /// Block `kb`'s operands: the `hi` and `lo` activation tiles of rows 0-15, the block's
+    /// weight tiles in the two panels, and its prefetches.
+    struct BlockAt {
+        ah: *const u8,
+        al: *const u8,
+        b0: *const u8,
+        b1: *const u8,
+        pf: Lines,
+    }
+
     impl Operands {
+        /// Block `kb` with `wt` weight tiles per block and panel (`super::weight_tiles`).
+        ///
+        /// # Safety
+        /// `kb < self.blocks`.
+        #[inline(always)]
+        unsafe fn block_at(&self, kb: usize, wt: usize) -> BlockAt {
+            unsafe {
+                let ah = self.a.add(kb * 2 * TILE_BYTES);
+                let b0 = self.b.add(kb * wt * TILE_BYTES);
+                // The hardware prefetcher does not follow tile loads far enough ahead (past the
+                // end of the weights a prefetch is a harmless hint).
+                let own = if self.own { wt * TILE_BYTES / 64 } else { 0 };
+                let pf = self.prefetches(kb, b0.wrapping_add(AHEAD * wt * TILE_BYTES), own);
+                BlockAt {
+                    ah,
+                    al: ah.add(TILE_BYTES),
+                    b0,
+                    b1: b0.add(self.panel_bytes),
+                    pf,
+                }
+            }
+        }
+
         /// Block `kb`'s prefetches: `own` lines from `ahead` in each of the task's two panels,
         /// and the block's share of the next task's panels.
         #[inline(always)]
@@ -427,15 +460,7 @@ mod tiles {
             // weight tiles), each block's last products then load the next block's.
             start(a, two, TILE_BYTES);
             for kb in 0..a.blocks {
-                let ah = a.a.add(kb * 2 * TILE_BYTES);
-                let al = ah.add(TILE_BYTES);
-                let b0 = a.b.add(kb * 2 * TILE_BYTES);
-                let b1 = b0.add(a.panel_bytes);
-                // The hardware prefetcher does not follow tile loads far enough ahead (past the
-                // end of the weights a prefetch is a harmless hint).
-                let own = if a.own { 2 * TILE_BYTES / 64 } else { 0 };
-                let ahead = b0.wrapping_add(AHEAD * 2 * TILE_BYTES);
-                let pf = a.prefetches(kb, ahead, own);
+                let BlockAt { ah, al, b0, b1, pf } = a.block_at(kb, 2);
                 // In: tmm4 `hi` of rows 0-15, tmm5 `hi` of rows 16-31 (`two`), tmm6 and tmm7
                 // `lo` of panels 0 and 1. Per accumulator: `hi·lo`, `hi·hi`, `lo·hi`.
                 dp!("tmm0", "tmm4", "tmm6");
@@ -502,12 +527,7 @@ mod tiles {
             // Pipelined as `block`: each tile is reloaded once the products reading it are issued.
             start(a, two, 0);
             for kb in 0..a.blocks {
-                let ah = a.a.add(kb * 2 * TILE_BYTES);
-                let al = ah.add(TILE_BYTES);
-                let b0 = a.b.add(kb * TILE_BYTES);
-                let b1 = b0.add(a.panel_bytes);
-                let own = if a.own { TILE_BYTES / 64 } else { 0 };
-                let pf = a.prefetches(kb, b0.wrapping_add(AHEAD * TILE_BYTES), own);
+                let BlockAt { ah, al, b0, b1, pf } = a.block_at(kb, 1);
                 let more = kb + 1 < a.blocks;
                 // In: tmm4 `hi` of rows 0-15, tmm5 `hi` of rows 16-31 (`two`), tmm6 and tmm7
                 // the weights of panels 0 and 1.
