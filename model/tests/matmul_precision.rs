@@ -1,6 +1,7 @@
 //! `MatmulPrecision::High` (bf16x3 products on AMX tiles for f32 weights, two products for bf16
-//! ones) against exact products, and the model with it against the model at `Highest`. The kernel runs only where the CPU and kernel have AMX-BF16;
-//! elsewhere these tests check the clear error and say that they skipped the kernel.
+//! ones) against exact products, and the model with it against the model at `Highest`. The
+//! kernel runs only where the CPU and kernel have AMX-BF16; elsewhere these tests check the clear
+//! error and say that they skipped the kernel.
 
 mod common;
 
