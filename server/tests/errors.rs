@@ -217,27 +217,26 @@ async fn a_full_queue_answers_503_with_retry_after() -> anyhow::Result<()> {
         let (client, url, long) = (server.client.clone(), url.clone(), long.clone());
         tokio::spawn(async move { client.post(&url).json(&long).send().await })
     };
-    let mut status = 0;
-    let mut body = Value::Null;
-    let mut retry_after = None;
-    for _ in 0..100 {
-        let resp = server
-            .client
-            .post(&url)
-            .json(&json!({"prompt": "y", "max_tokens": 1}))
-            .send()
-            .await?;
-        status = resp.status().as_u16();
-        retry_after = resp
-            .headers()
-            .get("retry-after")
-            .map(|v| v.to_str().unwrap_or_default().to_string());
-        body = resp.json().await?;
-        if status == 503 {
+    // Probe only once the second is queued: a probe sent first would take the queue's place,
+    // wait out the first's 1000 tokens and succeed.
+    for _ in 0..1000 {
+        if server.metrics().await?.lines().any(|l| l == "gpt_queue_depth 1") {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
+    let resp = server
+        .client
+        .post(&url)
+        .json(&json!({"prompt": "y", "max_tokens": 1}))
+        .send()
+        .await?;
+    let status = resp.status().as_u16();
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap_or_default().to_string());
+    let body: Value = resp.json().await?;
     assert_error(status, &body, 503, None, &["capacity"]);
     assert_eq!(retry_after.as_deref(), Some("1"));
     drop(first);
