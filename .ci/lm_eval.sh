@@ -21,7 +21,7 @@ cargo build --release --locked -p gpt-server -p gpt-train  # the same set as .ci
 
 out=target/ci/lm_eval
 rm -rf "$out/runs"
-python3 tests/lm_eval/make_data.py ../shared/data/tinyshakespeare.txt "$out" 12
+python3 tests/lm_eval/make_data.py data/tinyshakespeare.txt "$out" 12
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 tasks=gptrs_paragraphs,gptrs_next_line
 port=18184

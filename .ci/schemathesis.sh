@@ -19,7 +19,7 @@ cargo build --release --locked -p gpt-server -p gpt-train
 mkdir -p target/ci
 model=target/ci/fuzz-model
 if [ ! -f "$model/latest/config.json" ]; then
-  ./target/release/gpt-train train --data ../shared/data/tinyshakespeare.txt --out "$model" \
+  ./target/release/gpt-train train --data data/tinyshakespeare.txt --out "$model" \
     --tokenizer tests/fixtures/tiny-gpt2/tokenizer.json --n-layer 1 --n-head 2 --n-embd 32 \
     --block-size 4096 --batch-size 1 --max-iters 1 --eval-iters 1 --eval-interval 1 >/dev/null
 fi

@@ -3,11 +3,11 @@
 # a GPU machine without a Rust toolchain, where bench/gpu.sh unpacks and runs them:
 #   gpt-train, gpt-server, the CPU-vs-CUDA test binary (tests/cuda.rs), and the inference and
 #   training-step benchmarks, all with `--features cuda`; plus the corpus (compressed).
-#   bash bench/gpu_build.sh [CORPUS]    (default ../shared/data/tinyshakespeare.txt)
+#   bash bench/gpu_build.sh [CORPUS]    (default data/tinyshakespeare.txt)
 # Needs a CUDA toolkit: nvcc on PATH or CUDA_ROOT set, else /opt/cuda13 from ../shared/cuda/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-corpus=${1:-../shared/data/tinyshakespeare.txt}
+corpus=${1:-data/tinyshakespeare.txt}
 if ! command -v nvcc > /dev/null && [[ -z ${CUDA_ROOT:-} ]]; then
   [[ -f /opt/cuda13/env.sh ]] || { cargo fetch -q && bash ../shared/cuda/setup.sh; }
   # shellcheck disable=SC1091

@@ -17,7 +17,7 @@ model=target/bench/gpt2-random
 [ -f "$model/config.json" ] || "$venv/bin/python" bench/make_random_gpt2.py target/gpt2-tokenizer/tokenizer.json "$model"
 cargo build --release --locked -p gpt-server -p gpt-train  # the same set as .ci/run builds: no rebuild
 rm -rf "$out/runs"
-python3 tests/lm_eval/make_data.py ../shared/data/tinyshakespeare.txt "$out" "$n"
+python3 tests/lm_eval/make_data.py data/tinyshakespeare.txt "$out" "$n"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 lm_eval() { "$venv/bin/lm_eval" --tasks gptrs_paragraphs --include_path tests/lm_eval --log_samples "$@"; }
 # The task reads its data from target/ci/lm_eval: point it at this run's paragraphs.

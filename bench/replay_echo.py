@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-CORPUS = Path(__file__).resolve().parent.parent.parent / "shared/data/tinyshakespeare.txt"
+CORPUS = Path(__file__).resolve().parent.parent / "data/tinyshakespeare.txt"
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ the same GPT-2 model (pre-LayerNorm blocks, tanh GELU, tied head), character voc
 split, random windows, AdamW decaying only 2-D weights, warmup + cosine schedule, clipping at 1.0,
 and evaluation of --eval-iters batches every --eval-interval steps.
 
-    python bench/torch_train.py recipe --data ../shared/data/tinyshakespeare.txt --threads 2
+    python bench/torch_train.py recipe --data data/tinyshakespeare.txt --threads 2
         nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, batch 12, 2000 iterations)
     python bench/torch_train.py throughput --threads 2 [--device cuda --bf16 --tf32]
         GPT-2-small shape (50257 tokens, 12x12x768), block 256, random tokens: training tokens/s
@@ -151,7 +151,7 @@ def throughput(a):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["recipe", "throughput"])
-    p.add_argument("--data", default="../shared/data/tinyshakespeare.txt")
+    p.add_argument("--data", default="data/tinyshakespeare.txt")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)

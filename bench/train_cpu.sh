@@ -4,7 +4,7 @@
 #   bash bench/train_cpu.sh [DATA]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-data=${1:-../shared/data/tinyshakespeare.txt}
+data=${1:-data/tinyshakespeare.txt}
 threads=${THREADS:-$(nproc)}
 out=$(mktemp -d)
 cargo build -q --release -p gpt-train

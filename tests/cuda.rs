@@ -26,8 +26,10 @@ fn gpu() -> Device {
     Device::new_cuda(0).expect("these tests need a CUDA GPU")
 }
 
+mod support;
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    max_abs(&(a - b.to_device(a.device()).unwrap()).unwrap())
+    support::max_abs_diff(a, b).expect("tensors of one shape")
 }
 
 /// `f` on the CPU and on the GPU with the same inputs: its outputs, and the gradients of
@@ -128,15 +130,7 @@ fn seeded_model(cfg: &gpt::Config, device: &Device) -> (gpt::Gpt, Vec<(String, V
     let varmap = VarMap::new();
     let vb = gpt_train::init::seeded_var_builder(&varmap, 1337, device);
     let model = gpt::Gpt::new(vb, cfg).unwrap();
-    let mut vars: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    (model, vars)
+    (model, gpt_train::init::named_vars(&varmap).unwrap())
 }
 
 #[test]

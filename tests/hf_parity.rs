@@ -38,9 +38,8 @@ fn cases() -> anyhow::Result<Vec<Case>> {
         .collect()
 }
 
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
-    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
-}
+mod support;
+use support::max_abs_diff;
 
 fn check_logits(model: &gpt::Gpt, what: &str) -> anyhow::Result<()> {
     for (i, case) in cases()?.iter().enumerate() {

@@ -1,19 +1,13 @@
-//! Inference weight formats (issue #15): the packed CPU kernel for `x @ W^T` against candle's matmul,
+//! Inference weight formats: the packed CPU kernel for `x @ W^T` against candle's matmul,
 //! half-precision and quantized weights against f32 on the default model's perplexity, and
 //! quantized checkpoints (`model.gguf`) written and loaded back.
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
 use candle_core::{DType, Device, Tensor, D};
-use common::{batch, max_abs_diff, random_model, tokens};
+use common::{batch, max_abs_diff, random_model, repo, shakespeare, tokens};
 use gpt::ops::{PackedMatrix, Simd};
 use gpt::{Config, Gpt, WeightFormat};
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
-}
 
 /// The packed kernel in every format, on shapes that take many register tiles (1 to 12 rows and
 /// more, a partial last panel, one and several tasks), against candle's matmul on the same
@@ -122,11 +116,11 @@ fn mean_nll(model: &Gpt, ids: &[u32], window: usize) -> anyhow::Result<f64> {
 }
 
 /// The default model on held-out text (from the last 10% of the corpus it was trained on, which
-/// it never trained on): perplexity in each format against f32. Limits from issue #15: q8_0
+/// it never trained on): perplexity in each format against f32. Limits: q8_0
 /// within 0.5%, q4_0 within 5%; f16 and bf16 held to q8_0's.
 #[test]
 fn weight_formats_keep_the_default_models_perplexity() -> anyhow::Result<()> {
-    let corpus = std::fs::read_to_string(repo("../shared/data/tinyshakespeare.txt"))?;
+    let corpus = shakespeare(usize::MAX)?;
     let held_out = &corpus[corpus.len() * 9 / 10..];
     let text: String = held_out.chars().take(20_000).collect();
     let (f32_model, tokenizer) = gpt::load_dir_as(&repo("weights"), None, &Device::Cpu)?;

@@ -1,6 +1,6 @@
 """Writes the data of the lm-eval tasks in this folder from a corpus (tinyshakespeare):
 
-    python tests/lm_eval/make_data.py ../shared/data/tinyshakespeare.txt target/ci/lm_eval 12
+    python tests/lm_eval/make_data.py data/tinyshakespeare.txt target/ci/lm_eval 12
 
 paragraphs.jsonl  the first N paragraphs (blank-line separated), {"text": ...}, for the rolling
                   perplexity task gptrs_paragraphs

@@ -64,13 +64,7 @@ fn main() -> anyhow::Result<()> {
     };
     let varmap = VarMap::new();
     let model = Gpt::new(seeded_var_builder(&varmap, 0, &device), &cfg)?.with_autocast(autocast);
-    let mut named: Vec<(String, Var)> = varmap
-        .all_vars()
-        .into_iter()
-        .enumerate()
-        .map(|(i, v)| (format!("{i:04}"), v))
-        .collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let named = gpt_train::init::named_vars(&varmap)?;
     let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
     let cfg_opt = AdamWConfig {
         beta1: 0.9,

@@ -75,3 +75,17 @@ pub fn seeded_var_builder(varmap: &VarMap, seed: u64, device: &Device) -> VarBui
     };
     VarBuilder::from_backend(Box::new(backend), DType::F32, device.clone())
 }
+
+/// The variables of `varmap` with their names, sorted by name: the order in which the optimizer
+/// holds them and checkpoints store their state.
+pub fn named_vars(varmap: &VarMap) -> Result<Vec<(String, Var)>> {
+    let mut named: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("varmap poisoned".into()))?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(named)
+}

@@ -26,13 +26,7 @@ fn bf16_matmuls_match_f32_and_still_learn() -> anyhow::Result<()> {
         ..Config::tiny(50)
     };
     let model = Gpt::new(seeded_var_builder(&varmap, 3, &Device::Cpu), &cfg)?;
-    let mut named: Vec<(String, Var)> = varmap
-        .all_vars()
-        .into_iter()
-        .enumerate()
-        .map(|(i, v)| (i.to_string(), v))
-        .collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let named = gpt_train::init::named_vars(&varmap)?;
     let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
     let ids: Vec<u32> = (0..4 * 33).map(|i| (i as u32 * 7 + i as u32 / 5) % 50).collect();
     let t = Tensor::from_vec(ids, (4, 33), &Device::Cpu)?;

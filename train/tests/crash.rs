@@ -5,6 +5,9 @@
 //! The kills follow the run's progress on disk rather than the clock, so that a loaded machine
 //! (a slow start, a slow step) changes when they land but not what they test.
 
+#[path = "../../tests/support.rs"]
+mod support;
+
 use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -53,8 +56,7 @@ fn wait_for(child: &mut Child, what: &str, mut ready: impl FnMut() -> bool) -> a
 #[test]
 fn a_run_killed_at_random_moments_resumes_every_time() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/tinyshakespeare.txt");
-    let text: String = std::fs::read_to_string(shared)?.chars().take(20_000).collect();
+    let text = support::shakespeare(20_000)?;
     let corpus = dir.path().join("corpus.txt");
     std::fs::write(&corpus, text)?;
     let out = dir.path().join("run");

@@ -6,9 +6,11 @@ use std::path::{Path, PathBuf};
 use gpt::Tokenizer;
 use gpt_train::data;
 
+#[path = "../../tests/support.rs"]
+mod support;
+
 fn shakespeare() -> anyhow::Result<String> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/tinyshakespeare.txt");
-    Ok(std::fs::read_to_string(path)?)
+    support::shakespeare(usize::MAX)
 }
 
 fn tokenizers(corpus: &Path) -> anyhow::Result<Vec<(&'static str, Tokenizer)>> {

@@ -3,24 +3,15 @@
 use candle_core::{Device, Tensor, Var};
 use candle_nn::VarMap;
 use gpt::{Config, Gpt};
-use gpt_train::init::seeded_var_builder;
+use gpt_train::init::{named_vars, seeded_var_builder};
 use gpt_train::optim::{clip_grad_norm, global_norm, AdamW, AdamWConfig};
 use gpt_train::step::accumulate_grads;
 
 fn model(seed: u64) -> anyhow::Result<(Gpt, Vec<(String, Var)>)> {
-    #![allow(clippy::unwrap_used)]
     let varmap = VarMap::new();
     let cfg = Config::tiny(50);
     let model = Gpt::new(seeded_var_builder(&varmap, seed, &Device::Cpu), &cfg)?;
-    let mut vars: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok((model, vars))
+    Ok((model, named_vars(&varmap)?))
 }
 
 fn batch(rows: usize, seq: usize, offset: u32) -> anyhow::Result<(Tensor, Tensor)> {
@@ -29,9 +20,9 @@ fn batch(rows: usize, seq: usize, offset: u32) -> anyhow::Result<(Tensor, Tensor
     Ok((t.narrow(1, 0, seq)?, t.narrow(1, 1, seq)?))
 }
 
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
-    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
-}
+#[path = "../../tests/support.rs"]
+mod support;
+use support::max_abs_diff;
 
 const ADAMW: AdamWConfig = AdamWConfig {
     beta1: 0.9,

@@ -4,17 +4,11 @@ use super::gelu::fast_tanh;
 use super::*;
 use candle_core::{Device, Var, D};
 
+#[path = "../../../tests/support.rs"]
+mod support;
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    support::max_abs_diff(a, b).expect("tensors of one shape")
 }
 
 #[test]

@@ -17,9 +17,10 @@ pub fn random_model(cfg: &Config) -> anyhow::Result<(VarMap, Gpt)> {
     Ok((varmap, model))
 }
 
-pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
-    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
-}
+#[path = "../../../tests/support.rs"]
+mod support;
+#[allow(unused_imports)]
+pub use support::{max_abs_diff, repo, shakespeare};
 
 /// Deterministic pseudo-random token ids.
 pub fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {

@@ -50,14 +50,19 @@ impl Server {
     }
 
     pub async fn post_to(&self, path: &str, body: Value) -> anyhow::Result<(u16, Value)> {
-        let resp = self
+        let resp = self.send(path, body).await?;
+        let status = resp.status().as_u16();
+        Ok((status, resp.json().await?))
+    }
+
+    /// POSTs `body` as JSON to `path`.
+    async fn send(&self, path: &str, body: Value) -> anyhow::Result<reqwest::Response> {
+        Ok(self
             .client
             .post(format!("{}{path}", self.url))
             .json(&body)
             .send()
-            .await?;
-        let status = resp.status().as_u16();
-        Ok((status, resp.json().await?))
+            .await?)
     }
 
     pub async fn get(&self, path: &str) -> anyhow::Result<Value> {
@@ -81,12 +86,7 @@ impl Server {
 
     /// A whole stream from `path`.
     pub async fn stream_at(&self, path: &str, body: Value) -> anyhow::Result<Vec<Value>> {
-        let resp = self
-            .client
-            .post(format!("{}{path}", self.url))
-            .json(&body)
-            .send()
-            .await?;
+        let resp = self.send(path, body).await?;
         assert_eq!(resp.status().as_u16(), 200);
         let text = resp.text().await?;
         let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
@@ -99,14 +99,7 @@ impl Server {
 
     /// POSTs to another path and returns the JSON of a 200.
     pub async fn call(&self, path: &str, body: Value) -> anyhow::Result<Value> {
-        let resp = self
-            .client
-            .post(format!("{}{path}", self.url))
-            .json(&body)
-            .send()
-            .await?;
-        let status = resp.status().as_u16();
-        let json: Value = resp.json().await?;
+        let (status, json) = self.post_to(path, body).await?;
         anyhow::ensure!(status == 200, "{path}: {status} {json}");
         Ok(json)
     }

@@ -1,0 +1,31 @@
+//! Helpers shared by the test suites of every crate, included with
+//! `#[path = "../../tests/support.rs"] mod support;` (each crate's manifest sits one level below
+//! the repository root).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Tensor;
+
+/// `path` under the repository root.
+pub fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
+}
+
+/// The repository's copy of tinyshakespeare (`data/`).
+pub fn shakespeare_path() -> PathBuf {
+    repo("data/tinyshakespeare.txt")
+}
+
+/// The first `chars` characters of tinyshakespeare (all of it for `usize::MAX`).
+pub fn shakespeare(chars: usize) -> anyhow::Result<String> {
+    let path = shakespeare_path();
+    let text = std::fs::read_to_string(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    Ok(text.chars().take(chars).collect())
+}
+
+/// The largest absolute difference between two tensors of one shape (on `a`'s device).
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
+    let b = b.to_device(a.device())?;
+    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
