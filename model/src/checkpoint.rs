@@ -22,6 +22,31 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+/// A `gpt-train` run directory's checkpoint with the lowest validation loss.
+pub const RUN_BEST: &str = "best";
+/// A `gpt-train` run directory's link to its newest checkpoint.
+pub const RUN_LATEST: &str = "latest";
+
+/// The checkpoint directory that `path` names, as every command takes one: a checkpoint itself
+/// (it holds `config.json`), or a `gpt-train` run directory, which names its `best/` checkpoint
+/// (lowest validation loss), else its `latest/` one (a run stopped before its first evaluation).
+pub fn resolve_dir(path: &Path) -> Result<std::path::PathBuf> {
+    if path.join(CONFIG_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    if !path.exists() {
+        return Err(Error::MissingFile {
+            path: path.to_path_buf(),
+        });
+    }
+    [RUN_BEST, RUN_LATEST]
+        .iter()
+        .map(|name| path.join(name))
+        .find(|dir| dir.join(CONFIG_FILE).is_file())
+        .ok_or_else(|| Error::NotACheckpoint {
+            path: path.to_path_buf(),
+        })
+}
 
 /// Turns candle's loading errors into ours, naming the file and the tensor.
 fn loading_error(path: &Path, err: candle_core::Error) -> Error {

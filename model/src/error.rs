@@ -59,6 +59,11 @@ pub enum Error {
     #[error("device: {0}")]
     Device(String),
 
+    #[error(
+        "{path}: not a checkpoint (no config.json) nor a gpt-train run directory (no best/ or latest/ checkpoint in it)"
+    )]
+    NotACheckpoint { path: PathBuf },
+
     #[error("empty input: {0}")]
     EmptyInput(&'static str),
 

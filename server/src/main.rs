@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use gpt_server::{app::app, load_state, ServerConfig};
 
@@ -12,7 +12,8 @@ use gpt_server::{app::app, load_state, ServerConfig};
 #[derive(Parser)]
 #[command(name = "gpt-server", version)]
 struct Args {
-    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json); default: weights/.
+    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json), or a gpt-train run
+    /// directory (its best/ checkpoint); default: weights/.
     #[arg(long, env = "GPT_SERVER_CHECKPOINT")]
     checkpoint: Option<PathBuf>,
     #[arg(long, env = "GPT_SERVER_HOST", default_value = "127.0.0.1")]
@@ -116,21 +117,9 @@ async fn run() -> Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     let args = Args::parse();
-    let checkpoint = args.checkpoint.clone().unwrap_or_else(default_checkpoint);
-    if !checkpoint.join("config.json").exists() {
-        if checkpoint.join("latest").exists() || checkpoint.join("best").exists() {
-            bail!(
-                "{} is a gpt-train run directory, not a checkpoint; serve {}/best (lowest validation loss) or {}/latest",
-                checkpoint.display(),
-                checkpoint.display(),
-                checkpoint.display()
-            );
-        }
-        bail!(
-            "no checkpoint at {} (config.json missing); pass --checkpoint DIR or train one with gpt-train",
-            checkpoint.display()
-        );
-    }
+    let named = args.checkpoint.clone().unwrap_or_else(default_checkpoint);
+    let checkpoint = gpt::checkpoint::resolve_dir(&named)
+        .context("--checkpoint: pass a checkpoint directory or a gpt-train run directory")?;
     let device = gpt::parse_device(&args.device)?;
     let dtype = args.dtype;
     // The default model is `default` however it is named: left out, or given as a path to the
@@ -138,7 +127,7 @@ async fn run() -> Result<()> {
     // its directory.
     let model_name = args.model_name.clone().unwrap_or_else(|| {
         let canonical = |dir: &Path| dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-        let dir = canonical(&checkpoint);
+        let dir = canonical(&named);
         if dir == canonical(&default_checkpoint()) {
             return "default".into();
         }

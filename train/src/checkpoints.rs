@@ -24,8 +24,8 @@ use crate::optim::AdamW;
 pub const STATE_FILE: &str = "trainer_state.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const CHECKPOINTS_DIR: &str = "checkpoints";
-pub const LATEST: &str = "latest";
-pub const BEST: &str = "best";
+pub const LATEST: &str = gpt::checkpoint::RUN_LATEST;
+pub const BEST: &str = gpt::checkpoint::RUN_BEST;
 const TMP: &str = ".tmp-";
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -38,6 +38,20 @@ pub struct TrainerState {
     pub last_eval_step: Option<usize>,
     pub elapsed_s: f64,
     pub run: RunConfig,
+}
+
+impl TrainerState {
+    /// A new run's state, before its first step.
+    pub fn start(run: &RunConfig) -> Self {
+        Self {
+            step: 0,
+            best_val_loss: None,
+            rng_seed: run.seed,
+            last_eval_step: None,
+            elapsed_s: 0.0,
+            run: run.clone(),
+        }
+    }
 }
 
 /// A complete checkpoint on disk.

@@ -54,8 +54,8 @@ pub struct TrainArgs {
     pub tf32: Option<bool>,
     /// Mixed precision, nanoGPT's `dtype`: bf16 multiplies matrices in bf16 (f32 parameters,
     /// gradients and optimizer state, as `torch.autocast`) [default: f32].
-    #[arg(long, value_parser = ["f32", "bf16"])]
-    pub dtype: Option<String>,
+    #[arg(long, value_enum)]
+    pub dtype: Option<TrainDtype>,
 
     /// Model shape: tiny, shakespeare-char (nanoGPT's baby GPT) or gpt2 (GPT-2 small); the flags
     /// below override it [default: shakespeare-char].
@@ -138,6 +138,25 @@ pub struct TrainArgs {
     /// Seed of the initial weights, the batches and the dropout masks [default: 1337].
     #[arg(long)]
     pub seed: Option<u64>,
+}
+
+/// `--dtype`: the precision of training's matrix products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TrainDtype {
+    /// Everything in f32.
+    #[default]
+    F32,
+    /// Matrix products in bf16, parameters, gradients and optimizer state in f32.
+    Bf16,
+}
+
+impl TrainDtype {
+    pub fn autocast(self) -> gpt::Autocast {
+        match self {
+            TrainDtype::F32 => gpt::Autocast::Off,
+            TrainDtype::Bf16 => gpt::Autocast::Bf16,
+        }
+    }
 }
 
 /// Everything a run was started with: saved in trainer_state.json, read back by --resume.

@@ -1,6 +1,7 @@
-//! `gpt-train tokenizer | train | average | export | sample | eval`: the command line of the trainer.
+//! `gpt-train tokenizer | train | average | export | sample | eval`: the command line of the
+//! trainer, one function per subcommand.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -20,118 +21,134 @@ struct Cli {
     command: Command,
 }
 
+#[derive(Subcommand)]
+enum Command {
+    /// Train a tokenizer on text files and save OUT/tokenizer.json.
+    Tokenizer(TokenizerArgs),
+    /// Train (or, with --resume, continue training) a model.
+    Train(Box<TrainArgs>),
+    /// Copy a checkpoint's model and tokenizer to OUT with weights in another precision.
+    Export(ExportArgs),
+    /// Average checkpoints of one model (the element-wise mean of their parameters), as the
+    /// original transformer's reported models are: the named directories, or a run's newest.
+    Average(AverageArgs),
+    /// Generate text from a checkpoint, for a quick look without a server: sampled, greedy
+    /// (--temperature 0) or by beam search (--num-beams K).
+    Sample(SampleArgs),
+    /// Perplexity of a checkpoint on a text file, with a strided sliding window.
+    Eval(EvalArgs),
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum TokenizerKind {
     Char,
     Bpe,
 }
 
-#[derive(Subcommand)]
-enum Command {
-    /// Train a tokenizer on text files and save OUT/tokenizer.json.
-    Tokenizer {
-        /// Text files to build the vocabulary from (UTF-8).
-        #[arg(long, num_args = 1.., required = true)]
-        data: Vec<PathBuf>,
-        /// Directory to write tokenizer.json into.
-        #[arg(long)]
-        out: PathBuf,
-        /// char: one token per character (nanoGPT's shakespeare-char); bpe: GPT-2's byte-level BPE.
-        #[arg(long, value_enum, default_value = "char")]
-        kind: TokenizerKind,
-        /// Vocabulary size of a BPE tokenizer.
-        #[arg(long, default_value_t = 1024)]
-        vocab_size: usize,
-    },
-    /// Train (or, with --resume, continue training) a model.
-    Train(Box<TrainArgs>),
-    /// Copy a checkpoint's model and tokenizer to OUT with weights in another precision.
-    Export {
-        /// A GPT-2-layout checkpoint directory.
-        #[arg(long)]
-        checkpoint: PathBuf,
-        /// Directory for the copy.
-        #[arg(long)]
-        out: PathBuf,
-        /// Precision of the copy's weights: f32, f16 and bf16 write model.safetensors (for
-        /// transformers too); q8_0 and q4_0 write the weight matrices quantized to model.gguf,
-        /// which gpt-server and gpt-train eval load as they are.
-        #[arg(long, default_value = "f16")]
-        dtype: gpt::WeightFormat,
-    },
-    /// Average checkpoints of one model (the element-wise mean of their parameters), as the
-    /// original transformer's reported models are: the named directories, or a run's newest.
-    Average {
-        /// Checkpoint directories to average.
-        #[arg(long, num_args = 1.., required_unless_present = "run", conflicts_with = "run")]
-        checkpoints: Vec<PathBuf>,
-        /// A training run's --out directory: average its newest --last checkpoints (train with
-        /// --keep-last K to keep them).
-        #[arg(long, requires = "last")]
-        run: Option<PathBuf>,
-        /// How many of the run's newest checkpoints.
-        #[arg(long)]
-        last: Option<usize>,
-        /// Directory for the averaged checkpoint.
-        #[arg(long)]
-        out: PathBuf,
-    },
-    /// Generate text from a checkpoint, for a quick look without a server: sampled, greedy
-    /// (--temperature 0) or by beam search (--num-beams K).
-    Sample {
-        /// A GPT-2-layout checkpoint directory.
-        #[arg(long)]
-        checkpoint: PathBuf,
-        /// The text to continue.
-        #[arg(long)]
-        prompt: String,
-        /// Tokens to generate at most (generation also ends at the context length).
-        #[arg(long, default_value_t = 200)]
-        max_new_tokens: usize,
-        /// Beam search with this many beams (1: sampling).
-        #[arg(long, default_value_t = 1)]
-        num_beams: usize,
-        /// With beam search: finished beams are scored by log-probability / length^α.
-        #[arg(long, default_value_t = 1.0)]
-        length_penalty: f32,
-        /// Sampling temperature; 0 is greedy.
-        #[arg(long, default_value_t = 0.8)]
-        temperature: f64,
-        /// Sample from the k most likely tokens only (0: all).
-        #[arg(long, default_value_t = 200)]
-        top_k: usize,
-        /// Seed of the sampling.
-        #[arg(long, default_value_t = 1337)]
-        seed: u64,
-        /// auto, cpu, cuda or cuda:N.
-        #[arg(long, default_value = "auto")]
-        device: String,
-    },
-    /// Perplexity of a checkpoint on a text file, with a strided sliding window.
-    Eval {
-        /// A GPT-2-layout checkpoint directory (config.json, model.safetensors, tokenizer.json).
-        #[arg(long)]
-        checkpoint: PathBuf,
-        /// The text to score (UTF-8).
-        #[arg(long)]
-        data: PathBuf,
-        /// Window length (default: the model's context length).
-        #[arg(long)]
-        block_size: Option<usize>,
-        /// Distance between window starts (default: half the block size).
-        #[arg(long)]
-        stride: Option<usize>,
-        /// auto, cpu, cuda or cuda:N.
-        #[arg(long, default_value = "auto")]
-        device: String,
-        /// Weight format to evaluate in: f32, f16, bf16, q8_0 or q4_0 (default: as stored).
-        /// q8_0 and q4_0 quantize the weight matrices at load, on the CPU.
-        #[arg(long)]
-        dtype: Option<gpt::WeightFormat>,
-        /// Print one JSON object instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+#[derive(clap::Args)]
+struct TokenizerArgs {
+    /// Text files to build the vocabulary from (UTF-8).
+    #[arg(long, num_args = 1.., required = true)]
+    data: Vec<PathBuf>,
+    /// Directory to write tokenizer.json into.
+    #[arg(long)]
+    out: PathBuf,
+    /// char: one token per character (nanoGPT's shakespeare-char); bpe: GPT-2's byte-level BPE.
+    #[arg(long, value_enum, default_value = "char")]
+    kind: TokenizerKind,
+    /// Vocabulary size of a BPE tokenizer.
+    #[arg(long, default_value_t = 1024)]
+    vocab_size: usize,
+}
+
+/// What names a checkpoint, the same in every subcommand (and in gpt-server).
+const CHECKPOINT_HELP: &str = "A GPT-2-layout checkpoint directory (config.json, model.safetensors, tokenizer.json), \
+                               or a gpt-train run directory (its best/ checkpoint)";
+
+#[derive(clap::Args)]
+struct ExportArgs {
+    #[arg(long, help = CHECKPOINT_HELP)]
+    checkpoint: PathBuf,
+    /// Directory for the copy.
+    #[arg(long)]
+    out: PathBuf,
+    /// Precision of the copy's weights: f32, f16 and bf16 write model.safetensors (for
+    /// transformers too); q8_0 and q4_0 write the weight matrices quantized to model.gguf,
+    /// which gpt-server and gpt-train eval load as they are.
+    #[arg(long, default_value = "f16")]
+    dtype: gpt::WeightFormat,
+}
+
+#[derive(clap::Args)]
+struct AverageArgs {
+    /// Checkpoint directories to average.
+    #[arg(long, num_args = 1.., required_unless_present = "run", conflicts_with = "run")]
+    checkpoints: Vec<PathBuf>,
+    /// A training run's --out directory: average its newest --last checkpoints (train with
+    /// --keep-last K to keep them).
+    #[arg(long, requires = "last")]
+    run: Option<PathBuf>,
+    /// How many of the run's newest checkpoints.
+    #[arg(long)]
+    last: Option<usize>,
+    /// Directory for the averaged checkpoint.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(clap::Args)]
+struct SampleArgs {
+    #[arg(long, help = CHECKPOINT_HELP)]
+    checkpoint: PathBuf,
+    /// The text to continue.
+    #[arg(long)]
+    prompt: String,
+    /// Tokens to generate at most (generation also ends at the context length).
+    #[arg(long, default_value_t = 200)]
+    max_new_tokens: usize,
+    /// Beam search with this many beams (1: sampling).
+    #[arg(long, default_value_t = 1)]
+    num_beams: usize,
+    /// With beam search: finished beams are scored by log-probability / length^α.
+    #[arg(long, default_value_t = 1.0)]
+    length_penalty: f32,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample from the k most likely tokens only (0: all).
+    #[arg(long, default_value_t = 200)]
+    top_k: usize,
+    /// Seed of the sampling.
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+}
+
+#[derive(clap::Args)]
+struct EvalArgs {
+    #[arg(long, help = CHECKPOINT_HELP)]
+    checkpoint: PathBuf,
+    /// The text to score (UTF-8).
+    #[arg(long)]
+    data: PathBuf,
+    /// Window length (default: the model's context length).
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// Distance between window starts (default: half the block size).
+    #[arg(long)]
+    stride: Option<usize>,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Weight format to evaluate in: f32, f16, bf16, q8_0 or q4_0 (default: as stored).
+    /// q8_0 and q4_0 quantize the weight matrices at load, on the CPU.
+    #[arg(long)]
+    dtype: Option<gpt::WeightFormat>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> Result<()> {
@@ -143,141 +160,141 @@ fn main() -> Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match Cli::parse().command {
-        Command::Tokenizer {
-            data,
-            out,
-            kind,
-            vocab_size,
-        } => {
-            let tok = match kind {
-                TokenizerKind::Char => Tokenizer::train_char(&data)?,
-                TokenizerKind::Bpe => Tokenizer::train_bpe(&data, vocab_size)?,
-            };
-            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-            let path = out.join(gpt::checkpoint::TOKENIZER_FILE);
-            tok.save(&path)?;
-            println!("saved {} ({} tokens)", path.display(), tok.vocab_size());
+        Command::Tokenizer(args) => tokenizer(args),
+        Command::Train(args) => train(&args),
+        Command::Export(args) => export(args),
+        Command::Average(args) => average(args),
+        Command::Sample(args) => sample(args),
+        Command::Eval(args) => eval(args),
+    }
+}
+
+/// `--checkpoint`'s directory (see [`CHECKPOINT_HELP`]).
+fn checkpoint_dir(named: &Path) -> Result<PathBuf> {
+    gpt::checkpoint::resolve_dir(named).context("--checkpoint")
+}
+
+fn tokenizer(args: TokenizerArgs) -> Result<()> {
+    let tok = match args.kind {
+        TokenizerKind::Char => Tokenizer::train_char(&args.data)?,
+        TokenizerKind::Bpe => Tokenizer::train_bpe(&args.data, args.vocab_size)?,
+    };
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let path = args.out.join(gpt::checkpoint::TOKENIZER_FILE);
+    tok.save(&path)?;
+    println!("saved {} ({} tokens)", path.display(), tok.vocab_size());
+    Ok(())
+}
+
+fn train(args: &TrainArgs) -> Result<()> {
+    gpt_train::train::use_shard_parallelism();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            std::process::exit(130); // a second Ctrl-C: stop now
         }
-        Command::Train(args) => {
-            gpt_train::train::use_shard_parallelism();
-            let stop = Arc::new(AtomicBool::new(false));
-            let flag = stop.clone();
-            ctrlc::set_handler(move || {
-                if flag.swap(true, Ordering::SeqCst) {
-                    std::process::exit(130); // a second Ctrl-C: stop now
-                }
-                eprintln!("stopping after this step (Ctrl-C again to quit without saving)");
-            })
-            .context("installing the Ctrl-C handler")?;
-            let summary = gpt_train::train::train(&args, &stop)?;
-            if summary.best_val_loss.is_none() && !summary.interrupted {
-                bail!("no evaluation was run");
-            }
-        }
-        Command::Export { checkpoint, out, dtype } => {
-            let (model, tokenizer) = gpt::load_dir(&checkpoint, candle_core::DType::F32, &candle_core::Device::Cpu)?;
-            let format = dtype;
-            match format.ggml() {
-                Some(_) => gpt::save_gguf_dir(&out, &model, &tokenizer, format)?,
-                None => gpt::save_dir(&out, &model, &tokenizer, format.dtype())?,
-            }
-            println!(
-                "saved {} ({} parameters, {format})",
-                out.display(),
-                model.num_parameters()
-            );
-        }
-        Command::Average {
-            checkpoints,
-            run,
-            last,
-            out,
-        } => {
-            let dirs = match (run, last) {
-                (Some(run), Some(k)) => {
-                    let all = gpt_train::checkpoints::list(&run)?;
-                    if k == 0 || all.len() < k {
-                        bail!(
-                            "--last {k}: {} holds {} complete checkpoints (train with --keep-last {k} to keep that many)",
-                            run.display(),
-                            all.len()
-                        );
-                    }
-                    all[all.len() - k..].iter().map(|(_, dir)| dir.clone()).collect()
-                }
-                _ => checkpoints,
-            };
-            gpt_train::average::average(&dirs, &out)?;
-            println!("saved {}: the mean of {} checkpoints", out.display(), dirs.len());
-        }
-        Command::Sample {
-            checkpoint,
-            prompt,
-            max_new_tokens,
-            num_beams,
-            length_penalty,
-            temperature,
-            top_k,
-            seed,
-            device,
-        } => {
-            let device = gpt::parse_device(&device)?;
-            let (model, tokenizer) = gpt::load_dir(&checkpoint, candle_core::DType::F32, &device)?;
-            let ids = tokenizer.encode(&prompt)?;
-            if ids.is_empty() {
-                bail!("--prompt encodes to no tokens");
-            }
-            let context = model.config().n_positions;
-            if ids.len() >= context {
-                bail!("--prompt has {} tokens; the model's context is {context}", ids.len());
-            }
-            let room = max_new_tokens.min(context - ids.len());
-            let output = if num_beams > 1 {
-                let params = gpt::beam::BeamParams {
-                    beams: num_beams,
-                    max_new_tokens: room,
-                    length_penalty,
-                    eos: tokenizer.eos_token_id(),
-                };
-                let best = gpt::beam::beam_search(&model, &ids, &params)?.into_iter().next();
-                best.map(|h| h.tokens).unwrap_or_default()
-            } else {
-                let mut sampler = gpt::Sampler::new(gpt::SamplingParams {
-                    temperature,
-                    top_k: (top_k > 0).then_some(top_k),
-                    seed,
-                    ..Default::default()
-                });
-                gpt::generate(&model, &ids, room, &mut sampler, tokenizer.eos_token_id())?
-            };
-            println!("{prompt}{}", tokenizer.decode_skip_special(&output)?);
-        }
-        Command::Eval {
-            checkpoint,
-            data,
-            block_size,
-            stride,
-            device,
-            dtype,
-            json,
-        } => {
-            let device = gpt::parse_device(&device)?;
-            let p = gpt_train::eval::eval_file(&checkpoint, &data, block_size, stride, dtype, &device)?;
-            if json {
-                println!("{}", serde_json::to_string(&p)?);
-            } else {
-                println!(
-                    "{}: {} tokens scored (block {}, stride {}), mean NLL {:.4} nats, perplexity {:.3}, {:.4} bits/byte",
-                    data.display(),
-                    p.tokens_scored,
-                    p.block_size,
-                    p.stride,
-                    p.mean_nll,
-                    p.perplexity,
-                    p.bits_per_byte
+        eprintln!("stopping after this step (Ctrl-C again to quit without saving)");
+    })
+    .context("installing the Ctrl-C handler")?;
+    let summary = gpt_train::train::train(args, &stop)?;
+    if summary.best_val_loss.is_none() && !summary.interrupted {
+        bail!("no evaluation was run");
+    }
+    Ok(())
+}
+
+fn export(args: ExportArgs) -> Result<()> {
+    let dir = checkpoint_dir(&args.checkpoint)?;
+    let (model, tokenizer) = gpt::load_dir(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    let format = args.dtype;
+    match format.ggml() {
+        Some(_) => gpt::save_gguf_dir(&args.out, &model, &tokenizer, format)?,
+        None => gpt::save_dir(&args.out, &model, &tokenizer, format.dtype())?,
+    }
+    println!(
+        "saved {} ({} parameters, {format})",
+        args.out.display(),
+        model.num_parameters()
+    );
+    Ok(())
+}
+
+fn average(args: AverageArgs) -> Result<()> {
+    let dirs = match (args.run, args.last) {
+        (Some(run), Some(k)) => {
+            let all = gpt_train::checkpoints::list(&run)?;
+            if k == 0 || all.len() < k {
+                bail!(
+                    "--last {k}: {} holds {} complete checkpoints (train with --keep-last {k} to keep that many)",
+                    run.display(),
+                    all.len()
                 );
             }
+            all[all.len() - k..].iter().map(|(_, dir)| dir.clone()).collect()
         }
+        _ => args
+            .checkpoints
+            .iter()
+            .map(|dir| gpt::checkpoint::resolve_dir(dir).context("--checkpoints"))
+            .collect::<Result<Vec<_>>>()?,
+    };
+    gpt_train::average::average(&dirs, &args.out)?;
+    println!("saved {}: the mean of {} checkpoints", args.out.display(), dirs.len());
+    Ok(())
+}
+
+fn sample(args: SampleArgs) -> Result<()> {
+    let device = gpt::parse_device(&args.device)?;
+    let (model, tokenizer) = gpt::load_dir(&checkpoint_dir(&args.checkpoint)?, candle_core::DType::F32, &device)?;
+    let ids = tokenizer.encode(&args.prompt)?;
+    if ids.is_empty() {
+        bail!("--prompt encodes to no tokens");
+    }
+    let context = model.config().n_positions;
+    if ids.len() >= context {
+        bail!("--prompt has {} tokens; the model's context is {context}", ids.len());
+    }
+    let room = args.max_new_tokens.min(context - ids.len());
+    let output = if args.num_beams > 1 {
+        let params = gpt::beam::BeamParams {
+            beams: args.num_beams,
+            max_new_tokens: room,
+            length_penalty: args.length_penalty,
+            eos: tokenizer.eos_token_id(),
+        };
+        let best = gpt::beam::beam_search(&model, &ids, &params)?.into_iter().next();
+        best.map(|h| h.tokens).unwrap_or_default()
+    } else {
+        let mut sampler = gpt::Sampler::new(gpt::SamplingParams {
+            temperature: args.temperature,
+            top_k: (args.top_k > 0).then_some(args.top_k),
+            seed: args.seed,
+            ..Default::default()
+        });
+        gpt::generate(&model, &ids, room, &mut sampler, tokenizer.eos_token_id())?
+    };
+    println!("{}{}", args.prompt, tokenizer.decode_skip_special(&output)?);
+    Ok(())
+}
+
+fn eval(args: EvalArgs) -> Result<()> {
+    let device = gpt::parse_device(&args.device)?;
+    let dir = checkpoint_dir(&args.checkpoint)?;
+    let p = gpt_train::eval::eval_file(&dir, &args.data, args.block_size, args.stride, args.dtype, &device)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&p)?);
+    } else {
+        println!(
+            "{}: {} tokens scored (block {}, stride {}), mean NLL {:.4} nats, perplexity {:.3}, {:.4} bits/byte",
+            args.data.display(),
+            p.tokens_scored,
+            p.block_size,
+            p.stride,
+            p.mean_nll,
+            p.perplexity,
+            p.bits_per_byte
+        );
     }
     Ok(())
 }

@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Var};
 use candle_nn::VarMap;
 use gpt::checkpoint;
-use gpt::{Autocast, Gpt, Tokenizer};
+use gpt::{Gpt, Tokenizer};
 
 use crate::checkpoints::{self, Saved, TrainerState};
 use crate::config::{RunConfig, TrainArgs};
@@ -65,26 +65,19 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// A new run, or with `--resume` the newest complete checkpoint in `--out`.
+    /// A new run, or with `--resume` the newest complete checkpoint in `--out`: the checkpoint to
+    /// continue, the tokenizer and settings, the data, the model and optimizer, in that order.
     pub fn new(args: &TrainArgs) -> Result<Self> {
         let out = args.out.clone();
-        checkpoints::clean_up(&out)?;
-        let saved: Option<Saved> = if args.resume {
-            let saved = checkpoints::latest(&out)?;
-            Some(saved.with_context(|| format!("--resume: no complete checkpoint to resume in {}", out.display()))?)
-        } else {
-            if !checkpoints::list(&out)?.is_empty() {
-                bail!(
-                    "{} already holds a training checkpoint; pass --resume to continue it, or choose another --out",
-                    out.display()
-                );
-            }
-            None
-        };
+        let saved = saved_run(args)?;
         check_writable(&out)?;
-        let init_from = args.init_from.as_deref().filter(|_| saved.is_none());
-        let tokenizer = run_tokenizer(args, saved.as_ref(), init_from)?;
+        let init_from = match args.init_from.as_deref().filter(|_| saved.is_none()) {
+            Some(named) => Some(checkpoint::resolve_dir(named).context("--init-from")?),
+            None => None,
+        };
+        let tokenizer = run_tokenizer(args, saved.as_ref(), init_from.as_deref())?;
         let init_config = init_from
+            .as_deref()
             .map(|dir| gpt::Config::from_file(&dir.join(checkpoint::CONFIG_FILE)))
             .transpose()?;
         let run = args.resolve(
@@ -93,44 +86,16 @@ impl Trainer {
             init_config.as_ref(),
         )?;
         let device = gpt::parse_device(&run.device)?;
-        let data = data::prepare(
-            &run.data,
-            run.val_data.as_deref(),
-            run.val_fraction,
-            &tokenizer,
-            &out.join("tokens"),
-        )?;
-        for (name, split) in [("training", &data.train), ("validation", &data.val)] {
-            if split.len() < run.block_size() + 1 {
-                bail!(
-                    "the {name} split has {} tokens, fewer than block size + 1 = {}; use more text, a smaller \
-                     --block-size, or a different --val-fraction / --val-data",
-                    split.len(),
-                    run.block_size() + 1
-                );
-            }
-        }
-
+        let data = prepare_data(&run, &tokenizer, &out)?;
         let shards = if device.is_cpu() { cpu_threads(args.threads) } else { 1 };
         if device.is_cuda() {
             candle_core::cuda::set_gemm_reduced_precision_f32(args.tf32.unwrap_or(true));
         }
-        let autocast = match args.dtype.as_deref() {
-            Some("bf16") => Autocast::Bf16,
-            _ => Autocast::Off,
-        };
         let varmap = VarMap::new();
-        let model =
-            Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?.with_autocast(autocast);
-        let mut named: Vec<(String, Var)> = varmap
-            .data()
-            .lock()
-            .map_err(|_| anyhow::anyhow!("varmap poisoned"))?
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        if let Some(dir) = init_from {
+        let model = Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?
+            .with_autocast(args.dtype.unwrap_or_default().autocast());
+        let named = crate::init::named_vars(&varmap)?;
+        if let Some(dir) = &init_from {
             load_weights(dir, &named, &device)?;
         }
         let mut opt = AdamW::new(named, opt_config(&run))?;
@@ -142,14 +107,7 @@ impl Trainer {
                     ..saved.state
                 }
             }
-            None => TrainerState {
-                step: 0,
-                best_val_loss: None,
-                rng_seed: run.seed,
-                last_eval_step: None,
-                elapsed_s: 0.0,
-                run: run.clone(),
-            },
+            None => TrainerState::start(&run),
         };
         tracing::info!(
             parameters = model.num_parameters(),
@@ -330,6 +288,49 @@ impl Trainer {
             self.keep_last,
         )
     }
+}
+
+/// With `--resume`, the newest complete checkpoint in `--out` (an error if there is none);
+/// without, `None`, after checking that `--out` holds no run that this one would overwrite.
+fn saved_run(args: &TrainArgs) -> Result<Option<Saved>> {
+    let out = &args.out;
+    checkpoints::clean_up(out)?;
+    if args.resume {
+        let saved = checkpoints::latest(out)?;
+        return Ok(Some(saved.with_context(|| {
+            format!("--resume: no complete checkpoint to resume in {}", out.display())
+        })?));
+    }
+    if !checkpoints::list(out)?.is_empty() {
+        bail!(
+            "{} already holds a training checkpoint; pass --resume to continue it, or choose another --out",
+            out.display()
+        );
+    }
+    Ok(None)
+}
+
+/// The run's corpus tokenised (cached under `OUT/tokens`) and split, each split long enough for
+/// one window.
+fn prepare_data(run: &RunConfig, tokenizer: &Tokenizer, out: &Path) -> Result<Dataset> {
+    let data = data::prepare(
+        &run.data,
+        run.val_data.as_deref(),
+        run.val_fraction,
+        tokenizer,
+        &out.join("tokens"),
+    )?;
+    for (name, split) in [("training", &data.train), ("validation", &data.val)] {
+        if split.len() < run.block_size() + 1 {
+            bail!(
+                "the {name} split has {} tokens, fewer than block size + 1 = {}; use more text, a smaller \
+                 --block-size, or a different --val-fraction / --val-data",
+                split.len(),
+                run.block_size() + 1
+            );
+        }
+    }
+    Ok(data)
 }
 
 /// The tokenizer of a resumed run is its checkpoint's, of a fine-tuning run the `--init-from`

@@ -9,11 +9,9 @@ use safetensors::SafeTensors;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpt-train");
 
-fn shakespeare(chars: usize) -> anyhow::Result<String> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/tinyshakespeare.txt");
-    let text = std::fs::read_to_string(&path)?;
-    Ok(text.chars().take(chars).collect())
-}
+#[path = "../../tests/support.rs"]
+mod support;
+use support::shakespeare;
 
 fn write(dir: &Path, name: &str, content: impl AsRef<[u8]>) -> anyhow::Result<PathBuf> {
     let path = dir.join(name);
@@ -847,6 +845,64 @@ fn sample_prints_the_best_beam_and_greedy_text() -> anyhow::Result<()> {
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
         format!("{prompt}{}\n", tok.decode_skip_special(&ids)?)
+    );
+    Ok(())
+}
+
+/// Every subcommand that names a checkpoint takes a run directory for its `best/` (as gpt-server
+/// does), and a directory that is neither is an error that names it.
+#[test]
+fn every_command_takes_a_run_directory_for_its_best_checkpoint() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(20_000)?)?;
+    let out = dir.path().join("run");
+    let run = train(&corpus, &out, &["--max-iters", "10"])?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let (run_dir, best) = (out.to_str().unwrap_or_default(), out.join("best"));
+    let best = best.to_str().unwrap_or_default();
+    let c = corpus.to_str().unwrap_or_default();
+    let same_output = |args: &[&str]| -> anyhow::Result<()> {
+        let with = |checkpoint: &str| -> anyhow::Result<Output> {
+            let args: Vec<&str> = args.iter().map(|&a| if a == "CKPT" { checkpoint } else { a }).collect();
+            gpt_train(&args)
+        };
+        let (a, b) = (with(run_dir)?, with(best)?);
+        assert!(a.status.success(), "{args:?}: {}", stderr(&a));
+        assert_eq!(a.stdout, b.stdout, "{args:?}");
+        Ok(())
+    };
+    same_output(&["eval", "--checkpoint", "CKPT", "--data", c, "--device", "cpu", "--json"])?;
+    let sample = [
+        "sample",
+        "--checkpoint",
+        "CKPT",
+        "--prompt",
+        "ROMEO:",
+        "--max-new-tokens",
+        "8",
+    ];
+    same_output(&[&sample[..], &["--device", "cpu"]].concat())?;
+    let exported = dir.path().join("exported");
+    let export = gpt_train(&[
+        "export",
+        "--checkpoint",
+        run_dir,
+        "--out",
+        exported.to_str().unwrap_or_default(),
+    ])?;
+    assert!(export.status.success(), "{}", stderr(&export));
+    assert!(exported.join("model.safetensors").is_file());
+    // Neither a checkpoint nor a run: named, and said what it is not.
+    let err = fails(&[
+        "eval",
+        "--checkpoint",
+        dir.path().to_str().unwrap_or_default(),
+        "--data",
+        c,
+    ])?;
+    assert!(
+        err.contains(dir.path().to_str().unwrap_or_default()) && err.contains("not a checkpoint"),
+        "{err}"
     );
     Ok(())
 }
