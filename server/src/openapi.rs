@@ -230,7 +230,6 @@ fn shared_limits(schema: &mut Value, limits: &Limits, token: &Value) {
         "logit_bias".into(),
         json!({"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}),
     );
-    neutral.insert("ignore_eos".into(), json!({"enum": [null, false]}));
     neutral.insert(
         "stop_token_ids".into(),
         json!({"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}),

@@ -410,8 +410,8 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
 }
 
 /// Beam search's length penalty, after checking that the request asks for nothing beam search
-/// cannot do: sampling parameters ([`NOT_WITH_BEAMS`]), `logit_bias`, `ignore_eos`,
-/// `stop_token_ids`.
+/// cannot do: sampling parameters ([`NOT_WITH_BEAMS`]), `logit_bias`, `stop_token_ids`.
+/// (`ignore_eos` works as in vLLM's beam search: the end-of-text token is then an ordinary token.)
 fn beam_search_settings(req: &CompletionRequest) -> Result<f64, ApiError> {
     let given: [(&str, Option<f64>); 8] = [
         ("temperature", req.temperature),
@@ -433,7 +433,6 @@ fn beam_search_settings(req: &CompletionRequest) -> Result<f64, ApiError> {
     }
     let others = [
         ("logit_bias", req.logit_bias.as_ref().is_some_and(|b| !b.is_empty())),
-        ("ignore_eos", req.ignore_eos == Some(true)),
         (
             "stop_token_ids",
             req.stop_token_ids.as_ref().is_some_and(|t| !t.is_empty()),

@@ -344,12 +344,17 @@ async fn beam_search_returns_transformers_beams_and_refuses_sampling_parameters(
         let chunks = server.stream(one).await?;
         assert_eq!(streamed_text(&chunks, 0).0, text(&r, 0));
     }
+    // ignore_eos is accepted, as vLLM's beam search takes it: end-of-text ends no beam, so every
+    // one runs to max_tokens.
+    let body = json!({"prompt": cases[0]["prompt"], "use_beam_search": true, "best_of": 4, "n": 4,
+                      "max_tokens": 20, "ignore_eos": true});
+    let r = ok(&server, body).await?;
+    assert_eq!(r["usage"]["completion_tokens"], json!(4 * 20), "{r}");
+    for c in r["choices"].as_array().into_iter().flatten() {
+        assert_eq!(c["finish_reason"], "length", "{r}");
+    }
     // Deterministic: sampling parameters make no sense with it.
-    for (param, value) in [
-        ("temperature", json!(0.7)),
-        ("top_k", json!(5)),
-        ("ignore_eos", json!(true)),
-    ] {
+    for (param, value) in [("temperature", json!(0.7)), ("top_k", json!(5))] {
         let mut body = json!({"prompt": "First Citizen:", "use_beam_search": true, "best_of": 3});
         body[param] = value;
         let (status, r) = server.post(body).await?;

@@ -87,6 +87,9 @@ try:
 
     # Chat: one turn, the API's greedy answer.
     by_id("tab-chat").click()
+    # The message box starts empty (typing must not append to an example); the example is a placeholder.
+    assert by_id("chat-input").get_attribute("value") == "", by_id("chat-input").get_attribute("value")
+    assert by_id("chat-input").get_attribute("placeholder"), "the chat box has no placeholder"
     fill("max_tokens", str(tokens))
     fill("chat-input", "Speak")
     by_id("send").click()

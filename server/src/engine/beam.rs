@@ -44,7 +44,8 @@ impl BeamGroup {
             beams: request.best_of,
             max_new_tokens: request.max_tokens.min(room),
             length_penalty: request.beam_search.unwrap_or(1.0),
-            eos: model.eos,
+            // vLLM's beam search with `ignore_eos`: the end-of-text token ends no hypothesis.
+            eos: model.eos.filter(|_| !request.ignore_eos),
         });
         Self {
             request,
