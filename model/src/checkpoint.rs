@@ -15,7 +15,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::files::write_atomic;
 use crate::gpt::Gpt;
-use crate::layers::WeightFormat;
+use crate::ops::WeightFormat;
 use crate::tokenizer::Tokenizer;
 
 pub const CONFIG_FILE: &str = "config.json";

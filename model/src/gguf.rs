@@ -19,8 +19,9 @@ use candle_nn::VarBuilder;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::gpt::Gpt;
-use crate::layers::{Weight, WeightFormat};
+use crate::layers::Weight;
 use crate::ops::PackedMatrix;
+use crate::ops::WeightFormat;
 
 pub const GGUF_FILE: &str = "model.gguf";
 

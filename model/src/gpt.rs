@@ -10,9 +10,8 @@ use candle_nn::{Init, LayerNorm, VarBuilder};
 use crate::attention::{CausalSelfAttention, KvCache};
 use crate::config::{Activation, Config, PositionEmbedding};
 use crate::error::{Error, Result};
-use crate::layers::{
-    dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, MatmulPrecision, Weight, WeightFormat,
-};
+use crate::layers::{dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, Weight};
+use crate::ops::{MatmulPrecision, WeightFormat};
 
 #[derive(Debug, Clone)]
 struct Mlp {

@@ -30,6 +30,7 @@ pub use device::{device_name, parse_device};
 pub use error::{Error, Result};
 pub use generate::generate;
 pub use gpt::{Gpt, LogitsFor, SeqStep};
-pub use layers::{Autocast, Dropout, MatmulPrecision, Weight, WeightFormat};
+pub use layers::{Autocast, Dropout, Weight};
+pub use ops::{MatmulPrecision, WeightFormat};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::Tokenizer;

@@ -36,8 +36,7 @@ use softmax::CausalSoftmax;
 pub use attention::cached_attention;
 pub(crate) use attention::WriteRows;
 pub(crate) use gelu::gelu_new;
-pub(crate) use packed::amx_available;
-pub use packed::{PackedMatrix, Simd};
+pub use packed::{MatmulPrecision, PackedMatrix, Simd, WeightFormat};
 pub use rows::{argmax, log_sum_exp};
 
 /// The f32 data of a contiguous CPU tensor, for custom ops' `cpu_fwd`.

@@ -24,8 +24,8 @@
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
+use super::WeightFormat;
 use super::{Epilogue, PackedMatrix, Simd, GROUP, LANES};
-use crate::layers::WeightFormat;
 
 /// Positions along `k` per tile product: one 64-byte tile row of bf16.
 const KB: usize = 32;

@@ -3,8 +3,8 @@
 
 use std::mem::MaybeUninit;
 
+use super::WeightFormat;
 use super::{Epilogue, PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
-use crate::layers::WeightFormat;
 
 /// Sixteen f32 lanes: an AVX-512 register, two AVX2 registers, or an array.
 pub(super) trait Vec16: Copy {

@@ -34,7 +34,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
-use crate::layers::{MatmulPrecision, WeightFormat};
+pub use format::{MatmulPrecision, WeightFormat};
 
 /// Output columns per panel: one AVX-512 vector of f32.
 const LANES: usize = 16;
@@ -497,6 +497,5 @@ impl Simd {
 }
 
 mod amx;
+mod format;
 mod kernel;
-
-pub(crate) use amx::available as amx_available;
