@@ -1,20 +1,22 @@
 //! `gpt-server`: OpenAI-compatible completions over HTTP for GPT-2-layout checkpoints.
 //!
-//! Request flow: `app` (routes) → `validation` (raw request → valid one, tokenised off the async
-//! runtime) → `engine` (model thread, continuous batching) → events → `app` (JSON or SSE chunks,
-//! with `stream`'s incremental detokenisation and stop strings).
+//! Request flow: `app` (the router and its middleware) → `state::ModelRequest` (the body parsed,
+//! the model checked) → a handler in `routes` → `validation` (raw request → valid one, tokenised
+//! off the async runtime) → `engine` (model thread, continuous batching) → events → `fold` and
+//! `respond` (JSON or SSE chunks, with `stream`'s incremental detokenisation and stop strings).
 
 pub mod api;
 pub mod app;
-pub mod attention;
 pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod fold;
 pub mod metrics;
 pub mod openapi;
+pub mod respond;
+pub mod routes;
+pub mod state;
 pub mod stream;
-pub mod tokenize;
 pub mod validation;
 
 use std::path::{Path, PathBuf};
@@ -24,7 +26,7 @@ use candle_core::Device;
 
 use anyhow::Context;
 
-use crate::app::AppState;
+use crate::state::AppState;
 use crate::chat::ChatTemplate;
 use crate::engine::{Engine, EngineConfig};
 use crate::metrics::Metrics;
@@ -137,7 +139,7 @@ pub fn load_state(
         max_prompts: 128,
         n_layer: model.config().n_layer,
         n_head: model.config().n_head,
-        max_attention_tokens: attention::MAX_ATTENTION_TOKENS.min(model.config().n_positions),
+        max_attention_tokens: routes::attention::MAX_ATTENTION_TOKENS.min(model.config().n_positions),
         alphabet: tokenizer.is_char_level().then(|| {
             let mut chars: Vec<char> = tokenizer
                 .inner()

@@ -20,14 +20,14 @@ use crate::validation::{Limits, FLOAT_RANGES, LOGIT_BIAS, NOT_WITH_BEAMS};
         description = "OpenAI-compatible completions for GPT checkpoints, with vLLM's tokenizer endpoints"
     ),
     paths(
-        crate::app::completions,
-        crate::app::chat_completions,
-        crate::attention::attention,
-        crate::app::models,
-        crate::app::health,
-        crate::tokenize::tokenize,
-        crate::tokenize::detokenize,
-        crate::tokenize::tokenizer_info
+        crate::routes::completions::completions,
+        crate::routes::chat::chat_completions,
+        crate::routes::attention::attention,
+        crate::routes::info::models,
+        crate::routes::info::health,
+        crate::routes::tokenize::tokenize,
+        crate::routes::tokenize::detokenize,
+        crate::routes::tokenize::tokenizer_info
     ),
     components(schemas(
         CompletionRequest,

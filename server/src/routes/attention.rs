@@ -4,14 +4,13 @@
 
 use std::sync::Arc;
 
-use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
 use axum::Json;
 use candle_core::{IndexOp, Tensor};
 
 use crate::api::{AttentionRequest, AttentionResponse, ErrorResponse, Prompt};
-use crate::app::{blocking, check_model, parse_body, AppState};
 use crate::error::ApiError;
+use crate::state::{blocking, AppState, ModelRequest};
 
 /// The longest prompt (tokens) the endpoint takes: its answer grows with the square of it.
 pub const MAX_ATTENTION_TOKENS: usize = 256;
@@ -122,10 +121,8 @@ fn compute(state: &AppState, req: AttentionRequest) -> Result<AttentionResponse,
 )]
 pub async fn attention(
     State(state): State<Arc<AppState>>,
-    body: Result<Json<serde_json::Value>, JsonRejection>,
+    ModelRequest(req): ModelRequest<AttentionRequest>,
 ) -> Result<Json<AttentionResponse>, ApiError> {
-    let req: AttentionRequest = parse_body(body, &[])?;
-    check_model(&state, req.model.as_deref())?;
     // A forward pass: CPU (or GPU) work, off the async runtime.
     let response = blocking(move || compute(&state, req)).await?;
     Ok(Json(response))

@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
 use axum::Json;
 use gpt::tokenizer::END_OF_TEXT;
@@ -12,8 +11,8 @@ use gpt::tokenizer::END_OF_TEXT;
 use crate::api::{
     DetokenizeRequest, DetokenizeResponse, ErrorResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo,
 };
-use crate::app::{blocking, check_model, parse_body, AppState};
 use crate::error::ApiError;
+use crate::state::{blocking, AppState, ModelRequest};
 
 #[utoipa::path(
     post,
@@ -28,10 +27,8 @@ use crate::error::ApiError;
 )]
 pub async fn tokenize(
     State(state): State<Arc<AppState>>,
-    body: Result<Json<serde_json::Value>, JsonRejection>,
+    ModelRequest(req): ModelRequest<TokenizeRequest>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
-    let req: TokenizeRequest = parse_body(body, &[])?;
-    check_model(&state, req.model.as_deref())?;
     let (tokenizer, max_model_len) = (state.tokenizer.clone(), state.limits.context);
     let response = blocking(move || {
         let tokens = tokenizer
@@ -68,10 +65,8 @@ pub async fn tokenize(
 )]
 pub async fn detokenize(
     State(state): State<Arc<AppState>>,
-    body: Result<Json<serde_json::Value>, JsonRejection>,
+    ModelRequest(req): ModelRequest<DetokenizeRequest>,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
-    let req: DetokenizeRequest = parse_body(body, &[])?;
-    check_model(&state, req.model.as_deref())?;
     let vocab = state.limits.vocab_size;
     let ids = req
         .tokens

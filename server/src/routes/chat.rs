@@ -1,0 +1,95 @@
+//! `POST /v1/chat/completions`: OpenAI's chat completions, whole or streamed, through the chat
+//! template ([`crate::chat`]) and the completions path.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use crate::api::*;
+use crate::chat;
+use crate::error::ApiError;
+use crate::fold::Delta;
+use crate::respond::{collect, stream_response};
+use crate::state::{blocking, AppState, ModelRequest};
+use crate::validation::validate;
+
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    request_body = ChatCompletionRequest,
+    responses(
+        (status = 200, description = "The chat completion, or with `stream: true` Server-Sent Events of `ChatCompletionChunk`s ending with `data: [DONE]`",
+            content((ChatCompletion = "application/json"), (String = "text/event-stream"))),
+        (status = 400, description = "Invalid request", body = ErrorResponse),
+        (status = 401, description = "Missing or wrong API key", body = ErrorResponse),
+        (status = 404, description = "Unknown model", body = ErrorResponse),
+        (status = 413, description = "Body too large", body = ErrorResponse),
+        (status = 503, description = "Queue full; see Retry-After", body = ErrorResponse),
+    )
+)]
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    ModelRequest(request): ModelRequest<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    let used_max_completion_tokens = request.max_completion_tokens.is_some();
+    let state2 = state.clone();
+    // Rendering and tokenising are CPU work: off the async runtime.
+    let valid = blocking(move || {
+        let template = &state2.chat_template;
+        let prompt = template.render(&request.messages)?;
+        let completion = chat::completion_request(request, prompt, &template.stop, state2.limits.max_tokens_cap)?;
+        // The template's stop strings come on top of the request's own.
+        let mut limits = state2.limits.clone();
+        limits.max_stop += template.stop.len();
+        validate(completion, &state2.tokenizer, &limits).map_err(|e| chat::chat_error(e, used_max_completion_tokens))
+    })
+    .await?;
+    let valid = Arc::new(valid);
+    let events = state.engine.submit(valid.clone()).map_err(ApiError::QueueFull)?;
+    let (id, created, model) = (
+        format!("chatcmpl-{:016x}", rand::random::<u64>()),
+        super::now(),
+        state.model_name.clone(),
+    );
+    if valid.stream {
+        let chunk = ChatCompletionChunk {
+            id,
+            object: "chat.completion.chunk".into(),
+            created,
+            model,
+            choices: Vec::new(),
+            usage: None,
+        };
+        let with =
+            |choices: Vec<ChatChunkChoice>, c: &ChatCompletionChunk| ChatCompletionChunk { choices, ..c.clone() };
+        let choices = valid.prompts.len() * valid.n;
+        let first = (0..choices as u32)
+            .map(|i| with(vec![chat::role_chunk(i)], &chunk))
+            .collect();
+        let usage_chunk = chunk.clone();
+        let chunks = move |d: Delta| {
+            chat::chat_chunks(d)
+                .into_iter()
+                .map(|c| with(vec![c], &chunk))
+                .collect()
+        };
+        let usage = move |u| ChatCompletionChunk {
+            usage: Some(u),
+            ..usage_chunk.clone()
+        };
+        Ok(stream_response(valid, events, first, chunks, usage).into_response())
+    } else {
+        let (choices, usage) = collect(valid, events).await?;
+        Ok(Json(ChatCompletion {
+            id,
+            object: "chat.completion".into(),
+            created,
+            model,
+            choices: choices.into_iter().map(chat::chat_choice).collect(),
+            usage,
+        })
+        .into_response())
+    }
+}

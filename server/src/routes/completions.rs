@@ -1,0 +1,89 @@
+//! `POST /v1/completions`: OpenAI's completions, whole or streamed.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::Stream;
+use tokio::sync::mpsc;
+
+use crate::api::*;
+use crate::engine::Event;
+use crate::error::ApiError;
+use crate::fold::Delta;
+use crate::respond::{collect, stream_response};
+use crate::state::{blocking, AppState, ModelRequest};
+use crate::validation::{validate, ValidRequest};
+
+#[utoipa::path(
+    post,
+    path = "/v1/completions",
+    request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "The completion, or with `stream: true` Server-Sent Events of `Completion` chunks ending with `data: [DONE]`",
+            content((Completion = "application/json"), (String = "text/event-stream"))),
+        (status = 400, description = "Invalid request", body = ErrorResponse),
+        (status = 401, description = "Missing or wrong API key", body = ErrorResponse),
+        (status = 404, description = "Unknown model", body = ErrorResponse),
+        (status = 413, description = "Body too large", body = ErrorResponse),
+        (status = 503, description = "Queue full; see Retry-After", body = ErrorResponse),
+    )
+)]
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    ModelRequest(request): ModelRequest<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    // Tokenising is CPU work: off the async runtime.
+    let (tokenizer, limits) = (state.tokenizer.clone(), state.limits.clone());
+    let valid = blocking(move || validate(request, &tokenizer, &limits)).await?;
+    let valid = Arc::new(valid);
+    let events = state.engine.submit(valid.clone()).map_err(ApiError::QueueFull)?;
+    let id = format!("cmpl-{:016x}", rand::random::<u64>());
+    let completion = Completion {
+        id,
+        object: "text_completion".into(),
+        created: super::now(),
+        model: state.model_name.clone(),
+        choices: Vec::new(),
+        usage: None,
+    };
+    if valid.stream {
+        Ok(completion_stream(valid, completion, events).into_response())
+    } else {
+        let (choices, usage) = collect(valid, events).await?;
+        Ok(Json(Completion {
+            choices,
+            usage: Some(usage),
+            ..completion
+        })
+        .into_response())
+    }
+}
+
+/// The completions stream: a `Completion` chunk per delta.
+fn completion_stream(
+    req: Arc<ValidRequest>,
+    completion: Completion,
+    events: mpsc::UnboundedReceiver<Event>,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let usage_chunk = completion.clone();
+    let chunk = move |d: Delta| {
+        vec![Completion {
+            choices: vec![Choice {
+                text: d.text,
+                index: d.index,
+                logprobs: d.logprobs,
+                finish_reason: d.finish_reason.map(|r| r.as_str().into()),
+            }],
+            ..completion.clone()
+        }]
+    };
+    let usage = move |u| Completion {
+        usage: Some(u),
+        ..usage_chunk.clone()
+    };
+    stream_response(req, events, Vec::new(), chunk, usage)
+}

@@ -1,0 +1,70 @@
+//! The server's own endpoints: `GET /v1/models`, `/health`, `/metrics`, `/openapi.json`, and the
+//! playground page at `/`.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::Json;
+
+use crate::api::*;
+use crate::state::AppState;
+
+#[utoipa::path(get, path = "/v1/models", responses(
+    (status = 200, body = ModelList),
+    (status = 401, description = "Missing or wrong API key", body = ErrorResponse),
+))]
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![Model {
+            id: state.model_name.clone(),
+            object: "model".into(),
+            created: state.created,
+            owned_by: "gpt-rs".into(),
+            max_model_len: state.limits.context,
+        }],
+    })
+}
+
+/// The playground page, compiled into the binary (no JavaScript build step), with what it needs
+/// to know about the served model.
+const PLAYGROUND: &str = include_str!("../../static/playground.html");
+
+pub async fn playground(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let config = serde_json::json!({
+        "model": state.model_name,
+        "context": state.limits.context,
+        "n_layer": state.limits.n_layer,
+        "n_head": state.limits.n_head,
+        "max_tokens_cap": state.limits.max_tokens_cap,
+        "max_attention_tokens": state.limits.max_attention_tokens,
+        "api_key_required": state.api_key.is_some(),
+    });
+    // `<` escaped: the JSON sits in a <script> element.
+    let config = config.to_string().replace('<', "\\u003c");
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        PLAYGROUND.replacen("/*CONFIG*/null", &config, 1),
+    )
+}
+
+#[utoipa::path(get, path = "/health", responses((status = 200, body = Health)))]
+pub async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
+    Json(Health {
+        status: "ok".into(),
+        model: state.model_name.clone(),
+    })
+}
+
+pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+}
+
+pub async fn openapi(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(state.openapi.clone())
+}

@@ -1,0 +1,117 @@
+//! What every handler shares: the server's state, and the opening of every request to the model
+//! (the JSON body parsed into its type with unknown and unsupported fields refused by name, its
+//! `model` checked) as one axum extractor, [`ModelRequest`]; and [`blocking`] for CPU work.
+
+use std::sync::Arc;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use axum::Json;
+use gpt::Tokenizer;
+
+use crate::chat::ChatTemplate;
+use crate::engine::Engine;
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::validation::Limits;
+
+pub struct AppState {
+    pub engine: Engine,
+    pub tokenizer: Arc<Tokenizer>,
+    pub limits: Limits,
+    pub model_name: String,
+    pub api_key: Option<String>,
+    pub metrics: Arc<Metrics>,
+    pub body_limit: usize,
+    pub created: u64,
+    /// The OpenAPI document, with this model's limits.
+    pub openapi: serde_json::Value,
+    pub chat_template: ChatTemplate,
+    /// The engine's model (its weights shared), for `/v1/attention`'s whole-prompt passes.
+    pub attention_model: gpt::Gpt,
+    /// Origins allowed to call the API from a browser (`*`: any); none by default.
+    pub cors_origins: Vec<String>,
+}
+
+/// A request body that names the model it is for.
+pub trait RequestBody: serde::de::DeserializeOwned {
+    /// Fields the server knows but does not implement, refused by name (`suffix`, say).
+    const UNSUPPORTED: &'static [&'static [&'static str]] = &[];
+
+    /// The `model` the request names, if any.
+    fn model(&self) -> Option<&str>;
+}
+
+/// The body of a request to the model, parsed into `T` and for the served model: a 400 that names
+/// the field for malformed JSON, a wrong type, an unknown or unsupported field; a 413 for a body
+/// over the limit; a 404 for another model.
+pub struct ModelRequest<T>(pub T);
+
+impl<T: RequestBody> FromRequest<Arc<AppState>> for ModelRequest<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &Arc<AppState>) -> Result<Self, ApiError> {
+        let body = Json::<serde_json::Value>::from_request(req, state).await;
+        let parsed: T = parse_body(body, T::UNSUPPORTED)?;
+        match parsed.model() {
+            Some(m) if m != state.model_name => Err(ApiError::ModelNotFound(m.to_string())),
+            _ => Ok(Self(parsed)),
+        }
+    }
+}
+
+/// Runs CPU work (tokenising, rendering, a forward pass) off the async runtime.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+}
+
+/// Parses a JSON body into `T`, refusing fields that the server knows but does not implement by
+/// name (`suffix`, say; the `unsupported` list), and any other unknown field.
+fn parse_body<T: serde::de::DeserializeOwned>(
+    body: Result<Json<serde_json::Value>, JsonRejection>,
+    unsupported: &[&[&str]],
+) -> Result<T, ApiError> {
+    let Json(value) = body.map_err(rejection)?;
+    if let Some(field) = value.as_object().and_then(|o| {
+        unsupported
+            .iter()
+            .flat_map(|list| list.iter())
+            .find(|f| o.contains_key(**f))
+    }) {
+        return Err(ApiError::invalid(
+            *field,
+            format!("`{field}` is not supported by this server"),
+        ));
+    }
+    // The path names the parameter in the message ("temperature: invalid type ...").
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let param = e.path().iter().next().and_then(|s| match s {
+            serde_path_to_error::Segment::Map { key } => Some(key.clone()),
+            _ => None,
+        });
+        let (path, inner) = (e.path().to_string(), e.inner().to_string());
+        let message = match param.as_deref() {
+            Some(p) if !inner.starts_with(p) => format!("{path}: {inner}"),
+            _ => inner,
+        };
+        ApiError::InvalidRequest { message, param }
+    })
+}
+
+/// Malformed JSON, wrong types and oversized bodies as OpenAI-shaped errors (axum's own
+/// rejections are plain text).
+fn rejection(e: JsonRejection) -> ApiError {
+    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::PayloadTooLarge(format!("request body is larger than the limit: {}", e.body_text()))
+    } else {
+        ApiError::InvalidRequest {
+            message: format!("invalid JSON body: {}", e.body_text()),
+            param: None,
+        }
+    }
+}
