@@ -167,79 +167,120 @@ pub const UNSUPPORTED: &[&str] = &[
     "bad_words",
 ];
 
-/// `POST /v1/completions`. Numbers are taken as JSON numbers of any range, so that an
-/// out-of-range value gets a message naming the allowed range rather than a type error. Every
-/// range is stated in the OpenAPI document.
-#[derive(Debug, Clone, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CompletionRequest {
-    /// The served model's name (see `GET /v1/models`); may be omitted.
-    pub model: Option<String>,
-    /// A string, an array of strings, an array of token ids, or an array of arrays of token ids:
-    /// one prompt or several, each with `n` choices numbered `prompt × n + i`. A prompt must
-    /// leave room in the context for one token.
-    #[schema(value_type = Object)]
-    pub prompt: Prompt,
-    /// Tokens to generate at most (default 16); generation also ends at the context length.
-    /// 0 generates nothing (with `echo`, the prompt alone is returned).
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub max_tokens: Option<i64>,
-    /// Tokens generated before end-of-text, a stop token or a stop string may end a choice.
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub min_tokens: Option<i64>,
-    /// 0 is greedy; default 1.
-    pub temperature: Option<f64>,
-    /// In (0, 1]; default 1.
-    pub top_p: Option<f64>,
-    /// Keep the k most likely tokens; 0 or -1 disables (vLLM's convention).
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub top_k: Option<i64>,
-    /// Drop tokens less likely than `min_p` times the most likely one; 0 disables.
-    pub min_p: Option<f64>,
-    /// > 0; 1 disables (vLLM's convention).
-    pub repetition_penalty: Option<f64>,
-    /// In [-2, 2].
-    pub presence_penalty: Option<f64>,
-    /// In [-2, 2].
-    pub frequency_penalty: Option<f64>,
-    /// Token id (as a string) → a bias in [-100, 100] added to its logit before sampling.
-    #[schema(value_type = Option<Object>)]
-    pub logit_bias: Option<BTreeMap<String, f64>>,
-    /// Makes sampling reproducible.
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub seed: Option<i64>,
-    /// A string or an array of strings that end a choice (not included in its text).
-    #[schema(value_type = Option<Object>)]
-    pub stop: Option<Stop>,
-    /// Token ids that end a choice (in its logprobs and usage, not in its text).
-    #[serde(default, deserialize_with = "json_int::option_vec")]
-    pub stop_token_ids: Option<Vec<i64>>,
-    /// Keep generating after the end-of-text token.
-    pub ignore_eos: Option<bool>,
-    /// Choices per prompt.
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub n: Option<i64>,
-    /// Candidates generated per prompt (a value below `n` counts as `n`); the `n` with the
-    /// highest cumulative log-probability are returned, best first. With `use_beam_search`, the
-    /// beam width.
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub best_of: Option<i64>,
-    /// Beam search (vLLM's extension) instead of sampling: `best_of` beams (default `n`), the `n`
-    /// best returned; deterministic, so it takes no sampling parameter.
-    pub use_beam_search: Option<bool>,
-    /// With beam search: finished beams are scored by summed log-probability / length^α (default
-    /// 1; the original transformer used 0.6). Ignored otherwise.
-    pub length_penalty: Option<f64>,
-    /// Return the log-probabilities of this many most likely tokens at each position.
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub logprobs: Option<i64>,
-    /// Include the prompt in the returned text (and its tokens in `logprobs`).
-    pub echo: Option<bool>,
-    pub stream: Option<bool>,
-    /// With `stream`; ignored otherwise.
-    pub stream_options: Option<StreamOptions>,
-    /// Accepted and ignored, as by OpenAI.
-    pub user: Option<String>,
+/// Declares a request type with its own fields and the generation fields that completions and
+/// chat completions share, written once here ([`generation_fields`]). (serde's `flatten` would
+/// nest them in a struct of their own, but it cannot be combined with `deny_unknown_fields`.)
+macro_rules! request_with_generation_fields {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident { $($own:tt)* }
+        $( $(#[$field_meta:meta])* $field:ident: $ty:ty, )*
+    ) => {
+        $(#[$meta])*
+        pub struct $name {
+            $($own)*
+            $( $(#[$field_meta])* pub $field: $ty, )*
+        }
+    };
+}
+
+/// The generation fields of completions and chat completions (each means the same in both),
+/// passed to `$then!` after `$($args)*`; and [`ChatCompletionRequest::completion`] copies them
+/// from a chat request into a completions one.
+macro_rules! generation_fields {
+    ($then:ident! { $($args:tt)* }) => {
+        $then! {
+            $($args)*
+            /// The served model's name (see `GET /v1/models`); may be omitted.
+            model: Option<String>,
+            /// Tokens generated before end-of-text, a stop token or a stop string may end a choice.
+            #[serde(default, deserialize_with = "json_int::option")]
+            min_tokens: Option<i64>,
+            /// 0 is greedy; default 1.
+            temperature: Option<f64>,
+            /// In (0, 1]; default 1.
+            top_p: Option<f64>,
+            /// Keep the k most likely tokens; 0 or -1 disables (vLLM's convention).
+            #[serde(default, deserialize_with = "json_int::option")]
+            top_k: Option<i64>,
+            /// Drop tokens less likely than `min_p` times the most likely one; 0 disables.
+            min_p: Option<f64>,
+            /// > 0; 1 disables (vLLM's convention).
+            repetition_penalty: Option<f64>,
+            /// In [-2, 2].
+            presence_penalty: Option<f64>,
+            /// In [-2, 2].
+            frequency_penalty: Option<f64>,
+            /// Token id (as a string) → a bias in [-100, 100] added to its logit before sampling.
+            #[schema(value_type = Option<Object>)]
+            logit_bias: Option<BTreeMap<String, f64>>,
+            /// Makes sampling reproducible.
+            #[serde(default, deserialize_with = "json_int::option")]
+            seed: Option<i64>,
+            /// A string or an array of strings that end a choice (not included in its text; in
+            /// chat, beside the chat template's own).
+            #[schema(value_type = Option<Object>)]
+            stop: Option<Stop>,
+            /// Token ids that end a choice (in its logprobs and usage, not in its text).
+            #[serde(default, deserialize_with = "json_int::option_vec")]
+            stop_token_ids: Option<Vec<i64>>,
+            /// Keep generating after the end-of-text token.
+            ignore_eos: Option<bool>,
+            /// Choices per prompt.
+            #[serde(default, deserialize_with = "json_int::option")]
+            n: Option<i64>,
+            /// Candidates generated per prompt (a value below `n` counts as `n`); the `n` with the
+            /// highest cumulative log-probability are returned, best first. With
+            /// `use_beam_search`, the beam width.
+            #[serde(default, deserialize_with = "json_int::option")]
+            best_of: Option<i64>,
+            /// Beam search (vLLM's extension) instead of sampling: `best_of` beams (default `n`),
+            /// the `n` best returned; deterministic, so it takes no sampling parameter.
+            use_beam_search: Option<bool>,
+            /// With beam search: finished beams are scored by summed log-probability / length^α
+            /// (default 1; the original transformer used 0.6). Ignored otherwise.
+            length_penalty: Option<f64>,
+            stream: Option<bool>,
+            /// With `stream`; ignored otherwise.
+            stream_options: Option<StreamOptions>,
+            /// Accepted and ignored, as by OpenAI.
+            user: Option<String>,
+        }
+    };
+}
+
+generation_fields!(request_with_generation_fields! {
+    /// `POST /v1/completions`. Numbers are taken as JSON numbers of any range, so that an
+    /// out-of-range value gets a message naming the allowed range rather than a type error. Every
+    /// range is stated in the OpenAPI document.
+    #[derive(Debug, Clone, Deserialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct CompletionRequest {
+        /// A string, an array of strings, an array of token ids, or an array of arrays of token
+        /// ids: one prompt or several, each with `n` choices numbered `prompt × n + i`. A prompt
+        /// must leave room in the context for one token.
+        #[schema(value_type = Object)]
+        pub prompt: Prompt,
+        /// Tokens to generate at most (default 16); generation also ends at the context length.
+        /// 0 generates nothing (with `echo`, the prompt alone is returned).
+        #[serde(default, deserialize_with = "json_int::option")]
+        pub max_tokens: Option<i64>,
+        /// Return the log-probabilities of this many most likely tokens at each position.
+        #[serde(default, deserialize_with = "json_int::option")]
+        pub logprobs: Option<i64>,
+        /// Include the prompt in the returned text (and its tokens in `logprobs`).
+        pub echo: Option<bool>,
+    }
+});
+
+/// Copies the generation fields from a chat request into the completions request it becomes.
+macro_rules! completion_from_chat {
+    (
+        $chat:ident, { $($own:tt)* }
+        $( $(#[$field_meta:meta])* $field:ident: $ty:ty, )*
+    ) => {
+        CompletionRequest { $($own)* $( $field: $chat.$field, )* }
+    };
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
@@ -367,55 +408,38 @@ pub struct ChatMessage {
     pub refusal: Option<String>,
 }
 
-/// `POST /v1/chat/completions`: the messages are rendered to a prompt by the checkpoint's chat
-/// template, then generated from as `/v1/completions` does; every shared field means what it means
-/// there.
-#[derive(Debug, Clone, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ChatCompletionRequest {
-    pub model: Option<String>,
-    /// The conversation so far, at least one message.
-    pub messages: Vec<ChatMessage>,
-    /// Tokens to generate at most; default: up to the cap and the context. `max_tokens` is the
-    /// older name; `max_completion_tokens` wins when both are given.
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub max_completion_tokens: Option<i64>,
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub max_tokens: Option<i64>,
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub min_tokens: Option<i64>,
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub top_k: Option<i64>,
-    pub min_p: Option<f64>,
-    pub repetition_penalty: Option<f64>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
-    #[schema(value_type = Option<Object>)]
-    pub logit_bias: Option<BTreeMap<String, f64>>,
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub seed: Option<i64>,
-    /// A string or an array of strings that end a choice, beside the chat template's own.
-    #[schema(value_type = Option<Object>)]
-    pub stop: Option<Stop>,
-    #[serde(default, deserialize_with = "json_int::option_vec")]
-    pub stop_token_ids: Option<Vec<i64>>,
-    pub ignore_eos: Option<bool>,
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub n: Option<i64>,
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub best_of: Option<i64>,
-    pub use_beam_search: Option<bool>,
-    pub length_penalty: Option<f64>,
-    /// Return each generated token's log-probability.
-    pub logprobs: Option<bool>,
-    /// With `logprobs`: also this many most likely tokens at each position.
-    #[serde(default, deserialize_with = "json_int::option")]
-    pub top_logprobs: Option<i64>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
-    pub user: Option<String>,
+generation_fields!(request_with_generation_fields! {
+    /// `POST /v1/chat/completions`: the messages are rendered to a prompt by the checkpoint's chat
+    /// template, then generated from as `/v1/completions` does; every shared field means what it
+    /// means there.
+    #[derive(Debug, Clone, Deserialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct ChatCompletionRequest {
+        /// The conversation so far, at least one message.
+        pub messages: Vec<ChatMessage>,
+        /// Tokens to generate at most; default: up to the cap and the context. `max_tokens` is
+        /// the older name; `max_completion_tokens` wins when both are given.
+        #[serde(default, deserialize_with = "json_int::option")]
+        pub max_completion_tokens: Option<i64>,
+        #[serde(default, deserialize_with = "json_int::option")]
+        pub max_tokens: Option<i64>,
+        /// Return each generated token's log-probability.
+        pub logprobs: Option<bool>,
+        /// With `logprobs`: also this many most likely tokens at each position.
+        #[serde(default, deserialize_with = "json_int::option")]
+        pub top_logprobs: Option<i64>,
+    }
+});
+
+impl ChatCompletionRequest {
+    /// The completions request this chat request becomes: its generation fields as they are,
+    /// the rendered `prompt`, and the completion's own `max_tokens` and `logprobs`.
+    pub fn completion(self, prompt: Prompt, max_tokens: Option<i64>, logprobs: Option<i64>) -> CompletionRequest {
+        let chat = self;
+        generation_fields!(completion_from_chat! {
+            chat, { prompt, max_tokens, logprobs, echo: None, }
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]

@@ -100,7 +100,7 @@ impl ChatTemplate {
 /// template rendered to `prompt`. `max_tokens_cap` is the default length (generation also ends at
 /// the context).
 pub fn completion_request(
-    req: ChatCompletionRequest,
+    mut req: ChatCompletionRequest,
     prompt: String,
     template_stop: &[String],
     max_tokens_cap: usize,
@@ -122,7 +122,7 @@ pub fn completion_request(
         }
         (false, None) => None,
     };
-    let mut stop = match req.stop {
+    let mut stop = match req.stop.take() {
         None => Vec::new(),
         Some(Stop::One(s)) => vec![s],
         Some(Stop::Many(v)) => v,
@@ -132,36 +132,13 @@ pub fn completion_request(
             stop.push(s.clone());
         }
     }
-    Ok(CompletionRequest {
-        model: req.model,
-        prompt: Prompt::Text(prompt),
-        max_tokens: req
-            .max_completion_tokens
-            .or(req.max_tokens)
-            .or(Some(max_tokens_cap as i64)),
-        min_tokens: req.min_tokens,
-        temperature: req.temperature,
-        top_p: req.top_p,
-        top_k: req.top_k,
-        min_p: req.min_p,
-        repetition_penalty: req.repetition_penalty,
-        presence_penalty: req.presence_penalty,
-        frequency_penalty: req.frequency_penalty,
-        logit_bias: req.logit_bias,
-        seed: req.seed,
-        stop: (!stop.is_empty()).then_some(Stop::Many(stop)),
-        stop_token_ids: req.stop_token_ids,
-        ignore_eos: req.ignore_eos,
-        n: req.n,
-        best_of: req.best_of,
-        use_beam_search: req.use_beam_search,
-        length_penalty: req.length_penalty,
-        logprobs,
-        echo: None,
-        stream: req.stream,
-        stream_options: req.stream_options,
-        user: req.user,
-    })
+    let max_tokens = req
+        .max_completion_tokens
+        .or(req.max_tokens)
+        .or(Some(max_tokens_cap as i64));
+    let mut completion = req.completion(Prompt::Text(prompt), max_tokens, logprobs);
+    completion.stop = (!stop.is_empty()).then_some(Stop::Many(stop));
+    Ok(completion)
 }
 
 /// Names a completions error by the chat request's parameters: `max_completion_tokens` (when it

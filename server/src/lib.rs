@@ -26,10 +26,10 @@ use candle_core::Device;
 
 use anyhow::Context;
 
-use crate::state::AppState;
 use crate::chat::ChatTemplate;
 use crate::engine::{Engine, EngineConfig};
 use crate::metrics::Metrics;
+use crate::state::AppState;
 use crate::validation::Limits;
 
 /// What `serve` needs beyond the checkpoint.

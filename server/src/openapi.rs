@@ -68,18 +68,32 @@ pub fn document(limits: &Limits) -> Value {
     let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
     let schemas = &mut doc["components"]["schemas"];
     let token = json!({"type": "integer", "minimum": 0, "maximum": limits.vocab_size as i64 - 1});
-    let text = |min_length: usize| {
-        let mut s = json!({"type": "string", "minLength": min_length});
-        if let Some(alphabet) = &limits.alphabet {
-            let quantifier = if min_length == 0 { '*' } else { '+' };
-            s["pattern"] = format!("^[{}]{quantifier}$", char_class(alphabet)).into();
-        }
-        s
-    };
-
     for name in ["CompletionRequest", "ChatCompletionRequest"] {
         shared_limits(&mut schemas[name], limits, &token);
     }
+    completion_limits(schemas, limits, &token);
+    chat_limits(schemas, limits);
+    attention_limits(schemas, limits, &token);
+    schemas["StreamOptions"]["additionalProperties"] = false.into();
+    schemas["TokenizeRequest"]["properties"]["prompt"] = text(limits, 0);
+    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token;
+    event_stream_schemas(&mut doc);
+    doc
+}
+
+/// A string of at least `min_length` characters, of the vocabulary's alphabet where it is a
+/// character-level one.
+fn text(limits: &Limits, min_length: usize) -> Value {
+    let mut s = json!({"type": "string", "minLength": min_length});
+    if let Some(alphabet) = &limits.alphabet {
+        let quantifier = if min_length == 0 { '*' } else { '+' };
+        s["pattern"] = format!("^[{}]{quantifier}$", char_class(alphabet)).into();
+    }
+    s
+}
+
+/// `prompt` in all of its forms, with the prompts and tokens a request may hold.
+fn completion_limits(schemas: &mut Value, limits: &Limits, token: &Value) {
     let request = &mut schemas["CompletionRequest"]["properties"];
     let ids = json!({"type": "array", "minItems": 1, "maxItems": limits.context - 1, "items": token});
     request["prompt"] = json!({
@@ -91,13 +105,17 @@ pub fn document(limits: &Limits) -> Value {
             limits.context - 1
         ),
         "oneOf": [
-            text(1),
-            {"type": "array", "minItems": 1, "maxItems": limits.max_prompts, "items": text(1)},
+            text(limits, 1),
+            {"type": "array", "minItems": 1, "maxItems": limits.max_prompts, "items": text(limits, 1)},
             ids,
             {"type": "array", "minItems": 1, "maxItems": limits.max_prompts, "items": ids},
         ],
     });
+}
 
+/// Chat's own fields: `max_completion_tokens`, `top_logprobs` (only with `logprobs`), the
+/// messages and their content.
+fn chat_limits(schemas: &mut Value, limits: &Limits) {
     let chat = &mut schemas["ChatCompletionRequest"];
     let cap = limits.max_tokens_cap as i64;
     chat["properties"]["max_completion_tokens"]["minimum"] = 0.into();
@@ -124,16 +142,20 @@ pub fn document(limits: &Limits) -> Value {
         "description": "A string, or an array of text parts joined with newlines; null reads as empty.",
         "oneOf": [
             {"type": "null"},
-            text(0),
+            text(limits, 0),
             {"type": "array", "items": {
                 "type": "object",
                 "required": ["type", "text"],
                 "additionalProperties": false,
-                "properties": {"type": {"const": "text"}, "text": text(0)},
+                "properties": {"type": {"const": "text"}, "text": text(limits, 0)},
             }},
         ],
     });
-    // Open API before 3.2 reads a text/event-stream schema as the schema of one event.
+}
+
+/// Open API before 3.2 reads a text/event-stream schema as the schema of one event: the streamed
+/// responses' events, each a chunk, an error or `[DONE]`.
+fn event_stream_schemas(doc: &mut Value) {
     for (path, chunk) in [
         ("/v1/completions", "Completion"),
         ("/v1/chat/completions", "ChatCompletionChunk"),
@@ -160,14 +182,17 @@ pub fn document(limits: &Limits) -> Value {
             },
         });
     }
-    let schemas = &mut doc["components"]["schemas"];
+}
+
+/// `/v1/attention`'s prompt length and its layers and heads.
+fn attention_limits(schemas: &mut Value, limits: &Limits, token: &Value) {
     let attention = &mut schemas["AttentionRequest"]["properties"];
     let cap = limits.max_attention_tokens;
     attention["prompt"] = json!({
         "description": format!("A string or an array of token ids, at most {cap} tokens (a longer one is a 400 \
             with code `context_length_exceeded`)."),
         "oneOf": [
-            text(1),
+            text(limits, 1),
             {"type": "array", "minItems": 1, "maxItems": cap, "items": token},
         ],
     });
@@ -175,10 +200,6 @@ pub fn document(limits: &Limits) -> Value {
         attention[param]["minItems"] = 1.into();
         attention[param]["items"] = json!({"type": "integer", "minimum": 0, "maximum": count - 1});
     }
-    schemas["StreamOptions"]["additionalProperties"] = false.into();
-    schemas["TokenizeRequest"]["properties"]["prompt"] = text(0);
-    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token;
-    doc
 }
 
 /// The limits of the fields that completions and chat requests share: ranges, token ids, stop

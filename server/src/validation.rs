@@ -8,6 +8,29 @@ use gpt::{SamplingParams, Tokenizer};
 use crate::api::{CompletionRequest, Prompt, Stop};
 use crate::error::ApiError;
 
+/// The request parameters' names, as clients send them and errors and the OpenAPI document name
+/// them: one table, so that a rule, its range and its message cannot disagree on a name.
+pub mod param {
+    pub const MAX_TOKENS: &str = "max_tokens";
+    pub const MIN_TOKENS: &str = "min_tokens";
+    pub const TEMPERATURE: &str = "temperature";
+    pub const TOP_P: &str = "top_p";
+    pub const TOP_K: &str = "top_k";
+    pub const MIN_P: &str = "min_p";
+    pub const REPETITION_PENALTY: &str = "repetition_penalty";
+    pub const PRESENCE_PENALTY: &str = "presence_penalty";
+    pub const FREQUENCY_PENALTY: &str = "frequency_penalty";
+    pub const LENGTH_PENALTY: &str = "length_penalty";
+    pub const LOGIT_BIAS: &str = "logit_bias";
+    pub const SEED: &str = "seed";
+    pub const N: &str = "n";
+    pub const BEST_OF: &str = "best_of";
+    pub const LOGPROBS: &str = "logprobs";
+    pub const STOP: &str = "stop";
+    pub const STOP_TOKEN_IDS: &str = "stop_token_ids";
+    pub const PROMPT: &str = "prompt";
+}
+
 /// What the served model and the operator allow.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -49,43 +72,43 @@ pub struct FloatRange {
 
 pub const FLOAT_RANGES: [FloatRange; 7] = [
     FloatRange {
-        param: "temperature",
+        param: param::TEMPERATURE,
         min: 0.0,
         exclusive_min: false,
         max: None,
     },
     FloatRange {
-        param: "top_p",
+        param: param::TOP_P,
         min: 0.0,
         exclusive_min: true,
         max: Some(1.0),
     },
     FloatRange {
-        param: "min_p",
+        param: param::MIN_P,
         min: 0.0,
         exclusive_min: false,
         max: Some(1.0),
     },
     FloatRange {
-        param: "repetition_penalty",
+        param: param::REPETITION_PENALTY,
         min: 0.0,
         exclusive_min: true,
         max: None,
     },
     FloatRange {
-        param: "presence_penalty",
+        param: param::PRESENCE_PENALTY,
         min: -2.0,
         exclusive_min: false,
         max: Some(2.0),
     },
     FloatRange {
-        param: "frequency_penalty",
+        param: param::FREQUENCY_PENALTY,
         min: -2.0,
         exclusive_min: false,
         max: Some(2.0),
     },
     FloatRange {
-        param: "length_penalty",
+        param: param::LENGTH_PENALTY,
         min: -10.0,
         exclusive_min: false,
         max: Some(10.0),
@@ -95,19 +118,19 @@ pub const FLOAT_RANGES: [FloatRange; 7] = [
 /// The parameters that beam search, being deterministic, does not take: each with the values that
 /// mean "not given" (beside absence).
 pub const NOT_WITH_BEAMS: [(&str, &[f64]); 8] = [
-    ("temperature", &[0.0]),
-    ("top_p", &[1.0]),
-    ("top_k", &[-1.0, 0.0]),
-    ("min_p", &[0.0]),
-    ("repetition_penalty", &[1.0]),
-    ("presence_penalty", &[0.0]),
-    ("frequency_penalty", &[0.0]),
-    ("min_tokens", &[0.0]),
+    (param::TEMPERATURE, &[0.0]),
+    (param::TOP_P, &[1.0]),
+    (param::TOP_K, &[-1.0, 0.0]),
+    (param::MIN_P, &[0.0]),
+    (param::REPETITION_PENALTY, &[1.0]),
+    (param::PRESENCE_PENALTY, &[0.0]),
+    (param::FREQUENCY_PENALTY, &[0.0]),
+    (param::MIN_TOKENS, &[0.0]),
 ];
 
 /// `logit_bias` values.
 pub const LOGIT_BIAS: FloatRange = FloatRange {
-    param: "logit_bias",
+    param: param::LOGIT_BIAS,
     min: -100.0,
     exclusive_min: false,
     max: Some(100.0),
@@ -118,13 +141,13 @@ impl Limits {
         let cap = self.max_tokens_cap as i64;
         let int = |param, min, max| IntRange { param, min, max };
         [
-            int("max_tokens", 0, cap),
-            int("min_tokens", 0, cap),
-            int("top_k", -1, self.vocab_size as i64),
-            int("n", 1, self.max_n as i64),
-            int("best_of", 1, self.max_n as i64),
-            int("logprobs", 0, self.max_logprobs as i64),
-            int("seed", i64::MIN, i64::MAX),
+            int(param::MAX_TOKENS, 0, cap),
+            int(param::MIN_TOKENS, 0, cap),
+            int(param::TOP_K, -1, self.vocab_size as i64),
+            int(param::N, 1, self.max_n as i64),
+            int(param::BEST_OF, 1, self.max_n as i64),
+            int(param::LOGPROBS, 0, self.max_logprobs as i64),
+            int(param::SEED, i64::MIN, i64::MAX),
         ]
     }
 
@@ -237,11 +260,11 @@ fn prompt_ids(
     let prompt = match (text, ids) {
         (Some(text), _) => {
             if text.is_empty() {
-                return Err(ApiError::invalid("prompt", format!("{at} must not be empty")));
+                return Err(ApiError::invalid(param::PROMPT, format!("{at} must not be empty")));
             }
             let ids = tokenizer
                 .encode(text)
-                .map_err(|e| ApiError::invalid("prompt", format!("{at}: {e}")))?;
+                .map_err(|e| ApiError::invalid(param::PROMPT, format!("{at}: {e}")))?;
             ValidPrompt {
                 ids,
                 text: text.to_string(),
@@ -249,20 +272,20 @@ fn prompt_ids(
         }
         (None, Some(ids)) => {
             if ids.is_empty() {
-                return Err(ApiError::invalid("prompt", format!("{at} must not be empty")));
+                return Err(ApiError::invalid(param::PROMPT, format!("{at} must not be empty")));
             }
             let ids = ids
                 .iter()
                 .enumerate()
-                .map(|(i, &id)| limits.token("prompt", &format!("{at}[{i}]"), id))
+                .map(|(i, &id)| limits.token(param::PROMPT, &format!("{at}[{i}]"), id))
                 .collect::<Result<Vec<u32>, _>>()?;
             let text = tokenizer.decode(&ids)?;
             ValidPrompt { ids, text }
         }
-        (None, None) => return Err(ApiError::invalid("prompt", format!("{at} must not be empty"))),
+        (None, None) => return Err(ApiError::invalid(param::PROMPT, format!("{at} must not be empty"))),
     };
     if prompt.ids.is_empty() {
-        return Err(ApiError::invalid("prompt", format!("{at} encodes to no tokens")));
+        return Err(ApiError::invalid(param::PROMPT, format!("{at} encodes to no tokens")));
     }
     if prompt.ids.len() >= limits.context {
         return Err(ApiError::ContextLength {
@@ -273,25 +296,25 @@ fn prompt_ids(
                 limits.context,
                 limits.context - 1
             ),
-            param: "prompt",
+            param: param::PROMPT,
         });
     }
     Ok(prompt)
 }
 
-fn prompts(prompt: Prompt, tokenizer: &Tokenizer, limits: &Limits) -> Result<Vec<ValidPrompt>, ApiError> {
-    let count = match &prompt {
+fn prompts(prompt: &Prompt, tokenizer: &Tokenizer, limits: &Limits) -> Result<Vec<ValidPrompt>, ApiError> {
+    let count = match prompt {
         Prompt::Texts(v) => v.len(),
         Prompt::TokenLists(v) => v.len(),
         _ => 1,
     };
     if count > limits.max_prompts {
         let msg = format!("at most {} prompts per request, got {count}", limits.max_prompts);
-        return Err(ApiError::invalid("prompt", msg));
+        return Err(ApiError::invalid(param::PROMPT, msg));
     }
     match prompt {
-        Prompt::Text(text) => Ok(vec![prompt_ids(Some(&text), None, "prompt", tokenizer, limits)?]),
-        Prompt::Tokens(ids) => Ok(vec![prompt_ids(None, Some(&ids), "prompt", tokenizer, limits)?]),
+        Prompt::Text(text) => Ok(vec![prompt_ids(Some(text), None, param::PROMPT, tokenizer, limits)?]),
+        Prompt::Tokens(ids) => Ok(vec![prompt_ids(None, Some(ids), param::PROMPT, tokenizer, limits)?]),
         Prompt::Texts(texts) => texts
             .iter()
             .enumerate()
@@ -299,7 +322,7 @@ fn prompts(prompt: Prompt, tokenizer: &Tokenizer, limits: &Limits) -> Result<Vec
             .collect(),
         Prompt::TokenLists(lists) => {
             if lists.is_empty() {
-                return Err(ApiError::invalid("prompt", "prompt must not be empty"));
+                return Err(ApiError::invalid(param::PROMPT, "prompt must not be empty"));
             }
             lists
                 .iter()
@@ -315,87 +338,24 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
         true => Some(beam_search_settings(&req)? as f32),
         false => None,
     };
-    let prompts = prompts(req.prompt, tokenizer, limits)?;
-    let max_tokens = limits.int("max_tokens", req.max_tokens, 16)? as usize;
-    let min_tokens = limits.int("min_tokens", req.min_tokens, 0)? as usize;
-    let temperature = float("temperature", req.temperature, 1.0)?;
-    let top_p = float("top_p", req.top_p, 1.0)?;
-    let min_p = float("min_p", req.min_p, 0.0)?;
-    let top_k = match limits.int("top_k", req.top_k, -1)? {
-        k if k > 0 => Some(k as usize),
-        _ => None,
-    };
-    let repetition_penalty = float("repetition_penalty", req.repetition_penalty, 1.0)?;
-    let presence_penalty = float("presence_penalty", req.presence_penalty, 0.0)?;
-    let frequency_penalty = float("frequency_penalty", req.frequency_penalty, 0.0)?;
-    float("length_penalty", req.length_penalty, 1.0)?; // checked even where it is ignored
-    let seed = limits.int("seed", req.seed, 0)?;
-    let n = limits.int("n", req.n, 1)? as usize;
-    let best_of = (limits.int("best_of", req.best_of, n as i64)? as usize).max(n);
+    let prompts = prompts(&req.prompt, tokenizer, limits)?;
+    let max_tokens = limits.int(param::MAX_TOKENS, req.max_tokens, 16)? as usize;
+    let min_tokens = limits.int(param::MIN_TOKENS, req.min_tokens, 0)? as usize;
+    let mut sampling = sampling(&req, limits)?;
+    let n = limits.int(param::N, req.n, 1)? as usize;
+    let best_of = (limits.int(param::BEST_OF, req.best_of, n as i64)? as usize).max(n);
     let logprobs = match req.logprobs {
         None => None,
-        some => Some(limits.int("logprobs", some, 0)? as usize),
+        some => Some(limits.int(param::LOGPROBS, some, 0)? as usize),
     };
-    let mut logit_bias = Vec::new();
-    for (key, &bias) in req.logit_bias.iter().flatten() {
-        // Decimal without sign or leading zeros, as the document's pattern says.
-        let id = key
-            .parse::<i64>()
-            .ok()
-            .filter(|id| id.to_string() == *key)
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    "logit_bias",
-                    format!("logit_bias keys must be token ids in decimal, got {key:?}"),
-                )
-            })?;
-        let id = limits.token("logit_bias", &format!("logit_bias[{key:?}]"), id)?;
-        if !LOGIT_BIAS.contains(bias) {
-            let msg = format!("logit_bias[{key:?}] must be {}, got {bias}", LOGIT_BIAS.describe());
-            return Err(ApiError::invalid("logit_bias", msg));
-        }
-        logit_bias.push((id, bias as f32));
-    }
-    let stop = match req.stop {
-        None => vec![],
-        Some(Stop::One(s)) => vec![s],
-        Some(Stop::Many(v)) => v,
-    };
-    if stop.len() > limits.max_stop || stop.iter().any(String::is_empty) {
-        return Err(ApiError::invalid(
-            "stop",
-            format!("stop must be up to {} non-empty strings", limits.max_stop),
-        ));
-    }
-    let stop_token_ids = req.stop_token_ids.unwrap_or_default();
-    if stop_token_ids.len() > limits.max_stop {
-        let msg = format!("stop_token_ids must be up to {} token ids", limits.max_stop);
-        return Err(ApiError::invalid("stop_token_ids", msg));
-    }
-    let stop_token_ids = stop_token_ids
-        .iter()
-        .enumerate()
-        .map(|(i, &id)| limits.token("stop_token_ids", &format!("stop_token_ids[{i}]"), id))
-        .collect::<Result<Vec<u32>, _>>()?;
+    sampling.logit_bias = logit_bias(&req, limits)?;
+    let (stop, stop_token_ids) = stops(req.stop, req.stop_token_ids, limits)?;
     let stream = req.stream.unwrap_or(false);
     Ok(ValidRequest {
         prompts,
         max_tokens,
         min_tokens,
-        sampling: SamplingParams {
-            temperature,
-            top_p: Some(top_p),
-            top_k,
-            repetition_penalty: repetition_penalty as f32,
-            presence_penalty: presence_penalty as f32,
-            frequency_penalty: frequency_penalty as f32,
-            logit_bias,
-            min_p,
-            seed: match req.seed {
-                Some(_) => seed as u64,
-                None => rand::random(),
-            },
-        },
+        sampling,
         stop,
         stop_token_ids,
         ignore_eos: req.ignore_eos.unwrap_or(false),
@@ -409,19 +369,106 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
     })
 }
 
+/// The sampling parameters, checked against their ranges; `logit_bias` is left empty (see
+/// [`logit_bias`]). A request without a seed gets a random one.
+fn sampling(req: &CompletionRequest, limits: &Limits) -> Result<SamplingParams, ApiError> {
+    let temperature = float(param::TEMPERATURE, req.temperature, 1.0)?;
+    let top_p = float(param::TOP_P, req.top_p, 1.0)?;
+    let min_p = float(param::MIN_P, req.min_p, 0.0)?;
+    let top_k = match limits.int(param::TOP_K, req.top_k, -1)? {
+        k if k > 0 => Some(k as usize),
+        _ => None,
+    };
+    let repetition_penalty = float(param::REPETITION_PENALTY, req.repetition_penalty, 1.0)?;
+    let presence_penalty = float(param::PRESENCE_PENALTY, req.presence_penalty, 0.0)?;
+    let frequency_penalty = float(param::FREQUENCY_PENALTY, req.frequency_penalty, 0.0)?;
+    float(param::LENGTH_PENALTY, req.length_penalty, 1.0)?; // checked even where it is ignored
+    let seed = limits.int(param::SEED, req.seed, 0)?;
+    Ok(SamplingParams {
+        temperature,
+        top_p: Some(top_p),
+        top_k,
+        repetition_penalty: repetition_penalty as f32,
+        presence_penalty: presence_penalty as f32,
+        frequency_penalty: frequency_penalty as f32,
+        logit_bias: Vec::new(),
+        min_p,
+        seed: match req.seed {
+            Some(_) => seed as u64,
+            None => rand::random(),
+        },
+    })
+}
+
+/// `logit_bias` as (token id, bias) pairs: keys that are token ids in decimal, within the
+/// vocabulary, biases within [`LOGIT_BIAS`].
+fn logit_bias(req: &CompletionRequest, limits: &Limits) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut out = Vec::new();
+    for (key, &bias) in req.logit_bias.iter().flatten() {
+        // Decimal without sign or leading zeros, as the document's pattern says.
+        let id = key
+            .parse::<i64>()
+            .ok()
+            .filter(|id| id.to_string() == *key)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    param::LOGIT_BIAS,
+                    format!("logit_bias keys must be token ids in decimal, got {key:?}"),
+                )
+            })?;
+        let id = limits.token(param::LOGIT_BIAS, &format!("logit_bias[{key:?}]"), id)?;
+        if !LOGIT_BIAS.contains(bias) {
+            let msg = format!("logit_bias[{key:?}] must be {}, got {bias}", LOGIT_BIAS.describe());
+            return Err(ApiError::invalid(param::LOGIT_BIAS, msg));
+        }
+        out.push((id, bias as f32));
+    }
+    Ok(out)
+}
+
+/// The stop strings and stop token ids, within the per-request limit.
+fn stops(
+    stop: Option<Stop>,
+    stop_token_ids: Option<Vec<i64>>,
+    limits: &Limits,
+) -> Result<(Vec<String>, Vec<u32>), ApiError> {
+    let stop = match stop {
+        None => vec![],
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if stop.len() > limits.max_stop || stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid(
+            param::STOP,
+            format!("stop must be up to {} non-empty strings", limits.max_stop),
+        ));
+    }
+    let stop_token_ids = stop_token_ids.unwrap_or_default();
+    if stop_token_ids.len() > limits.max_stop {
+        let msg = format!("stop_token_ids must be up to {} token ids", limits.max_stop);
+        return Err(ApiError::invalid(param::STOP_TOKEN_IDS, msg));
+    }
+    let stop_token_ids = stop_token_ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| limits.token(param::STOP_TOKEN_IDS, &format!("stop_token_ids[{i}]"), id))
+        .collect::<Result<Vec<u32>, _>>()?;
+    Ok((stop, stop_token_ids))
+}
+
 /// Beam search's length penalty, after checking that the request asks for nothing beam search
 /// cannot do: sampling parameters ([`NOT_WITH_BEAMS`]), `logit_bias`, `stop_token_ids`.
 /// (`ignore_eos` works as in vLLM's beam search: the end-of-text token is then an ordinary token.)
 fn beam_search_settings(req: &CompletionRequest) -> Result<f64, ApiError> {
     let given: [(&str, Option<f64>); 8] = [
-        ("temperature", req.temperature),
-        ("top_p", req.top_p),
-        ("top_k", req.top_k.map(|k| k as f64)),
-        ("min_p", req.min_p),
-        ("repetition_penalty", req.repetition_penalty),
-        ("presence_penalty", req.presence_penalty),
-        ("frequency_penalty", req.frequency_penalty),
-        ("min_tokens", req.min_tokens.map(|k| k as f64)),
+        (param::TEMPERATURE, req.temperature),
+        (param::TOP_P, req.top_p),
+        (param::TOP_K, req.top_k.map(|k| k as f64)),
+        (param::MIN_P, req.min_p),
+        (param::REPETITION_PENALTY, req.repetition_penalty),
+        (param::PRESENCE_PENALTY, req.presence_penalty),
+        (param::FREQUENCY_PENALTY, req.frequency_penalty),
+        (param::MIN_TOKENS, req.min_tokens.map(|k| k as f64)),
     ];
     for ((param, value), (_, neutral)) in given.iter().zip(NOT_WITH_BEAMS) {
         if let Some(v) = value.filter(|v| !neutral.contains(v)) {
@@ -432,9 +479,12 @@ fn beam_search_settings(req: &CompletionRequest) -> Result<f64, ApiError> {
         }
     }
     let others = [
-        ("logit_bias", req.logit_bias.as_ref().is_some_and(|b| !b.is_empty())),
         (
-            "stop_token_ids",
+            param::LOGIT_BIAS,
+            req.logit_bias.as_ref().is_some_and(|b| !b.is_empty()),
+        ),
+        (
+            param::STOP_TOKEN_IDS,
             req.stop_token_ids.as_ref().is_some_and(|t| !t.is_empty()),
         ),
     ];
@@ -442,5 +492,5 @@ fn beam_search_settings(req: &CompletionRequest) -> Result<f64, ApiError> {
         let msg = format!("{param} cannot be used with use_beam_search");
         return Err(ApiError::invalid(*param, msg));
     }
-    float("length_penalty", req.length_penalty, 1.0)
+    float(param::LENGTH_PENALTY, req.length_penalty, 1.0)
 }
