@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #15's CPU benchmark, side by side on this machine, from a clean checkout:
+# The CPU benchmark against llama.cpp, side by side on this machine, from a clean checkout:
 #   1. builds llama.cpp's llama-bench and llama-quantize from the llama-cpp-python source package
 #      on PyPI (it bundles llama.cpp), under target/bench/llamacpp (never committed);
 #   2. writes a GPT-2-small-shaped checkpoint with random weights (bench/make_random_gpt2.py, with

@@ -1,4 +1,4 @@
-//! Prefill's and batched decode's product in isolation (issue #15): `rows x in` activations times
+//! Prefill's and batched decode's product in isolation: `rows x in` activations times
 //! a weight stored `(out, in)`, in GFLOPS, for this project's packed kernel (`gpt::ops::PackedMatrix`, each
 //! weight format) and candle's f32 matmul on the same operands, side by side in one run. Weights are small enough to stay
 //! in cache: this measures arithmetic, where `gemv` measures memory. Prints one JSON line per

@@ -1,4 +1,4 @@
-//! Decode's bottleneck in isolation (issue #15): one token times a weight matrix, the product that
+//! Decode's bottleneck in isolation: one token times a weight matrix, the product that
 //! takes ~80% of a batch-1 decode step (perf: `gemm_common`'s vectorised gemv). Compares candle's
 //! matmul on the inference layout (`x @ W^T`, W stored (out, in)) with a plain row-parallel dot
 //! product over std threads, in GB/s of weights read: decode's speed limit is the machine's read

@@ -1,4 +1,4 @@
-//! Batched decode's product with the weights coming from memory (issue #15): `rows x in`
+//! Batched decode's product with the weights coming from memory: `rows x in`
 //! activations times weights stored `(out, in)`, each shape repeated over enough distinct copies
 //! (>= 1 GB) that they stream from memory as in a decode step over all layers. Prints, per row
 //! count, the weights' read rate (GB/s) and the arithmetic rate (GFLOPS): `gemv` is this at one

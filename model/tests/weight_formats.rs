@@ -47,7 +47,7 @@ fn packed_matmul_matches_candle_and_is_batch_invariant() -> anyhow::Result<()> {
                 );
                 let xs = x.flatten_all()?.to_vec1::<f32>()?;
                 let bits = got.flatten_all()?.to_vec1::<f32>()?;
-                for &simd in &simds {
+                for &simd in simds {
                     assert_eq!(
                         packed.matmul_with(&xs, m, simd),
                         bits,

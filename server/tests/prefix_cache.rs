@@ -1,4 +1,4 @@
-//! Prefix caching (issue #15): prompts that share a prefix with an earlier one reuse its KV cache,
+//! Prefix caching: prompts that share a prefix with an earlier one reuse its KV cache,
 //! `/metrics` counts it, and nothing a client sees changes: greedy text, sampled text for a seed,
 //! and the prompt's own logprobs (`echo` with `logprobs`, lm-eval's loglikelihood requests) equal
 //! those of a server without the cache.

@@ -124,6 +124,25 @@ pub fn cached_attention(
     n_head: usize,
     scale: f32,
 ) -> Result<Tensor> {
+    cached_attention_on(Simd::detect(), qkv, lens, kv, n_head, scale)
+}
+
+/// [`cached_attention`] on `simd` (`x86::attend512` on AVX-512, `x86::attend` on AVX2 and FMA,
+/// `Head::attend` otherwise, for head sizes 32, 64 and 128; `Head::attend` for other sizes). A
+/// given instruction set always takes the same path, so results never depend on the batch;
+/// different ones agree to rounding.
+///
+/// # Panics
+/// If this CPU does not run `simd` (see [`Simd::available`]).
+pub fn cached_attention_on(
+    simd: Simd,
+    qkv: &Tensor,
+    lens: &[usize],
+    kv: &[(Tensor, Tensor)],
+    n_head: usize,
+    scale: f32,
+) -> Result<Tensor> {
+    assert!(simd.is_available(), "{simd:?} is not available on this CPU");
     let (n_rows, width) = qkv.dims2()?;
     let c = width / 3;
     let hs = c / n_head.max(1);
@@ -154,9 +173,6 @@ pub fn cached_attention(
     }
     let mut y = vec![0f32; n_rows * c];
     let y_at = y.as_mut_ptr() as usize;
-    // `x86::attend512` (AVX-512), `x86::attend` (AVX2 and FMA) or `Head::attend`: a given CPU
-    // always takes the same one, so results never depend on the batch.
-    let simd = Simd::detect();
     candle_core::utils::barrier_pool().execute_chunked(seqs.len() * n_head, |range| {
         for task in range {
             let (keys, values, row0, len, t) = &seqs[task / n_head];
@@ -173,7 +189,7 @@ pub fn cached_attention(
                 scale,
             };
             // SAFETY: each task writes head `h`'s columns of its sequence's rows only, and `y`
-            // outlives the pool's call; `simd` is this CPU's.
+            // outlives the pool's call; `simd` is available (asserted above).
             unsafe {
                 let y = y_at as *mut f32;
                 match (simd, hs) {
@@ -236,6 +252,7 @@ impl Head<'_> {
             // softmax(..) v, 16 output columns at a time so that the sums stay in registers;
             // each output sums over the keys in order.
             let inv = 1.0 / sum;
+            // SAFETY: within this function's contract (its `# Safety`): `y` is `(N, C)` and this task's head columns of its rows are its own; the keys and values hold `t` positions.
             let out = unsafe { y.add(row * self.c + self.h * hs) };
             let mut d0 = 0;
             while d0 < hs {
@@ -254,6 +271,7 @@ impl Head<'_> {
                     }
                 }
                 for (l, &a) in acc.iter().take(width).enumerate() {
+                    // SAFETY: within this function's contract (its `# Safety`): `y` is `(N, C)` and this task's head columns of its rows are its own; the keys and values hold `t` positions.
                     unsafe { *out.add(d0 + l) = a * inv };
                 }
                 d0 += width;
@@ -333,6 +351,7 @@ mod x86 {
         let (hs, t) = (head.hs, head.t);
         // Row r sees keys ..n[r] (causal); the group's first row sees the fewest.
         let n: [usize; R] = std::array::from_fn(|r| t - head.len + i0 + r + 1);
+        // SAFETY: within this function's contract (its `# Safety`): `y` is `(N, C)` and this task's head columns of its rows are its own; the keys and values hold `t` positions.
         unsafe {
             let q: [[__m512; CH]; R] = std::array::from_fn(|r| {
                 let at = head.q.as_ptr().add((head.row0 + i0 + r) * 3 * head.c + head.h * hs);
@@ -483,6 +502,7 @@ mod x86 {
     pub(super) unsafe fn attend<const CH: usize>(head: &Head, y: *mut f32) {
         let (hs, offset) = (head.hs, head.t - head.len);
         let mut scores = vec![0f32; head.t];
+        // SAFETY: within this function's contract (its `# Safety`): `y` is `(N, C)` and this task's head columns of its rows are its own; the keys and values hold `t` positions.
         unsafe {
             for i in 0..head.len {
                 let row = head.row0 + i;

@@ -6,6 +6,7 @@ use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::f32_slice;
+use super::simd::Simd;
 
 /// Mean cross-entropy of rows of logits `(N, V)` against target ids `(N)`, with label smoothing
 /// `eps` as PyTorch's `cross_entropy(label_smoothing=eps)`: the target distribution puts
@@ -33,7 +34,7 @@ impl CrossEntropy {
 
 /// Row `r`'s max and log of the sum of exp(x - max).
 fn row_logsumexp(row: &[f32]) -> (f32, f32) {
-    let (max, sum) = super::rows::max_and_sum_exp(row);
+    let (max, sum) = super::rows::max_and_sum_exp(Simd::detect(), row);
     (max, sum.ln())
 }
 

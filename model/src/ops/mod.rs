@@ -12,6 +12,8 @@
 //! launched from `cuda_ops.rs`: on the GPU the gain is fewer launches and passes over memory);
 //! callers fall back to candle's ops elsewhere.
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 mod add;
 mod attention;
 mod cross_entropy;
@@ -20,6 +22,7 @@ mod gelu;
 mod layer_norm;
 mod packed;
 mod rows;
+pub mod simd;
 mod softmax;
 #[cfg(test)]
 mod tests;
@@ -33,11 +36,12 @@ use gelu::Gelu;
 use layer_norm::LayerNorm;
 use softmax::CausalSoftmax;
 
-pub use attention::cached_attention;
 pub(crate) use attention::WriteRows;
+pub use attention::{cached_attention, cached_attention_on};
 pub(crate) use gelu::gelu_new;
-pub use packed::{MatmulPrecision, PackedMatrix, Simd, WeightFormat};
-pub use rows::{argmax, log_sum_exp};
+pub use packed::{MatmulPrecision, PackedMatrix, WeightFormat};
+pub use rows::{argmax, argmax_on, log_sum_exp, log_sum_exp_on};
+pub use simd::Simd;
 
 /// The f32 data of a contiguous CPU tensor, for custom ops' `cpu_fwd`.
 pub fn f32_slice<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Result<&'a [f32]> {

@@ -2,44 +2,37 @@
 //! most likely token. The server takes both at every prompt position of an `echo` request and the
 //! loss at every training position, so they are vectorised: `f32::exp` is a libm call per
 //! element, and neither candle nor the standard library has a vectorised `exp` (written here:
-//! Cephes' `expf` polynomial, branch-free so that it compiles to SIMD).
+//! Cephes' `expf` polynomial, branch-free so that it compiles to SIMD). Each is plain Rust
+//! written in 16 lanes and compiled for the instruction set it runs on ([`Simd::run`]).
+
+use super::simd::{Kernel, Simd, Vec16};
 
 /// `log Σ exp(row)`, the normaliser of a log-softmax (`-inf` for an empty row; the maximum
-/// itself where it is not finite).
+/// itself where it is not finite), on this CPU's widest instructions.
 pub fn log_sum_exp(row: &[f32]) -> f32 {
-    let (max, sum) = max_and_sum_exp(row);
+    log_sum_exp_on(Simd::detect(), row)
+}
+
+/// [`log_sum_exp`] on `simd` (every instruction set gives the same bits).
+pub fn log_sum_exp_on(simd: Simd, row: &[f32]) -> f32 {
+    let (max, sum) = max_and_sum_exp(simd, row);
     if !max.is_finite() {
         return max;
     }
     max + sum.ln()
 }
 
-/// The row's maximum and `Σ exp(x - max)`.
-pub(crate) fn max_and_sum_exp(row: &[f32]) -> (f32, f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked).
-            return unsafe { max_and_sum_exp_avx512(row) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX2 and FMA (checked).
-            return unsafe { max_and_sum_exp_avx2(row) };
+/// The row's maximum and `Σ exp(x - max)`, on `simd`.
+pub(crate) fn max_and_sum_exp(simd: Simd, row: &[f32]) -> (f32, f32) {
+    struct MaxAndSumExp<'a>(&'a [f32]);
+    impl Kernel for MaxAndSumExp<'_> {
+        type Output = (f32, f32);
+        #[inline(always)]
+        fn run<V: Vec16>(self) -> (f32, f32) {
+            max_and_sum_exp_any(self.0)
         }
     }
-    max_and_sum_exp_any(row)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn max_and_sum_exp_avx512(row: &[f32]) -> (f32, f32) {
-    max_and_sum_exp_any(row)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn max_and_sum_exp_avx2(row: &[f32]) -> (f32, f32) {
-    max_and_sum_exp_any(row)
+    simd.run(MaxAndSumExp(row))
 }
 
 /// Lanes of the partial sums: independent accumulators that the compiler keeps in vector
@@ -122,6 +115,24 @@ pub(crate) fn exp(x: f32) -> f32 {
 /// ones), as a one-element `top_k` would pick it: the maximum of the values' integer keys, then
 /// the first position with that key (both loops vectorise; no early exit in the first).
 pub fn argmax(row: &[f32]) -> Option<usize> {
+    argmax_on(Simd::detect(), row)
+}
+
+/// [`argmax`] on `simd`.
+pub fn argmax_on(simd: Simd, row: &[f32]) -> Option<usize> {
+    struct Argmax<'a>(&'a [f32]);
+    impl Kernel for Argmax<'_> {
+        type Output = Option<usize>;
+        #[inline(always)]
+        fn run<V: Vec16>(self) -> Option<usize> {
+            argmax_any(self.0)
+        }
+    }
+    simd.run(Argmax(row))
+}
+
+#[inline(always)]
+fn argmax_any(row: &[f32]) -> Option<usize> {
     #[inline(always)]
     fn key(v: f32) -> i32 {
         // `total_cmp`'s key: negative values' magnitude bits flipped.
@@ -171,6 +182,16 @@ mod tests {
         assert!(exp(f32::NAN).is_nan());
     }
 
+    /// Uniform values in [0, 1) from a xorshift generator.
+    fn uniform(mut state: u64) -> impl FnMut() -> f32 {
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        }
+    }
+
     fn reference(row: &[f32]) -> f64 {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
         max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln()
@@ -178,13 +199,7 @@ mod tests {
 
     #[test]
     fn log_sum_exp_matches_f64_on_rows_of_every_tail_length() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 24) as f32
-        };
+        let mut next = uniform(0x2545_f491_4f6c_dd1d);
         for len in [1, 2, 15, 16, 17, 31, 100, 50257] {
             for scale in [0.01f32, 1.0, 30.0] {
                 let row: Vec<f32> = (0..len).map(|_| (next() - 0.5) * 2.0 * scale).collect();
@@ -201,6 +216,25 @@ mod tests {
         assert!(log_sum_exp(&[0.0, f32::NAN, 1.0]).is_nan());
         // exp(-x) for x past -87 is subnormal or 0, yet the sum keeps the maximum's term.
         assert_eq!(log_sum_exp(&[-200.0, 0.0]), 0.0);
+    }
+
+    /// Every instruction set the host runs gives the portable path's bits.
+    #[test]
+    fn every_instruction_set_matches_the_portable_path() {
+        let mut next = uniform(0x9e37_79b9_7f4a_7c15);
+        for len in [0, 1, 15, 16, 17, 33, 1000, 50257] {
+            let row: Vec<f32> = (0..len).map(|_| (next() - 0.5) * 40.0).collect();
+            let lse = log_sum_exp_on(Simd::Portable, &row);
+            for &simd in Simd::available() {
+                assert_eq!(log_sum_exp_on(simd, &row).to_bits(), lse.to_bits(), "{simd:?}, {len}");
+                assert_eq!(
+                    argmax_on(simd, &row),
+                    argmax_on(Simd::Portable, &row),
+                    "{simd:?}, {len}"
+                );
+            }
+        }
+        eprintln!("instruction sets checked: {:?}", Simd::available());
     }
 
     #[test]

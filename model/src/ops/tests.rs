@@ -163,9 +163,20 @@ fn label_smoothing_matches_pytorch_forward_and_backward() {
 /// holds them), against softmax(q k^T / sqrt(hs) + causal mask) v with candle's ops; head sizes
 /// that take the SIMD kernels (32, 64, 128) and the plain one (24). Each sequence's rows equal,
 /// bit for bit, those it gets alone, and those it gets one token at a time (as in decoding: the
-/// SIMD kernels group a prompt's rows, never changing a row's arithmetic).
+/// SIMD kernels group a prompt's rows, never changing a row's arithmetic). On every instruction
+/// set the host runs, each within rounding of the portable path.
 #[test]
 fn cached_attention_matches_candle() {
+    for &simd in Simd::available() {
+        cached_attention_matches_candle_on(simd);
+    }
+    eprintln!("instruction sets checked: {:?}", Simd::available());
+}
+
+fn cached_attention_matches_candle_on(simd: Simd) {
+    let cached_attention = |qkv: &Tensor, lens: &[usize], kv: &[(Tensor, Tensor)], n_head, scale| {
+        cached_attention_on(simd, qkv, lens, kv, n_head, scale)
+    };
     let dev = Device::Cpu;
     for (n_head, hs) in [(3usize, 64usize), (2, 24), (2, 32), (1, 128)] {
         let c = n_head * hs;
@@ -210,7 +221,13 @@ fn cached_attention_matches_candle() {
         let expected = Tensor::cat(&expected, 0).unwrap();
         let got = cached_attention(&qkv, &lens, &kv, n_head, 1.0 / (hs as f32).sqrt()).unwrap();
         let d = max_diff(&got, &expected);
-        assert!(d < 1e-5, "n_head={n_head} hs={hs}: {d}");
+        assert!(d < 1e-5, "{simd:?}, n_head={n_head} hs={hs}: {d}");
+        let portable = cached_attention_on(Simd::Portable, &qkv, &lens, &kv, n_head, 1.0 / (hs as f32).sqrt()).unwrap();
+        let d = max_diff(&got, &portable);
+        assert!(
+            d < 1e-6,
+            "{simd:?} against the portable path, n_head={n_head} hs={hs}: {d}"
+        );
         // Batch invariance: the middle sequence alone, then token by token.
         let scale = 1.0 / (hs as f32).sqrt();
         let alone = cached_attention(&qkv.narrow(0, 1, 7).unwrap(), &[7], &kv[1..2], n_head, scale).unwrap();

@@ -22,10 +22,10 @@
 //! depend on the batch.
 
 use std::mem::MaybeUninit;
-use std::sync::OnceLock;
 
 use super::WeightFormat;
 use super::{Epilogue, PackedMatrix, Simd, GROUP, LANES};
+use crate::ops::simd::{Kernel, Vec16};
 
 /// Positions along `k` per tile product: one 64-byte tile row of bf16.
 const KB: usize = 32;
@@ -33,39 +33,6 @@ const KB: usize = 32;
 const TILE_ROWS: usize = 16;
 /// Bytes of one tile (16 rows of 64 bytes).
 const TILE_BYTES: usize = 1024;
-
-/// Whether this CPU and kernel run AMX-BF16 for this process (checked, and the kernel's
-/// permission asked, once).
-pub(crate) fn available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(detect)
-}
-
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-fn detect() -> bool {
-    use std::arch::x86_64::__cpuid_count;
-    // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; OSXSAVE (CPUID.1:ECX bit 27) for xgetbv.
-    let (leaf1, leaf7) = (__cpuid_count(1, 0), __cpuid_count(7, 0));
-    if leaf1.ecx & (1 << 27) == 0 || leaf7.edx & (1 << 22) == 0 || leaf7.edx & (1 << 24) == 0 {
-        return false;
-    }
-    let (xcr0_lo, _xcr0_hi): (u32, u32);
-    // SAFETY: xgetbv with ecx = 0 reads XCR0, available when OSXSAVE is set (checked above).
-    unsafe { std::arch::asm!("xgetbv", in("ecx") 0u32, out("eax") xcr0_lo, out("edx") _xcr0_hi) };
-    // XCR0 bits 17 (XTILECFG) and 18 (XTILEDATA): the OS saves tile state.
-    if xcr0_lo & (3 << 17) != 3 << 17 {
-        return false;
-    }
-    // Linux hands out the tile data state only on request: ARCH_REQ_XCOMP_PERM (0x1023) for
-    // XFEATURE_XTILEDATA (18), once per process.
-    // SAFETY: a plain system call with integer arguments.
-    unsafe { libc::syscall(libc::SYS_arch_prctl, 0x1023, 18) == 0 }
-}
-
-#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-fn detect() -> bool {
-    false
-}
 
 /// `v` as `hi + lo`, both bf16 rounded to nearest even (bits; NaN and infinity not kept).
 #[inline(always)]
@@ -87,9 +54,19 @@ fn split_row(x: &[f32], hi: &mut [u16], lo: &mut [u16]) {
     }
 }
 
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bw"))]
-unsafe fn split_row_avx512(x: &[f32], hi: &mut [u16], lo: &mut [u16]) {
-    split_row(x, hi, lo)
+/// [`split_row`] as a kernel, vectorised for the instruction set that runs it.
+struct SplitRow<'a> {
+    x: &'a [f32],
+    hi: &'a mut [u16],
+    lo: &'a mut [u16],
+}
+
+impl Kernel for SplitRow<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Vec16>(self) {
+        split_row(self.x, self.hi, self.lo)
+    }
 }
 
 /// Weight tiles per block and panel: 2 (`hi`, `lo`) for f32 weights, 1 for bf16 ones.
@@ -137,9 +114,19 @@ impl AmxWeights {
     }
 }
 
-/// `y = x @ W^T` (then the epilogue) for `x` `(m, k)`, on the tiles; [`available`] must hold.
+/// `y = x @ W^T` (then the epilogue) for `x` `(m, k)`, on the tiles; [`crate::ops::simd::amx::available`] must hold.
 /// Every element of `y` is written, so it may start uninitialised.
-pub(super) fn run(w: &PackedMatrix, t: &AmxWeights, x: &[f32], y: &mut [MaybeUninit<f32>], m: usize, ep: Epilogue) {
+/// With [`Tiles::Emulated`] the tile products are computed in plain Rust instead
+/// ([`emulated`]), on any CPU.
+pub(super) fn run(
+    w: &PackedMatrix,
+    t: &AmxWeights,
+    x: &[f32],
+    y: &mut [MaybeUninit<f32>],
+    m: usize,
+    ep: Epilogue,
+    tiles: Tiles,
+) {
     let (n, k, kp) = (w.n, w.k, t.kp);
     let mp = m.div_ceil(TILE_ROWS) * TILE_ROWS;
     // The activations' halves, zero-padded, tile by tile: per 16 rows, per block of 32
@@ -150,8 +137,11 @@ pub(super) fn run(w: &PackedMatrix, t: &AmxWeights, x: &[f32], y: &mut [MaybeUni
         for (b, part) in row.chunks(KB).enumerate() {
             let at = ((i / TILE_ROWS * blocks + b) * 2 * TILE_ROWS + i % TILE_ROWS) * KB;
             let (hi, lo) = halves[at..].split_at_mut(TILE_ROWS * KB);
-            // SAFETY: AMX's CPUs all have AVX-512 (F and BW).
-            unsafe { split_row_avx512(part, &mut hi[..part.len()], &mut lo[..part.len()]) };
+            Simd::detect().run(SplitRow {
+                x: part,
+                hi: &mut hi[..part.len()],
+                lo: &mut lo[..part.len()],
+            });
         }
     }
     let groups = n.div_ceil(LANES * GROUP);
@@ -160,9 +150,11 @@ pub(super) fn run(w: &PackedMatrix, t: &AmxWeights, x: &[f32], y: &mut [MaybeUni
     let per_block = weight_tiles(w.format);
     let panel_bytes = kp / KB * per_block * TILE_BYTES;
     candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
-        // SAFETY: `available()` (the caller's contract) granted this process the tile state;
-        // the configuration is this thread's own, set before and released after its tiles.
-        unsafe { tiles::configure(m.min(TILE_ROWS)) };
+        if tiles == Tiles::Hardware {
+            // SAFETY: `available()` (the caller's contract) granted this process the tile state;
+            // the configuration is this thread's own, set before and released after its tiles.
+            unsafe { hardware::configure(m.min(TILE_ROWS)) };
+        }
         let mut acc = Acc([[0.0; LANES]; 4 * TILE_ROWS]);
         let (first, end) = (range.start, range.end);
         // Memory streams while the tiles work: each pass over a task's panels (two row tiles a
@@ -195,13 +187,15 @@ pub(super) fn run(w: &PackedMatrix, t: &AmxWeights, x: &[f32], y: &mut [MaybeUni
                         step,
                     },
                 };
+                let acc_at = acc.0.as_mut_ptr() as *mut f32;
                 // SAFETY: the operands lie within `halves` (row tiles from r0, one or two, all
-                // below mp) and the task's two panels; `acc` holds four tiles.
+                // below mp) and the task's two panels; `acc` holds four tiles; the tiles are
+                // configured (hardware) or not needed (emulated).
                 unsafe {
-                    if per_block == 2 {
-                        tiles::block(&a, two, acc.0.as_mut_ptr() as *mut f32)
-                    } else {
-                        tiles::block_bf16(&a, two, acc.0.as_mut_ptr() as *mut f32)
+                    match (tiles, per_block) {
+                        (Tiles::Hardware, 2) => hardware::block(&a, two, acc_at),
+                        (Tiles::Hardware, _) => hardware::block_bf16(&a, two, acc_at),
+                        (Tiles::Emulated, _) => emulated::block(&a, two, per_block, acc_at),
                     }
                 };
                 let rows = (m - r0).min(2 * TILE_ROWS);
@@ -227,11 +221,21 @@ pub(super) fn run(w: &PackedMatrix, t: &AmxWeights, x: &[f32], y: &mut [MaybeUni
                 }
             }
             // SAFETY: this task's columns of `y`, written above; AMX's CPUs all have AVX-512.
-            unsafe { super::kernel::epilogue(ep, Simd::Avx512, y_at as *mut f32, m, n, col0, cols) };
+            unsafe { super::kernel::epilogue(ep, Simd::detect(), y_at as *mut f32, m, n, col0, cols) };
         }
-        // SAFETY: as `configure`.
-        unsafe { tiles::release() };
+        if tiles == Tiles::Hardware {
+            // SAFETY: as `configure`.
+            unsafe { hardware::release() };
+        }
     });
+}
+
+/// Who takes the tile products: the CPU's AMX unit, or plain Rust that follows the instruction's
+/// definition ([`emulated`]: any CPU, for tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Tiles {
+    Hardware,
+    Emulated,
 }
 
 /// Four accumulator tiles of 16 rows of 16 f32, 64-byte aligned for `tilestored`.
@@ -258,7 +262,7 @@ struct Stream {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod tiles {
+mod hardware {
     use std::arch::asm;
 
     use super::{Operands, GROUP, TILE_BYTES};
@@ -269,8 +273,8 @@ mod tiles {
     /// A block's lines to prefetch, up to three runs of consecutive lines, issued in
     /// [`SLICES`] slices between the tile instructions: a burst of them ahead of the block
     /// fills the core's line-fill buffers and then leaves memory idle while the tiles work.
-    /// The `T1` hint (to L2) measured 44 -> 37 ms/GB in a C model of a two-row-tile pass
-    /// (burst `T0` against interleaved `T1`), where the tile loads read L2 at ~14 cycles a tile.
+    /// The `T1` hint (to L2): the tile loads read L2 at ~14 cycles a tile, and interleaved `T1`
+    /// prefetches beat a burst of `T0` ones in a model of a two-row-tile pass.
     struct Lines {
         runs: [(*const u8, usize); 3],
         total: usize,
@@ -318,6 +322,7 @@ mod tiles {
         /// `kb < self.blocks`.
         #[inline(always)]
         unsafe fn block_at(&self, kb: usize, wt: usize) -> BlockAt {
+            // SAFETY: within this function's contract (its `# Safety`): the tiles configured, the operands' rows and blocks readable, `acc` four tiles.
             unsafe {
                 let ah = self.a.add(kb * 2 * TILE_BYTES);
                 let b0 = self.b.add(kb * wt * TILE_BYTES);
@@ -362,7 +367,7 @@ mod tiles {
     /// products skip the padding).
     ///
     /// # Safety
-    /// AMX available and permitted ([`super::available`]).
+    /// AMX available and permitted ([`crate::ops::simd::amx::available`]).
     pub(super) unsafe fn configure(rows: usize) {
         let mut c = Config([0; 64]);
         c.0[0] = 1;
@@ -377,6 +382,7 @@ mod tiles {
     /// # Safety
     /// As [`configure`].
     pub(super) unsafe fn release() {
+        // SAFETY: within this function's contract (its `# Safety`): the tiles configured, the operands' rows and blocks readable, `acc` four tiles.
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     }
 
@@ -409,6 +415,7 @@ mod tiles {
     /// As [`block`].
     #[inline(always)]
     unsafe fn start(a: &Operands, two: bool, w: usize) {
+        // SAFETY: within this function's contract (its `# Safety`): the tiles configured, the operands' rows and blocks readable, `acc` four tiles.
         unsafe {
             asm!(
                 "tilezero tmm0",
@@ -432,6 +439,7 @@ mod tiles {
     /// `acc` holds four 16 x 16 f32.
     #[inline(always)]
     unsafe fn finish(two: bool, acc: *mut f32) {
+        // SAFETY: within this function's contract (its `# Safety`): the tiles configured, the operands' rows and blocks readable, `acc` four tiles.
         unsafe {
             store!("tmm0", acc);
             store!("tmm1", acc.add(256));
@@ -452,6 +460,7 @@ mod tiles {
     pub(super) unsafe fn block(a: &Operands, two: bool, acc: *mut f32) {
         // Per block: the `hi` and `lo` tiles of rows 0-15, then (`lb` on) of rows 16-31.
         let (s, lb) = (64usize, a.blocks * 2 * TILE_BYTES);
+        // SAFETY: within this function's contract (its `# Safety`): the tiles configured, the operands' rows and blocks readable, `acc` four tiles.
         unsafe {
             // Software-pipelined: a tile is loaded as soon as the products reading its old
             // contents are issued, a few products before its first use, since a product right
@@ -523,6 +532,7 @@ mod tiles {
     /// As [`block`].
     pub(super) unsafe fn block_bf16(a: &Operands, two: bool, acc: *mut f32) {
         let (s, lb) = (64usize, a.blocks * 2 * TILE_BYTES);
+        // SAFETY: within this function's contract (its `# Safety`): the tiles configured, the operands' rows and blocks readable, `acc` four tiles.
         unsafe {
             // Pipelined as `block`: each tile is reloaded once the products reading it are issued.
             start(a, two, 0);
@@ -574,7 +584,7 @@ mod tiles {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-mod tiles {
+mod hardware {
     use super::Operands;
     pub(super) unsafe fn configure(_: usize) {
         unreachable!("AMX is x86-64 only")
@@ -582,4 +592,71 @@ mod tiles {
     pub(super) unsafe fn release() {}
     pub(super) unsafe fn block(_: &Operands, _: bool, _: *mut f32) {}
     pub(super) unsafe fn block_bf16(_: &Operands, _: bool, _: *mut f32) {}
+}
+
+/// The tile products of [`hardware`] in plain Rust, on any CPU: the same operands in the same
+/// layout, each product as Intel's definition of `tdpbf16ps` writes it (per output, for each pair
+/// of positions along `k` in order, `c += a[2p] * b[2p]`, then `c += a[2p + 1] * b[2p + 1]`, in
+/// f32: the products of two bf16 are exact in f32). So the layout, the split into halves and the
+/// order of the products are checked on machines without AMX.
+mod emulated {
+    use super::{Operands, KB, LANES, TILE_BYTES, TILE_ROWS};
+
+    /// `acc[tile] (16 x 16) += a (16 rows x 32 bf16) · b (16 pairs x 16 columns x 2 bf16)`.
+    ///
+    /// # Safety
+    /// `a` and `b` hold a tile each, `acc` 256 f32.
+    unsafe fn product(acc: *mut f32, a: *const u16, b: *const u16) {
+        let widen = |h: u16| f32::from_bits((h as u32) << 16);
+        for i in 0..TILE_ROWS {
+            for j in 0..LANES {
+                // SAFETY: i, j < 16 and the pair index below 16: within the tiles (the caller's).
+                unsafe {
+                    let c = acc.add(i * LANES + j);
+                    let mut v = *c;
+                    for p in 0..KB / 2 {
+                        let (a0, a1) = (*a.add(i * KB + 2 * p), *a.add(i * KB + 2 * p + 1));
+                        let (b0, b1) = (*b.add((p * LANES + j) * 2), *b.add((p * LANES + j) * 2 + 1));
+                        v += widen(a0) * widen(b0);
+                        v += widen(a1) * widen(b1);
+                    }
+                    *c = v;
+                }
+            }
+        }
+    }
+
+    /// [`super::hardware::block`] (`per_block` 2: `hi·lo`, `hi·hi`, `lo·hi` per block) or
+    /// [`super::hardware::block_bf16`] (1: `hi·w`, `lo·w`), with the same operands and output.
+    ///
+    /// # Safety
+    /// As [`super::hardware::block`], without the tile configuration.
+    pub(super) unsafe fn block(a: &Operands, two: bool, per_block: usize, acc: *mut f32) {
+        let lb = a.blocks * 2 * TILE_BYTES;
+        // SAFETY: `acc` holds four tiles (the caller's contract).
+        unsafe { std::ptr::write_bytes(acc, 0, 4 * TILE_ROWS * LANES) };
+        for kb in 0..a.blocks {
+            for half in 0..if two { 2 } else { 1 } {
+                // SAFETY: the block's activation tiles of this row half and weight tiles of the
+                // two panels lie within the operands (the caller's contract).
+                unsafe {
+                    let ah = a.a.add(kb * 2 * TILE_BYTES + half * lb) as *const u16;
+                    let al = ah.add(TILE_BYTES / 2);
+                    for panel in 0..2 {
+                        let w = a.b.add(panel * a.panel_bytes + kb * per_block * TILE_BYTES) as *const u16;
+                        let c = acc.add((half * 2 + panel) * TILE_ROWS * LANES);
+                        if per_block == 2 {
+                            let wl = w.add(TILE_BYTES / 2);
+                            product(c, ah, wl);
+                            product(c, ah, w);
+                            product(c, al, w);
+                        } else {
+                            product(c, ah, w);
+                            product(c, al, w);
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -95,7 +95,7 @@ impl MatmulPrecision {
     pub fn available(self) -> bool {
         match self {
             Self::Highest => true,
-            Self::High => super::amx::available(),
+            Self::High => crate::ops::simd::amx::available(),
         }
     }
 }

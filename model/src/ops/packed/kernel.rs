@@ -5,29 +5,7 @@ use std::mem::MaybeUninit;
 
 use super::WeightFormat;
 use super::{Epilogue, PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
-
-/// Sixteen f32 lanes: an AVX-512 register, two AVX2 registers, or an array.
-pub(super) trait Vec16: Copy {
-    /// Activation rows per register tile.
-    const ROWS: usize;
-    unsafe fn zero() -> Self;
-    unsafe fn set1(v: f32) -> Self;
-    /// `*p` in every lane.
-    unsafe fn splat(p: *const f32) -> Self;
-    /// `a * b + c`, rounded once.
-    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
-    unsafe fn mul(a: Self, b: Self) -> Self;
-    unsafe fn load_f32(p: *const u8) -> Self;
-    unsafe fn load_f16(p: *const u8) -> Self;
-    unsafe fn load_bf16(p: *const u8) -> Self;
-    /// 16 signed bytes.
-    unsafe fn load_i8(p: *const u8) -> Self;
-    /// 16 bytes of two 4-bit codes each: (low, high).
-    unsafe fn load_nibbles(p: *const u8) -> (Self, Self);
-    unsafe fn store(self, p: *mut f32);
-    /// A hint to bring the cache line at `p` in (no effect where there is none).
-    unsafe fn prefetch(_p: *const u8) {}
-}
+use crate::ops::simd::{Kernel, Vec16};
 
 /// How one format's panel yields weight vectors: in blocks of `BLOCK` positions along `k`,
 /// `STEPS` loads per block, each giving `PER_STEP` vectors, in ascending positions (so that the
@@ -66,10 +44,12 @@ macro_rules! dense_format {
             }
             #[inline(always)]
             unsafe fn scale<V: Vec16>(_: *const u8) -> V {
+                // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
                 unsafe { V::zero() }
             }
             #[inline(always)]
             unsafe fn weights<V: Vec16>(block: *const u8, _: usize, _: V) -> [V; 2] {
+                // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
                 unsafe { [V::$load(block), V::zero()] }
             }
         }
@@ -90,10 +70,12 @@ impl Format for Q8_0 {
     }
     #[inline(always)]
     unsafe fn scale<V: Vec16>(block: *const u8) -> V {
+        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
         unsafe { V::load_f16(block.add(LANES * BLOCK)) }
     }
     #[inline(always)]
     unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2] {
+        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
         unsafe { [V::mul(V::load_i8(block.add(t * LANES)), scale), V::zero()] }
     }
 }
@@ -110,12 +92,14 @@ impl Format for Q4_0 {
     }
     #[inline(always)]
     unsafe fn scale<V: Vec16>(block: *const u8) -> V {
+        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
         unsafe { V::load_f16(block.add(LANES * BLOCK / 2)) }
     }
     #[inline(always)]
     unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2] {
         // (q - 8) * scale as q * scale - 8 * scale: one rounding of an exact value, so the
         // same weight, in one instruction fewer (`-8 * scale` is computed once per block).
+        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
         unsafe {
             let (lo, hi) = V::load_nibbles(block.add(t * LANES));
             let offset = V::mul(scale, V::set1(-8.0));
@@ -171,22 +155,32 @@ fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [MaybeUninit<f32>]
                 panel_bytes,
                 col0: g * GROUP * LANES,
             };
-            // SAFETY: tasks write disjoint columns of `y`, which outlives the pool's call;
-            // the panels of group `g` exist (the matrix is padded to whole groups); `simd`
-            // is available (`Simd::available`).
-            unsafe {
-                match simd {
-                    #[cfg(target_arch = "x86_64")]
-                    Simd::Avx512 => x86::task512::<F>(&t),
-                    #[cfg(target_arch = "x86_64")]
-                    Simd::Avx2 => x86::task256::<F>(&t),
-                    _ => task::<F, [f32; LANES]>(&t),
-                }
-            }
+            // Tasks write disjoint columns of `y`, which outlives the pool's call; the panels of
+            // group `g` exist (the matrix is padded to whole groups).
+            simd.run(TaskKernel::<F> {
+                t: &t,
+                format: std::marker::PhantomData,
+            });
             // SAFETY: this task's columns, written above.
             unsafe { epilogue(ep, simd, t.y, m, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
         }
     });
+}
+
+/// One task of [`run_format`] on the lanes [`Simd::run`] picks.
+struct TaskKernel<'a, F> {
+    t: &'a Task,
+    format: std::marker::PhantomData<F>,
+}
+
+impl<F: Format> Kernel for TaskKernel<'_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Vec16>(self) {
+        // SAFETY: `run_format` builds tasks within `x`, `y` and the panels, each task's columns
+        // its own.
+        unsafe { task::<F, V>(self.t) }
+    }
 }
 
 /// The epilogue (bias, then GELU) on columns `col0..col0 + cols` of `y` `(m, n)`, which a task
@@ -196,26 +190,26 @@ fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [MaybeUninit<f32>]
 /// # Safety
 /// `y` holds `m * n` f32 and no other thread touches these columns meanwhile; `simd` available.
 pub(super) unsafe fn epilogue(ep: Epilogue, simd: Simd, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f")]
-        unsafe fn avx512(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
-            unsafe { epilogue_any(ep, y, m, n, col0, cols) }
-        }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
-            unsafe { epilogue_any(ep, y, m, n, col0, cols) }
-        }
-        // SAFETY: the caller's contract (`simd` available, the columns its own).
-        match simd {
-            Simd::Avx512 => return unsafe { avx512(ep, y, m, n, col0, cols) },
-            Simd::Avx2 => return unsafe { avx2(ep, y, m, n, col0, cols) },
-            Simd::Portable => {}
+    /// The epilogue as a kernel of plain Rust that the instruction set's compilation vectorises.
+    struct EpilogueKernel<'a> {
+        ep: Epilogue<'a>,
+        y: *mut f32,
+        shape: (usize, usize, usize, usize),
+    }
+    impl Kernel for EpilogueKernel<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn run<V: Vec16>(self) {
+            let (m, n, col0, cols) = self.shape;
+            // SAFETY: the caller's contract (the columns are its own).
+            unsafe { epilogue_any(self.ep, self.y, m, n, col0, cols) }
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = simd;
-    unsafe { epilogue_any(ep, y, m, n, col0, cols) }
+    simd.run(EpilogueKernel {
+        ep,
+        y,
+        shape: (m, n, col0, cols),
+    })
 }
 
 #[inline(always)]
@@ -275,15 +269,18 @@ struct Tile {
 #[inline(always)]
 pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
     let cols = (t.n - t.col0).min(GROUP * LANES);
+    // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
     let panel = |j: usize| unsafe { t.panels.add(j * t.panel_bytes) };
     // Bytes of `F`'s panel holding positions `0..k`.
     let span = |k: usize| k / F::BLOCK * F::BLOCK_BYTES;
     let tile_at = |i0: usize, k0: usize| Tile {
+        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
         x: unsafe { t.x.add(i0 * t.k + k0) },
         ldx: t.k,
         w: t.panels,
         panel_stride: t.panel_bytes,
         kc: t.k,
+        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
         y: unsafe { t.y.add(i0 * t.n + t.col0) },
         ldy: t.n,
         cols,
@@ -293,6 +290,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
         ahead_lines: 0,
     };
     if t.m <= V::ROWS {
+        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
         unsafe { tile_rows::<F, V>(&tile_at(0, 0), t.m) };
         return;
     }
@@ -308,6 +306,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
             let rows = height + usize::from(tile < taller);
             let mut at = tile_at(i0, 0);
             at.prefetch = if tile == 0 { PREFETCH } else { 0 };
+            // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
             unsafe { tile_rows::<F, V>(&at, rows) };
             i0 += rows;
         }
@@ -322,6 +321,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
         // The first chunk, before any tile runs.
         for j in 0..GROUP {
             for line in 0..span(CHUNK.min(t.k)).div_ceil(64) {
+                // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
                 unsafe { V::prefetch(panel(j).wrapping_add(64 * line)) };
             }
         }
@@ -329,8 +329,10 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
     for k0 in (0..t.k).step_by(CHUNK) {
         let kc = CHUNK.min(t.k - k0);
         let (w, panel_stride) = if F::IN_PLACE {
+            // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
             (unsafe { t.panels.add(span(k0)) }, t.panel_bytes)
         } else {
+            // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
             unsafe { widen::<F, V>(t, k0, kc, scratch) };
             (scratch as *const u8, CHUNK * LANES * 4)
         };
@@ -353,6 +355,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
             at.ahead = std::array::from_fn(|j| panel(j).wrapping_add(ahead + 64 * first));
             (at.prefetch, at.ahead_lines) = (0, last - first);
             // (Direct calls, not a function pointer: they inherit the caller's target features.)
+            // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
             unsafe {
                 if F::IN_PLACE {
                     tile_rows::<F, V>(&at, rows)
@@ -381,10 +384,12 @@ impl<F: Format> Format for Widened<F> {
     }
     #[inline(always)]
     unsafe fn scale<V: Vec16>(_: *const u8) -> V {
+        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
         unsafe { V::zero() }
     }
     #[inline(always)]
     unsafe fn weights<V: Vec16>(block: *const u8, t: usize, _: V) -> [V; 2] {
+        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
         unsafe { [V::load_f32(block.add(t * LANES * 4)), V::zero()] }
     }
 }
@@ -395,6 +400,7 @@ impl<F: Format> Format for Widened<F> {
 unsafe fn widen<F: Format, V: Vec16>(t: &Task, k0: usize, kc: usize, out: *mut f32) {
     for j in 0..GROUP {
         for b in k0 / F::BLOCK..(k0 + kc) / F::BLOCK {
+            // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
             unsafe {
                 let block = t.panels.add(j * t.panel_bytes + b * F::BLOCK_BYTES);
                 let scale = F::scale::<V>(block);
@@ -413,6 +419,7 @@ unsafe fn widen<F: Format, V: Vec16>(t: &Task, k0: usize, kc: usize, out: *mut f
 /// One tile of `rows` rows (at most `V::ROWS`).
 #[inline(always)]
 unsafe fn tile_rows<F: Format, V: Vec16>(t: &Tile, rows: usize) {
+    // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
     unsafe {
         match rows {
             12 => tile::<F, V, 12>(t),
@@ -435,6 +442,7 @@ unsafe fn tile_rows<F: Format, V: Vec16>(t: &Tile, rows: usize) {
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
 unsafe fn tile<F: Format, V: Vec16, const R: usize>(t: &Tile) {
+    // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
     unsafe {
         let mut acc = [[V::zero(); GROUP]; R];
         if t.accumulate {
@@ -503,6 +511,7 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize>(t: &Tile) {
 /// The first `cols` (up to 16) values at `p`, zeros after them.
 #[inline(always)]
 unsafe fn load_cols<V: Vec16>(p: *const f32, cols: usize) -> V {
+    // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
     unsafe {
         if cols >= LANES {
             V::load_f32(p as *const u8)
@@ -510,220 +519,6 @@ unsafe fn load_cols<V: Vec16>(p: *const f32, cols: usize) -> V {
             let mut tmp = [0f32; LANES];
             std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), cols);
             V::load_f32(tmp.as_ptr() as *const u8)
-        }
-    }
-}
-
-/// Plain Rust: the reference, and the path of other CPUs.
-impl Vec16 for [f32; LANES] {
-    const ROWS: usize = 2;
-    unsafe fn zero() -> Self {
-        [0.0; LANES]
-    }
-    unsafe fn set1(v: f32) -> Self {
-        [v; LANES]
-    }
-    unsafe fn splat(p: *const f32) -> Self {
-        [unsafe { *p }; LANES]
-    }
-    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
-        std::array::from_fn(|l| a[l].mul_add(b[l], c[l]))
-    }
-    unsafe fn mul(a: Self, b: Self) -> Self {
-        std::array::from_fn(|l| a[l] * b[l])
-    }
-    unsafe fn load_f32(p: *const u8) -> Self {
-        std::array::from_fn(|l| unsafe { (p as *const f32).add(l).read_unaligned() })
-    }
-    unsafe fn load_f16(p: *const u8) -> Self {
-        std::array::from_fn(|l| unsafe { (p as *const half::f16).add(l).read_unaligned() }.to_f32())
-    }
-    unsafe fn load_bf16(p: *const u8) -> Self {
-        std::array::from_fn(|l| unsafe { (p as *const half::bf16).add(l).read_unaligned() }.to_f32())
-    }
-    unsafe fn load_i8(p: *const u8) -> Self {
-        std::array::from_fn(|l| unsafe { *p.add(l) } as i8 as f32)
-    }
-    unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
-        let byte = |l: usize| unsafe { *p.add(l) };
-        (
-            std::array::from_fn(|l| (byte(l) & 15) as f32),
-            std::array::from_fn(|l| (byte(l) >> 4) as f32),
-        )
-    }
-    unsafe fn store(self, p: *mut f32) {
-        unsafe { std::ptr::copy_nonoverlapping(self.as_ptr(), p, LANES) }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use std::arch::x86_64::*;
-
-    use super::{task, Format, Task, Vec16};
-
-    /// # Safety
-    /// As [`task`]; the CPU must have AVX-512F, AVX2, FMA and F16C.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(in super::super) unsafe fn task512<F: Format>(t: &Task) {
-        unsafe { task::<F, __m512>(t) }
-    }
-
-    /// # Safety
-    /// As [`task`]; the CPU must have AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in super::super) unsafe fn task256<F: Format>(t: &Task) {
-        unsafe { task::<F, Y2>(t) }
-    }
-
-    /// 12 rows x 2 panels: 24 accumulators of the 32 registers. (8 x 3 does as well on
-    /// prefill but worse on batched decode, where fewer panels per row pass overlap the
-    /// weights' arrival with more arithmetic: batch 16, 386-416 against 446-478 tokens/s.)
-    impl Vec16 for __m512 {
-        const ROWS: usize = 12;
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            unsafe { _mm512_setzero_ps() }
-        }
-        #[inline(always)]
-        unsafe fn set1(v: f32) -> Self {
-            unsafe { _mm512_set1_ps(v) }
-        }
-        #[inline(always)]
-        unsafe fn splat(p: *const f32) -> Self {
-            unsafe { _mm512_set1_ps(*p) }
-        }
-        #[inline(always)]
-        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
-            unsafe { _mm512_fmadd_ps(a, b, c) }
-        }
-        #[inline(always)]
-        unsafe fn mul(a: Self, b: Self) -> Self {
-            unsafe { _mm512_mul_ps(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn load_f32(p: *const u8) -> Self {
-            unsafe { _mm512_loadu_ps(p as *const f32) }
-        }
-        #[inline(always)]
-        unsafe fn load_f16(p: *const u8) -> Self {
-            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
-        }
-        /// bf16 is the top half of an f32: widen to 32 bits and shift into place.
-        #[inline(always)]
-        unsafe fn load_bf16(p: *const u8) -> Self {
-            unsafe {
-                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
-            }
-        }
-        #[inline(always)]
-        unsafe fn load_i8(p: *const u8) -> Self {
-            unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))) }
-        }
-        #[inline(always)]
-        unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
-            unsafe {
-                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
-                let lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
-                (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)))
-            }
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32) {
-            unsafe { _mm512_storeu_ps(p, self) }
-        }
-        #[inline(always)]
-        unsafe fn prefetch(p: *const u8) {
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
-        }
-    }
-
-    /// Two AVX2 registers (16 registers in all: tiles of 2 rows).
-    #[derive(Clone, Copy)]
-    pub(in super::super) struct Y2(__m256, __m256);
-
-    impl Vec16 for Y2 {
-        const ROWS: usize = 2;
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            unsafe { Y2(_mm256_setzero_ps(), _mm256_setzero_ps()) }
-        }
-        #[inline(always)]
-        unsafe fn set1(v: f32) -> Self {
-            unsafe { Y2(_mm256_set1_ps(v), _mm256_set1_ps(v)) }
-        }
-        #[inline(always)]
-        unsafe fn splat(p: *const f32) -> Self {
-            unsafe {
-                let v = _mm256_broadcast_ss(&*p);
-                Y2(v, v)
-            }
-        }
-        #[inline(always)]
-        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
-            unsafe { Y2(_mm256_fmadd_ps(a.0, b.0, c.0), _mm256_fmadd_ps(a.1, b.1, c.1)) }
-        }
-        #[inline(always)]
-        unsafe fn mul(a: Self, b: Self) -> Self {
-            unsafe { Y2(_mm256_mul_ps(a.0, b.0), _mm256_mul_ps(a.1, b.1)) }
-        }
-        #[inline(always)]
-        unsafe fn load_f32(p: *const u8) -> Self {
-            unsafe {
-                let p = p as *const f32;
-                Y2(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
-            }
-        }
-        #[inline(always)]
-        unsafe fn load_f16(p: *const u8) -> Self {
-            unsafe {
-                let p = p as *const __m128i;
-                Y2(
-                    _mm256_cvtph_ps(_mm_loadu_si128(p)),
-                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
-                )
-            }
-        }
-        #[inline(always)]
-        unsafe fn load_bf16(p: *const u8) -> Self {
-            unsafe {
-                let p = p as *const __m128i;
-                let a = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)));
-                let b = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(1))));
-                Y2(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b))
-            }
-        }
-        #[inline(always)]
-        unsafe fn load_i8(p: *const u8) -> Self {
-            unsafe {
-                let v = _mm_loadu_si128(p as *const __m128i);
-                Y2(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
-                )
-            }
-        }
-        #[inline(always)]
-        unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
-            unsafe {
-                let v = _mm_loadu_si128(p as *const __m128i);
-                let (a, b) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v)));
-                let fifteen = _mm256_set1_epi32(15);
-                let (a_lo, b_lo) = (_mm256_and_si256(a, fifteen), _mm256_and_si256(b, fifteen));
-                let (a_hi, b_hi) = (_mm256_srli_epi32::<4>(a), _mm256_srli_epi32::<4>(b));
-                (
-                    Y2(_mm256_cvtepi32_ps(a_lo), _mm256_cvtepi32_ps(b_lo)),
-                    Y2(_mm256_cvtepi32_ps(a_hi), _mm256_cvtepi32_ps(b_hi)),
-                )
-            }
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32) {
-            unsafe {
-                _mm256_storeu_ps(p, self.0);
-                _mm256_storeu_ps(p.add(8), self.1);
-            }
         }
     }
 }

@@ -34,10 +34,11 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
+use super::simd::Simd;
 pub use format::{MatmulPrecision, WeightFormat};
 
 /// Output columns per panel: one AVX-512 vector of f32.
-const LANES: usize = 16;
+const LANES: usize = super::simd::LANES;
 /// Panels per task and per register tile.
 const GROUP: usize = 2;
 /// How far ahead of the kernel, in bytes, the first row tile asks for its panels' next lines.
@@ -206,7 +207,7 @@ impl PackedMatrix {
                         self.format
                     )
                 }
-                if !amx::available() {
+                if !super::simd::amx::available() {
                     candle_core::bail!(
                         "matmul precision `high` runs on AMX tiles (Intel Sapphire Rapids or later, Linux 5.16 \
                          or later); this CPU or kernel has none"
@@ -266,6 +267,35 @@ impl PackedMatrix {
         self.matmul_epilogue(x, m, simd, Epilogue::default())
     }
 
+    /// [`MatmulPrecision::High`]'s products of `x` `(m, k)` with the AMX tile products computed
+    /// in plain Rust as the instruction defines them, on any CPU (f32 or bf16 weights): the
+    /// layout, the split into bf16 halves and the order of the products, checked where there is
+    /// no AMX. Slow; for tests.
+    #[doc(hidden)]
+    pub fn matmul_high_emulated(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        if !matches!(self.format, WeightFormat::F32 | WeightFormat::Bf16) || x.len() != m * self.k || self.k == 0 {
+            candle_core::bail!("matmul_high_emulated: f32 or bf16 weights and x of (m, k)")
+        }
+        let tiles = match &self.amx {
+            Some(tiles) => tiles.clone(),
+            None => std::sync::Arc::new(amx::AmxWeights::new(self)),
+        };
+        let len = m * self.n;
+        let mut y = Vec::with_capacity(len);
+        amx::run(
+            self,
+            &tiles,
+            x,
+            &mut y.spare_capacity_mut()[..len],
+            m,
+            Epilogue::default(),
+            amx::Tiles::Emulated,
+        );
+        // SAFETY: the kernel initialised all `len` elements (its contract).
+        unsafe { y.set_len(len) };
+        Ok(y)
+    }
+
     /// `x @ W^T + bias`, then GELU (tanh form) if `gelu`: a linear layer in one pass, the
     /// bias and activation applied by each task to the outputs it has just written (while they
     /// are in cache, and on the thread pool rather than in separate passes). The same bits as
@@ -295,7 +325,15 @@ impl PackedMatrix {
         // per row was ~3% of a prompt's time).
         let mut y = Vec::with_capacity(len);
         match &self.amx {
-            Some(tiles) => amx::run(self, tiles, x, &mut y.spare_capacity_mut()[..len], m, ep),
+            Some(tiles) => amx::run(
+                self,
+                tiles,
+                x,
+                &mut y.spare_capacity_mut()[..len],
+                m,
+                ep,
+                amx::Tiles::Hardware,
+            ),
             None => kernel::run(self, x, &mut y.spare_capacity_mut()[..len], m, simd, ep),
         }
         // SAFETY: the kernels initialised all `len` elements (their contract).
@@ -458,41 +496,6 @@ impl CustomOp2 for WithEpilogue<'_> {
             gelu: self.gelu,
         };
         self.w.forward_cpu(x, lx, ep)
-    }
-}
-
-/// The instruction sets the kernel is written for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Simd {
-    Avx512,
-    Avx2,
-    /// Plain Rust (`f32::mul_add`).
-    Portable,
-}
-
-impl Simd {
-    /// The widest this CPU runs (`is_x86_feature_detected` caches).
-    pub fn detect() -> Self {
-        Self::available()[0]
-    }
-
-    /// Every one this CPU runs, widest first.
-    pub fn available() -> Vec<Self> {
-        let mut out = Vec::new();
-        #[cfg(target_arch = "x86_64")]
-        {
-            let avx2 = std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-                && std::is_x86_feature_detected!("f16c");
-            if avx2 && std::is_x86_feature_detected!("avx512f") {
-                out.push(Self::Avx512);
-            }
-            if avx2 {
-                out.push(Self::Avx2);
-            }
-        }
-        out.push(Self::Portable);
-        out
     }
 }
 

@@ -1,0 +1,114 @@
+//! AVX2 lanes: two `__m256` registers make sixteen f32.
+
+use std::arch::x86_64::*;
+
+use super::{Kernel, Vec16};
+
+/// Runs `k` on AVX2 lanes, compiled for AVX2, FMA and F16C.
+///
+/// # Safety
+/// The CPU has those features (`Simd::Avx2` is available).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn run<K: Kernel>(k: K) -> K::Output {
+    k.run::<Y2>()
+}
+
+/// Two AVX2 registers (16 registers in all: tiles of 2 rows).
+#[derive(Clone, Copy)]
+pub(crate) struct Y2(__m256, __m256);
+
+// SAFETY: as for AVX-512, two 8-lane halves; they run where `Simd::Avx2` does (AVX2, FMA, F16C).
+unsafe impl Vec16 for Y2 {
+    const ROWS: usize = 2;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe { Y2(_mm256_setzero_ps(), _mm256_setzero_ps()) }
+    }
+    #[inline(always)]
+    unsafe fn set1(v: f32) -> Self {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe { Y2(_mm256_set1_ps(v), _mm256_set1_ps(v)) }
+    }
+    #[inline(always)]
+    unsafe fn splat(p: *const f32) -> Self {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe {
+            let v = _mm256_broadcast_ss(&*p);
+            Y2(v, v)
+        }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe { Y2(_mm256_fmadd_ps(a.0, b.0, c.0), _mm256_fmadd_ps(a.1, b.1, c.1)) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe { Y2(_mm256_mul_ps(a.0, b.0), _mm256_mul_ps(a.1, b.1)) }
+    }
+    #[inline(always)]
+    unsafe fn load_f32(p: *const u8) -> Self {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe {
+            let p = p as *const f32;
+            Y2(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u8) -> Self {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe {
+            let p = p as *const __m128i;
+            Y2(
+                _mm256_cvtph_ps(_mm_loadu_si128(p)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u8) -> Self {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe {
+            let p = p as *const __m128i;
+            let a = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)));
+            let b = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(1))));
+            Y2(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_i8(p: *const u8) -> Self {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe {
+            let v = _mm_loadu_si128(p as *const __m128i);
+            Y2(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe {
+            let v = _mm_loadu_si128(p as *const __m128i);
+            let (a, b) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v)));
+            let fifteen = _mm256_set1_epi32(15);
+            let (a_lo, b_lo) = (_mm256_and_si256(a, fifteen), _mm256_and_si256(b, fifteen));
+            let (a_hi, b_hi) = (_mm256_srli_epi32::<4>(a), _mm256_srli_epi32::<4>(b));
+            (
+                Y2(_mm256_cvtepi32_ps(a_lo), _mm256_cvtepi32_ps(b_lo)),
+                Y2(_mm256_cvtepi32_ps(a_hi), _mm256_cvtepi32_ps(b_hi)),
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
+        unsafe {
+            _mm256_storeu_ps(p, self.0);
+            _mm256_storeu_ps(p.add(8), self.1);
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! The instruction-set layer, in one place: which vector instructions this CPU runs ([`Simd`]),
+//! sixteen f32 lanes on each of them ([`Vec16`]: `portable`, `avx2`, `avx512`), running a kernel
+//! compiled for one of them ([`Simd::run`]), and Intel's AMX tiles (`amx`: detection and the
+//! kernel's permission).
+//!
+//! Every kernel takes the [`Simd`] it runs on, so that tests run each path the host has against
+//! the portable one. A kernel is written once, generic over [`Vec16`] (or as plain Rust that the
+//! compiler vectorises): [`Simd::run`] monomorphises it inside a function compiled for the chosen
+//! instructions (the `pulp` crate's pattern; `std::simd` is nightly-only). The x86 intrinsics of
+//! one instruction set live in its file here; kernels that need more than [`Vec16`] offers (the
+//! attention's horizontal sums, the AMX tile instructions) dispatch on [`Simd`] themselves.
+
+pub(crate) mod amx;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod portable;
+
+use std::sync::OnceLock;
+
+/// f32 lanes of a [`Vec16`].
+pub(crate) const LANES: usize = 16;
+
+/// The instruction sets the kernels are written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    /// AVX-512 (F and BW) with AVX2, FMA and F16C.
+    Avx512,
+    /// AVX2 with FMA and F16C.
+    Avx2,
+    /// Plain Rust (`f32::mul_add`): any CPU, and the reference of the others.
+    Portable,
+}
+
+impl Simd {
+    /// The widest this CPU runs (detected once).
+    pub fn detect() -> Self {
+        Self::available()[0]
+    }
+
+    /// Every one this CPU runs, widest first (detected once).
+    pub fn available() -> &'static [Self] {
+        static AVAILABLE: OnceLock<Vec<Simd>> = OnceLock::new();
+        AVAILABLE.get_or_init(|| {
+            let mut out = Vec::new();
+            #[cfg(target_arch = "x86_64")]
+            {
+                let avx2 = std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("fma")
+                    && std::is_x86_feature_detected!("f16c");
+                if avx2 && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
+                    out.push(Simd::Avx512);
+                }
+                if avx2 {
+                    out.push(Simd::Avx2);
+                }
+            }
+            out.push(Simd::Portable);
+            out
+        })
+    }
+
+    /// Whether this CPU runs `self`.
+    pub fn is_available(self) -> bool {
+        Self::available().contains(&self)
+    }
+
+    /// `kernel` on this instruction set's lanes, compiled for it.
+    ///
+    /// # Panics
+    /// If this CPU does not run `self` (a `Simd` not taken from [`Simd::available`]): running
+    /// instructions the CPU lacks would be undefined behaviour.
+    #[inline(always)]
+    pub(crate) fn run<K: Kernel>(self, kernel: K) -> K::Output {
+        assert!(self.is_available(), "{self:?} is not available on this CPU");
+        match self {
+            // SAFETY: available (asserted above).
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => unsafe { avx512::run(kernel) },
+            // SAFETY: available (asserted above).
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => unsafe { avx2::run(kernel) },
+            _ => kernel.run::<[f32; LANES]>(),
+        }
+    }
+}
+
+/// A computation written once for any [`Vec16`], run by [`Simd::run`] on one instruction set.
+/// Its `run` should be `#[inline(always)]` (and so should what it calls), so that it compiles
+/// inside the instruction set's function; a kernel of plain Rust can ignore `V` and still be
+/// vectorised for the instruction set.
+pub(crate) trait Kernel {
+    type Output;
+    fn run<V: Vec16>(self) -> Self::Output;
+}
+
+/// Sixteen f32 lanes: an AVX-512 register, two AVX2 registers, or an array.
+///
+/// # Safety
+/// An implementation's methods may use only the instructions of the [`Simd`] whose `run` uses
+/// it (the caller checks that instruction set once, in [`Simd::run`]), and each touches exactly
+/// the memory its contract names: the 16 lanes (64 bytes of f32, 32 of f16 or bf16, 16 of i8 or
+/// nibble pairs) at the pointer given, unaligned. Callers of the `unsafe` methods guarantee that
+/// this memory is valid.
+pub(crate) unsafe trait Vec16: Copy {
+    /// Activation rows per register tile of the packed kernel.
+    const ROWS: usize;
+    /// # Safety
+    /// As the trait.
+    unsafe fn zero() -> Self;
+    /// # Safety
+    /// As the trait.
+    unsafe fn set1(v: f32) -> Self;
+    /// `*p` in every lane.
+    /// # Safety
+    /// `p` valid for one f32.
+    unsafe fn splat(p: *const f32) -> Self;
+    /// `a * b + c`, rounded once.
+    /// # Safety
+    /// As the trait.
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+    /// # Safety
+    /// As the trait.
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    /// # Safety
+    /// `p` valid for 64 bytes.
+    unsafe fn load_f32(p: *const u8) -> Self;
+    /// # Safety
+    /// `p` valid for 32 bytes.
+    unsafe fn load_f16(p: *const u8) -> Self;
+    /// # Safety
+    /// `p` valid for 32 bytes.
+    unsafe fn load_bf16(p: *const u8) -> Self;
+    /// 16 signed bytes.
+    /// # Safety
+    /// `p` valid for 16 bytes.
+    unsafe fn load_i8(p: *const u8) -> Self;
+    /// 16 bytes of two 4-bit codes each: (low, high).
+    /// # Safety
+    /// `p` valid for 16 bytes.
+    unsafe fn load_nibbles(p: *const u8) -> (Self, Self);
+    /// # Safety
+    /// `p` valid for writing 16 f32.
+    unsafe fn store(self, p: *mut f32);
+    /// A hint to bring the cache line at `p` in (no effect where there is none).
+    /// # Safety
+    /// None beyond the trait's: a prefetch does not fault on any address.
+    unsafe fn prefetch(_p: *const u8) {}
+}
