@@ -117,6 +117,14 @@ impl Weight {
 /// `x @ w^T` for a 2-D `w` `(out, in)` with candle's matmul, under `autocast`: training, and
 /// inference off the CPU (where weights are [`Weight::Packed`]).
 fn matmul_wt(x: &Tensor, w: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
+    // f32 on the CPU: the packed kernel, forward and backward (`ops::linear_product`).
+    if autocast == Autocast::Off && x.device().is_cpu() && crate::ops::fused(x) && w.dtype() == DType::F32 {
+        let mut dims = x.dims().to_vec();
+        let d_in = dims.pop().unwrap_or(0);
+        let y = crate::ops::linear_product(&x.reshape(((), d_in))?, w)?;
+        dims.push(y.dim(1)?);
+        return y.reshape(dims);
+    }
     if x.dtype() != w.dtype() && autocast == Autocast::Off {
         return x.matmul(&w.to_dtype(x.dtype())?.t()?);
     }

@@ -20,6 +20,7 @@ mod cross_entropy;
 mod dropout;
 mod gelu;
 mod layer_norm;
+mod linear;
 mod packed;
 mod rows;
 pub mod simd;
@@ -39,6 +40,7 @@ use softmax::CausalSoftmax;
 pub(crate) use attention::WriteRows;
 pub use attention::{cached_attention, cached_attention_on};
 pub(crate) use gelu::gelu_new;
+pub use linear::linear_product;
 pub use packed::{MatmulPrecision, PackedMatrix, WeightFormat};
 pub use rows::{argmax, argmax_on, log_sum_exp, log_sum_exp_on};
 pub use simd::Simd;
@@ -70,10 +72,17 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, eps: f32) -> Result<Tens
     }
 }
 
-/// Whether a fused op (here, or the trainer's AdamW update) runs for `x`: f32 on the CPU, or on a
-/// CUDA GPU unless the environment sets `GPT_CUDA_FUSED=0` (candle's own ops then, to compare).
+/// Whether a fused op (here, or the trainer's AdamW update) runs for `x`: f32 on the CPU unless
+/// the environment sets `GPT_CPU_FUSED=0`, or on a CUDA GPU unless it sets `GPT_CUDA_FUSED=0`
+/// (candle's own ops then, to compare).
 pub fn fused(x: &Tensor) -> bool {
-    x.dtype() == DType::F32 && (x.device().is_cpu() || (x.device().is_cuda() && cuda_fused()))
+    x.dtype() == DType::F32 && ((x.device().is_cpu() && cpu_fused()) || (x.device().is_cuda() && cuda_fused()))
+}
+
+/// `GPT_CPU_FUSED` is not `0`.
+pub fn cpu_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("GPT_CPU_FUSED").map_or(true, |v| v != "0"))
 }
 
 /// Dropout of `x` with probability `p`, the mask drawn from the counter-based generator keyed by

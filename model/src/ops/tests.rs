@@ -249,3 +249,39 @@ fn cached_attention_matches_candle_on(simd: Simd) {
     let kv = Tensor::zeros((1, 3, 64), DType::F32, &dev).unwrap();
     assert!(cached_attention(&qkv, &[2], &[(kv.clone(), kv)], 1, 0.125).is_err());
 }
+
+/// Forward and both gradients against candle's matmul, for a transposed view of GPT-2's
+/// `(in, out)` weight (as training holds it) and for a contiguous `(out, in)` one (the LM head),
+/// on shapes with partial panels and tiles.
+#[test]
+fn linear_product_and_its_gradients_match_candles_matmul() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for (m, k, n) in [(1, 5, 3), (13, 64, 40), (70, 48, 33), (40, 96, 130)] {
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (m, k), &dev)?)?;
+        let w_in_out = Var::from_tensor(&Tensor::randn(0f32, 1.0, (k, n), &dev)?)?;
+        let w_out_in = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, k), &dev)?)?;
+        let g = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
+        for w in [w_in_out.as_tensor().t()?, w_out_in.as_tensor().clone()] {
+            let ours = linear_product(x.as_tensor(), &w)?;
+            let theirs = x.as_tensor().matmul(&w.t()?)?;
+            let scale = (k as f32).sqrt();
+            assert!(
+                support::max_abs_diff(&ours, &theirs)? < 1e-5 * scale,
+                "({m}, {k}, {n}) forward"
+            );
+            let grads_ours = (ours * &g)?.sum_all()?.backward()?;
+            let grads_theirs = (theirs * &g)?.sum_all()?.backward()?;
+            for var in [&x, &w_in_out, &w_out_in] {
+                match (grads_ours.get(var.as_tensor()), grads_theirs.get(var.as_tensor())) {
+                    (Some(a), Some(b)) => {
+                        let d = support::max_abs_diff(a, b)?;
+                        assert!(d < 1e-4 * scale, "({m}, {k}, {n}): gradient differs by {d}");
+                    }
+                    (None, None) => {}
+                    _ => panic!("({m}, {k}, {n}): a gradient on one side only"),
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -106,6 +106,34 @@ impl PackedMatrix {
         Ok(packed)
     }
 
+    /// f32 weights `W` `(n, k)` read from `data` at `offset + r * strides.0 + c * strides.1`
+    /// (any layout: a transposed view packs without a copy first). Training packs its weights
+    /// and activations this way at every product, so it is one pass over the values.
+    pub(crate) fn from_strided_f32(
+        data: &[f32],
+        offset: usize,
+        (n, k): (usize, usize),
+        strides: (usize, usize),
+    ) -> Self {
+        let mut packed = Self::zeros(WeightFormat::F32, n, k);
+        // SAFETY: `Line` is 64 aligned plain bytes, so its storage is valid as f32 (4-aligned).
+        let out =
+            unsafe { std::slice::from_raw_parts_mut(packed.lines.as_mut_ptr() as *mut f32, packed.lines.len() * 16) };
+        // Panel by panel, position by position, the panel's 16 rows: 16 sequential streams from
+        // a row-major source, one contiguous run of 16 from a transposed one.
+        for (p, out) in out.chunks_exact_mut(k * LANES).enumerate().take(n.div_ceil(LANES)) {
+            let rows = (n - p * LANES).min(LANES);
+            let base = offset + p * LANES * strides.0;
+            for (c, lanes) in out.chunks_exact_mut(LANES).enumerate() {
+                let at = base + c * strides.1;
+                for (lane, v) in lanes[..rows].iter_mut().enumerate() {
+                    *v = data[at + lane * strides.0];
+                }
+            }
+        }
+        packed
+    }
+
     /// A GGML tensor `(n, k)` in f32, f16, bf16, q8_0 or q4_0; quantized blocks are moved as
     /// they are.
     pub fn from_qtensor(q: &QTensor) -> Result<Self> {
