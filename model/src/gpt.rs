@@ -199,6 +199,19 @@ impl Gpt {
         &self,
         idx: &Tensor,
         train: Option<Dropout>,
+        record: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
+        let (b_sz, seq_len) = idx.dims2()?;
+        let x = self.forward_hidden(idx, train, record)?; // (B*T, C)
+        let logits = self.wte.forward(&x, self.autocast)?; // (B*T, V)
+        Ok(logits.reshape((b_sz, seq_len, self.cfg.vocab_size))?)
+    }
+
+    /// The final LayerNorm's output `(B*T, C)` for `(B, T)` windows: the LM head's input.
+    fn forward_hidden(
+        &self,
+        idx: &Tensor,
+        train: Option<Dropout>,
         mut record: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
         let (b_sz, seq_len) = idx.dims2()?;
@@ -224,10 +237,32 @@ impl Gpt {
             // (B, T, C)
         }
         let x = layer_norm(&self.ln_f, &x, train.is_some())?;
-        let logits = self
-            .wte
-            .forward(&x.reshape((b_sz * seq_len, self.cfg.n_embd))?, self.autocast)?; // (B*T, V)
-        Ok(logits.reshape((b_sz, seq_len, self.cfg.vocab_size))?)
+        Ok(x.reshape((b_sz * seq_len, self.cfg.n_embd))?) // (B*T, C)
+    }
+
+    /// Mean next-token cross-entropy of `(B, T)` windows `idx` against `targets` `(B, T)` (u32),
+    /// with label smoothing `eps` (see [`crate::ops::cross_entropy`]); `train` as in
+    /// [`Gpt::forward_t`], and then differentiable. On the CPU in f32 the LM head and the loss are
+    /// one op that never holds the whole logits ([`crate::ops::lm_head_loss`]); elsewhere the
+    /// logits, then the cross-entropy.
+    pub fn loss(&self, idx: &Tensor, targets: &Tensor, train: Option<Dropout>, eps: f32) -> Result<Tensor> {
+        let hidden = self.forward_hidden(idx, train, None)?; // (B*T, C)
+        let targets = targets.flatten_all()?;
+        match &self.wte {
+            Weight::Dense(w)
+                if hidden.device().is_cpu()
+                    && crate::ops::fused(&hidden)
+                    && w.dtype() == DType::F32
+                    && targets.dtype() == DType::U32
+                    && self.autocast == Autocast::Off =>
+            {
+                Ok(crate::ops::lm_head_loss(&hidden, w, &targets, eps, train.is_some())?)
+            }
+            _ => {
+                let logits = self.wte.forward(&hidden, self.autocast)?.to_dtype(DType::F32)?; // (B*T, V)
+                Ok(crate::ops::cross_entropy(&logits, &targets, eps)?)
+            }
+        }
     }
 
     /// Inference logits `(B, T, V)` in f32 for whole windows.

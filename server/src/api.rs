@@ -675,23 +675,3 @@ mod tests {
         assert!(err(json!([null])).contains("array of arrays of token ids"));
     }
 }
-
-/// Each request type names its model, and what it knows but does not implement.
-macro_rules! request_body {
-    ($($t:ty $(=> $unsupported:expr)?),* $(,)?) => {$(
-        impl crate::state::RequestBody for $t {
-            $(const UNSUPPORTED: &'static [&'static [&'static str]] = $unsupported;)?
-            fn model(&self) -> Option<&str> {
-                self.model.as_deref()
-            }
-        }
-    )*};
-}
-
-request_body!(
-    CompletionRequest => &[UNSUPPORTED],
-    ChatCompletionRequest => &[UNSUPPORTED, UNSUPPORTED_CHAT],
-    AttentionRequest,
-    TokenizeRequest,
-    DetokenizeRequest,
-);

@@ -10,6 +10,9 @@ use axum::http::StatusCode;
 use axum::Json;
 use gpt::Tokenizer;
 
+use crate::api::{
+    self, AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+};
 use crate::chat::ChatTemplate;
 use crate::engine::Engine;
 use crate::error::ApiError;
@@ -115,3 +118,23 @@ fn rejection(e: JsonRejection) -> ApiError {
         }
     }
 }
+
+/// Each request type names its model, and what it knows but does not implement.
+macro_rules! request_body {
+    ($($t:ty $(=> $unsupported:expr)?),* $(,)?) => {$(
+        impl RequestBody for $t {
+            $(const UNSUPPORTED: &'static [&'static [&'static str]] = $unsupported;)?
+            fn model(&self) -> Option<&str> {
+                self.model.as_deref()
+            }
+        }
+    )*};
+}
+
+request_body!(
+    CompletionRequest => &[api::UNSUPPORTED],
+    ChatCompletionRequest => &[api::UNSUPPORTED, api::UNSUPPORTED_CHAT],
+    AttentionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+);

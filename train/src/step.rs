@@ -17,13 +17,7 @@ pub struct Objective {
 /// Mean cross-entropy of next-token prediction over all positions of `(B, T)` windows, with
 /// label smoothing `eps`; `train` while training (dropout on, with masks from its key).
 pub fn loss(model: &Gpt, x: &Tensor, y: &Tensor, train: Option<Dropout>, eps: f32) -> Result<Tensor> {
-    let logits = model.forward_t(x, train)?; // (B, T, V)
-    let (b_sz, seq_len, vocab) = logits.dims3()?;
-    Ok(gpt::ops::cross_entropy(
-        &logits.reshape((b_sz * seq_len, vocab))?,
-        &y.flatten_all()?,
-        eps,
-    )?)
+    Ok(model.loss(x, y, train, eps)?)
 }
 
 /// Runs `work(0) .. work(n - 1)` on `n` scoped threads (inline when `n` is 1) and returns their

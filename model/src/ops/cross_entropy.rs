@@ -21,15 +21,38 @@ pub(super) struct CrossEntropy {
 impl CrossEntropy {
     /// The loss of one row.
     fn row_loss(&self, row: &[f32], target: usize) -> f64 {
-        let (max, lse) = row_logsumexp(row);
-        let nll = (max + lse - row[target]) as f64;
-        if self.eps == 0.0 {
-            return nll;
-        }
-        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / row.len() as f64;
-        let uniform = (max + lse) as f64 - mean; // -mean(log p)
-        (1.0 - self.eps as f64) * nll + self.eps as f64 * uniform
+        row_loss(row, target, self.eps)
     }
+}
+
+/// The loss of one row of logits against its target, with label smoothing `eps`.
+pub(super) fn row_loss(row: &[f32], target: usize, eps: f32) -> f64 {
+    loss_of(row, target, eps, row_logsumexp(row))
+}
+
+/// [`row_loss`] given the row's max and log-sum-exp.
+fn loss_of(row: &[f32], target: usize, eps: f32, (max, lse): (f32, f32)) -> f64 {
+    let nll = (max + lse - row[target]) as f64;
+    if eps == 0.0 {
+        return nll;
+    }
+    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / row.len() as f64;
+    let uniform = (max + lse) as f64 - mean; // -mean(log p)
+    (1.0 - eps as f64) * nll + eps as f64 * uniform
+}
+
+/// The loss of one row (as [`row_loss`]), and its gradient times `scale` written over the row
+/// (as [`CrossEntropyGrad`] computes it).
+pub(super) fn row_loss_and_grad(row: &mut [f32], target: usize, eps: f32, scale: f32) -> f64 {
+    let (max, lse) = row_logsumexp(row);
+    let loss = loss_of(row, target, eps, (max, lse));
+    let shift = max + lse;
+    let smooth = eps / row.len() as f32;
+    for v in row.iter_mut() {
+        *v = scale * ((*v - shift).exp() - smooth);
+    }
+    row[target] -= scale * (1.0 - eps);
+    loss
 }
 
 /// Row `r`'s max and log of the sum of exp(x - max).

@@ -285,3 +285,47 @@ fn linear_product_and_its_gradients_match_candles_matmul() -> anyhow::Result<()>
     }
     Ok(())
 }
+
+/// The fused LM head and cross-entropy against the head's product then the fused cross-entropy:
+/// the loss with and without gradients, and the gradients of the hidden states and of the head,
+/// for several chunks of rows, a transposed head and label smoothing.
+#[test]
+fn lm_head_loss_matches_the_head_then_the_cross_entropy() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (n, c, vocab) = (300, 24, 97);
+    for (eps, transposed) in [(0.0f32, false), (0.1, true)] {
+        let h = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, c), &dev)?)?;
+        let w_var = if transposed {
+            Var::from_tensor(&Tensor::randn(0f32, 0.5, (c, vocab), &dev)?)?
+        } else {
+            Var::from_tensor(&Tensor::randn(0f32, 0.5, (vocab, c), &dev)?)?
+        };
+        let w = if transposed {
+            w_var.as_tensor().t()?
+        } else {
+            w_var.as_tensor().clone()
+        };
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 5) % vocab as u32).collect();
+        let targets = Tensor::new(ids.as_slice(), &dev)?;
+        let fused = lm_head_loss(h.as_tensor(), &w, &targets, eps, true)?;
+        let plain = cross_entropy(&h.as_tensor().matmul(&w.t()?)?, &targets, eps)?;
+        let (a, b) = (fused.to_scalar::<f32>()?, plain.to_scalar::<f32>()?);
+        assert!((a - b).abs() < 1e-5 * b.abs().max(1.0), "eps {eps}: loss {a} vs {b}");
+        let no_grad = lm_head_loss(h.as_tensor(), &w, &targets, eps, false)?.to_scalar::<f32>()?;
+        assert_eq!(no_grad, a, "eps {eps}: the loss differs without gradients");
+        let (gf, gp) = ((fused * 3.0)?.backward()?, (plain * 3.0)?.backward()?);
+        for var in [&h, &w_var] {
+            let (x, y) = (gf.get(var.as_tensor()), gp.get(var.as_tensor()));
+            let (Some(x), Some(y)) = (x, y) else {
+                panic!("eps {eps}: a gradient is missing")
+            };
+            let d = max_diff(x, y);
+            let size = support::max_abs_diff(y, &y.zeros_like()?)?;
+            assert!(
+                d < 1e-5 * size.max(1e-3) + 1e-7,
+                "eps {eps}: gradient differs by {d} (size {size})"
+            );
+        }
+    }
+    Ok(())
+}
