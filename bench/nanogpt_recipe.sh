@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 nanogpt=$(cd "$1" && pwd)
 python=${2:-python3}
+[[ "$python" == */* ]] && python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")" # runs elsewhere
 repo=$PWD
 cargo build -q --release -p gpt-train
 data="$nanogpt/data/shakespeare_char"

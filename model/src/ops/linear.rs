@@ -48,7 +48,15 @@ impl CustomOp2 for Product {
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dx = product(dy, &w.t()?)?; // (m, n) @ (n, k): dy @ (W^T)^T
-        let dw = product(&dy.t()?, &x.t()?)?; // (n, m) @ (m, k): dy^T @ (x^T)^T
+                                        // dW (n, k) = dy^T @ x: the activations of the product must be a contiguous copy of
+                                        // one transposed operand, so transpose the smaller: dy^T (n, m) for dW, or x^T (k, m) for
+                                        // dW^T (k, n), returned as its transposed view.
+        let (n, k) = w.dims2()?;
+        let dw = if n <= k {
+            product(&dy.t()?, &x.t()?)? // (n, m) @ (m, k): dy^T @ (x^T)^T
+        } else {
+            product(&x.t()?, &dy.t()?)?.t()? // ((k, m) @ (m, n))^T: (x^T @ (dy^T)^T)^T
+        };
         Ok((Some(dx), Some(dw)))
     }
 }

@@ -30,6 +30,8 @@
 //! weights as they are) for Intel's AMX tiles (`amx.rs`), which then take every product of that
 //! matrix.
 
+use std::mem::MaybeUninit;
+
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
@@ -115,23 +117,49 @@ impl PackedMatrix {
         (n, k): (usize, usize),
         strides: (usize, usize),
     ) -> Self {
-        let mut packed = Self::zeros(WeightFormat::F32, n, k);
-        // SAFETY: `Line` is 64 aligned plain bytes, so its storage is valid as f32 (4-aligned).
-        let out =
-            unsafe { std::slice::from_raw_parts_mut(packed.lines.as_mut_ptr() as *mut f32, packed.lines.len() * 16) };
+        let panels = n.div_ceil(LANES * GROUP) * GROUP;
+        let len = panels * k * LANES; // f32 values, a whole number of lines (64 bytes = 16)
+                                      // Every value is written below, padding included, so the lines start uninitialised
+                                      // (zeroing them first was a pass of its own, at every training product).
+        let mut lines: Vec<Line> = Vec::with_capacity(len / LANES);
+        let out = lines.spare_capacity_mut();
+        // SAFETY: `Line` is 64-byte aligned plain bytes, valid as 16 f32 each; the slice covers
+        // exactly the spare capacity, written as f32 only.
+        let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut MaybeUninit<f32>, len) };
         // Panel by panel, position by position, the panel's 16 rows: 16 sequential streams from
         // a row-major source, one contiguous run of 16 from a transposed one.
-        for (p, out) in out.chunks_exact_mut(k * LANES).enumerate().take(n.div_ceil(LANES)) {
-            let rows = (n - p * LANES).min(LANES);
+        for (p, out) in out.chunks_exact_mut((k * LANES).max(1)).enumerate() {
+            let rows = n.saturating_sub(p * LANES).min(LANES);
             let base = offset + p * LANES * strides.0;
             for (c, lanes) in out.chunks_exact_mut(LANES).enumerate() {
                 let at = base + c * strides.1;
-                for (lane, v) in lanes[..rows].iter_mut().enumerate() {
-                    *v = data[at + lane * strides.0];
+                let (values, padding) = lanes.split_at_mut(rows);
+                if rows == 0 {
+                    // A padding panel: zeros only.
+                } else if strides.0 == 1 {
+                    // A transposed source: the panel's 16 rows are adjacent.
+                    for (v, &x) in values.iter_mut().zip(&data[at..at + rows]) {
+                        v.write(x);
+                    }
+                } else {
+                    for (lane, v) in values.iter_mut().enumerate() {
+                        v.write(data[at + lane * strides.0]);
+                    }
+                }
+                for v in padding {
+                    v.write(0.0);
                 }
             }
         }
-        packed
+        // SAFETY: all `len / 16` lines written above.
+        unsafe { lines.set_len(len / LANES) };
+        Self {
+            format: WeightFormat::F32,
+            n,
+            k,
+            lines,
+            amx: None,
+        }
     }
 
     /// A GGML tensor `(n, k)` in f32, f16, bf16, q8_0 or q4_0; quantized blocks are moved as
