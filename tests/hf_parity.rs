@@ -1,5 +1,6 @@
 //! Parity with the reference implementation: `tests/fixtures/tiny-gpt2` was written by
-//! `transformers` (`make_gpt2_fixture.py`), with the logits it computes for a few texts.
+//! `transformers` (`make_gpt2_fixture.py`), with the logits it computes for a few texts, and the
+//! gradients of a training loss by PyTorch's autograd (`make_grad_fixture.py`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
