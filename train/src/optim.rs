@@ -44,6 +44,31 @@ struct FusedUpdate {
     bias2: f32,
 }
 
+impl FusedUpdate {
+    /// AdamW on one run of elements: parameters `t`, gradients `g`, moments `m` and `v` into the
+    /// new ones.
+    #[allow(clippy::too_many_arguments)]
+    fn update(
+        &self,
+        t: &[f32],
+        g: &[f32],
+        m: &[f32],
+        v: &[f32],
+        t_out: &mut [f32],
+        m_out: &mut [f32],
+        v_out: &mut [f32],
+    ) {
+        for i in 0..t.len() {
+            let mi = self.beta1 * m[i] + (1.0 - self.beta1) * g[i];
+            let vi = self.beta2 * v[i] + (1.0 - self.beta2) * g[i] * g[i];
+            let update = (mi / self.bias1) / ((vi / self.bias2).sqrt() + self.eps);
+            t_out[i] = t[i] * (1.0 - self.lr * self.decay) - self.lr * update;
+            m_out[i] = mi;
+            v_out[i] = vi;
+        }
+    }
+}
+
 impl CustomOp3 for FusedUpdate {
     fn name(&self) -> &'static str {
         "fused-adamw"
@@ -65,14 +90,29 @@ impl CustomOp3 for FusedUpdate {
         let mut out = vec![0f32; 3 * n];
         let (new_theta, rest) = out.split_at_mut(n);
         let (new_m, new_v) = rest.split_at_mut(n);
-        for i in 0..n {
-            let mi = self.beta1 * m[i] + (1.0 - self.beta1) * g[i];
-            let vi = self.beta2 * v[i] + (1.0 - self.beta2) * g[i] * g[i];
-            let update = (mi / self.bias1) / ((vi / self.bias2).sqrt() + self.eps);
-            new_theta[i] = theta[i] * (1.0 - self.lr * self.decay) - self.lr * update;
-            new_m[i] = mi;
-            new_v[i] = vi;
-        }
+        // Each element on its own: a large parameter's elements are split over the cores (the
+        // update runs after the shards' threads, alone), with the same result.
+        let threads = if n >= 1 << 20 {
+            crate::train::cpu_threads(None)
+        } else {
+            1
+        };
+        let per = n.div_ceil(threads.max(1)).max(1);
+        std::thread::scope(|scope| {
+            let parts = new_theta
+                .chunks_mut(per)
+                .zip(new_m.chunks_mut(per))
+                .zip(new_v.chunks_mut(per))
+                .zip(
+                    theta
+                        .chunks(per)
+                        .zip(g.chunks(per))
+                        .zip(m.chunks(per).zip(v.chunks(per))),
+                );
+            for (((t_out, m_out), v_out), ((t, g), (m, v))) in parts {
+                scope.spawn(move || self.update(t, g, m, v, t_out, m_out, v_out));
+            }
+        });
         Ok((CpuStorage::F32(out), Shape::from((3, n))))
     }
 
