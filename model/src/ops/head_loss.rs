@@ -121,11 +121,15 @@ impl CustomOp3 for HeadLoss {
         }
         if self.with_grad {
             let dev = candle_core::Device::Cpu;
-            let dw_t = dw_t.unwrap_or_else(|| vec![0f32; vocab * c]);
-            // (V, C) as a view of the (C, V) sums: candle's gradient sums read it in place.
+            let dw = match dw_t {
+                Some(dw_t) => transpose(&dw_t, c, vocab),
+                None => vec![0f32; vocab * c],
+            };
+            // Contiguous (V, C): candle's sum with the embedding's gradient reads a transposed
+            // view element by element, across cache lines.
             let grads = (
                 Tensor::from_vec(dh, (n, c), &dev)?,
-                Tensor::from_vec(dw_t, (c, vocab), &dev)?.t()?,
+                Tensor::from_vec(dw, (vocab, c), &dev)?,
             );
             *self
                 .grads
@@ -153,6 +157,27 @@ impl CustomOp3 for HeadLoss {
             candle_core::bail!("lm-head-loss: backward without a forward pass that took the gradients")
         };
         let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        if g == 1.0 {
+            // The loss itself is what `backward` was called on (training's case): no pass to scale.
+            return Ok((Some(dh), Some(dw), None));
+        }
         Ok((Some((dh * g)?), Some((dw * g)?), None))
     }
+}
+
+/// `x` `(rows, cols)` row-major, transposed: `(cols, rows)` row-major, in 32 x 32 blocks so that
+/// both sides stay in cache.
+fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    const B: usize = 32;
+    let mut out = vec![0f32; rows * cols];
+    for r0 in (0..rows).step_by(B) {
+        for c0 in (0..cols).step_by(B) {
+            for r in r0..(r0 + B).min(rows) {
+                for c in c0..(c0 + B).min(cols) {
+                    out[c * rows + r] = x[r * cols + c];
+                }
+            }
+        }
+    }
+    out
 }
