@@ -118,12 +118,13 @@ impl Weight {
 /// inference off the CPU (where weights are [`Weight::Packed`]).
 fn matmul_wt(x: &Tensor, w: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
     // f32 on the CPU: the packed kernel, forward and backward (`ops::linear_product`).
-    if autocast == Autocast::Off && x.device().is_cpu() && crate::ops::fused(x) && w.dtype() == DType::F32 {
-        let mut dims = x.dims().to_vec();
-        let d_in = dims.pop().unwrap_or(0);
-        let y = crate::ops::linear_product(&x.reshape(((), d_in))?, w)?;
-        dims.push(y.dim(1)?);
-        return y.reshape(dims);
+    if autocast == Autocast::Off
+        && x.device().is_cpu()
+        && crate::ops::fused(x)
+        && w.dtype() == DType::F32
+        && x.rank() == 2
+    {
+        return crate::ops::linear_product(x, w);
     }
     if x.dtype() != w.dtype() && autocast == Autocast::Off {
         return x.matmul(&w.to_dtype(x.dtype())?.t()?);

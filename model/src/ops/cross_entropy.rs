@@ -61,7 +61,8 @@ fn row_logsumexp(row: &[f32]) -> (f32, f32) {
     (max, sum.ln())
 }
 
-fn targets_of<'a>(storage: &'a CpuStorage, layout: &Layout, vocab: usize) -> Result<&'a [u32]> {
+/// The target ids of rows of `vocab` logits, each checked against the vocabulary.
+pub(super) fn targets_of<'a>(storage: &'a CpuStorage, layout: &Layout, vocab: usize) -> Result<&'a [u32]> {
     let data = storage.as_slice::<u32>()?;
     let ids = match layout.contiguous_offsets() {
         Some((start, end)) => &data[start..end],

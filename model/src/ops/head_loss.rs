@@ -14,7 +14,7 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::cross_entropy::{row_loss, row_loss_and_grad};
+use super::cross_entropy::{row_loss, row_loss_and_grad, targets_of};
 use super::packed::PackedMatrix;
 use super::simd::Simd;
 
@@ -65,18 +65,12 @@ impl CustomOp3 for HeadLoss {
         let h = super::f32_slice(sh, lh, "lm-head-loss")?;
         let (n, c) = lh.shape().dims2()?;
         let (vocab, cw) = lw.shape().dims2()?;
-        let targets = match lt.contiguous_offsets() {
-            Some((a, b)) => &st.as_slice::<u32>()?[a..b],
-            None => candle_core::bail!("lm-head-loss: the targets must be contiguous"),
-        };
+        let targets = targets_of(st, lt, vocab)?;
         if cw != c || targets.len() != n {
             candle_core::bail!(
                 "lm-head-loss: hidden ({n}, {c}), head ({vocab}, {cw}), {} targets",
                 targets.len()
             )
-        }
-        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
-            candle_core::bail!("lm-head-loss: target id {bad} is outside the vocabulary of {vocab}");
         }
         let (wdata, stride) = (sw.as_slice::<f32>()?, lw.stride());
         let w_rows = PackedMatrix::from_strided_f32(wdata, lw.start_offset(), (vocab, c), (stride[0], stride[1]));
@@ -106,12 +100,7 @@ impl CustomOp3 for HeadLoss {
             dh.extend(w_cols.matmul_with(&logits, rows, simd));
             // d W^T (C, V) += hidden^T (C, R) @ d logits (R, V): `a @ B^T` with a = hidden^T and
             // B = d logits^T, packed straight from the logits' rows.
-            let mut h_t = vec![0f32; c * rows];
-            for (r, row) in h_chunk.chunks_exact(c).enumerate() {
-                for (j, &v) in row.iter().enumerate() {
-                    h_t[j * rows + r] = v;
-                }
-            }
+            let h_t = transpose(h_chunk, rows, c);
             let dlogits_t = PackedMatrix::from_strided_f32(&logits, 0, (vocab, rows), (1, vocab));
             let part = dlogits_t.matmul_with(&h_t, c, simd);
             match &mut dw_t {
@@ -166,7 +155,8 @@ impl CustomOp3 for HeadLoss {
 }
 
 /// `x` `(rows, cols)` row-major, transposed: `(cols, rows)` row-major, in 32 x 32 blocks so that
-/// both sides stay in cache.
+/// both sides stay in cache (candle's strided copy walks one side across cache lines, element by
+/// element).
 fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     const B: usize = 32;
     let mut out = vec![0f32; rows * cols];
