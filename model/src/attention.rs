@@ -316,6 +316,11 @@ impl CausalSelfAttention {
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
         let (b_sz, seq_len, n_embd) = x.dims3()?;
+        if crate::ops::fused(x) && x.device().is_cpu() {
+            let rows = x.reshape((b_sz * seq_len, n_embd))?;
+            let y = self.forward_rows(&rows, seq_len, train, record)?;
+            return dropout(y, self.resid_pdrop, train.map(|d| d.site(1)))?.reshape((b_sz, seq_len, n_embd));
+        }
         // Inference multiplies once and splits the product (quantized weights cannot be split);
         // training splits the weight (see `forward_cols`).
         let qkv = match train {
@@ -341,6 +346,51 @@ impl CausalSelfAttention {
         let y = matmul(&att, &v, self.autocast)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b_sz, seq_len, n_embd))?; // (B, T, C)
         dropout(self.c_proj.forward(&y)?, self.resid_pdrop, train.map(|d| d.site(1)))
+    }
+
+    /// The attention's output before its residual dropout, for `x` `(B * T, C)`: windows of
+    /// `seq_len` rows, f32 on the CPU. One product for q, k and v, then the tiled attention op
+    /// (forward and backward; ops/window_attention.rs), which never holds the (B, nh, T, T)
+    /// weights; `train` and `record` as in [`Self::forward_recorded`] (recorded probabilities
+    /// are computed beside the op, from the same q and k, so the output is the same either way).
+    pub(crate) fn forward_rows(
+        &self,
+        x: &Tensor,
+        seq_len: usize,
+        train: Option<Dropout>,
+        record: Option<&mut Vec<Tensor>>,
+    ) -> candle_core::Result<Tensor> {
+        let qkv = self.c_attn.forward(x)?; // (B*T, 3C)
+        if let Some(record) = record {
+            let (rows, width) = qkv.dims2()?;
+            let heads = |i: usize| -> candle_core::Result<Tensor> {
+                qkv.narrow(1, i * width / 3, width / 3)?
+                    .reshape((rows / seq_len, seq_len, self.n_head, self.head_dim))?
+                    .transpose(1, 2)? // (B, nh, T, hs)
+                    .contiguous()
+            };
+            let att = (heads(0)?.matmul(&heads(1)?.t()?)? * self.scale())?;
+            record.push(crate::ops::causal_softmax(&att, false)?); // (B, nh, T, T)
+        }
+        let (p, d) = match train {
+            Some(d) if self.attn_pdrop > 0.0 => (self.attn_pdrop, d.site(0)),
+            _ => (0.0, Dropout { key: 0, first_row: 0 }),
+        };
+        let y = crate::ops::window_attention(
+            crate::ops::Simd::detect(),
+            &qkv,
+            seq_len,
+            self.n_head,
+            self.scale() as f32,
+            p,
+            d.key,
+            d.first_row,
+        )?;
+        self.c_proj.forward(&y) // (B*T, C)
+    }
+
+    pub(crate) fn resid_pdrop(&self) -> f32 {
+        self.resid_pdrop
     }
 
     /// Inference on packed rows: `x` is `(N, C)`, the new tokens of each sequence in turn,

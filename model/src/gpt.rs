@@ -34,13 +34,18 @@ impl Mlp {
 
     /// `train`: this layer's dropout key; the MLP's masks are its site 2.
     fn forward_t(&self, x: &Tensor, train: Option<Dropout>) -> candle_core::Result<Tensor> {
+        dropout(self.forward_undropped(x)?, self.resid_pdrop, train.map(|d| d.site(2)))
+        // (.., C)
+    }
+
+    /// The MLP's output before its residual dropout.
+    fn forward_undropped(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let h = match self.activation {
             Activation::GeluNew => self.c_fc.forward_gelu(x)?, // (.., 4C), tanh approximation
             Activation::Gelu => self.c_fc.forward(x)?.gelu_erf()?,
             Activation::Relu => self.c_fc.forward(x)?.relu()?,
         };
-        dropout(self.c_proj.forward(&h)?, self.resid_pdrop, train.map(|d| d.site(2)))
-        // (.., C)
+        self.c_proj.forward(&h)
     }
 }
 
@@ -74,6 +79,32 @@ impl Block {
         &x + self
             .mlp
             .forward_t(&layer_norm(&self.ln_2, &x, train.is_some())?, train)?
+    }
+
+    /// [`Block::forward_t`] on the residual stream as rows, `x` `(B * T, C)` in windows of
+    /// `seq_len` (f32 on the CPU): every step one fused node of the backward graph, and no
+    /// reshapes (each would be a node too). Dropout masks as in [`Block::forward_t`].
+    fn forward_rows(
+        &self,
+        x: &Tensor,
+        seq_len: usize,
+        train: Option<Dropout>,
+        record: Option<&mut Vec<Tensor>>,
+    ) -> candle_core::Result<Tensor> {
+        // The residual dropouts (sites 1 and 2), keyed as in `forward_t`; on rows, the masks
+        // count elements from the shard's first window's first row.
+        let add = |x: &Tensor, h: &Tensor, p: f32, site: u64| match train {
+            Some(d) => crate::ops::add_dropout(x, h, p, d.site(site).key, d.first_row * seq_len),
+            None => x + h,
+        };
+        let h = self
+            .attn
+            .forward_rows(&layer_norm(&self.ln_1, x, train.is_some())?, seq_len, train, record)?;
+        let x = add(x, &h, self.attn.resid_pdrop(), 1)?;
+        let h = self
+            .mlp
+            .forward_undropped(&layer_norm(&self.ln_2, &x, train.is_some())?)?;
+        add(&x, &h, self.mlp.resid_pdrop, 2)
     }
 
     fn forward_packed(
@@ -221,12 +252,28 @@ impl Gpt {
                 max: self.cfg.n_positions,
             });
         }
-        let tok = self
-            .wte
-            .rows(&idx.flatten_all()?, self.dtype())?
-            .reshape((b_sz, seq_len, self.cfg.n_embd))?; // (B, T, C)
+        let tok = self.wte.rows(&idx.flatten_all()?, self.dtype())?; // (B*T, C)
         let pos = self.wpe.narrow(0, 0, seq_len)?; // (T, C)
-                                                   // Dropout sites: the embeddings 0, block i's layer key i + 1.
+        if tok.device().is_cpu() && crate::ops::fused(&tok) {
+            // f32 on the CPU: the residual stream as rows (`Block::forward_rows`); the
+            // embeddings' masks count elements from the shard's first window.
+            let x = crate::ops::add_tiled(&tok, &pos)?;
+            let mut x = dropout(
+                x,
+                self.cfg.embd_pdrop,
+                train.map(|d| Dropout {
+                    first_row: d.first_row * seq_len,
+                    ..d.site(0)
+                }),
+            )?;
+            for (i, block) in self.blocks.iter().enumerate() {
+                let train = train.map(|d| d.site(i as u64 + 1));
+                x = block.forward_rows(&x, seq_len, train, record.as_deref_mut())?;
+            }
+            return Ok(layer_norm(&self.ln_f, &x, train.is_some())?); // (B*T, C)
+        }
+        let tok = tok.reshape((b_sz, seq_len, self.cfg.n_embd))?; // (B, T, C)
+                                                                  // Dropout sites: the embeddings 0, block i's layer key i + 1.
         let mut x = dropout(
             crate::ops::add_tiled(&tok, &pos)?,
             self.cfg.embd_pdrop,
@@ -430,7 +477,8 @@ impl Gpt {
                 let mut model = self;
                 for conv in model.convs_mut() {
                     if let Weight::Dense(w) = &conv.weight {
-                        conv.weight = Weight::Dense(w.contiguous()?);
+                        let w = Weight::Dense(w.contiguous()?);
+                        conv.set_weight(w);
                     }
                 }
                 return Ok(model);
@@ -483,8 +531,12 @@ impl Gpt {
     }
 
     /// Every weight matrix (`(out, in)`) under its checkpoint name: the tied LM head and token
-    /// embedding `transformer.wte.weight`, then each block's linear layers.
+    /// embedding `transformer.wte.weight`, then each block's linear layers. For conversions: the
+    /// layers stop using the `(in, out)` tensors they were created with (training's path).
     pub fn matrices_mut(&mut self) -> Vec<(String, &mut Weight)> {
+        for conv in self.convs_mut() {
+            conv.in_out = None;
+        }
         let mut out = vec![("transformer.wte.weight".to_string(), &mut self.wte)];
         for (i, block) in self.blocks.iter_mut().enumerate() {
             for (name, conv) in [

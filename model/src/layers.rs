@@ -141,6 +141,11 @@ pub struct Conv1D {
     pub(crate) weight: Weight, // (out, in)
     pub(crate) bias: Tensor,   // (out,)
     pub(crate) autocast: Autocast,
+    /// The `(in, out)` tensor as created (the variable, while training), of which `weight` is
+    /// the transposed view: the CPU's fused training product ([`crate::ops::affine`]) takes it
+    /// so that the gradient lands on the variable directly. `None` once `weight` is converted
+    /// for inference ([`Conv1D::set_weight`]).
+    pub(crate) in_out: Option<Tensor>,
 }
 
 impl Conv1D {
@@ -161,7 +166,15 @@ impl Conv1D {
             weight: Weight::Dense(weight.t()?),
             bias,
             autocast: Autocast::Off,
+            in_out: Some(weight),
         })
+    }
+
+    /// Replaces the weight (a conversion for inference), dropping the `(in, out)` tensor it no
+    /// longer views.
+    pub(crate) fn set_weight(&mut self, weight: Weight) {
+        self.weight = weight;
+        self.in_out = None;
     }
 
     /// GPT-2's `(in, out)` weight (dequantized to f32 if quantized).
@@ -205,7 +218,12 @@ fn linear_act(
     let mut dims = x.dims().to_vec();
     let d_in = dims.pop().unwrap_or(0);
     let rows: usize = dims.iter().product();
-    let x = x.reshape((rows, d_in))?;
+    // A reshape is a node of the backward graph even when it changes nothing: none for 2-D.
+    let x = if dims.len() == 1 {
+        x.clone()
+    } else {
+        x.reshape((rows, d_in))?
+    };
     let y = match weight {
         Weight::Packed(p) => p.matmul_bias(&x, bias, gelu)?,
         Weight::Dense(_) => {
@@ -218,7 +236,11 @@ fn linear_act(
         }
     };
     dims.push(bias.dim(0)?);
-    y.reshape(dims)
+    if dims.len() == 2 {
+        Ok(y)
+    } else {
+        y.reshape(dims)
+    }
 }
 
 fn linear(x: &Tensor, weight: &Weight, bias: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
@@ -228,13 +250,39 @@ fn linear(x: &Tensor, weight: &Weight, bias: &Tensor, autocast: Autocast) -> can
 impl Conv1D {
     /// GELU (tanh form) of the layer's output, fused with it where the weight is packed.
     pub fn forward_gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(y) = self.fused_affine(x) {
+            return crate::ops::gelu(&y?);
+        }
         linear_act(x, &self.weight, &self.bias, self.autocast, true)
+    }
+}
+
+impl Conv1D {
+    /// `x @ W + b` as one fused node ([`crate::ops::affine`]) where it applies: f32 on the CPU,
+    /// 2-D `x` (the residual stream as rows), the `(in, out)` tensor at hand, no autocast.
+    fn fused_affine(&self, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
+        match &self.in_out {
+            Some(w)
+                if self.autocast == Autocast::Off
+                    && x.rank() == 2
+                    && x.device().is_cpu()
+                    && crate::ops::fused(x)
+                    && w.dtype() == DType::F32
+                    && self.bias.dtype() == DType::F32 =>
+            {
+                Some(crate::ops::affine(x, w, &self.bias))
+            }
+            _ => None,
+        }
     }
 }
 
 impl Module for Conv1D {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        linear(x, &self.weight, &self.bias, self.autocast)
+        match self.fused_affine(x) {
+            Some(y) => y,
+            None => linear(x, &self.weight, &self.bias, self.autocast),
+        }
     }
 }
 

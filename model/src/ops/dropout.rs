@@ -6,7 +6,7 @@
 
 #[cfg(feature = "cuda")]
 use candle_core::CudaStorage;
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::f32_slice;
 use crate::rng;
@@ -64,5 +64,35 @@ impl CustomOp1 for Dropout {
     /// Linear with a fixed mask: the gradient goes through the same mask.
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(grad_res.contiguous()?.apply_op1(*self)?))
+    }
+}
+
+/// `x + dropout(h)`: one node of the backward graph instead of two (each costs a zeroed
+/// gradient buffer and an add in candle's backward pass).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct AddDropout(pub(super) Dropout);
+
+impl CustomOp2 for AddDropout {
+    fn name(&self) -> &'static str {
+        "counter-add-dropout"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, h) = (f32_slice(s1, l1, "add-dropout")?, f32_slice(s2, l2, "add-dropout")?);
+        if x.len() != h.len() {
+            candle_core::bail!("add-dropout: {:?} + {:?}", l1.dims(), l2.dims())
+        }
+        let scale = self.0.scale();
+        let y: Vec<f32> = x
+            .iter()
+            .zip(h)
+            .enumerate()
+            .map(|(i, (&x, &h))| if self.0.keeps(i as u64) { x + h * scale } else { x })
+            .collect();
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _h: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(dy.clone()), Some(dy.contiguous()?.apply_op1(self.0)?)))
     }
 }

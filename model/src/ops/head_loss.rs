@@ -100,7 +100,7 @@ impl CustomOp3 for HeadLoss {
             dh.extend(w_cols.matmul_with(&logits, rows, simd));
             // d W^T (C, V) += hidden^T (C, R) @ d logits (R, V): `a @ B^T` with a = hidden^T and
             // B = d logits^T, packed straight from the logits' rows.
-            let h_t = transpose(h_chunk, rows, c);
+            let h_t = super::linear::transpose(h_chunk, rows, c);
             let dlogits_t = PackedMatrix::from_strided_f32(&logits, 0, (vocab, rows), (1, vocab));
             let part = dlogits_t.matmul_with(&h_t, c, simd);
             match &mut dw_t {
@@ -111,7 +111,7 @@ impl CustomOp3 for HeadLoss {
         if self.with_grad {
             let dev = candle_core::Device::Cpu;
             let dw = match dw_t {
-                Some(dw_t) => transpose(&dw_t, c, vocab),
+                Some(dw_t) => super::linear::transpose(&dw_t, c, vocab),
                 None => vec![0f32; vocab * c],
             };
             // Contiguous (V, C): candle's sum with the embedding's gradient reads a transposed
@@ -152,22 +152,4 @@ impl CustomOp3 for HeadLoss {
         }
         Ok((Some((dh * g)?), Some((dw * g)?), None))
     }
-}
-
-/// `x` `(rows, cols)` row-major, transposed: `(cols, rows)` row-major, in 32 x 32 blocks so that
-/// both sides stay in cache (candle's strided copy walks one side across cache lines, element by
-/// element).
-fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    const B: usize = 32;
-    let mut out = vec![0f32; rows * cols];
-    for r0 in (0..rows).step_by(B) {
-        for c0 in (0..cols).step_by(B) {
-            for r in r0..(r0 + B).min(rows) {
-                for c in c0..(c0 + B).min(cols) {
-                    out[c * rows + r] = x[r * cols + c];
-                }
-            }
-        }
-    }
-    out
 }

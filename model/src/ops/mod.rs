@@ -28,6 +28,7 @@ pub mod simd;
 mod softmax;
 #[cfg(test)]
 mod tests;
+mod window_attention;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
@@ -37,12 +38,13 @@ use dropout::Dropout;
 use gelu::Gelu;
 use layer_norm::LayerNorm;
 use softmax::CausalSoftmax;
+use window_attention::WindowAttention;
 
 pub(crate) use attention::WriteRows;
 pub use attention::{cached_attention, cached_attention_on};
 pub(crate) use gelu::gelu_new;
 pub use head_loss::lm_head_loss;
-pub use linear::linear_product;
+pub use linear::{affine, linear_product};
 pub use packed::{MatmulPrecision, PackedMatrix, WeightFormat};
 pub use rows::{argmax, argmax_on, log_sum_exp, log_sum_exp_on};
 pub use simd::Simd;
@@ -106,6 +108,63 @@ pub fn dropout(x: &Tensor, p: f32, key: u64, first_row: usize) -> Result<Tensor>
     } else {
         x.broadcast_mul(&op.mask(x)?)
     }
+}
+
+/// Causal self-attention of `qkv` `(B * T, 3C)`, windows of `t` rows (queries, keys and
+/// values, head after head, as GPT-2's `c_attn` writes them) with `n_head` heads:
+/// `softmax(q kᵀ · scale + mask) v` per head, returned as `(B * T, C)`; differentiable. Dropout
+/// `p` of the attention weights draws the masks that [`dropout`] keyed by `key` would draw for
+/// the `(B, nh, T, T)` weights from window `first_row` (0: none). CPU, f32 (see [`fused`]);
+/// tiled, never holding the `(B, nh, T, T)` weights (the `window_attention` module). On
+/// `simd`'s lanes ([`Simd::detect`] for this CPU's widest).
+///
+/// # Panics
+/// If this CPU does not run `simd` (see [`Simd::available`]).
+#[allow(clippy::too_many_arguments)]
+pub fn window_attention(
+    simd: Simd,
+    qkv: &Tensor,
+    t: usize,
+    n_head: usize,
+    scale: f32,
+    p: f32,
+    key: u64,
+    first_row: usize,
+) -> Result<Tensor> {
+    if !qkv.device().is_cpu() || qkv.dtype() != DType::F32 {
+        candle_core::bail!("window-attention: qkv must be f32 on the CPU")
+    }
+    let dropout = (p > 0.0).then_some(Dropout {
+        key,
+        first: (first_row * n_head * t * t) as u64,
+        p,
+    });
+    qkv.contiguous()?.apply_op1(WindowAttention {
+        t,
+        n_head,
+        scale,
+        dropout,
+        simd,
+    })
+}
+
+/// `x + dropout(h)` (the residual add of a dropped-out branch) as one node, `h`'s masks those of
+/// [`dropout`] with the same arguments; without dropout (`p` 0), `x + h`. Differentiable; fused
+/// on the CPU in f32.
+pub fn add_dropout(x: &Tensor, h: &Tensor, p: f32, key: u64, first_row: usize) -> Result<Tensor> {
+    if p <= 0.0 {
+        return x + h;
+    }
+    if !(fused(h) && h.device().is_cpu()) {
+        return x + dropout(h, p, key, first_row)?;
+    }
+    let per_row = h.elem_count() / h.dim(0)?.max(1);
+    let op = dropout::AddDropout(Dropout {
+        key,
+        first: (first_row * per_row) as u64,
+        p,
+    });
+    x.contiguous()?.apply_op2(&h.contiguous()?, op)
 }
 
 /// `GPT_CUDA_FUSED` is not `0`.

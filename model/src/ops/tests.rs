@@ -329,3 +329,107 @@ fn lm_head_loss_matches_the_head_then_the_cross_entropy() -> anyhow::Result<()> 
     }
     Ok(())
 }
+
+/// The tiled window attention against candle's composite (q kᵀ, additive mask, softmax, the
+/// same dropout masks as a tensor, the product with v), forward and the gradient of `qkv`, on
+/// every instruction set this CPU has: several query blocks with a partial last one, head sizes
+/// that are and are not whole vectors, with and without dropout.
+#[test]
+fn window_attention_matches_candles_composite() -> anyhow::Result<()> {
+    let dev = &Device::Cpu;
+    for &simd in Simd::available() {
+        for (b, t, nh, hs, p) in [
+            (2, 150, 2, 24, 0.0),
+            (2, 150, 2, 24, 0.3),
+            (1, 40, 3, 64, 0.1),
+            (3, 1, 1, 16, 0.0),
+        ] {
+            let c = nh * hs;
+            let qkv = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, t, 3 * c), dev)?)?;
+            let g = Tensor::randn(0f32, 1.0, (b, t, c), dev)?;
+            let scale = 1.0 / (hs as f32).sqrt();
+            let (key, first_row) = (99, 3usize);
+            let rows = qkv.reshape((b * t, 3 * c))?;
+            let ours = window_attention(simd, &rows, t, nh, scale, p, key, first_row)?.reshape((b, t, c))?;
+            let heads = |i: usize| -> candle_core::Result<Tensor> {
+                qkv.narrow(2, i * c, c)?
+                    .reshape((b, t, nh, hs))?
+                    .transpose(1, 2)?
+                    .contiguous()
+            };
+            let att = (heads(0)?.matmul(&heads(1)?.t()?)? * scale as f64)?;
+            let att = candle_nn::ops::softmax(&att.broadcast_add(&causal_mask(t, 0, DType::F32, dev)?)?, D::Minus1)?;
+            let drop = super::Dropout {
+                key,
+                first: (first_row * nh * t * t) as u64,
+                p,
+            };
+            let att = if p > 0.0 { (&att * drop.mask(&att)?)? } else { att };
+            let theirs = att.matmul(&heads(2)?)?.transpose(1, 2)?.reshape((b, t, c))?;
+            let what = format!("{simd:?} ({b}, {t}, {nh} x {hs}) p {p}");
+            let d = support::max_abs_diff(&ours, &theirs)?;
+            assert!(d < 1e-5, "{what}: forward differs by {d}");
+            let ga = (ours * &g)?.sum_all()?.backward()?;
+            let gb = (theirs * &g)?.sum_all()?.backward()?;
+            let d = support::max_abs_diff(ga.get(&qkv).expect("a gradient"), gb.get(&qkv).expect("a gradient"))?;
+            assert!(d < 1e-4, "{what}: gradient differs by {d}");
+        }
+    }
+    Ok(())
+}
+
+/// `affine` (x @ W + b with W in `(in, out)` layout, one node) against candle's matmul and
+/// broadcast add: the output and the gradients of all three, for a contiguous weight and a
+/// transposed view.
+#[test]
+fn affine_and_its_gradients_match_candles_ops() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for (m, k, n) in [(1, 5, 3), (70, 48, 33), (40, 96, 130)] {
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (m, k), &dev)?)?;
+        let w_in_out = Var::from_tensor(&Tensor::randn(0f32, 1.0, (k, n), &dev)?)?;
+        let w_out_in = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, k), &dev)?)?;
+        let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, n, &dev)?)?;
+        let g = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
+        for w in [w_in_out.as_tensor().clone(), w_out_in.as_tensor().t()?] {
+            let ours = affine(x.as_tensor(), &w, &b)?;
+            let theirs = x.as_tensor().matmul(&w)?.broadcast_add(&b)?;
+            let tol = 1e-5 * (k as f32).sqrt();
+            assert!(support::max_abs_diff(&ours, &theirs)? < tol, "({m}, {k}, {n}) forward");
+            let grads_ours = (ours * &g)?.sum_all()?.backward()?;
+            let grads_theirs = (theirs * &g)?.sum_all()?.backward()?;
+            for var in [&x, &w_in_out, &w_out_in, &b] {
+                match (grads_ours.get(var.as_tensor()), grads_theirs.get(var.as_tensor())) {
+                    (Some(a), Some(c)) => {
+                        assert_eq!(a.dims(), c.dims());
+                        let d = support::max_abs_diff(a, c)?;
+                        assert!(d < 10.0 * tol, "({m}, {k}, {n}): gradient differs by {d}");
+                    }
+                    (None, None) => {}
+                    _ => panic!("({m}, {k}, {n}): a gradient on one side only"),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `add_dropout` is `x + dropout(h)` with `dropout`'s masks, forward and backward, exactly.
+#[test]
+fn add_dropout_is_the_add_of_the_dropout() -> anyhow::Result<()> {
+    let dev = &Device::Cpu;
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (12, 40), dev)?)?;
+    let h = Var::from_tensor(&Tensor::randn(0f32, 1.0, (12, 40), dev)?)?;
+    let g = Tensor::randn(0f32, 1.0, (12, 40), dev)?;
+    let ours = add_dropout(&x, &h, 0.3, 7, 5)?;
+    let theirs = (x.as_tensor() + dropout(&h, 0.3, 7, 5)?)?;
+    assert_eq!(max_diff(&ours, &theirs), 0.0);
+    let ga = (ours * &g)?.sum_all()?.backward()?;
+    let gb = (theirs * &g)?.sum_all()?.backward()?;
+    for var in [&x, &h] {
+        assert_eq!(
+            max_diff(ga.get(var).expect("a gradient"), gb.get(var).expect("a gradient")),
+            0.0
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,634 @@
+//! Causal self-attention over whole `(B, T)` windows (training and evaluation) on the CPU in
+//! f32, forward and backward, tiled as FlashAttention does (Dao et al., 2022): per (sequence,
+//! head), a block of [`BLOCK`] queries at a time against the keys it sees, its scores, causal
+//! softmax and dropout in one `(BLOCK, T)` scratch that stays in cache. The `(B, nh, T, T)`
+//! scores and probabilities are never stored: the backward pass recomputes them block by block
+//! (the whole row of a block's scores fits, so the softmax is taken directly, with no running
+//! maximum to carry).
+//!
+//! Why not candle's ops: they transpose q, k and v into copies, write the `(B, nh, T, T)` scores,
+//! their softmax and its dropout as tensors of their own (three passes over memory, kept alive for
+//! the backward pass with their gradients), and multiply with the `gemm` crate's AVX2 path. At
+//! nanoGPT's baby-GPT shape (6 heads, T = 256, 32 sequences a core) those tensors are 50 MB each
+//! per layer. Here the products are a small register-tiled kernel on [`Vec16`] lanes
+//! ([`gemm`]) over per-head copies laid out for it; each (sequence, head) is one task on
+//! candle's thread pool and computes in a fixed order, so results do not depend on the threads.
+//!
+//! Dropout of the attention weights uses the masks of [`super::dropout`], indexed as the
+//! `(B, nh, T, T)` probabilities' elements: the same masks as dropout applied to those
+//! probabilities, so this op and candle's composite agree under dropout too (tested).
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+
+use super::dropout::Dropout;
+use super::simd::{Kernel, Simd, Vec16, LANES};
+
+/// Queries per block: a block's `(64, T)` scores are 64 KiB at T = 256, in L2 beside the
+/// head's keys and values.
+const BLOCK: usize = 64;
+
+/// `softmax(q kᵀ · scale + causal mask) v` per head, with dropout of the attention weights,
+/// for `qkv` `(B * T, 3C)` (windows of `t` rows; queries, keys, values, head after head, as
+/// GPT-2's `c_attn` writes them); returns `(B * T, C)`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct WindowAttention {
+    /// Positions per window (T).
+    pub(super) t: usize,
+    pub(super) n_head: usize,
+    pub(super) scale: f32,
+    /// Dropout of the attention weights; its `first` counts elements of the `(B, nh, T, T)`
+    /// probabilities.
+    pub(super) dropout: Option<Dropout>,
+    pub(super) simd: Simd,
+}
+
+/// The shape of one call: `b` windows of `t` positions, `c = nh * hs` channels; `tp` and `hsp`
+/// are `t` and `hs` rounded up to whole vectors (the kernel's columns come in 16s).
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+    hs: usize,
+    tp: usize,
+    hsp: usize,
+}
+
+impl Dims {
+    fn of(layout: &Layout, t: usize, n_head: usize) -> Result<Self> {
+        let &[rows, width] = layout.dims() else {
+            candle_core::bail!("window-attention: qkv is {:?}, not (B * T, 3C)", layout.dims())
+        };
+        if t == 0 || !rows.is_multiple_of(t) {
+            candle_core::bail!("window-attention: {rows} rows are not whole windows of {t}")
+        }
+        let b = rows / t;
+        let c = width / 3;
+        if n_head == 0 || width != 3 * c || !c.is_multiple_of(n_head) {
+            candle_core::bail!("window-attention: qkv has {width} columns, not 3 x {n_head} heads of equal size")
+        }
+        let hs = c / n_head;
+        Ok(Self {
+            b,
+            t,
+            c,
+            nh: n_head,
+            hs,
+            tp: t.next_multiple_of(LANES),
+            hsp: hs.next_multiple_of(LANES),
+        })
+    }
+}
+
+impl WindowAttention {
+    /// Element index, in the `(B, nh, T, T)` probabilities, of row `i`'s first weight.
+    fn row_index(&self, d: Dims, b: usize, h: usize, i: usize) -> u64 {
+        (((b * d.nh + h) * d.t + i) * d.t) as u64
+    }
+
+    /// Runs `task(b, h, workspace)` for every (sequence, head) on candle's thread pool, each
+    /// chunk of tasks with one workspace.
+    fn for_each_head(&self, d: Dims, task: impl Fn(usize, usize, &mut Workspace) + Sync) {
+        candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |range| {
+            let mut ws = Workspace::new(d);
+            for i in range {
+                task(i / d.nh, i % d.nh, &mut ws);
+            }
+        });
+    }
+}
+
+/// One task's buffers: per-head copies of its operands in the layouts the products read, and
+/// the block's scratch. `…t` buffers are transposed, `(hs, tp)`; row buffers are `(tp, hsp)`
+/// (or `(t, hs)` where only read as the left operand). Padding stays zero.
+struct Workspace {
+    q: Vec<f32>,
+    qt: Vec<f32>,
+    k: Vec<f32>,
+    kt: Vec<f32>,
+    v: Vec<f32>,
+    vt: Vec<f32>,
+    dy: Vec<f32>,
+    dyt: Vec<f32>,
+    dkt: Vec<f32>,
+    dvt: Vec<f32>,
+    /// `(BLOCK, tp)`: scores, then probabilities.
+    p: Vec<f32>,
+    /// `(BLOCK, tp)`: their gradient.
+    dp: Vec<f32>,
+    /// `(BLOCK, hsp)`: a block's output rows (or the queries' gradient).
+    out: Vec<f32>,
+    /// `(tp)`: one row's dropout mask.
+    mask: Vec<f32>,
+}
+
+impl Workspace {
+    fn new(d: Dims) -> Self {
+        let rows = d.tp * d.hsp;
+        let trans = d.hs * d.tp;
+        Self {
+            q: vec![0.0; d.t * d.hs],
+            qt: vec![0.0; trans],
+            k: vec![0.0; rows],
+            kt: vec![0.0; trans],
+            v: vec![0.0; rows],
+            vt: vec![0.0; trans],
+            dy: vec![0.0; d.t * d.hs],
+            dyt: vec![0.0; trans],
+            dkt: vec![0.0; trans],
+            dvt: vec![0.0; trans],
+            p: vec![0.0; BLOCK * d.tp],
+            dp: vec![0.0; BLOCK * d.tp],
+            out: vec![0.0; BLOCK * d.hsp],
+            mask: vec![0.0; d.tp],
+        }
+    }
+}
+
+/// Copies the `hs` columns at `col0` of window `b`'s rows of a `(B * T, ld)` matrix (one head's
+/// queries, keys, values or output gradient) into `rows`, `(t, ld_rows)`.
+fn gather(src: &[f32], ld: usize, col0: usize, d: Dims, b: usize, rows: &mut [f32], ld_rows: usize) {
+    for i in 0..d.t {
+        let from = &src[(b * d.t + i) * ld + col0..][..d.hs];
+        rows[i * ld_rows..][..d.hs].copy_from_slice(from);
+    }
+}
+
+/// The same columns as [`gather`], transposed into `trans`, `(hs, tp)`.
+fn gather_transposed(src: &[f32], ld: usize, col0: usize, d: Dims, b: usize, trans: &mut [f32]) {
+    for i in 0..d.t {
+        for (e, &x) in src[(b * d.t + i) * ld + col0..][..d.hs].iter().enumerate() {
+            trans[e * d.tp + i] = x;
+        }
+    }
+}
+
+/// One pass (forward or backward) over every (sequence, head), each task on the lanes that
+/// [`Simd::run`] picks.
+trait HeadPass: Sync {
+    /// Head `h` of window `b`.
+    ///
+    /// # Safety
+    /// No other call writes the parts of the pass's output that this one writes (head `h`'s
+    /// columns of window `b`'s rows), and that output outlives the pass.
+    unsafe fn head<V: Vec16>(&self, b: usize, h: usize, ws: &mut Workspace);
+}
+
+/// A [`HeadPass`]'s task as a [`Kernel`].
+struct OnLanes<'a, P>(&'a P, usize, usize, &'a mut Workspace);
+
+impl<P: HeadPass> Kernel for OnLanes<'_, P> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Vec16>(self) {
+        // SAFETY: `run_pass` gives every (window, head) to one task; each writes its own
+        // columns of its window's rows.
+        unsafe { self.0.head::<V>(self.1, self.2, self.3) }
+    }
+}
+
+fn run_pass<P: HeadPass>(op: &WindowAttention, d: Dims, pass: &P) {
+    op.for_each_head(d, |b, h, ws| op.simd.run(OnLanes(pass, b, h, ws)));
+}
+
+/// Forward: `qkv` `(B * T, 3C)` → `y` `(B * T, C)`.
+fn forward(op: &WindowAttention, d: Dims, qkv: &[f32]) -> Vec<f32> {
+    struct Forward<'a> {
+        op: &'a WindowAttention,
+        d: Dims,
+        qkv: &'a [f32],
+        y: usize,
+    }
+    impl HeadPass for Forward<'_> {
+        #[inline(always)]
+        unsafe fn head<V: Vec16>(&self, b: usize, h: usize, ws: &mut Workspace) {
+            // SAFETY: the trait's contract; `y` is `(B * T, C)`.
+            unsafe { forward_head::<V>(self.op, self.d, self.qkv, self.y as *mut f32, b, h, ws) }
+        }
+    }
+    let mut y = vec![0f32; d.b * d.t * d.c];
+    let pass = Forward {
+        op,
+        d,
+        qkv,
+        y: y.as_mut_ptr() as usize,
+    };
+    run_pass(op, d, &pass);
+    y
+}
+
+/// # Safety
+/// `y` is `(B * T, C)`; no other thread touches head `h`'s columns of window `b`'s rows.
+#[inline(always)]
+unsafe fn forward_head<V: Vec16>(
+    op: &WindowAttention,
+    d: Dims,
+    qkv: &[f32],
+    y: *mut f32,
+    b: usize,
+    h: usize,
+    ws: &mut Workspace,
+) {
+    let (c3, hs) = (3 * d.c, d.hs);
+    gather(qkv, c3, h * hs, d, b, &mut ws.q, hs);
+    gather_transposed(qkv, c3, d.c + h * hs, d, b, &mut ws.kt);
+    gather(qkv, c3, 2 * d.c + h * hs, d, b, &mut ws.v, d.hsp);
+    for i0 in (0..d.t).step_by(BLOCK) {
+        let m = BLOCK.min(d.t - i0);
+        let n = (i0 + m).next_multiple_of(LANES); // keys this block sees, in whole vectors
+        ws.scores::<V>(d, i0, m, n);
+        for r in 0..m {
+            let row = &mut ws.p[r * d.tp..][..n];
+            softmax_row(row, i0 + r + 1, op.scale);
+            if let Some(drop) = op.dropout {
+                let mask = drop_mask(drop, op.row_index(d, b, h, i0 + r), &mut ws.mask[..=i0 + r]);
+                row.iter_mut().zip(mask).for_each(|(p, &m)| *p *= m);
+            }
+        }
+        // SAFETY: `p` holds the block's `(m, n)` weights, `v` has `tp >= n` rows (zero past `t`).
+        unsafe { gemm::<V>(m, d.hsp, n, ws.p.at(d.tp), ws.v.at(d.hsp), ws.out.at_mut(d.hsp), false) };
+        for r in 0..m {
+            // SAFETY: the caller's contract: this head's columns of this window's rows.
+            let out = unsafe { std::slice::from_raw_parts_mut(y.add((b * d.t + i0 + r) * d.c + h * hs), hs) };
+            out.copy_from_slice(&ws.out[r * d.hsp..][..hs]);
+        }
+    }
+}
+
+/// Fills `mask` with the dropout's factors (0, or 1/(1-p) where kept) for the weights at
+/// element indices `first..`, and returns it.
+fn drop_mask(drop: Dropout, first: u64, mask: &mut [f32]) -> &[f32] {
+    let keep = drop.scale();
+    for (j, m) in mask.iter_mut().enumerate() {
+        *m = if drop.keeps(first + j as u64) { keep } else { 0.0 };
+    }
+    mask
+}
+
+/// Scores → causal softmax, in place: the first `len` entries scaled, exponentiated and
+/// normalised, the rest of the row zeroed.
+#[inline(always)]
+fn softmax_row(row: &mut [f32], len: usize, scale: f32) {
+    let (seen, masked) = row.split_at_mut(len);
+    seen.iter_mut().for_each(|s| *s *= scale);
+    let max = super::rows::max(seen);
+    let mut sums = [0f32; LANES];
+    let mut chunks = seen.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (s, v) in sums.iter_mut().zip(chunk) {
+            *v = super::rows::exp(*v - max);
+            *s += *v;
+        }
+    }
+    let mut sum = 0f32;
+    for v in chunks.into_remainder() {
+        *v = super::rows::exp(*v - max);
+        sum += *v;
+    }
+    let inv = 1.0 / (sums.iter().sum::<f32>() + sum);
+    seen.iter_mut().for_each(|v| *v *= inv);
+    masked.fill(0.0);
+}
+
+/// Backward: the gradient of `qkv` from `qkv` and the output's gradient `dy` `(B * T, C)`.
+fn backward(op: &WindowAttention, d: Dims, qkv: &[f32], dy: &[f32]) -> Vec<f32> {
+    struct Backward<'a> {
+        op: &'a WindowAttention,
+        d: Dims,
+        qkv: &'a [f32],
+        dy: &'a [f32],
+        dqkv: usize,
+    }
+    impl HeadPass for Backward<'_> {
+        #[inline(always)]
+        unsafe fn head<V: Vec16>(&self, b: usize, h: usize, ws: &mut Workspace) {
+            // SAFETY: the trait's contract; `dqkv` is `(B * T, 3C)`.
+            unsafe { backward_head::<V>(self.op, self.d, self.qkv, self.dy, self.dqkv as *mut f32, b, h, ws) }
+        }
+    }
+    let mut dqkv = vec![0f32; d.b * d.t * 3 * d.c];
+    let pass = Backward {
+        op,
+        d,
+        qkv,
+        dy,
+        dqkv: dqkv.as_mut_ptr() as usize,
+    };
+    run_pass(op, d, &pass);
+    dqkv
+}
+
+/// With `P` the block's probabilities, `M` the dropout's mask scaled by 1/(1-p) and `S = P ⊙ M`
+/// the weights applied to the values (`y = S v`): `dS = dy vᵀ`, `dP = dS ⊙ M`, the scores'
+/// gradient `dZ = P ⊙ (dP − Σ_j P_j dP_j) · scale`, then `dq = dZ k`, `dk += dZᵀ q` and
+/// `dv += Sᵀ dy` (the last two as their transposes, which the kernel's layout favours).
+///
+/// # Safety
+/// `dqkv` is `(B * T, 3C)`; no other thread touches head `h`'s columns of window `b`'s rows.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn backward_head<V: Vec16>(
+    op: &WindowAttention,
+    d: Dims,
+    qkv: &[f32],
+    dy: &[f32],
+    dqkv: *mut f32,
+    b: usize,
+    h: usize,
+    ws: &mut Workspace,
+) {
+    let (c3, hs) = (3 * d.c, d.hs);
+    for (src, ld, col0, rows, ld_rows, trans) in [
+        (qkv, c3, h * hs, &mut ws.q, hs, &mut ws.qt),
+        (qkv, c3, d.c + h * hs, &mut ws.k, d.hsp, &mut ws.kt),
+        (qkv, c3, 2 * d.c + h * hs, &mut ws.v, d.hsp, &mut ws.vt),
+        (dy, d.c, h * hs, &mut ws.dy, hs, &mut ws.dyt),
+    ] {
+        gather(src, ld, col0, d, b, rows, ld_rows);
+        gather_transposed(src, ld, col0, d, b, trans);
+    }
+    ws.dkt.fill(0.0);
+    ws.dvt.fill(0.0);
+    for i0 in (0..d.t).step_by(BLOCK) {
+        let m = BLOCK.min(d.t - i0);
+        let n = (i0 + m).next_multiple_of(LANES);
+        ws.scores::<V>(d, i0, m, n);
+        // SAFETY: `dy`'s rows of the block and `vᵀ`'s first `n` columns (zero past `t`).
+        unsafe {
+            gemm::<V>(
+                m,
+                n,
+                hs,
+                ws.dy[i0 * hs..].at(hs),
+                ws.vt.at(d.tp),
+                ws.dp.at_mut(d.tp),
+                false,
+            )
+        };
+        for r in 0..m {
+            let len = i0 + r + 1;
+            let p = &mut ws.p[r * d.tp..][..n];
+            let dp = &mut ws.dp[r * d.tp..][..n];
+            softmax_row(p, len, op.scale);
+            let mask = op
+                .dropout
+                .map(|drop| drop_mask(drop, op.row_index(d, b, h, i0 + r), &mut ws.mask[..len]));
+            if let Some(mask) = mask {
+                dp[..len].iter_mut().zip(mask).for_each(|(dp, &m)| *dp *= m);
+            }
+            let dot = dot(&p[..len], &dp[..len]);
+            for (dp, &p) in dp[..len].iter_mut().zip(&p[..len]) {
+                *dp = p * (*dp - dot) * op.scale;
+            }
+            dp[len..].fill(0.0);
+            if let Some(mask) = mask {
+                p[..len].iter_mut().zip(mask).for_each(|(p, &m)| *p *= m);
+            }
+        }
+        // SAFETY: the transposed operands from column `i0` of `(hs, tp)`, the block's `(m, n)`
+        // weights and scores' gradient, `k`'s first `n` rows (zero past `t`).
+        unsafe {
+            let sums = [
+                (ws.dyt[i0..].at(d.tp), ws.p.at(d.tp), ws.dvt.at_mut(d.tp)), // dvᵀ += dyᵀ S
+                (ws.qt[i0..].at(d.tp), ws.dp.at(d.tp), ws.dkt.at_mut(d.tp)), // dkᵀ += qᵀ dZ
+            ];
+            for (a, b, c) in sums {
+                gemm::<V>(hs, n, m, a, b, c, true);
+            }
+            gemm::<V>(m, d.hsp, n, ws.dp.at(d.tp), ws.k.at(d.hsp), ws.out.at_mut(d.hsp), false);
+        }
+        for r in 0..m {
+            // SAFETY: the caller's contract: this head's query columns of this window's rows.
+            let out = unsafe { std::slice::from_raw_parts_mut(dqkv.add((b * d.t + i0 + r) * c3 + h * hs), hs) };
+            out.copy_from_slice(&ws.out[r * d.hsp..][..hs]);
+        }
+    }
+    for j in 0..d.t {
+        for (col0, src) in [(d.c, &ws.dkt), (2 * d.c, &ws.dvt)] {
+            // SAFETY: the caller's contract: this head's key and value columns of this window's
+            // rows.
+            let out = unsafe { std::slice::from_raw_parts_mut(dqkv.add((b * d.t + j) * c3 + col0 + h * hs), hs) };
+            for (e, o) in out.iter_mut().enumerate() {
+                *o = src[e * d.tp + j];
+            }
+        }
+    }
+}
+
+/// `a · b` in 16 partial sums (vectorisable), then added in a fixed order.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut sums = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for ((s, &x), &y) in sums.iter_mut().zip(x).zip(y) {
+            *s += x * y;
+        }
+    }
+    sums.iter().sum::<f32>() + tail
+}
+
+/// A row-major matrix operand of [`gemm`]: its first element and its row stride.
+#[derive(Clone, Copy)]
+struct Mat<P> {
+    ptr: P,
+    ld: usize,
+}
+
+/// Slices as [`gemm`]'s operands, with a row stride.
+trait AsMat {
+    fn at(&self, ld: usize) -> Mat<*const f32>;
+    fn at_mut(&mut self, ld: usize) -> Mat<*mut f32>;
+}
+
+impl AsMat for [f32] {
+    fn at(&self, ld: usize) -> Mat<*const f32> {
+        Mat { ptr: self.as_ptr(), ld }
+    }
+    fn at_mut(&mut self, ld: usize) -> Mat<*mut f32> {
+        Mat {
+            ptr: self.as_mut_ptr(),
+            ld,
+        }
+    }
+}
+
+impl Workspace {
+    /// The block's unscaled scores `q kᵀ`, rows `i0..i0 + m` against keys `..n`, into `p`.
+    #[inline(always)]
+    fn scores<V: Vec16>(&mut self, d: Dims, i0: usize, m: usize, n: usize) {
+        // SAFETY: `q` holds rows `i0..i0 + m` of `hs`, `kᵀ` `(hs, tp)` with `n <= tp` (zero
+        // past `t`), `p` `(BLOCK, tp)` with `m <= BLOCK`.
+        unsafe {
+            gemm::<V>(
+                m,
+                n,
+                d.hs,
+                self.q[i0 * d.hs..].at(d.hs),
+                self.kt.at(d.tp),
+                self.p.at_mut(d.tp),
+                false,
+            )
+        }
+    }
+}
+
+/// `c = a @ b` (or `c += a @ b` when `accumulate`) for `a` `(m, k)`, `b` `(k, n)` with `n` a
+/// multiple of 16, and `c` `(m, n)`: register tiles of `R` rows by 32 columns (16 at the edge),
+/// each output one chain of multiply-adds over `k` in order. A small kernel of its own rather
+/// than the packed one ([`super::PackedMatrix`]): these operands are already in cache and laid
+/// out for it, and at these sizes (k of 32 to 256) packing them would cost as much as the
+/// products.
+///
+/// # Safety
+/// The memory named is valid (`c`'s for writing) and `c` overlaps neither operand.
+#[inline(always)]
+unsafe fn gemm<V: Vec16>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Mat<*const f32>,
+    b: Mat<*const f32>,
+    c: Mat<*mut f32>,
+    acc: bool,
+) {
+    debug_assert!(n.is_multiple_of(LANES));
+    // AVX-512's 32 registers hold 6 x 2 accumulators beside the operands; two AVX2 registers
+    // make one `Vec16`, and 16 of them hold 2 x 2.
+    if V::ROWS >= 8 {
+        // SAFETY: the caller's contract.
+        unsafe { gemm_rows::<V, 6>(m, n, k, a, b, c, acc) }
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { gemm_rows::<V, 2>(m, n, k, a, b, c, acc) }
+    }
+}
+
+/// [`gemm`] with tiles of `R` rows (then single rows at the bottom edge).
+///
+/// # Safety
+/// As [`gemm`].
+#[inline(always)]
+unsafe fn gemm_rows<V: Vec16, const R: usize>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Mat<*const f32>,
+    b: Mat<*const f32>,
+    c: Mat<*mut f32>,
+    acc: bool,
+) {
+    let (a_all, c_all) = (a, c);
+    let mut i = 0;
+    while i < m {
+        let rows = if i + R <= m { R } else { 1 };
+        // SAFETY: rows `i..i + rows` of `a` and `c`: within the caller's operands.
+        let (a, c) = unsafe { (a.ptr.add(i * a.ld), c.ptr.add(i * c.ld)) };
+        let mut j = 0;
+        while j < n {
+            let width = if j + 2 * LANES <= n { 2 } else { 1 };
+            // SAFETY: columns `j..j + 16 * width` of `b` and of these rows of `c`: within the
+            // caller's operands.
+            unsafe {
+                let (a, b, c) = (
+                    Mat { ptr: a, ..a_all },
+                    Mat { ptr: b.ptr.add(j), ..b },
+                    Mat { ptr: c.add(j), ..c_all },
+                );
+                match (rows == R, width) {
+                    (true, 2) => tile::<V, R, 2>(k, a, b, c, acc),
+                    (true, _) => tile::<V, R, 1>(k, a, b, c, acc),
+                    (false, 2) => tile::<V, 1, 2>(k, a, b, c, acc),
+                    (false, _) => tile::<V, 1, 1>(k, a, b, c, acc),
+                }
+            }
+            j += width * LANES;
+        }
+        i += rows;
+    }
+}
+
+/// One `R x 16 W` tile of [`gemm`]: `R * W` accumulators in registers over the whole of `k`.
+///
+/// # Safety
+/// As [`gemm`], for the tile's rows and columns.
+#[inline(always)]
+unsafe fn tile<V: Vec16, const R: usize, const W: usize>(
+    k: usize,
+    a: Mat<*const f32>,
+    b: Mat<*const f32>,
+    c: Mat<*mut f32>,
+    accumulate: bool,
+) {
+    // SAFETY: the caller's contract: the tile's operands are valid.
+    unsafe {
+        let mut acc = [[V::zero(); W]; R];
+        for p in 0..k {
+            let mut bv = [V::zero(); W];
+            for (w, bv) in bv.iter_mut().enumerate() {
+                *bv = V::load_f32(b.ptr.add(p * b.ld + w * LANES) as *const u8);
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let av = V::splat(a.ptr.add(r * a.ld + p));
+                for (acc, &bv) in acc.iter_mut().zip(&bv) {
+                    *acc = V::fma(av, bv, *acc);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (w, &acc) in acc.iter().enumerate() {
+                let out = c.ptr.add(r * c.ld + w * LANES);
+                let v = if accumulate {
+                    // 1 · c + acc, rounded once: the sum.
+                    V::fma(V::set1(1.0), V::load_f32(out as *const u8), acc)
+                } else {
+                    acc
+                };
+                v.store(out);
+            }
+        }
+    }
+}
+
+impl CustomOp1 for WindowAttention {
+    fn name(&self) -> &'static str {
+        "window-attention"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let qkv = super::f32_slice(storage, layout, "window-attention")?;
+        let d = Dims::of(layout, self.t, self.n_head)?;
+        Ok((CpuStorage::F32(forward(self, d, qkv)), Shape::from((d.b * d.t, d.c))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(
+            qkv.apply_op2_no_bwd(&dy.contiguous()?, &WindowAttentionGrad(*self))?,
+        ))
+    }
+}
+
+/// The gradient of [`WindowAttention`]'s input from the input and the output's gradient.
+struct WindowAttentionGrad(WindowAttention);
+
+impl CustomOp2 for WindowAttentionGrad {
+    fn name(&self) -> &'static str {
+        "window-attention-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let qkv = super::f32_slice(s1, l1, "window-attention-grad")?;
+        let dy = super::f32_slice(s2, l2, "window-attention-grad")?;
+        let d = Dims::of(l1, self.0.t, self.0.n_head)?;
+        if l2.dims() != [d.b * d.t, d.c] {
+            candle_core::bail!(
+                "window-attention-grad: the gradient is {:?}, not {:?}",
+                l2.dims(),
+                [d.b * d.t, d.c]
+            )
+        }
+        Ok((CpuStorage::F32(backward(&self.0, d, qkv, dy)), l1.shape().clone()))
+    }
+}
