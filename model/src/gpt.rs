@@ -300,10 +300,16 @@ impl Gpt {
                 if hidden.device().is_cpu()
                     && crate::ops::fused(&hidden)
                     && w.dtype() == DType::F32
-                    && targets.dtype() == DType::U32
-                    && self.autocast == Autocast::Off =>
+                    && targets.dtype() == DType::U32 =>
             {
-                Ok(crate::ops::lm_head_loss(&hidden, w, &targets, eps, train.is_some())?)
+                Ok(crate::ops::lm_head_loss(
+                    &hidden,
+                    w,
+                    &targets,
+                    eps,
+                    train.is_some(),
+                    self.autocast,
+                )?)
             }
             _ => {
                 let logits = self.wte.forward(&hidden, self.autocast)?.to_dtype(DType::F32)?; // (B*T, V)

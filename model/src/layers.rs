@@ -9,18 +9,7 @@ use candle_nn::{Init, LayerNorm, VarBuilder};
 use crate::config::Config;
 use crate::ops::{PackedMatrix, WeightFormat};
 
-/// The matrix products of [`crate::Gpt::forward_t`] (projections, attention scores and values,
-/// LM head) in f32, or as `torch.autocast(dtype=torch.bfloat16)`: f32 operands cast to bf16,
-/// multiplied (tensor cores on a GPU), the product returned in f32; parameters, gradients,
-/// LayerNorm, softmax, GELU and the loss stay f32. A setting of the model
-/// ([`crate::Gpt::with_autocast`]); `gpt-train --dtype bf16` sets it. (No f16: without loss
-/// scaling its gradients underflow.)
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Autocast {
-    #[default]
-    Off,
-    Bf16,
-}
+pub use crate::ops::Autocast;
 
 /// `a @ b`, under `autocast`; differentiable.
 pub fn matmul(a: &Tensor, b: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
@@ -117,14 +106,10 @@ impl Weight {
 /// `x @ w^T` for a 2-D `w` `(out, in)` with candle's matmul, under `autocast`: training, and
 /// inference off the CPU (where weights are [`Weight::Packed`]).
 fn matmul_wt(x: &Tensor, w: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
-    // f32 on the CPU: the packed kernel, forward and backward (`ops::linear_product`).
-    if autocast == Autocast::Off
-        && x.device().is_cpu()
-        && crate::ops::fused(x)
-        && w.dtype() == DType::F32
-        && x.rank() == 2
-    {
-        return crate::ops::linear_product(x, w);
+    // f32 on the CPU: the packed kernel or bf16 products, forward and backward
+    // (`ops::linear_product`).
+    if x.device().is_cpu() && crate::ops::fused(x) && w.dtype() == DType::F32 && x.rank() == 2 {
+        return crate::ops::linear_product(x, w, autocast);
     }
     if x.dtype() != w.dtype() && autocast == Autocast::Off {
         return x.matmul(&w.to_dtype(x.dtype())?.t()?);
@@ -259,18 +244,18 @@ impl Conv1D {
 
 impl Conv1D {
     /// `x @ W + b` as one fused node ([`crate::ops::affine`]) where it applies: f32 on the CPU,
-    /// 2-D `x` (the residual stream as rows), the `(in, out)` tensor at hand, no autocast.
+    /// 2-D `x` (the residual stream as rows), the `(in, out)` tensor at hand; products under the
+    /// layer's autocast.
     fn fused_affine(&self, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
         match &self.in_out {
             Some(w)
-                if self.autocast == Autocast::Off
-                    && x.rank() == 2
+                if x.rank() == 2
                     && x.device().is_cpu()
                     && crate::ops::fused(x)
                     && w.dtype() == DType::F32
                     && self.bias.dtype() == DType::F32 =>
             {
-                Some(crate::ops::affine(x, w, &self.bias))
+                Some(crate::ops::affine(x, w, &self.bias, self.autocast))
             }
             _ => None,
         }

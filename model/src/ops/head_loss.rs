@@ -15,8 +15,7 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::cross_entropy::{row_loss, row_loss_and_grad, targets_of};
-use super::packed::PackedMatrix;
-use super::simd::Simd;
+use super::product::{Autocast, Operand, Rhs};
 
 /// Rows per chunk: the chunk's logits (`ROWS x V` f32, 26 MB at GPT-2's vocabulary) in place of
 /// the whole batch's; under glibc's 32 MB threshold for fresh pages from the kernel, so the
@@ -25,12 +24,21 @@ const ROWS: usize = 128;
 
 /// Mean cross-entropy (label smoothing `eps`, as [`super::cross_entropy`]) of the logits
 /// `hidden @ W^T` against `targets`, for `hidden` `(N, C)` and the head `W` `(V, C)` (any layout),
-/// f32 on the CPU, u32 targets. Differentiable in `hidden` and `W` when `with_grad` (the
-/// gradients are taken in this pass; without it, the loss alone, as evaluation needs).
-pub fn lm_head_loss(hidden: &Tensor, w: &Tensor, targets: &Tensor, eps: f32, with_grad: bool) -> Result<Tensor> {
+/// f32 on the CPU, u32 targets, the products at `autocast`'s precision. Differentiable in
+/// `hidden` and `W` when `with_grad` (the gradients are taken in this pass; without it, the loss
+/// alone, as evaluation needs).
+pub fn lm_head_loss(
+    hidden: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    eps: f32,
+    with_grad: bool,
+    autocast: Autocast,
+) -> Result<Tensor> {
     let op = HeadLoss {
         eps,
         with_grad,
+        autocast,
         grads: Mutex::new(None),
     };
     let (hidden, targets) = (hidden.contiguous()?, targets.contiguous()?);
@@ -44,8 +52,15 @@ pub fn lm_head_loss(hidden: &Tensor, w: &Tensor, targets: &Tensor, eps: f32, wit
 struct HeadLoss {
     eps: f32,
     with_grad: bool,
-    /// `d loss / d hidden` and `d loss / d W`, taken in the forward pass, for `bwd`.
-    grads: Mutex<Option<(Tensor, Tensor)>>,
+    autocast: Autocast,
+    /// `d loss / d hidden` `(N, C)` and `d loss / d W` `(V, C)`, taken in the forward pass, for
+    /// `bwd` (which scales them in place by the upstream gradient: no copy).
+    grads: Mutex<Option<Grads>>,
+}
+
+struct Grads {
+    dh: (Vec<f32>, (usize, usize)),
+    dw: (Vec<f32>, (usize, usize)),
 }
 
 impl CustomOp3 for HeadLoss {
@@ -72,20 +87,18 @@ impl CustomOp3 for HeadLoss {
                 targets.len()
             )
         }
-        let (wdata, stride) = (sw.as_slice::<f32>()?, lw.stride());
-        let w_rows = PackedMatrix::from_strided_f32(wdata, lw.start_offset(), (vocab, c), (stride[0], stride[1]));
-        // `W^T` `(C, V)` for `d hidden = d logits @ W`.
-        let w_cols = self
-            .with_grad
-            .then(|| PackedMatrix::from_strided_f32(wdata, lw.start_offset(), (c, vocab), (stride[1], stride[0])));
-        let simd = Simd::detect();
+        let w = Operand::of(sw, lw)?;
+        let w_rows = Rhs::new(w, self.autocast); // (V, C)
+                                                 // `W^T` `(C, V)` for `d hidden = d logits @ W`.
+        let w_cols = self.with_grad.then(|| Rhs::new(w.t(), self.autocast));
         let scale = 1.0 / n.max(1) as f32;
         let mut total = 0f64;
         let mut dh = Vec::with_capacity(if self.with_grad { n * c } else { 0 });
-        let mut dw_t: Option<Vec<f32>> = None;
+        let mut dw: Option<Vec<f32>> = None;
         for (chunk, h_chunk) in h.chunks(ROWS * c.max(1)).enumerate() {
             let rows = h_chunk.len() / c.max(1);
-            let mut logits = w_rows.matmul_with(h_chunk, rows, simd); // (R, V)
+            let h_chunk = Operand::rows(h_chunk, rows, c);
+            let mut logits = w_rows.matmul(h_chunk)?; // (R, V)
             let chunk_targets = &targets[chunk * ROWS..chunk * ROWS + rows];
             let Some(w_cols) = &w_cols else {
                 for (row, &t) in logits.chunks_exact(vocab).zip(chunk_targets) {
@@ -96,30 +109,23 @@ impl CustomOp3 for HeadLoss {
             for (row, &t) in logits.chunks_exact_mut(vocab).zip(chunk_targets) {
                 total += row_loss_and_grad(row, t as usize, self.eps, scale);
             }
+            let dlogits = Operand::rows(&logits, rows, vocab);
             // d hidden (R, C) = d logits (R, V) @ W (V, C).
-            dh.extend(w_cols.matmul_with(&logits, rows, simd));
-            // d W^T (C, V) += hidden^T (C, R) @ d logits (R, V): `a @ B^T` with a = hidden^T and
-            // B = d logits^T, packed straight from the logits' rows.
-            let h_t = super::linear::transpose(h_chunk, rows, c);
-            let dlogits_t = PackedMatrix::from_strided_f32(&logits, 0, (vocab, rows), (1, vocab));
-            let part = dlogits_t.matmul_with(&h_t, c, simd);
-            match &mut dw_t {
-                None => dw_t = Some(part),
-                Some(acc) => acc.iter_mut().zip(&part).for_each(|(a, p)| *a += p),
+            dh.extend(w_cols.matmul(dlogits)?);
+            // d W (V, C) += d logits^T (V, R) @ hidden (R, C), summed over the chunks in one
+            // buffer, contiguous (V, C) as the variable is (candle's sum with the embedding's
+            // gradient would read a transposed view element by element, across cache lines).
+            let h_t = Rhs::new(h_chunk.t(), self.autocast);
+            match &mut dw {
+                None => dw = Some(h_t.matmul(dlogits.t())?),
+                Some(dw) => h_t.matmul_add(dlogits.t(), dw)?,
             }
         }
         if self.with_grad {
-            let dev = candle_core::Device::Cpu;
-            let dw = match dw_t {
-                Some(dw_t) => super::linear::transpose(&dw_t, c, vocab),
-                None => vec![0f32; vocab * c],
+            let grads = Grads {
+                dh: (dh, (n, c)),
+                dw: (dw.unwrap_or_else(|| vec![0f32; vocab * c]), (vocab, c)),
             };
-            // Contiguous (V, C): candle's sum with the embedding's gradient reads a transposed
-            // view element by element, across cache lines.
-            let grads = (
-                Tensor::from_vec(dh, (n, c), &dev)?,
-                Tensor::from_vec(dw, (vocab, c), &dev)?,
-            );
             *self
                 .grads
                 .lock()
@@ -137,7 +143,7 @@ impl CustomOp3 for HeadLoss {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Some((dh, dw)) = self
+        let Some(Grads { dh, dw }) = self
             .grads
             .lock()
             .map_err(|_| candle_core::Error::Msg("lm-head-loss: poisoned".into()))?
@@ -145,11 +151,13 @@ impl CustomOp3 for HeadLoss {
         else {
             candle_core::bail!("lm-head-loss: backward without a forward pass that took the gradients")
         };
-        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
-        if g == 1.0 {
-            // The loss itself is what `backward` was called on (training's case): no pass to scale.
-            return Ok((Some(dh), Some(dw), None));
-        }
-        Ok((Some((dh * g)?), Some((dw * g)?), None))
+        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let tensor = |(mut values, shape): (Vec<f32>, (usize, usize))| {
+            if g != 1.0 {
+                values.iter_mut().for_each(|v| *v *= g);
+            }
+            Tensor::from_vec(values, shape, &candle_core::Device::Cpu)
+        };
+        Ok((Some(tensor(dh)?), Some(tensor(dw)?), None))
     }
 }

@@ -1,30 +1,32 @@
-//! The products of training's linear layers on the packed CPU kernel ([`PackedMatrix`]), with
-//! their backward: `y = x @ W^T`, then `dx = dy @ W` and `dW = dy^T @ x`, each as `a @ B^T` with
-//! `B` packed for that product (and [`affine`]: GPT-2's `Conv1D`, `x @ W + b` with `W` in the
-//! checkpoint's `(in, out)` layout, the bias and its gradient in the same op) (weights change at every step, so they are packed at every
-//! product: one pass over `B` against `rows` passes of arithmetic). candle's CPU matmul is the
-//! `gemm` crate's AVX2 path on stable Rust; the packed kernel runs AVX-512 where the CPU has it.
-//! Every output is one chain of multiply-adds in a fixed order, so a run is repeatable.
+//! The products of training's linear layers on the CPU, with their backward: `y = x @ W^T`, then
+//! `dx = dy @ W` and `dW = dy^T @ x`, each as `a @ B^T` with both operands read where they are
+//! ([`super::product`]: f32 on the packed kernel, or bf16 under autocast); and [`affine`], GPT-2's
+//! `Conv1D` `x @ W + b` with `W` in the checkpoint's `(in, out)` layout, the bias and its gradient
+//! in the same op. (Weights change at every step, so they are packed at every product: one pass
+//! over `B` against `rows` passes of arithmetic.) candle's CPU matmul is the `gemm` crate's AVX2
+//! path on stable Rust; the packed kernel runs AVX-512 where the CPU has it. Every output is one
+//! chain of multiply-adds in a fixed order, so a run is repeatable.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::packed::PackedMatrix;
-use super::simd::Simd;
+use super::product::{product, Autocast, Operand};
 
 /// `a @ B^T` for `a` `(m, k)` and `B` `(n, k)`, f32 tensors on the CPU (any layout); not
 /// differentiable.
-fn product(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    a.contiguous()?.apply_op2_no_bwd(b, &Product)
+fn product_of(a: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
+    a.apply_op2_no_bwd(b, &Product { autocast })
 }
 
 /// `x @ W^T` for `x` `(m, k)` and `W` `(n, k)` (any layout, a transposed view included), f32
-/// on the CPU, differentiable in both.
-pub fn linear_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op2(w, Product)
+/// on the CPU, at `autocast`'s precision; differentiable in both.
+pub fn linear_product(x: &Tensor, w: &Tensor, autocast: Autocast) -> Result<Tensor> {
+    x.apply_op2(w, Product { autocast })
 }
 
 /// See [`linear_product`].
-struct Product;
+struct Product {
+    autocast: Autocast,
+}
 
 impl CustomOp2 for Product {
     fn name(&self) -> &'static str {
@@ -32,48 +34,51 @@ impl CustomOp2 for Product {
     }
 
     fn cpu_fwd(&self, a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = super::f32_slice(a, la, "packed-linear")?;
-        let (m, k) = la.shape().dims2()?;
-        let (n, kb) = lb.shape().dims2()?;
-        if k != kb {
-            candle_core::bail!("packed-linear: x is ({m}, {k}) but the weight is ({n}, {kb})")
+        let (x, w) = (Operand::of(a, la)?, Operand::of(b, lb)?);
+        if x.cols != w.cols {
+            candle_core::bail!(
+                "packed-linear: x is ({}, {}) but the weight is ({}, {})",
+                x.rows,
+                x.cols,
+                w.rows,
+                w.cols
+            )
         }
-        let stride = lb.stride();
-        let packed =
-            PackedMatrix::from_strided_f32(b.as_slice::<f32>()?, lb.start_offset(), (n, k), (stride[0], stride[1]));
         Ok((
-            CpuStorage::F32(packed.matmul_with(x, m, Simd::detect())),
-            Shape::from((m, n)),
+            CpuStorage::F32(product(x, w, self.autocast)?),
+            Shape::from((x.rows, w.rows)),
         ))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dx = product(dy, &w.t()?)?; // (m, n) @ (n, k): dy @ (W^T)^T
-                                        // dW (n, k) = dy^T @ x: the activations of the product must be a contiguous copy of
-                                        // one transposed operand, so transpose the smaller: dy^T (n, m) for dW, or x^T (k, m) for
-                                        // dW^T (k, n), returned as its transposed view.
+        let dx = product_of(dy, &w.t()?, self.autocast)?; // (m, n) @ (n, k): dy @ (W^T)^T
+                                                          // dW (n, k) = dy^T @ x. In f32 the product's left operand is made contiguous (a
+                                                          // transposed copy): transpose the smaller, dy^T (n, m) for dW, or x^T (k, m) for dW^T
+                                                          // (k, n), returned as its transposed view.
         let (n, k) = w.dims2()?;
         let dw = if n <= k {
-            product(&dy.t()?, &x.t()?)? // (n, m) @ (m, k): dy^T @ (x^T)^T
+            product_of(&dy.t()?, &x.t()?, self.autocast)? // (n, m) @ (m, k): dy^T @ (x^T)^T
         } else {
-            product(&x.t()?, &dy.t()?)?.t()? // ((k, m) @ (m, n))^T: (x^T @ (dy^T)^T)^T
+            product_of(&x.t()?, &dy.t()?, self.autocast)?.t()? // ((k, m) @ (m, n))^T
         };
         Ok((Some(dx), Some(dw)))
     }
 }
 
 /// `x @ W + b` for `x` `(m, k)`, `W` `(k, n)` (GPT-2's `(in, out)` layout, any strides) and `b`
-/// `(n)`, f32 on the CPU, differentiable in all three: a training `Conv1D` as one node of the
-/// graph. candle's backward pass gives every node's output gradient a zeroed buffer and an add;
-/// as a product, a broadcast add and a transposed view of the variable, a layer was three such
-/// nodes, and the weight's gradient reached the variable through a strided add. Here `dW` comes
-/// out in the variable's own layout.
-pub fn affine(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op3(w, &b.contiguous()?, Affine)
+/// `(n)`, f32 on the CPU, at `autocast`'s precision, differentiable in all three: a training
+/// `Conv1D` as one node of the graph. candle's backward pass gives every node's output gradient a
+/// zeroed buffer and an add; as a product, a broadcast add and a transposed view of the variable,
+/// a layer was three such nodes, and the weight's gradient reached the variable through a strided
+/// add. Here `dW` comes out in the variable's own layout.
+pub fn affine(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(w, &b.contiguous()?, Affine { autocast })
 }
 
 /// See [`affine`].
-struct Affine;
+struct Affine {
+    autocast: Autocast,
+}
 
 impl CustomOp3 for Affine {
     fn name(&self) -> &'static str {
@@ -89,21 +94,18 @@ impl CustomOp3 for Affine {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = super::f32_slice(sx, lx, "packed-affine")?;
+        let (x, w) = (Operand::of(sx, lx)?, Operand::of(sw, lw)?);
         let b = super::f32_slice(sb, lb, "packed-affine")?;
-        let (m, k) = lx.shape().dims2()?;
-        let (kw, n) = lw.shape().dims2()?;
-        if k != kw || b.len() != n {
+        let (m, n) = (x.rows, w.cols);
+        if x.cols != w.rows || b.len() != n {
             candle_core::bail!(
-                "packed-affine: x is ({m}, {k}), the weight ({kw}, {n}), the bias {:?}",
+                "packed-affine: x is ({m}, {}), the weight ({}, {n}), the bias {:?}",
+                x.cols,
+                w.rows,
                 lb.dims()
             )
         }
-        // The product's B is W^T, (n, k): W's strides swapped.
-        let stride = lw.stride();
-        let packed =
-            PackedMatrix::from_strided_f32(sw.as_slice::<f32>()?, lw.start_offset(), (n, k), (stride[1], stride[0]));
-        let mut y = packed.matmul_with(x, m, Simd::detect());
+        let mut y = product(x, w.t(), self.autocast)?; // (m, k) @ (n, k)^T
         for row in y.chunks_exact_mut(n.max(1)) {
             row.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
         }
@@ -119,8 +121,15 @@ impl CustomOp3 for Affine {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
-        let dx = product(&dy, w)?; // (m, n) @ (k, n)^T
-        let (dw, db) = dy.apply_op2_no_bwd(x, &AffineGrads)?.chunk_pair()?;
+        let dx = product_of(&dy, w, self.autocast)?; // (m, n) @ (k, n)^T
+        let (dw, db) = dy
+            .apply_op2_no_bwd(
+                x,
+                &AffineGrads {
+                    autocast: self.autocast,
+                },
+            )?
+            .chunk_pair()?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
@@ -128,7 +137,9 @@ impl CustomOp3 for Affine {
 /// The weight's and the bias's gradients of [`Affine`] from `dy` `(m, n)` and `x` `(m, k)`:
 /// `dW = x^T @ dy` `(k, n)` and `db` the column sums of `dy`, returned as one `(k + 1, n)`
 /// tensor (a custom op has one output) that [`ChunkPair`] splits.
-struct AffineGrads;
+struct AffineGrads {
+    autocast: Autocast,
+}
 
 impl CustomOp2 for AffineGrads {
     fn name(&self) -> &'static str {
@@ -136,16 +147,12 @@ impl CustomOp2 for AffineGrads {
     }
 
     fn cpu_fwd(&self, sd: &CpuStorage, ld: &Layout, sx: &CpuStorage, lx: &Layout) -> Result<(CpuStorage, Shape)> {
-        let dy = super::f32_slice(sd, ld, "packed-affine-grads")?;
-        let x = super::f32_slice(sx, lx, "packed-affine-grads")?;
-        let (m, n) = ld.shape().dims2()?;
-        let (_, k) = lx.shape().dims2()?;
-        // x^T as the product's rows; dy^T (n, m) packed straight from dy's columns.
-        let xt = transpose(x, m, k);
-        let packed = PackedMatrix::from_strided_f32(dy, 0, (n, m), (1, n));
-        let mut out = packed.matmul_with(&xt, k, Simd::detect());
+        let (dy, x) = (Operand::of(sd, ld)?, Operand::of(sx, lx)?);
+        let (k, n) = (x.cols, dy.cols);
+        // (k, m) @ (n, m)^T: x^T as the product's rows, dy^T packed from dy's columns.
+        let mut out = product(x.t(), dy.t(), self.autocast)?;
         let mut db = vec![0f32; n];
-        for row in dy.chunks_exact(n.max(1)) {
+        for row in super::f32_slice(sd, ld, "packed-affine-grads")?.chunks_exact(n.max(1)) {
             db.iter_mut().zip(row).for_each(|(s, &v)| *s += v);
         }
         out.extend_from_slice(&db);
@@ -163,22 +170,4 @@ impl ChunkPair for Tensor {
         let k = self.dim(0)? - 1;
         Ok((self.narrow(0, 0, k)?, self.get(k)?))
     }
-}
-
-/// `x` `(rows, cols)` row-major, transposed: `(cols, rows)` row-major, in 32 x 32 blocks so that
-/// both sides stay in cache (candle's strided copy walks one side across cache lines, element by
-/// element).
-pub(super) fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    const B: usize = 32;
-    let mut out = vec![0f32; rows * cols];
-    for r0 in (0..rows).step_by(B) {
-        for c0 in (0..cols).step_by(B) {
-            for r in r0..(r0 + B).min(rows) {
-                for c in c0..(c0 + B).min(cols) {
-                    out[c * rows + r] = x[r * cols + c];
-                }
-            }
-        }
-    }
-    out
 }

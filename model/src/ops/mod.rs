@@ -16,6 +16,7 @@
 
 mod add;
 mod attention;
+pub mod bf16_dot;
 mod cross_entropy;
 mod dropout;
 mod gelu;
@@ -23,6 +24,7 @@ mod head_loss;
 mod layer_norm;
 mod linear;
 mod packed;
+mod product;
 mod rows;
 pub mod simd;
 mod softmax;
@@ -42,10 +44,12 @@ use window_attention::WindowAttention;
 
 pub(crate) use attention::WriteRows;
 pub use attention::{cached_attention, cached_attention_on};
+pub use bf16_dot::Bf16Dot;
 pub(crate) use gelu::gelu_new;
 pub use head_loss::lm_head_loss;
 pub use linear::{affine, linear_product};
 pub use packed::{MatmulPrecision, PackedMatrix, WeightFormat};
+pub use product::{product, Autocast, Operand};
 pub use rows::{argmax, argmax_on, log_sum_exp, log_sum_exp_on};
 pub use simd::Simd;
 

@@ -262,7 +262,7 @@ fn linear_product_and_its_gradients_match_candles_matmul() -> anyhow::Result<()>
         let w_out_in = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, k), &dev)?)?;
         let g = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
         for w in [w_in_out.as_tensor().t()?, w_out_in.as_tensor().clone()] {
-            let ours = linear_product(x.as_tensor(), &w)?;
+            let ours = linear_product(x.as_tensor(), &w, Autocast::Off)?;
             let theirs = x.as_tensor().matmul(&w.t()?)?;
             let scale = (k as f32).sqrt();
             assert!(
@@ -307,11 +307,11 @@ fn lm_head_loss_matches_the_head_then_the_cross_entropy() -> anyhow::Result<()> 
         };
         let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 5) % vocab as u32).collect();
         let targets = Tensor::new(ids.as_slice(), &dev)?;
-        let fused = lm_head_loss(h.as_tensor(), &w, &targets, eps, true)?;
+        let fused = lm_head_loss(h.as_tensor(), &w, &targets, eps, true, Autocast::Off)?;
         let plain = cross_entropy(&h.as_tensor().matmul(&w.t()?)?, &targets, eps)?;
         let (a, b) = (fused.to_scalar::<f32>()?, plain.to_scalar::<f32>()?);
         assert!((a - b).abs() < 1e-5 * b.abs().max(1.0), "eps {eps}: loss {a} vs {b}");
-        let no_grad = lm_head_loss(h.as_tensor(), &w, &targets, eps, false)?.to_scalar::<f32>()?;
+        let no_grad = lm_head_loss(h.as_tensor(), &w, &targets, eps, false, Autocast::Off)?.to_scalar::<f32>()?;
         assert_eq!(no_grad, a, "eps {eps}: the loss differs without gradients");
         let (gf, gp) = ((fused * 3.0)?.backward()?, (plain * 3.0)?.backward()?);
         for var in [&h, &w_var] {
@@ -391,7 +391,7 @@ fn affine_and_its_gradients_match_candles_ops() -> anyhow::Result<()> {
         let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, n, &dev)?)?;
         let g = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
         for w in [w_in_out.as_tensor().clone(), w_out_in.as_tensor().t()?] {
-            let ours = affine(x.as_tensor(), &w, &b)?;
+            let ours = affine(x.as_tensor(), &w, &b, Autocast::Off)?;
             let theirs = x.as_tensor().matmul(&w)?.broadcast_add(&b)?;
             let tol = 1e-5 * (k as f32).sqrt();
             assert!(support::max_abs_diff(&ours, &theirs)? < tol, "({m}, {k}, {n}) forward");

@@ -119,22 +119,41 @@ pub(super) struct Task {
     pub panels: *const u8,
     pub panel_bytes: usize,
     pub col0: usize,
+    /// Add the products to the outputs already in `y` instead of writing them.
+    pub accumulate: bool,
 }
 
-/// `y = x @ W^T`, then the epilogue, over candle's thread pool, a task per two panels. Every
-/// element of `y` is written (the first pass over `k` stores, later ones add), so it may start
-/// uninitialised; `k > 0`.
-pub(super) fn run(w: &PackedMatrix, x: &[f32], y: &mut [MaybeUninit<f32>], m: usize, simd: Simd, ep: Epilogue) {
-    match w.format {
-        WeightFormat::F32 => run_format::<F32>(w, x, y, m, simd, ep),
-        WeightFormat::F16 => run_format::<F16>(w, x, y, m, simd, ep),
-        WeightFormat::Bf16 => run_format::<Bf16>(w, x, y, m, simd, ep),
-        WeightFormat::Q8_0 => run_format::<Q8_0>(w, x, y, m, simd, ep),
-        WeightFormat::Q4_0 => run_format::<Q4_0>(w, x, y, m, simd, ep),
-    }
+/// `y = x @ W^T` (or with `accumulate`, `y += x @ W^T`: then `y` must be initialised), then the
+/// epilogue, over candle's thread pool, a task per two panels. Every element of `y` is written
+/// (the first pass over `k` stores, later ones add), so it may start uninitialised; `k > 0`.
+pub(super) fn run(
+    w: &PackedMatrix,
+    x: &[f32],
+    y: &mut [MaybeUninit<f32>],
+    m: usize,
+    simd: Simd,
+    ep: Epilogue,
+    accumulate: bool,
+) {
+    let run = match w.format {
+        WeightFormat::F32 => run_format::<F32>,
+        WeightFormat::F16 => run_format::<F16>,
+        WeightFormat::Bf16 => run_format::<Bf16>,
+        WeightFormat::Q8_0 => run_format::<Q8_0>,
+        WeightFormat::Q4_0 => run_format::<Q4_0>,
+    };
+    run(w, x, y, m, simd, ep, accumulate)
 }
 
-fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [MaybeUninit<f32>], m: usize, simd: Simd, ep: Epilogue) {
+fn run_format<F: Format>(
+    w: &PackedMatrix,
+    x: &[f32],
+    y: &mut [MaybeUninit<f32>],
+    m: usize,
+    simd: Simd,
+    ep: Epilogue,
+    accumulate: bool,
+) {
     debug_assert!(x.len() == m * w.k && y.len() == m * w.n);
     let panel_bytes = super::panel_bytes(w.format, w.k);
     let groups = w.n.div_ceil(LANES * GROUP);
@@ -154,6 +173,7 @@ fn run_format<F: Format>(w: &PackedMatrix, x: &[f32], y: &mut [MaybeUninit<f32>]
                 panels: (w_at + g * GROUP * panel_bytes) as *const u8,
                 panel_bytes,
                 col0: g * GROUP * LANES,
+                accumulate,
             };
             // Tasks write disjoint columns of `y`, which outlives the pool's call; the panels of
             // group `g` exist (the matrix is padded to whole groups).
@@ -284,7 +304,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
         y: unsafe { t.y.add(i0 * t.n + t.col0) },
         ldy: t.n,
         cols,
-        accumulate: false,
+        accumulate: t.accumulate,
         prefetch: PREFETCH,
         ahead: [t.panels; GROUP],
         ahead_lines: 0,
@@ -351,7 +371,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
             let rows = height + usize::from(tile < taller);
             let (first, last) = (lines * tile / tiles, lines * (tile + 1) / tiles);
             let mut at = tile_at(i0, k0);
-            (at.w, at.panel_stride, at.kc, at.accumulate) = (w, panel_stride, kc, k0 > 0);
+            (at.w, at.panel_stride, at.kc, at.accumulate) = (w, panel_stride, kc, t.accumulate || k0 > 0);
             at.ahead = std::array::from_fn(|j| panel(j).wrapping_add(ahead + 64 * first));
             (at.prefetch, at.ahead_lines) = (0, last - first);
             // (Direct calls, not a function pointer: they inherit the caller's target features.)

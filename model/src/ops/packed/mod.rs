@@ -390,11 +390,33 @@ impl PackedMatrix {
                 ep,
                 amx::Tiles::Hardware,
             ),
-            None => kernel::run(self, x, &mut y.spare_capacity_mut()[..len], m, simd, ep),
+            None => kernel::run(self, x, &mut y.spare_capacity_mut()[..len], m, simd, ep, false),
         }
         // SAFETY: the kernels initialised all `len` elements (their contract).
         unsafe { y.set_len(len) };
         y
+    }
+
+    /// `y += x @ W^T` for `x` `(m, k)` and `y` `(m, n)` (f32 panels, no AMX copy): products
+    /// summed over several calls into one buffer, each output's chain continuing from its value.
+    pub(crate) fn matmul_add(&self, x: &[f32], m: usize, simd: Simd, y: &mut [f32]) -> Result<()> {
+        if x.len() != m * self.k || y.len() != m * self.n {
+            candle_core::bail!(
+                "packed-matmul-add: x has {} values and y {}, for ({m}, {}) @ ({}, {})^T",
+                x.len(),
+                y.len(),
+                self.k,
+                self.n,
+                self.k
+            )
+        }
+        if y.is_empty() || self.k == 0 {
+            return Ok(());
+        }
+        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; every value is initialised and stays so.
+        let y = unsafe { &mut *(y as *mut [f32] as *mut [MaybeUninit<f32>]) };
+        kernel::run(self, x, y, m, simd, Epilogue::default(), true);
+        Ok(())
     }
 
     fn zeros(format: WeightFormat, n: usize, k: usize) -> Self {

@@ -1,0 +1,156 @@
+//! Training's matrix products on the CPU, `a @ B^T` for operands read where they are (any
+//! layout: a transposed view is not copied first), in f32 on the packed kernel
+//! ([`PackedMatrix`]) or rounded to bf16 under autocast ([`super::bf16_dot`]).
+
+use candle_core::{CpuStorage, Layout, Result};
+
+use super::bf16_dot::{self, Bf16Dot, Bf16Panels, Bf16Rows};
+use super::packed::PackedMatrix;
+use super::simd::Simd;
+
+/// The matrix products of training (projections, LM head; the attention's own products stay
+/// f32 on the CPU) in f32, or as `torch.autocast(dtype=torch.bfloat16)`: f32 operands rounded to
+/// bf16, multiplied, the products summed in f32 and returned in f32; parameters, gradients,
+/// LayerNorm, softmax, GELU and the loss stay f32. A setting of the model
+/// ([`crate::Gpt::with_autocast`]); `gpt-train --dtype bf16` sets it. (No f16: without loss
+/// scaling its gradients underflow.)
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Autocast {
+    #[default]
+    Off,
+    Bf16,
+}
+
+/// A 2-D f32 matrix read in place: element `(r, c)` at `data[offset + r * stride.0 + c * stride.1]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Operand<'a> {
+    pub data: &'a [f32],
+    pub offset: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub stride: (usize, usize),
+}
+
+impl<'a> Operand<'a> {
+    /// `(rows, cols)` row-major in `data`.
+    pub fn rows(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            offset: 0,
+            rows,
+            cols,
+            stride: (cols, 1),
+        }
+    }
+
+    /// `(rows, cols)` whose transpose `(cols, rows)` is row-major in `data`.
+    pub fn columns(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            offset: 0,
+            rows,
+            cols,
+            stride: (1, rows),
+        }
+    }
+
+    /// A 2-D f32 CPU tensor's storage as it is laid out.
+    pub fn of(storage: &'a CpuStorage, layout: &Layout) -> Result<Self> {
+        let (rows, cols) = layout.shape().dims2()?;
+        let stride = layout.stride();
+        Ok(Self {
+            data: storage.as_slice::<f32>()?,
+            offset: layout.start_offset(),
+            rows,
+            cols,
+            stride: (stride[0], stride[1]),
+        })
+    }
+
+    /// The transposed matrix, the same memory.
+    pub fn t(self) -> Self {
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            stride: (self.stride.1, self.stride.0),
+            ..self
+        }
+    }
+
+    #[inline(always)]
+    pub fn at(&self, r: usize, c: usize) -> f32 {
+        self.data[self.offset + r * self.stride.0 + c * self.stride.1]
+    }
+
+    /// The values row-major: borrowed where they already are, else copied (a transposed
+    /// source in cache-sized blocks).
+    fn row_major(&self) -> std::borrow::Cow<'a, [f32]> {
+        let len = self.rows * self.cols;
+        if self.stride.1 == 1 && (self.stride.0 == self.cols || self.rows <= 1) {
+            return std::borrow::Cow::Borrowed(&self.data[self.offset..self.offset + len]);
+        }
+        const B: usize = 32;
+        let mut out = vec![0f32; len];
+        for r0 in (0..self.rows).step_by(B) {
+            for c0 in (0..self.cols).step_by(B) {
+                for r in r0..(r0 + B).min(self.rows) {
+                    for c in c0..(c0 + B).min(self.cols) {
+                        out[r * self.cols + c] = self.at(r, c);
+                    }
+                }
+            }
+        }
+        std::borrow::Cow::Owned(out)
+    }
+}
+
+/// The right-hand operand `B` `(n, k)` of `a @ B^T`, packed once for several products (the LM
+/// head's weight, for every chunk of rows).
+pub enum Rhs {
+    F32(PackedMatrix),
+    Bf16(Bf16Panels),
+}
+
+impl Rhs {
+    pub fn new(b: Operand, autocast: Autocast) -> Self {
+        match autocast {
+            Autocast::Off => Self::F32(PackedMatrix::from_strided_f32(
+                b.data,
+                b.offset,
+                (b.rows, b.cols),
+                b.stride,
+            )),
+            Autocast::Bf16 => Self::Bf16(Bf16Panels::new(b)),
+        }
+    }
+
+    /// `a @ B^T`, `(a.rows, n)` in f32.
+    pub fn matmul(&self, a: Operand) -> Result<Vec<f32>> {
+        match self {
+            Self::F32(w) => {
+                if a.cols != w.dims().1 {
+                    candle_core::bail!("product: a is ({}, {}) but B is {:?}", a.rows, a.cols, w.dims())
+                }
+                Ok(w.matmul_with(&a.row_major(), a.rows, Simd::detect()))
+            }
+            Self::Bf16(w) => w.matmul(&Bf16Rows::new(a), Bf16Dot::detect()),
+        }
+    }
+
+    /// `y += a @ B^T` for `y` `(a.rows, n)`: each output's chain continues from its value (sums
+    /// over chunks of `k` in one buffer).
+    pub fn matmul_add(&self, a: Operand, y: &mut [f32]) -> Result<()> {
+        match self {
+            Self::F32(w) => w.matmul_add(&a.row_major(), a.rows, Simd::detect(), y),
+            Self::Bf16(w) => w.matmul_add(&Bf16Rows::new(a), Bf16Dot::detect(), y),
+        }
+    }
+}
+
+/// `a @ B^T` `(a.rows, b.rows)` in f32, at `autocast`'s precision.
+pub fn product(a: Operand, b: Operand, autocast: Autocast) -> Result<Vec<f32>> {
+    match autocast {
+        Autocast::Off => Rhs::new(b, autocast).matmul(a),
+        Autocast::Bf16 => bf16_dot::product(a, b, Bf16Dot::detect()),
+    }
+}
