@@ -17,7 +17,7 @@ use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
 use gpt::{Config, Gpt};
 use gpt_train::init::seeded_var_builder;
-use gpt_train::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use gpt_train::optim::{clip_factor, AdamW, AdamWConfig};
 use gpt_train::step::accumulate_grads;
 use gpt_train::train::{cpu_threads, use_shard_parallelism};
 
@@ -83,12 +83,12 @@ fn main() -> anyhow::Result<()> {
         let (x, y) = (t.narrow(1, 0, block)?, t.narrow(1, 1, block)?);
         let t0 = Instant::now();
         let shards = if device.is_cpu() { threads } else { 1 };
-        let (_, mut g) = accumulate_grads(&model, &vars, &[(x, y)], shards, Default::default())?;
+        let (_, g) = accumulate_grads(&model, &vars, &[(x, y)], shards, Default::default())?;
         let t1 = t0;
         let t2 = Instant::now();
-        clip_grad_norm(&mut g, 1.0)?;
+        let (_, grad_scale) = clip_factor(&g, 1.0)?; // as gpt-train clips
         let t3 = Instant::now();
-        opt.step(&g, 1e-4)?;
+        opt.step_scaled(&g, 1e-4, grad_scale)?;
         device.synchronize()?; // the update is queued on a GPU: wait for it
         let t4 = Instant::now();
         if step > 0 {

@@ -39,15 +39,52 @@ pub fn in_threads<T: Send>(n: usize, work: impl Fn(usize) -> Result<T> + Sync) -
     })
 }
 
-/// Adds `scale * g` into `slot`, detached: a gradient otherwise keeps its step's whole graph
-/// alive, and the optimizer's running moments would chain every step's activations (a leak).
-fn accumulate(slot: &mut Option<Tensor>, g: &Tensor, scale: f64) -> Result<()> {
-    let g = (g.detach() * scale)?;
+/// Adds `g` into `slot`, detached: a gradient otherwise keeps its step's whole graph alive, and
+/// the optimizer's running moments would chain every step's activations (a leak). On the CPU the
+/// sum is taken in place (each gradient a backward pass returns is its own tensor), so summing
+/// micro-batches and shards allocates nothing.
+fn accumulate(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
+    let g = g.detach();
     *slot = Some(match slot.take() {
+        Some(a) if a.device().is_cpu() && gpt::ops::fused(&a) && a.is_contiguous() => {
+            a.inplace_op2(&g.contiguous()?, &AddAssign)?;
+            a
+        }
         Some(a) => (a + g)?,
         None => g,
     });
     Ok(())
+}
+
+/// `a += b` for f32 CPU tensors of one shape, `a` contiguous.
+struct AddAssign;
+
+impl candle_core::InplaceOp2 for AddAssign {
+    fn name(&self) -> &'static str {
+        "add-assign"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let (Some((a0, a1)), candle_core::CpuStorage::F32(a)) = (l1.contiguous_offsets(), s1) else {
+            candle_core::bail!("add-assign: the sum must be contiguous f32")
+        };
+        let a = &mut a[a0..a1];
+        let Some((b0, b1)) = l2.contiguous_offsets() else {
+            candle_core::bail!("add-assign: the addend must be contiguous")
+        };
+        let b = &s2.as_slice::<f32>()?[b0..b1];
+        if a.len() != b.len() {
+            candle_core::bail!("add-assign: {} values and {}", a.len(), b.len())
+        }
+        a.iter_mut().zip(b).for_each(|(x, &y)| *x += y);
+        Ok(())
+    }
 }
 
 /// Gradients of the mean loss (see [`Objective`]) over equally sized micro-batches, summed as gradient accumulation
@@ -89,10 +126,12 @@ pub fn accumulate_grads(
         for (x, y, weight, dropout) in pieces.iter().skip(worker).step_by(n_workers) {
             let loss = loss(model, x, y, Some(*dropout), objective.label_smoothing)?;
             total += weight * loss.to_scalar::<f32>()? as f64;
-            let grads = loss.backward()?;
+            // The piece's weight as the loss's upstream gradient: every gradient comes out
+            // weighted (the fused LM head scales its own in place), and pieces only add.
+            let mut grads = (loss * *weight)?.backward()?;
             for (slot, var) in acc.iter_mut().zip(vars) {
-                if let Some(g) = grads.get(var.as_tensor()) {
-                    accumulate(slot, g, *weight)?;
+                if let Some(g) = grads.remove(var.as_tensor()) {
+                    accumulate(slot, g)?;
                 }
             }
         }
@@ -105,7 +144,7 @@ pub fn accumulate_grads(
         total += loss;
         for (slot, g) in acc.iter_mut().zip(grads) {
             if let Some(g) = g {
-                accumulate(slot, &g, 1.0)?;
+                accumulate(slot, g)?;
             }
         }
     }

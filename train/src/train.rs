@@ -18,7 +18,7 @@ use crate::checkpoints::{self, Saved, TrainerState};
 use crate::config::{RunConfig, TrainArgs};
 use crate::data::{self, Dataset, Tokens};
 use crate::metrics::{Event, Metrics, Progress};
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use crate::optim::{clip_factor, AdamW, AdamWConfig};
 use crate::schedule::Schedule;
 use crate::step::{accumulate_grads, in_threads, loss, Objective};
 
@@ -214,12 +214,12 @@ impl Trainer {
             label_smoothing: run.label_smoothing as f32,
             dropout_key: gpt::rng::key(&[run.seed, step as u64]),
         };
-        let (train_loss, mut grads) = accumulate_grads(&self.model, &self.vars, &batches, self.shards, objective)?;
+        let (train_loss, grads) = accumulate_grads(&self.model, &self.vars, &batches, self.shards, objective)?;
         if !train_loss.is_finite() {
             bail!("the training loss became {train_loss} at step {step}; try a lower --learning-rate");
         }
-        clip_grad_norm(&mut grads, run.grad_clip)?;
-        self.opt.step(&grads, lr)?;
+        let (_, grad_scale) = clip_factor(&grads, run.grad_clip)?;
+        self.opt.step_scaled(&grads, lr, grad_scale)?;
         self.state.step += 1;
         Ok(train_loss)
     }
