@@ -19,7 +19,10 @@
 //! is one chain along `k` in one order, whatever the tile, the rows or the threads: repeatable,
 //! and the same for a row alone or in a batch.
 
+use std::mem::MaybeUninit;
+
 use super::product::Operand;
+use super::simd::{Kernel, Simd, Vec16};
 
 /// Output columns per panel.
 const LANES: usize = 16;
@@ -103,51 +106,104 @@ fn dot_pair(acc: f32, a: u32, b: u32) -> f32 {
 /// The left operand `a` `(m, k)` as rows of bf16 pairs.
 pub struct Bf16Rows {
     m: usize,
-    /// Pairs per row: `k` halved, rounded up.
-    kp: usize,
+    k: usize,
     pairs: Vec<u32>,
 }
 
 impl Bf16Rows {
-    /// `a` rounded to bf16, in one pass from any layout (a transposed view reads its source's
-    /// rows in blocks, so both sides stay in cache).
+    /// `a` rounded to bf16, in one pass from any layout (a transposed view is read in blocks of
+    /// 16 x 16 pairs, so both sides stay in cache).
     pub fn new(a: Operand) -> Self {
         let (m, k) = (a.rows, a.cols);
         let kp = k.div_ceil(2);
         let mut pairs: Vec<u32> = Vec::with_capacity(m * kp);
         let out = &mut pairs.spare_capacity_mut()[..m * kp];
-        let at = |r: usize, c: usize| if c < k { a.at(r, c) } else { 0.0 };
-        if a.stride.1 == 1 || m <= 1 {
+        Simd::detect().run(PackRows { a, out });
+        // SAFETY: `PackRows` writes every one of the `m * kp` values.
+        unsafe { pairs.set_len(m * kp) };
+        Self { m, k, pairs }
+    }
+}
+
+/// Pair `p` of row `r` of the operand, zero past its `k` (an odd `k`'s padding).
+#[inline(always)]
+fn pair_at(a: &Operand, r: usize, p: usize) -> u32 {
+    let at = |c: usize| if c < a.cols { a.at(r, c) } else { 0.0 };
+    pair(at(2 * p), at(2 * p + 1))
+}
+
+/// [`Bf16Rows::new`]'s packing, compiled for the instruction set at hand (the conversions
+/// vectorise).
+struct PackRows<'a, 'b> {
+    a: Operand<'a>,
+    out: &'b mut [MaybeUninit<u32>],
+}
+
+impl Kernel for PackRows<'_, '_> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Vec16>(self) {
+        let Self { a, out } = self;
+        let (m, k) = (a.rows, a.cols);
+        let kp = k.div_ceil(2);
+        if a.stride.1 == 1 {
+            // Rows of adjacent values: each pair from two neighbours.
             for (r, row) in out.chunks_exact_mut(kp.max(1)).enumerate().take(m) {
                 let src = &a.data[a.offset + r * a.stride.0..][..k];
-                let mut chunks = src.chunks_exact(2);
-                for (o, two) in row.iter_mut().zip(&mut chunks) {
+                for (o, two) in row.iter_mut().zip(src.chunks_exact(2)) {
                     o.write(pair(two[0], two[1]));
                 }
                 if k % 2 == 1 {
                     row[kp - 1].write(pair(src[k - 1], 0.0));
                 }
             }
+            return;
+        }
+        let whole = if a.stride.0 == 1 {
+            (m / LANES, k / 2 / LANES)
         } else {
-            // Rows of `a` are columns of the source: 64 of them at a time, pair by pair.
-            const BLOCK: usize = 64;
-            for r0 in (0..m).step_by(BLOCK) {
-                for p in 0..kp {
-                    for r in r0..(r0 + BLOCK).min(m) {
-                        out[r * kp + p].write(pair(at(r, 2 * p), at(r, 2 * p + 1)));
+            (0, 0)
+        };
+        // Rows of `a` are columns of the source: 16 rows by 16 pairs at a time, read along
+        // the source's rows and written along ours.
+        for rb in 0..whole.0 {
+            let r0 = rb * LANES;
+            for pb in 0..whole.1 {
+                let p0 = pb * LANES;
+                let mut block = [[0u32; LANES]; LANES]; // [pair][row]
+                for (j, lanes) in block.iter_mut().enumerate() {
+                    let c = 2 * (p0 + j);
+                    let lo = &a.data[a.offset + r0 + c * a.stride.1..][..LANES];
+                    let hi = &a.data[a.offset + r0 + (c + 1) * a.stride.1..][..LANES];
+                    for ((o, &l), &h) in lanes.iter_mut().zip(lo).zip(hi) {
+                        *o = pair(l, h);
+                    }
+                }
+                for i in 0..LANES {
+                    for (j, o) in out[(r0 + i) * kp + p0..][..LANES].iter_mut().enumerate() {
+                        o.write(block[j][i]);
                     }
                 }
             }
+            for r in r0..r0 + LANES {
+                for p in whole.1 * LANES..kp {
+                    out[r * kp + p].write(pair_at(&a, r, p));
+                }
+            }
         }
-        // SAFETY: every one of the `m * kp` values is written above.
-        unsafe { pairs.set_len(m * kp) };
-        Self { m, kp, pairs }
+        // What the blocks left: the last rows, any other layout.
+        for r in whole.0 * LANES..m {
+            for p in 0..kp {
+                out[r * kp + p].write(pair_at(&a, r, p));
+            }
+        }
     }
 }
 
 /// The right operand `B` `(n, k)` of `a @ B^T`, in panels of bf16 pairs (see the module's notes).
 pub struct Bf16Panels {
     n: usize,
+    k: usize,
     kp: usize,
     /// `n` rounded up to whole tasks, 16 rows a panel; each panel `kp * 16` pairs.
     pairs: Vec<u32>,
@@ -162,45 +218,15 @@ impl Bf16Panels {
         let len = panels * kp * LANES;
         let mut pairs: Vec<u32> = Vec::with_capacity(len);
         let out = &mut pairs.spare_capacity_mut()[..len];
-        let at = |r: usize, c: usize| if r < n && c < k { b.at(r, c) } else { 0.0 };
-        for (panel, out) in out.chunks_exact_mut((kp * LANES).max(1)).enumerate().take(panels) {
-            let r0 = panel * LANES;
-            if b.stride.0 == 1 && r0 + LANES <= n {
-                // A transposed source: the panel's 16 rows are adjacent at every position.
-                for (p, lanes) in out.chunks_exact_mut(LANES).enumerate() {
-                    let lo = &b.data[b.offset + r0 + 2 * p * b.stride.1..][..LANES];
-                    if 2 * p + 1 < k {
-                        let hi = &b.data[b.offset + r0 + (2 * p + 1) * b.stride.1..][..LANES];
-                        for ((o, &l), &h) in lanes.iter_mut().zip(lo).zip(hi) {
-                            o.write(pair(l, h));
-                        }
-                    } else {
-                        for (o, &l) in lanes.iter_mut().zip(lo) {
-                            o.write(pair(l, 0.0));
-                        }
-                    }
-                }
-            } else {
-                // Row by row (each row's pairs from adjacent values when rows are contiguous),
-                // in blocks of positions whose lines stay in cache.
-                const BLOCK: usize = 256;
-                for p0 in (0..kp).step_by(BLOCK) {
-                    for lane in 0..LANES {
-                        for p in p0..(p0 + BLOCK).min(kp) {
-                            out[p * LANES + lane].write(pair(at(r0 + lane, 2 * p), at(r0 + lane, 2 * p + 1)));
-                        }
-                    }
-                }
-            }
-        }
-        // SAFETY: every value of every panel is written above (padding rows as zeros).
+        Simd::detect().run(PackPanels { b, out });
+        // SAFETY: `PackPanels` writes every value of every panel (padding rows as zeros).
         unsafe { pairs.set_len(len) };
-        Self { n, kp, pairs }
+        Self { n, k, kp, pairs }
     }
 
-    /// `(n, k / 2 rounded up)`.
+    /// `(n, k)`.
     pub fn dims(&self) -> (usize, usize) {
-        (self.n, self.kp)
+        (self.n, self.k)
     }
 
     /// `a @ B^T` `(m, n)` in f32; `a` must have `B`'s `k`.
@@ -213,26 +239,26 @@ impl Bf16Panels {
         Ok(y)
     }
 
+    /// `y = a @ B^T` into `y` `(m, n)`, which may start uninitialised (every value is written).
+    pub fn matmul_into(&self, a: &Bf16Rows, dot: Bf16Dot, y: &mut [MaybeUninit<f32>]) -> candle_core::Result<()> {
+        self.run(a, dot, y, false)
+    }
+
     /// `y += a @ B^T` for `y` `(m, n)`: each output's chain continues from its value.
     pub fn matmul_add(&self, a: &Bf16Rows, dot: Bf16Dot, y: &mut [f32]) -> candle_core::Result<()> {
         // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; every value is initialised and stays so.
-        let y = unsafe { &mut *(y as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) };
+        let y = unsafe { &mut *(y as *mut [f32] as *mut [MaybeUninit<f32>]) };
         self.run(a, dot, y, true)
     }
 
     /// The products into `y` `(m, n)`, written, or added to its values with `accumulate`.
-    fn run(
-        &self,
-        a: &Bf16Rows,
-        dot: Bf16Dot,
-        y: &mut [std::mem::MaybeUninit<f32>],
-        accumulate: bool,
-    ) -> candle_core::Result<()> {
+    fn run(&self, a: &Bf16Rows, dot: Bf16Dot, y: &mut [MaybeUninit<f32>], accumulate: bool) -> candle_core::Result<()> {
         let (m, n, kp) = (a.m, self.n, self.kp);
-        if a.kp != kp || y.len() != m * n {
+        if a.k != self.k || y.len() != m * n {
             candle_core::bail!(
-                "bf16 product: a is ({m} rows, {} pairs), B ({n}, {kp} pairs), the output {} values",
-                a.kp,
+                "bf16 product: a is ({m}, {}), B ({n}, {}), the output {} values",
+                a.k,
+                self.k,
                 y.len()
             )
         }
@@ -273,17 +299,67 @@ impl Bf16Panels {
     }
 }
 
+/// [`Bf16Panels::new`]'s packing, compiled for the instruction set at hand.
+struct PackPanels<'a, 'b> {
+    b: Operand<'a>,
+    out: &'b mut [MaybeUninit<u32>],
+}
+
+impl Kernel for PackPanels<'_, '_> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Vec16>(self) {
+        let Self { b, out } = self;
+        let (n, k) = (b.rows, b.cols);
+        let kp = k.div_ceil(2);
+        for (panel, out) in out.chunks_exact_mut((kp * LANES).max(1)).enumerate() {
+            let r0 = panel * LANES;
+            let full = r0 + LANES <= n;
+            let done = if full && b.stride.0 == 1 {
+                // A transposed source: the panel's 16 rows are adjacent at every position.
+                for p in 0..k / 2 {
+                    let lo = &b.data[b.offset + r0 + 2 * p * b.stride.1..][..LANES];
+                    let hi = &b.data[b.offset + r0 + (2 * p + 1) * b.stride.1..][..LANES];
+                    for ((o, &l), &h) in out[p * LANES..][..LANES].iter_mut().zip(lo).zip(hi) {
+                        o.write(pair(l, h));
+                    }
+                }
+                k / 2
+            } else if full && b.stride.1 == 1 {
+                // Rows of adjacent values: 16 rows by 16 pairs at a time, read along the rows
+                // and written across them.
+                let whole = k / 2 / LANES * LANES;
+                for p0 in (0..whole).step_by(LANES) {
+                    let mut block = [[0u32; LANES]; LANES]; // [row][pair]
+                    for (i, pairs) in block.iter_mut().enumerate() {
+                        let src = &b.data[b.offset + (r0 + i) * b.stride.0 + 2 * p0..][..2 * LANES];
+                        for (o, two) in pairs.iter_mut().zip(src.chunks_exact(2)) {
+                            *o = pair(two[0], two[1]);
+                        }
+                    }
+                    for j in 0..LANES {
+                        for (i, o) in out[(p0 + j) * LANES..][..LANES].iter_mut().enumerate() {
+                            o.write(block[i][j]);
+                        }
+                    }
+                }
+                whole
+            } else {
+                0
+            };
+            // What the paths above left: the last pairs, a partial panel, any other layout.
+            for p in done..kp {
+                for lane in 0..LANES {
+                    let r = r0 + lane;
+                    out[p * LANES + lane].write(if r < n { pair_at(&b, r, p) } else { 0 });
+                }
+            }
+        }
+    }
+}
+
 /// `a @ B^T` for operands read in place, rounded to bf16: `(a.rows, b.rows)` in f32.
 pub fn product(a: Operand, b: Operand, dot: Bf16Dot) -> candle_core::Result<Vec<f32>> {
-    if a.cols != b.cols {
-        candle_core::bail!(
-            "bf16 product: a is ({}, {}) but B is ({}, {})",
-            a.rows,
-            a.cols,
-            b.rows,
-            b.cols
-        )
-    }
     Bf16Panels::new(b).matmul(&Bf16Rows::new(a), dot)
 }
 

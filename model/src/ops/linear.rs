@@ -9,7 +9,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::product::{product, Autocast, Operand};
+use super::product::{product, product_into, Autocast, Operand};
 
 /// `a @ B^T` for `a` `(m, k)` and `B` `(n, k)`, f32 tensors on the CPU (any layout); not
 /// differentiable.
@@ -149,8 +149,12 @@ impl CustomOp2 for AffineGrads {
     fn cpu_fwd(&self, sd: &CpuStorage, ld: &Layout, sx: &CpuStorage, lx: &Layout) -> Result<(CpuStorage, Shape)> {
         let (dy, x) = (Operand::of(sd, ld)?, Operand::of(sx, lx)?);
         let (k, n) = (x.cols, dy.cols);
-        // (k, m) @ (n, m)^T: x^T as the product's rows, dy^T packed from dy's columns.
-        let mut out = product(x.t(), dy.t(), self.autocast)?;
+        // (k, m) @ (n, m)^T: x^T as the product's rows, dy^T packed from dy's columns; written
+        // into the output with room for the bias's row after it.
+        let mut out = Vec::with_capacity((k + 1) * n);
+        product_into(x.t(), dy.t(), self.autocast, &mut out.spare_capacity_mut()[..k * n])?;
+        // SAFETY: `product_into` wrote every one of the `k * n` values.
+        unsafe { out.set_len(k * n) };
         let mut db = vec![0f32; n];
         for row in super::f32_slice(sd, ld, "packed-affine-grads")?.chunks_exact(n.max(1)) {
             db.iter_mut().zip(row).for_each(|(s, &v)| *s += v);

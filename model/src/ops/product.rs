@@ -2,9 +2,11 @@
 //! layout: a transposed view is not copied first), in f32 on the packed kernel
 //! ([`PackedMatrix`]) or rounded to bf16 under autocast ([`super::bf16_dot`]).
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, Layout, Result};
 
-use super::bf16_dot::{self, Bf16Dot, Bf16Panels, Bf16Rows};
+use super::bf16_dot::{Bf16Dot, Bf16Panels, Bf16Rows};
 use super::packed::PackedMatrix;
 use super::simd::Simd;
 
@@ -126,14 +128,27 @@ impl Rhs {
 
     /// `a @ B^T`, `(a.rows, n)` in f32.
     pub fn matmul(&self, a: Operand) -> Result<Vec<f32>> {
+        let len = a.rows * self.n();
+        let mut y = Vec::with_capacity(len);
+        self.matmul_into(a, &mut y.spare_capacity_mut()[..len])?;
+        // SAFETY: `matmul_into` wrote every one of the `len` values.
+        unsafe { y.set_len(len) };
+        Ok(y)
+    }
+
+    /// `a @ B^T` written into `y` `(a.rows, n)`, which may start uninitialised.
+    pub fn matmul_into(&self, a: Operand, y: &mut [MaybeUninit<f32>]) -> Result<()> {
         match self {
-            Self::F32(w) => {
-                if a.cols != w.dims().1 {
-                    candle_core::bail!("product: a is ({}, {}) but B is {:?}", a.rows, a.cols, w.dims())
-                }
-                Ok(w.matmul_with(&a.row_major(), a.rows, Simd::detect()))
-            }
-            Self::Bf16(w) => w.matmul(&Bf16Rows::new(a), Bf16Dot::detect()),
+            Self::F32(w) => w.matmul_into(&a.row_major(), a.rows, Simd::detect(), y),
+            Self::Bf16(w) => w.matmul_into(&Bf16Rows::new(a), Bf16Dot::detect(), y),
+        }
+    }
+
+    /// The rows of `B` (the product's columns).
+    pub fn n(&self) -> usize {
+        match self {
+            Self::F32(w) => w.dims().0,
+            Self::Bf16(w) => w.dims().0,
         }
     }
 
@@ -147,10 +162,13 @@ impl Rhs {
     }
 }
 
+/// `a @ B^T` written into `y` `(a.rows, b.rows)` (which may start uninitialised), at
+/// `autocast`'s precision.
+pub fn product_into(a: Operand, b: Operand, autocast: Autocast, y: &mut [MaybeUninit<f32>]) -> Result<()> {
+    Rhs::new(b, autocast).matmul_into(a, y)
+}
+
 /// `a @ B^T` `(a.rows, b.rows)` in f32, at `autocast`'s precision.
 pub fn product(a: Operand, b: Operand, autocast: Autocast) -> Result<Vec<f32>> {
-    match autocast {
-        Autocast::Off => Rhs::new(b, autocast).matmul(a),
-        Autocast::Bf16 => bf16_dot::product(a, b, Bf16Dot::detect()),
-    }
+    Rhs::new(b, autocast).matmul(a)
 }
