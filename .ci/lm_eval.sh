@@ -12,11 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv=${LM_EVAL_VENV:-target/ci/venv-lm-eval}
-if [ ! -x "$venv/bin/lm_eval" ]; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check "lm_eval[api,hf]==0.4.13"
-fi
+source .ci/python_env.sh
+venv=$LM_EVAL_VENV
 cargo build --release --locked -p gpt-server -p gpt-train  # the same set as .ci/run builds: no rebuild
 
 out=target/ci/lm_eval

@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::files::write_atomic;
 use crate::gpt::Gpt;
+use crate::hub::{self, HubId, RepoKind};
 use crate::ops::WeightFormat;
 use crate::tokenizer::Tokenizer;
 
@@ -22,6 +23,12 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+/// Sharded weights: the index naming each tensor's file, as `save_pretrained` writes it.
+pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
+/// The older tokenizer files of GPT-2 repositories, used when there is no `tokenizer.json`.
+pub const VOCAB_FILE: &str = "vocab.json";
+pub const MERGES_FILE: &str = "merges.txt";
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 /// A `gpt-train` run directory's checkpoint with the lowest validation loss.
 pub const RUN_BEST: &str = "best";
 /// A `gpt-train` run directory's link to its newest checkpoint.
@@ -46,6 +53,142 @@ pub fn resolve_dir(path: &Path) -> Result<std::path::PathBuf> {
         .ok_or_else(|| Error::NotACheckpoint {
             path: path.to_path_buf(),
         })
+}
+
+/// A checkpoint named on a command line, found.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// A directory in the checkpoint layout (for a Hub id, its snapshot in the Hub cache).
+    pub dir: std::path::PathBuf,
+    /// The Hub id it was named by, if it was.
+    pub hub_id: Option<HubId>,
+}
+
+/// The checkpoint that `named` names, as every command takes one and as `from_pretrained`
+/// decides: a path that exists is a checkpoint or run directory ([`resolve_dir`]); anything else
+/// is a Hub id (`gpt2`, `org/name`, `org/name@revision`), found in the Hub cache or downloaded
+/// into it ([`fetch_model`]).
+pub fn resolve(named: &str) -> Result<Resolved> {
+    let path = Path::new(named);
+    if path.exists() {
+        return Ok(Resolved {
+            dir: resolve_dir(path)?,
+            hub_id: None,
+        });
+    }
+    match HubId::parse(named, RepoKind::Model) {
+        Some(id) => Ok(Resolved {
+            dir: fetch_model(&id).map_err(|e| match e {
+                Error::Hub { id, reason } => Error::Hub {
+                    id,
+                    reason: format!("{reason} (and there is no directory of that name here)"),
+                },
+                other => other,
+            })?,
+            hub_id: Some(id),
+        }),
+        None => Err(Error::MissingFile {
+            path: path.to_path_buf(),
+        }),
+    }
+}
+
+/// The snapshot directory of a model on the Hub with what loading it needs, downloaded into the
+/// cache where missing: `config.json` first (an architecture other than GPT-2's is refused before
+/// any weights are fetched), the weights (`model.safetensors`, or the shards its index names), the
+/// tokenizer (`tokenizer.json`, or `vocab.json` and `merges.txt`), and `tokenizer_config.json` and
+/// `generation_config.json` where the repository has them.
+pub fn fetch_model(id: &HubId) -> Result<std::path::PathBuf> {
+    let snapshot = hub::Snapshot::open(id)?;
+    let refuse = |reason: String| Error::Hub {
+        id: id.to_string(),
+        reason,
+    };
+    if !snapshot.has(CONFIG_FILE) {
+        return Err(refuse(format!(
+            "the repository has no {CONFIG_FILE}: not a transformers model ({} files: {})",
+            snapshot.files.len(),
+            snapshot.files.iter().take(8).cloned().collect::<Vec<_>>().join(", ")
+        )));
+    }
+    Config::from_file(&snapshot.get(CONFIG_FILE)?)?;
+    if snapshot.has(WEIGHTS_FILE) {
+        snapshot.get(WEIGHTS_FILE)?;
+    } else if snapshot.has(WEIGHTS_INDEX_FILE) {
+        for shard in shard_files(&snapshot.get(WEIGHTS_INDEX_FILE)?)? {
+            snapshot.get(&shard)?;
+        }
+    } else if snapshot.has("pytorch_model.bin") || snapshot.has("pytorch_model.bin.index.json") {
+        return Err(refuse(
+            "the repository has its weights only as pytorch_model.bin (a pickle), which gpt-rs does not load: \
+             convert it to model.safetensors (transformers: `save_pretrained(dir, safe_serialization=True)`) \
+             or use a revision that has one"
+                .into(),
+        ));
+    } else {
+        return Err(refuse(format!(
+            "the repository has no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX_FILE})"
+        )));
+    }
+    if snapshot.has(TOKENIZER_FILE) {
+        snapshot.get(TOKENIZER_FILE)?;
+    } else if snapshot.has(VOCAB_FILE) && snapshot.has(MERGES_FILE) {
+        snapshot.get(VOCAB_FILE)?;
+        snapshot.get(MERGES_FILE)?;
+    } else {
+        return Err(refuse(format!(
+            "the repository has no {TOKENIZER_FILE} (nor {VOCAB_FILE} with {MERGES_FILE})"
+        )));
+    }
+    for optional in [TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE] {
+        if snapshot.has(optional) {
+            snapshot.get(optional)?;
+        }
+    }
+    Ok(snapshot.dir)
+}
+
+/// The tokenizer of a model on the Hub, fetching only its tokenizer files (`tokenizer.json`, or
+/// `vocab.json` and `merges.txt`).
+pub fn fetch_tokenizer(id: &HubId) -> Result<Tokenizer> {
+    let snapshot = hub::Snapshot::open(id)?;
+    if snapshot.has(TOKENIZER_FILE) {
+        return Tokenizer::from_file(&snapshot.get(TOKENIZER_FILE)?);
+    }
+    if snapshot.has(VOCAB_FILE) && snapshot.has(MERGES_FILE) {
+        return Tokenizer::from_vocab_merges(&snapshot.get(VOCAB_FILE)?, &snapshot.get(MERGES_FILE)?);
+    }
+    Err(Error::Hub {
+        id: id.to_string(),
+        reason: format!("the repository has no {TOKENIZER_FILE} (nor {VOCAB_FILE} with {MERGES_FILE})"),
+    })
+}
+
+/// The shard files that a `model.safetensors.index.json` names, each once, in order.
+fn shard_files(index: &Path) -> Result<Vec<String>> {
+    let corrupt = |reason: String| Error::CorruptCheckpoint {
+        path: index.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| corrupt(e.to_string()))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| corrupt("no `weight_map` object".into()))?;
+    let mut files: Vec<String> = Vec::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| corrupt(format!("`{tensor}` maps to {file}, not a file name")))?;
+        if file.contains("..") || file.starts_with('/') {
+            return Err(corrupt(format!("`{tensor}` maps to `{file}`, outside the checkpoint")));
+        }
+        if !files.iter().any(|f| f == file) {
+            files.push(file.to_string());
+        }
+    }
+    Ok(files)
 }
 
 /// Turns candle's loading errors into ours, naming the file and the tensor.
@@ -82,12 +225,18 @@ pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
         }
         return crate::gguf::load_gguf(&gguf, &cfg, device);
     }
-    if !path.exists() {
+    let index = dir.join(WEIGHTS_INDEX_FILE);
+    let files = if path.exists() {
+        vec![path.clone()]
+    } else if index.exists() {
+        shard_files(&index)?.iter().map(|f| dir.join(f)).collect()
+    } else {
         return Err(Error::MissingFile { path });
-    }
-    // SAFETY: the file is mapped read-only; as with any memory-mapped checkpoint, it must not be
-    // modified by another process while the model is being loaded.
-    let st = unsafe { MmapedSafetensors::new(&path) }.map_err(|e| Error::CorruptCheckpoint {
+    };
+    let path = if files.len() == 1 { files[0].clone() } else { index };
+    // SAFETY: the files are mapped read-only; as with any memory-mapped checkpoint, they must not
+    // be modified by another process while the model is being loaded.
+    let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| Error::CorruptCheckpoint {
         path: path.clone(),
         reason: e.to_string(),
     })?;
@@ -119,9 +268,15 @@ fn require_dir(dir: &Path) -> Result<()> {
     }
 }
 
-/// The tokenizer of `dir`, checked against the model's vocabulary.
-fn load_tokenizer(dir: &Path, model_vocab: usize) -> Result<Tokenizer> {
-    let tokenizer = Tokenizer::from_file(&dir.join(TOKENIZER_FILE))?;
+/// The tokenizer of `dir` (`tokenizer.json`, else `vocab.json` with `merges.txt`), checked
+/// against the model's vocabulary.
+pub fn load_tokenizer(dir: &Path, model_vocab: usize) -> Result<Tokenizer> {
+    let json = dir.join(TOKENIZER_FILE);
+    let tokenizer = if !json.exists() && dir.join(VOCAB_FILE).exists() {
+        Tokenizer::from_vocab_merges(&dir.join(VOCAB_FILE), &dir.join(MERGES_FILE))?
+    } else {
+        Tokenizer::from_file(&json)?
+    };
     if tokenizer.vocab_size() > model_vocab {
         return Err(Error::VocabMismatch {
             tokenizer: tokenizer.vocab_size(),

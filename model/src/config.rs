@@ -236,7 +236,18 @@ impl Config {
             path: path.to_path_buf(),
             reason,
         };
-        let cfg: Config = serde_json::from_str(&text).map_err(|e| file_error(e.to_string()))?;
+        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| file_error(e.to_string()))?;
+        if let Some(kind) = value
+            .get("model_type")
+            .and_then(|t| t.as_str())
+            .filter(|&t| t != "gpt2")
+        {
+            return Err(file_error(format!(
+                "model_type `{kind}` is not GPT-2's architecture: gpt-rs runs GPT-2-layout checkpoints (model_type \
+                 gpt2, GPT2LMHeadModel)"
+            )));
+        }
+        let cfg: Config = serde_json::from_value(value).map_err(|e| file_error(e.to_string()))?;
         cfg.validate().map_err(|e| match e {
             Error::InvalidConfig(reason) => file_error(reason),
             other => other,

@@ -64,6 +64,9 @@ pub enum Error {
     )]
     NotACheckpoint { path: PathBuf },
 
+    #[error("`{id}` (Hugging Face Hub): {reason}")]
+    Hub { id: String, reason: String },
+
     #[error("empty input: {0}")]
     EmptyInput(&'static str),
 

@@ -17,6 +17,7 @@ pub mod files;
 pub mod generate;
 pub mod gguf;
 pub mod gpt;
+pub mod hub;
 pub mod layers;
 pub mod ops;
 pub mod rng;

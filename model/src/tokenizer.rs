@@ -52,6 +52,37 @@ impl Tokenizer {
         Ok(Self::wrap(inner))
     }
 
+    /// GPT-2's byte-level BPE from the older files a Hub repository may have instead of
+    /// `tokenizer.json`: `vocab.json` and `merges.txt` (what `transformers`' slow `GPT2Tokenizer`
+    /// reads), with GPT-2's byte-level pre-tokenizer and decoder and `<|endoftext|>` special.
+    pub fn from_vocab_merges(vocab: &Path, merges: &Path) -> Result<Self> {
+        let error = |path: &Path, reason: String| Error::Tokenizer {
+            path: path.to_path_buf(),
+            reason,
+        };
+        for path in [vocab, merges] {
+            if !path.exists() {
+                return Err(Error::MissingFile {
+                    path: path.to_path_buf(),
+                });
+            }
+        }
+        let (vocab_str, merges_str) = (vocab.to_string_lossy(), merges.to_string_lossy());
+        let bpe = BPE::from_file(&vocab_str, &merges_str)
+            .build()
+            .map_err(|e| error(vocab, format!("with {}: {e}", merges.display())))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+        inner.with_decoder(Some(ByteLevel::new(false, true, true)));
+        inner.with_post_processor(Some(ByteLevel::new(false, true, true)));
+        if inner.token_to_id(END_OF_TEXT).is_some() {
+            inner
+                .add_special_tokens([AddedToken::from(END_OF_TEXT, true)])
+                .map_err(|e| error(vocab, e.to_string()))?;
+        }
+        Ok(Self::wrap(inner))
+    }
+
     /// Writes `tokenizer.json` atomically.
     pub fn save(&self, path: &Path) -> Result<()> {
         let json = self.inner.to_string(true).map_err(|e| Error::Tokenizer {

@@ -12,8 +12,10 @@ use gpt_server::{app::app, load_state, ServerConfig};
 #[derive(Parser)]
 #[command(name = "gpt-server", version)]
 struct Args {
-    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json), or a gpt-train run
-    /// directory (its best/ checkpoint); default: weights/.
+    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json), a gpt-train run
+    /// directory (its best/ checkpoint), or a Hugging Face Hub id (`gpt2`, `org/name@revision`:
+    /// the shared Hub cache, downloaded into it if missing; HF_HUB_OFFLINE=1 reads the cache
+    /// only); default: weights/.
     #[arg(long, env = "GPT_SERVER_CHECKPOINT")]
     checkpoint: Option<PathBuf>,
     #[arg(long, env = "GPT_SERVER_HOST", default_value = "127.0.0.1")]
@@ -35,13 +37,17 @@ struct Args {
     /// prefill 1.3-1.45x faster, 1.6-2.2x with bf16 weights; Intel Sapphire Rapids or later).
     #[arg(long, env = "GPT_SERVER_MATMUL_PRECISION", default_value = "highest")]
     matmul_precision: gpt::MatmulPrecision,
-    /// The name clients pass as `model` (default: the checkpoint directory's name, or `default`
-    /// for the model in weights/).
+    /// The name clients pass as `model` (default: the Hub id, the checkpoint directory's name, or
+    /// `default` for the model in weights/).
     #[arg(long, env = "GPT_SERVER_MODEL_NAME")]
     model_name: Option<String>,
-    /// Require `Authorization: Bearer KEY` on /v1/*.
+    /// Require `Authorization: Bearer KEY` on every route that reads the model: /v1/*,
+    /// /tokenize, /detokenize, /tokenizer_info (/health and /metrics stay open).
     #[arg(long, env = "GPT_SERVER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /metrics.
+    #[arg(long, env = "GPT_SERVER_METRICS_KEY", hide_env_values = true)]
+    metrics_key: Option<String>,
     /// Sequences decoded together in one step.
     #[arg(long, env = "GPT_SERVER_MAX_BATCH_SIZE", default_value_t = 16)]
     max_batch_size: usize,
@@ -69,6 +75,23 @@ struct Args {
     /// After Ctrl-C / SIGTERM, how long in-flight generations may run before they are cut.
     #[arg(long, env = "GPT_SERVER_SHUTDOWN_GRACE_SECS", default_value_t = 10)]
     shutdown_grace_secs: u64,
+    /// A request running longer (from its arrival) is ended: a stream's choices with
+    /// `finish_reason: "length"`, a whole response with a 504. 0: no limit.
+    #[arg(long, env = "GPT_SERVER_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
+    request_timeout_secs: u64,
+    /// A stream whose client reads none of its waiting output for this long is dropped and its
+    /// sequence freed (until then the stream's buffer holds at most 64 events: its sequence
+    /// pauses while it is full).
+    #[arg(long, env = "GPT_SERVER_STREAM_TIMEOUT_SECS", default_value_t = 60)]
+    stream_timeout_secs: u64,
+    /// A connection whose client has not sent a request's headers within this many seconds is
+    /// closed (slow or idle clients).
+    #[arg(long, env = "GPT_SERVER_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    header_timeout_secs: u64,
+    /// Connections served at once; more wait in the listen backlog (and never beyond the process's
+    /// open-file limit, raised at start to its hard limit).
+    #[arg(long, env = "GPT_SERVER_MAX_CONNECTIONS", default_value_t = 4096)]
+    max_connections: usize,
 }
 
 /// `weights/` under the working directory, else next to this source tree (for `cargo run`).
@@ -118,14 +141,23 @@ async fn run() -> Result<()> {
         .init();
     let args = Args::parse();
     let named = args.checkpoint.clone().unwrap_or_else(default_checkpoint);
-    let checkpoint = gpt::checkpoint::resolve_dir(&named)
-        .context("--checkpoint: pass a checkpoint directory or a gpt-train run directory")?;
+    // A Hub id may mean a download: off the async runtime.
+    let resolved = tokio::task::spawn_blocking({
+        let named = named.to_string_lossy().into_owned();
+        move || gpt::checkpoint::resolve(&named)
+    })
+    .await?
+    .context("--checkpoint: pass a checkpoint directory, a gpt-train run directory or a Hub id")?;
+    let checkpoint = resolved.dir.clone();
     let device = gpt::parse_device(&args.device)?;
     let dtype = args.dtype;
     // The default model is `default` however it is named: left out, or given as a path to the
-    // same directory (the Docker image names /app/weights); any other checkpoint is named after
-    // its directory.
+    // same directory (the Docker image names /app/weights); a Hub model is named by its id; any
+    // other checkpoint after its directory.
     let model_name = args.model_name.clone().unwrap_or_else(|| {
+        if let Some(id) = &resolved.hub_id {
+            return id.to_string();
+        }
         let canonical = |dir: &Path| dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
         let dir = canonical(&named);
         if dir == canonical(&default_checkpoint()) {
@@ -145,6 +177,9 @@ async fn run() -> Result<()> {
         cors_origins: args.cors_origins.clone(),
         prefix_cache_mib: args.prefix_cache_mib,
         matmul_precision: args.matmul_precision,
+        request_timeout: (args.request_timeout_secs > 0).then(|| Duration::from_secs(args.request_timeout_secs)),
+        stream_timeout: Duration::from_secs(args.stream_timeout_secs),
+        metrics_key: args.metrics_key.clone(),
     };
     let state = tokio::task::spawn_blocking({
         let checkpoint = checkpoint.clone();
@@ -159,21 +194,43 @@ async fn run() -> Result<()> {
         .with_context(|| format!("binding {addr}"))?;
     tracing::info!(address = %listener.local_addr()?, model = %state.model_name, "listening");
     let grace = Duration::from_secs(args.shutdown_grace_secs);
+    // A failed engine serves nothing more: exit non-zero (after a moment for the in-flight
+    // answers to go out), for Docker or any supervisor to restart the server.
+    let watched = state.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if watched.engine.failed() {
+                tracing::error!("the engine failed: exiting (status 1) for a supervisor to restart the server");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                std::process::exit(1);
+            }
+        }
+    });
+    let files = gpt_server::serve::raise_open_files_limit();
+    let serve_cfg = gpt_server::serve::ServeConfig {
+        header_read_timeout: Duration::from_secs(args.header_timeout_secs.max(1)),
+        max_connections: args.max_connections.min((files as usize).saturating_sub(64).max(16)),
+    };
+    tracing::info!(
+        max_connections = serve_cfg.max_connections,
+        open_files = files,
+        "accepting connections"
+    );
     let engine_state = state.clone();
-    axum::serve(listener, app(state))
-        .with_graceful_shutdown(async move {
-            shutdown_signal().await;
-            tracing::info!(
-                grace_secs = grace.as_secs(),
-                "shutting down: no new connections; finishing generations"
-            );
-            tokio::spawn(async move {
-                tokio::time::sleep(grace).await;
-                tracing::warn!("grace period over: cutting the remaining generations");
-                engine_state.engine.cut_all();
-            });
-        })
-        .await?;
+    let shutdown = async move {
+        shutdown_signal().await;
+        tracing::info!(
+            grace_secs = grace.as_secs(),
+            "shutting down: no new connections; finishing generations"
+        );
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            tracing::warn!("grace period over: cutting the remaining generations");
+            engine_state.engine.cut_all();
+        });
+    };
+    gpt_server::serve::serve(listener, app(state), serve_cfg, shutdown).await;
     tracing::info!("stopped");
     Ok(())
 }

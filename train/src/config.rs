@@ -14,15 +14,28 @@ use crate::schedule::{Schedule, ScheduleKind};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
-    /// Training text, one or more UTF-8 files (taken from the checkpoint when resuming).
+    /// Training data, any number of: UTF-8 text files (a document each), JSON lines (.jsonl, a
+    /// document per line), parquet files (a document per row), directories of these, Hub datasets
+    /// (hf://datasets/ORG/NAME[@REV][/PATH]), or token files (llm.c's shards, nanoGPT's .bin);
+    /// taken from the checkpoint when resuming.
     #[arg(long, num_args = 1..)]
     pub data: Vec<PathBuf>,
     /// Output directory: the latest checkpoint, `best/`, metrics.jsonl, loss.svg, token cache.
     #[arg(long)]
     pub out: PathBuf,
-    /// `char`, `bpe:N` (train a byte-level BPE of N tokens on --data), or a tokenizer.json path.
+    /// `char`, `bpe:N` (train a byte-level BPE of N tokens on --data), a tokenizer.json (or a
+    /// directory holding one), or a Hub model id whose tokenizer to use (e.g. `gpt2`).
     #[arg(long)]
     pub tokenizer: Option<String>,
+    /// The field of JSON lines, and the column of parquet files, that holds the text
+    /// [default: text].
+    #[arg(long)]
+    pub text_field: Option<String>,
+    /// How --data is read: auto (by file name: text, .jsonl, .parquet, and .bin token files,
+    /// llm.c's when their header says so, else nanoGPT's), text, llmc (llm.c's token shards) or
+    /// nanogpt (nanoGPT's uint16 train.bin / val.bin) [default: auto].
+    #[arg(long, value_enum)]
+    pub data_format: Option<crate::token_files::DataFormat>,
     /// Validation text; by default the last --val-fraction of the training tokens.
     #[arg(long, conflicts_with = "val_fraction")]
     pub val_data: Option<PathBuf>,
@@ -36,9 +49,9 @@ pub struct TrainArgs {
     /// Continue the run checkpointed in --out, from its newest complete checkpoint.
     #[arg(long)]
     pub resume: bool,
-    /// Fine-tune: start from this GPT-2-layout checkpoint (one trained here, or GPT-2 from the
-    /// Hub), with its config and tokenizer, as nanoGPT's `init_from`; model flags must agree with
-    /// it (--dropout may change).
+    /// Fine-tune: start from this GPT-2-layout checkpoint (a directory, a run directory, or a Hub
+    /// id such as `gpt2`, found in the shared Hub cache or downloaded), with its config and
+    /// tokenizer, as nanoGPT's `init_from`; model flags must agree with it (--dropout may change).
     #[arg(long, conflicts_with = "resume")]
     pub init_from: Option<PathBuf>,
     /// Complete checkpoints kept in OUT/checkpoints, the newest ones [default: 1].
@@ -164,6 +177,11 @@ impl TrainDtype {
 pub struct RunConfig {
     pub data: Vec<PathBuf>,
     pub val_data: Option<PathBuf>,
+    /// (Absent from runs saved before it existed: `text`.)
+    #[serde(default = "default_text_field")]
+    pub text_field: String,
+    #[serde(default)]
+    pub data_format: crate::token_files::DataFormat,
     pub val_fraction: f64,
     pub tokenizer: String,
     pub device: String,
@@ -190,6 +208,20 @@ pub struct RunConfig {
     pub eval_iters: usize,
     pub log_interval: usize,
     pub seed: u64,
+}
+
+fn default_text_field() -> String {
+    "text".into()
+}
+
+impl RunConfig {
+    /// How the run's documents are read.
+    pub fn reading(&self) -> crate::data::Reading {
+        crate::data::Reading {
+            text_field: self.text_field.clone(),
+            format: self.data_format,
+        }
+    }
 }
 
 fn parse_position_embedding(s: &str) -> Result<PositionEmbedding> {
@@ -316,6 +348,8 @@ impl TrainArgs {
             data,
             val_data: self.val_data.clone().or(saved.and_then(|s| s.val_data.clone())),
             val_fraction: pick!(val_fraction, 0.1),
+            text_field: pick!(text_field, default_text_field()),
+            data_format: pick!(data_format, Default::default()),
             tokenizer: pick!(tokenizer, "char".to_string()),
             device: pick!(device, "auto".to_string()),
             batch_size: pick!(batch_size, 64),

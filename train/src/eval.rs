@@ -113,21 +113,25 @@ pub fn perplexity(
     })
 }
 
-/// `gpt-train eval`: loads the checkpoint and evaluates a text file.
+/// `gpt-train eval`: loads the checkpoint and evaluates `data` (a text file, JSON lines,
+/// parquet, a directory or Hub dataset of them, or token files; see [`crate::data::tokens_of`]).
 pub fn eval_file(
     checkpoint: &Path,
     data: &Path,
+    reading: &crate::data::Reading,
     block_size: Option<usize>,
     stride: Option<usize>,
     weights: Option<gpt::WeightFormat>,
     device: &Device,
 ) -> Result<Perplexity> {
     let (model, tokenizer) = gpt::load_dir_as(checkpoint, weights, device)?;
-    let text = crate::data::read_text(data)?;
-    let tokens = tokenizer.encode(&text)?;
+    let (tokens, bytes) = crate::data::tokens_of(data, reading, &tokenizer)?;
+    if tokens.len() < 2 {
+        bail!("{}: {} tokens, nothing to score", data.display(), tokens.len());
+    }
     let block_size = block_size.unwrap_or(model.config().n_positions);
     let stride = stride.unwrap_or((block_size / 2).max(1));
-    perplexity(&model, &tokens, text.len(), block_size, stride, 8)
+    perplexity(&model, &tokens, bytes, block_size, stride, 8)
 }
 
 #[cfg(test)]

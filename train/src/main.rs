@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use gpt::Tokenizer;
 use gpt_train::config::TrainArgs;
 
 #[derive(Parser)]
@@ -35,8 +34,11 @@ enum Command {
     /// Generate text from a checkpoint, for a quick look without a server: sampled, greedy
     /// (--temperature 0) or by beam search (--num-beams K).
     Sample(SampleArgs),
-    /// Perplexity of a checkpoint on a text file, with a strided sliding window.
+    /// Perplexity of a checkpoint on a text (file, JSON lines, parquet, Hub dataset) or on
+    /// token files, with a strided sliding window.
     Eval(EvalArgs),
+    /// Tokenise text into token files for llm.c or nanoGPT (they train here too).
+    Prepare(PrepareArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -47,9 +49,12 @@ enum TokenizerKind {
 
 #[derive(clap::Args)]
 struct TokenizerArgs {
-    /// Text files to build the vocabulary from (UTF-8).
+    /// Text to build the vocabulary from: any --data of `gpt-train train` but token files.
     #[arg(long, num_args = 1.., required = true)]
     data: Vec<PathBuf>,
+    /// The field of JSON lines and the column of parquet files that holds the text.
+    #[arg(long, default_value = "text")]
+    text_field: String,
     /// Directory to write tokenizer.json into.
     #[arg(long)]
     out: PathBuf,
@@ -63,7 +68,8 @@ struct TokenizerArgs {
 
 /// What names a checkpoint, the same in every subcommand (and in gpt-server).
 const CHECKPOINT_HELP: &str = "A GPT-2-layout checkpoint directory (config.json, model.safetensors, tokenizer.json), \
-                               or a gpt-train run directory (its best/ checkpoint)";
+                               a gpt-train run directory (its best/ checkpoint), or a Hugging Face Hub id \
+                               (gpt2, org/name@revision; from the shared Hub cache, downloaded if missing)";
 
 #[derive(clap::Args)]
 struct ExportArgs {
@@ -130,7 +136,8 @@ struct SampleArgs {
 struct EvalArgs {
     #[arg(long, help = CHECKPOINT_HELP)]
     checkpoint: PathBuf,
-    /// The text to score (UTF-8).
+    /// What to score: a UTF-8 text file, JSON lines, parquet, a directory or Hub dataset of them,
+    /// or token files (documents separated by the end-of-text token, as in training).
     #[arg(long)]
     data: PathBuf,
     /// Window length (default: the model's context length).
@@ -149,6 +156,41 @@ struct EvalArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// The field of JSON lines and the column of parquet files that holds the text.
+    #[arg(long, default_value = "text")]
+    text_field: String,
+    /// How --data is read: auto, text, llmc or nanogpt (as `gpt-train train --data-format`).
+    #[arg(long, value_enum, default_value = "auto")]
+    data_format: gpt_train::token_files::DataFormat,
+}
+
+/// `gpt-train prepare`: token files for llm.c or nanoGPT (or for training here) from any --data.
+#[derive(clap::Args)]
+struct PrepareArgs {
+    /// What to tokenise: any --data of `gpt-train train` (text, .jsonl, .parquet, directories,
+    /// hf://datasets/...).
+    #[arg(long, num_args = 1.., required = true)]
+    data: Vec<PathBuf>,
+    /// `char`, `bpe:N`, a tokenizer.json (or a directory holding one), or a Hub model id (e.g.
+    /// `gpt2`).
+    #[arg(long)]
+    tokenizer: String,
+    /// llmc: llm.c's shards (a 256 x int32 header, then uint16 tokens; uint32 past 65536 tokens);
+    /// nanogpt: nanoGPT's train.bin / val.bin (uint16) and, for a character vocabulary, meta.pkl.
+    #[arg(long, value_enum)]
+    format: gpt_train::token_files::DataFormat,
+    /// Directory to write the token files and tokenizer.json into.
+    #[arg(long)]
+    out: PathBuf,
+    /// Validation text; by default the last --val-fraction of the tokens.
+    #[arg(long, conflicts_with = "val_fraction")]
+    val_data: Option<PathBuf>,
+    /// Share of the tokens held out for validation, from the end.
+    #[arg(long, default_value_t = 0.1)]
+    val_fraction: f64,
+    /// The field of JSON lines and the column of parquet files that holds the text.
+    #[arg(long, default_value = "text")]
+    text_field: String,
 }
 
 fn main() -> Result<()> {
@@ -166,19 +208,58 @@ fn main() -> Result<()> {
         Command::Average(args) => average(args),
         Command::Sample(args) => sample(args),
         Command::Eval(args) => eval(args),
+        Command::Prepare(args) => prepare(args),
     }
 }
 
-/// `--checkpoint`'s directory (see [`CHECKPOINT_HELP`]).
+fn prepare(args: PrepareArgs) -> Result<()> {
+    use gpt_train::token_files::DataFormat;
+    if !matches!(args.format, DataFormat::Llmc | DataFormat::Nanogpt) {
+        anyhow::bail!("--format: llmc or nanogpt");
+    }
+    let reading = gpt_train::data::Reading {
+        text_field: args.text_field.clone(),
+        format: DataFormat::Text,
+    };
+    let tokenizer = gpt_train::train::build_tokenizer(&args.tokenizer, &args.data, &reading, &args.out)?;
+    let written = gpt_train::data::write_token_files(
+        &args.data,
+        args.val_data.as_deref(),
+        args.val_fraction,
+        &tokenizer,
+        &reading,
+        args.format,
+        &args.out,
+    )?;
+    for (path, tokens) in &written {
+        println!("{}: {tokens} tokens", path.display());
+    }
+    println!(
+        "{}: the tokenizer ({} tokens)",
+        args.out.join(gpt::checkpoint::TOKENIZER_FILE).display(),
+        tokenizer.vocab_size()
+    );
+    Ok(())
+}
+
+/// `--checkpoint`'s directory (see [`CHECKPOINT_HELP`]): a checkpoint or run directory, or a
+/// Hub id.
 fn checkpoint_dir(named: &Path) -> Result<PathBuf> {
-    gpt::checkpoint::resolve_dir(named).context("--checkpoint")
+    Ok(gpt::checkpoint::resolve(&named.to_string_lossy())
+        .context("--checkpoint")?
+        .dir)
 }
 
 fn tokenizer(args: TokenizerArgs) -> Result<()> {
-    let tok = match args.kind {
-        TokenizerKind::Char => Tokenizer::train_char(&args.data)?,
-        TokenizerKind::Bpe => Tokenizer::train_bpe(&args.data, args.vocab_size)?,
+    let spec = match args.kind {
+        TokenizerKind::Char => "char".to_string(),
+        TokenizerKind::Bpe => format!("bpe:{}", args.vocab_size),
     };
+    let reading = gpt_train::data::Reading {
+        text_field: args.text_field.clone(),
+        format: gpt_train::token_files::DataFormat::Text,
+    };
+    let tok = gpt_train::train::build_tokenizer(&spec, &args.data, &reading, &args.out)?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let path = args.out.join(gpt::checkpoint::TOKENIZER_FILE);
     tok.save(&path)?;
@@ -189,15 +270,31 @@ fn tokenizer(args: TokenizerArgs) -> Result<()> {
 fn train(args: &TrainArgs) -> Result<()> {
     gpt_train::train::use_shard_parallelism();
     let stop = Arc::new(AtomicBool::new(false));
+    // Set by a second Ctrl-C: the run ends with 130 even when the save it waited for was the last
+    // thing the run had to do (the main thread may then finish before the handler exits).
+    static QUIT: AtomicBool = AtomicBool::new(false);
     let flag = stop.clone();
     ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
-            std::process::exit(130); // a second Ctrl-C: stop now
+        if !flag.swap(true, Ordering::SeqCst) {
+            eprintln!("stopping after this step (Ctrl-C again to quit without saving)");
+            return;
         }
-        eprintln!("stopping after this step (Ctrl-C again to quit without saving)");
+        QUIT.store(true, Ordering::SeqCst);
+        // A second Ctrl-C: stop now, but not in the middle of a save (the checkpoint being
+        // written would be lost): let it finish, then exit.
+        if gpt_train::checkpoints::SAVING.load(Ordering::SeqCst) {
+            eprintln!("a checkpoint is being written: exiting as soon as it is complete");
+            while gpt_train::checkpoints::SAVING.load(Ordering::SeqCst) {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
+        std::process::exit(130);
     })
     .context("installing the Ctrl-C handler")?;
     let summary = gpt_train::train::train(args, &stop)?;
+    if QUIT.load(Ordering::SeqCst) {
+        std::process::exit(130);
+    }
     if summary.best_val_loss.is_none() && !summary.interrupted {
         bail!("no evaluation was run");
     }
@@ -236,7 +333,11 @@ fn average(args: AverageArgs) -> Result<()> {
         _ => args
             .checkpoints
             .iter()
-            .map(|dir| gpt::checkpoint::resolve_dir(dir).context("--checkpoints"))
+            .map(|dir| {
+                Ok(gpt::checkpoint::resolve(&dir.to_string_lossy())
+                    .context("--checkpoints")?
+                    .dir)
+            })
             .collect::<Result<Vec<_>>>()?,
     };
     gpt_train::average::average(&dirs, &args.out)?;
@@ -281,7 +382,19 @@ fn sample(args: SampleArgs) -> Result<()> {
 fn eval(args: EvalArgs) -> Result<()> {
     let device = gpt::parse_device(&args.device)?;
     let dir = checkpoint_dir(&args.checkpoint)?;
-    let p = gpt_train::eval::eval_file(&dir, &args.data, args.block_size, args.stride, args.dtype, &device)?;
+    let reading = gpt_train::data::Reading {
+        text_field: args.text_field.clone(),
+        format: args.data_format,
+    };
+    let p = gpt_train::eval::eval_file(
+        &dir,
+        &args.data,
+        &reading,
+        args.block_size,
+        args.stride,
+        args.dtype,
+        &device,
+    )?;
     if args.json {
         println!("{}", serde_json::to_string(&p)?);
     } else {

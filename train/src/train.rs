@@ -72,7 +72,11 @@ impl Trainer {
         let saved = saved_run(args)?;
         check_writable(&out)?;
         let init_from = match args.init_from.as_deref().filter(|_| saved.is_none()) {
-            Some(named) => Some(checkpoint::resolve_dir(named).context("--init-from")?),
+            Some(named) => Some(
+                checkpoint::resolve(&named.to_string_lossy())
+                    .context("--init-from")?
+                    .dir,
+            ),
             None => None,
         };
         let tokenizer = run_tokenizer(args, saved.as_ref(), init_from.as_deref())?;
@@ -319,6 +323,7 @@ fn prepare_data(run: &RunConfig, tokenizer: &Tokenizer, out: &Path) -> Result<Da
         run.val_fraction,
         tokenizer,
         &out.join("tokens"),
+        &run.reading(),
     )?;
     for (name, split) in [("training", &data.train), ("validation", &data.val)] {
         if split.len() < run.block_size() + 1 {
@@ -342,11 +347,14 @@ fn run_tokenizer(args: &TrainArgs, saved: Option<&Saved>, init_from: Option<&Pat
             dir.to_path_buf(),
             format!("the --init-from checkpoint {}", dir.display()),
         ),
-        (None, None) => return build_tokenizer(args.tokenizer.as_deref().unwrap_or("char"), &args.data),
+        (None, None) => {
+            let spec = args.tokenizer.as_deref().unwrap_or("char");
+            return build_tokenizer(spec, &args.data, &args_reading(args, None), &args.out);
+        }
     };
-    let tok = Tokenizer::from_file(&dir.join(checkpoint::TOKENIZER_FILE))?;
+    let tok = checkpoint::load_tokenizer(&dir, usize::MAX)?;
     if let Some(spec) = &args.tokenizer {
-        let given = build_tokenizer(spec, &args.data)?;
+        let given = build_tokenizer(spec, &args.data, &args_reading(args, saved), &args.out)?;
         if given.inner().to_string(false).ok() != tok.inner().to_string(false).ok() {
             bail!("--tokenizer {spec} differs from the tokenizer of {what}");
         }
@@ -412,34 +420,53 @@ fn estimate_loss(
 
 /// The tokenizer for a new run: `char`, `bpe:N`, or a path to a tokenizer.json (or to a
 /// directory holding one).
-fn build_tokenizer(spec: &str, data: &[PathBuf]) -> Result<Tokenizer> {
-    if data.is_empty() {
-        bail!("no training data: pass --data FILE");
+/// How `--data` is read, from the flags, else the run being resumed, else the defaults.
+fn args_reading(args: &TrainArgs, saved: Option<&Saved>) -> data::Reading {
+    let saved = saved.map(|s| s.state.run.reading()).unwrap_or_default();
+    data::Reading {
+        text_field: args.text_field.clone().unwrap_or(saved.text_field),
+        format: args.data_format.unwrap_or(saved.format),
     }
-    let data = data::documents(data)?;
-    for path in &data {
-        data::check_text(path)?; // empty and non-UTF-8 files are named before tokenizer training
-    }
-    let data = &data[..];
-    if spec == "char" {
-        return Ok(Tokenizer::train_char(data)?);
-    }
-    if let Some(n) = spec.strip_prefix("bpe:") {
-        let n: usize = n
-            .parse()
-            .with_context(|| format!("--tokenizer {spec}: N must be a number"))?;
-        return Ok(Tokenizer::train_bpe(data, n)?);
+}
+
+/// The tokenizer `spec` names: `char` or `bpe:N` trained on `data` (documents of JSON lines and
+/// parquet written as text under `scratch/tokens/` first), a tokenizer.json (or a directory
+/// holding one), or a Hub model's tokenizer.
+pub fn build_tokenizer(spec: &str, data: &[PathBuf], reading: &data::Reading, scratch: &Path) -> Result<Tokenizer> {
+    if spec == "char" || spec.starts_with("bpe:") {
+        if data.is_empty() {
+            bail!("no training data: pass --data FILE");
+        }
+        // Empty, non-UTF-8 and malformed files are named before tokenizer training.
+        let text = scratch.join("tokens").join("tokenizer-corpus");
+        let files = data::text_files(data, reading, &text)?;
+        let tok = match spec.strip_prefix("bpe:") {
+            None => Tokenizer::train_char(&files)?,
+            Some(n) => {
+                let n: usize = n
+                    .parse()
+                    .with_context(|| format!("--tokenizer {spec}: N must be a number"))?;
+                Tokenizer::train_bpe(&files, n)?
+            }
+        };
+        let _ = std::fs::remove_dir_all(&text);
+        return Ok(tok);
     }
     let path = PathBuf::from(spec);
-    let path = if path.is_dir() {
-        path.join(checkpoint::TOKENIZER_FILE)
-    } else {
-        path
-    };
-    if !path.exists() {
-        bail!("--tokenizer {spec}: expected char, bpe:N, or the path of a tokenizer.json (not found)");
+    if path.exists() {
+        let path = if path.is_dir() {
+            path.join(checkpoint::TOKENIZER_FILE)
+        } else {
+            path
+        };
+        return Ok(Tokenizer::from_file(&path)?);
     }
-    Ok(Tokenizer::from_file(&path)?)
+    match gpt::hub::HubId::parse(spec, gpt::hub::RepoKind::Model) {
+        Some(id) => Ok(checkpoint::fetch_tokenizer(&id).with_context(|| format!("--tokenizer {spec}"))?),
+        None => bail!(
+            "--tokenizer {spec}: expected char, bpe:N, the path of a tokenizer.json, or a Hub model id (not found)"
+        ),
+    }
 }
 
 /// Fails unless `out` can be created and written, before any work is done.

@@ -38,7 +38,14 @@ fn a_corpus_tokenised_piece_by_piece_equals_the_whole_encoded_at_once() -> anyho
     std::fs::write(&corpus, &text)?;
     for (name, tok) in tokenizers(&corpus)? {
         let cache = dir.path().join(format!("tokens-{name}"));
-        let set = data::prepare(std::slice::from_ref(&corpus), None, 0.0, &tok, &cache)?;
+        let set = data::prepare(
+            std::slice::from_ref(&corpus),
+            None,
+            0.0,
+            &tok,
+            &cache,
+            &Default::default(),
+        )?;
         let whole = tok.encode(&text)?;
         assert_eq!(set.train.len(), whole.len(), "{name}");
         assert!(
@@ -61,7 +68,10 @@ fn documents_from_files_and_directories_are_separated_by_end_of_text() -> anyhow
     std::fs::write(docs.join("notes.md"), "not a .txt file")?;
     let single = dir.path().join("single.txt");
     std::fs::write(&single, "A file named on its own.\n")?;
-    let found = data::documents(&[docs.clone(), single.clone()])?;
+    let found: Vec<_> = gpt_train::sources::sources(&[docs.clone(), single.clone()], Default::default())?
+        .into_iter()
+        .map(|s| s.path)
+        .collect();
     let names: Vec<String> = found
         .iter()
         .map(|p| p.strip_prefix(dir.path()).unwrap_or(p).display().to_string())
@@ -72,7 +82,14 @@ fn documents_from_files_and_directories_are_separated_by_end_of_text() -> anyhow
         &Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-gpt2/tokenizer.json"),
     )?;
     let eot = bpe.eos_token_id().unwrap_or(u32::MAX);
-    let set = data::prepare(&[docs.clone(), single], None, 0.0, &bpe, &dir.path().join("t"))?;
+    let set = data::prepare(
+        &[docs.clone(), single],
+        None,
+        0.0,
+        &bpe,
+        &dir.path().join("t"),
+        &Default::default(),
+    )?;
     let ids = set.train.window(0, set.train.len());
     let mut expected = Vec::new();
     for (i, doc) in found.iter().enumerate() {
@@ -86,11 +103,11 @@ fn documents_from_files_and_directories_are_separated_by_end_of_text() -> anyhow
 
     let empty = dir.path().join("empty");
     std::fs::create_dir_all(&empty)?;
-    let err = data::documents(&[empty])
+    let err = gpt_train::sources::sources(&[empty], Default::default())
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
-    assert!(err.contains("empty") && err.contains("no .txt files"), "{err}");
+    assert!(err.contains("empty") && err.contains("no files to read"), "{err}");
     Ok(())
 }
 
