@@ -26,20 +26,24 @@ pub use crate::state::AppState;
 pub const REQUEST_ID: &str = "x-request-id";
 
 pub fn app(state: Arc<AppState>) -> Router {
-    let v1 = Router::new()
+    // Everything that reads the model needs the API key when the server has one.
+    let keyed = Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/attention", post(attention::attention))
         .route("/v1/models", get(info::models))
-        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
-    Router::new()
-        .route("/", get(info::playground))
-        .merge(v1)
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/tokenizer_info", get(tokenize::tokenizer_info))
-        .route("/health", get(info::health))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    let metrics = Router::new()
         .route("/metrics", get(info::metrics))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authorize_metrics));
+    Router::new()
+        .route("/", get(info::playground))
+        .merge(keyed)
+        .merge(metrics)
+        .route("/health", get(info::health))
         .route("/openapi.json", get(info::openapi))
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
         .layer(DefaultBodyLimit::max(state.body_limit))
@@ -85,23 +89,35 @@ fn cors(origins: &[String]) -> CorsLayer {
         .max_age(Duration::from_secs(3600))
 }
 
-/// `Authorization: Bearer KEY` on `/v1/*` when the server has an API key. (The tokenizer
-/// endpoints stay open, as vLLM's do: lm-evaluation-harness probes them without a key.)
+/// `Authorization: Bearer KEY` on every route that reads the model (`/v1/*` and the tokenizer
+/// endpoints) when the server has an API key.
 async fn authorize(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
-    if let Some(key) = &state.api_key {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        // In constant time: how much of a guess matches must not show in the response time.
-        let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
-        if !matches {
-            let msg = "a valid API key is required: send `Authorization: Bearer <key>`";
-            return ApiError::Unauthorized(msg.into()).into_response();
-        }
+    match refused(state.api_key.as_deref(), &request) {
+        Some(refusal) => refusal,
+        None => next.run(request).await,
     }
-    next.run(request).await
+}
+
+/// `/metrics` with its own key (`--metrics-key`), open without one.
+async fn authorize_metrics(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    match refused(state.metrics_key.as_deref(), &request) {
+        Some(refusal) => refusal,
+        None => next.run(request).await,
+    }
+}
+
+/// The 401 for a request without `key`, if one is required.
+fn refused(key: Option<&str>, request: &Request) -> Option<Response> {
+    let key = key?;
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    // In constant time: how much of a guess matches must not show in the response time.
+    let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
+    let msg = "a valid API key is required: send `Authorization: Bearer <key>`";
+    (!matches).then(|| ApiError::Unauthorized(msg.into()).into_response())
 }
 
 async fn count_requests(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {

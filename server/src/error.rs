@@ -24,6 +24,12 @@ pub enum ApiError {
     QueueFull(usize),
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The engine thread failed (it panicked, or its steps kept failing) before the request ended.
+    #[error("the model failed while serving this request; the server is restarting")]
+    EngineFailed,
+    /// The request ran past `--request-timeout-secs`.
+    #[error("the request ran past the server's time limit (--request-timeout-secs) and was stopped")]
+    Timeout,
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -43,7 +49,8 @@ impl ApiError {
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::QueueFull(_) | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Internal(_) | ApiError::EngineFailed => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Timeout => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 
@@ -60,6 +67,8 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) => ("invalid_request_error", Some("payload_too_large"), None),
             ApiError::QueueFull(_) | ApiError::ShuttingDown => ("server_error", Some("overloaded"), None),
             ApiError::Internal(_) => ("server_error", None, None),
+            ApiError::EngineFailed => ("server_error", Some("engine_failed"), None),
+            ApiError::Timeout => ("server_error", Some("timeout"), None),
         };
         ErrorResponse {
             error: ErrorDetail {
@@ -81,6 +90,15 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
+    }
+}
+
+impl From<crate::engine::Refused> for ApiError {
+    fn from(r: crate::engine::Refused) -> Self {
+        match r {
+            crate::engine::Refused::QueueFull(n) => ApiError::QueueFull(n),
+            crate::engine::Refused::Failed => ApiError::EngineFailed,
+        }
     }
 }
 

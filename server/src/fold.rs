@@ -111,6 +111,7 @@ impl Fold {
                 cumulative_logprob,
             } => Ok(self.done(prompt, candidate, finish_reason, completion_tokens, cumulative_logprob)),
             Event::Error(e) => Err(ApiError::Internal(e)),
+            Event::TimedOut => Err(ApiError::Timeout),
         }
     }
 

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod openapi;
 pub mod respond;
 pub mod routes;
+pub mod serve;
 pub mod state;
 pub mod stream;
 pub mod validation;
@@ -49,6 +50,12 @@ pub struct ServerConfig {
     pub prefix_cache_mib: usize,
     /// How the CPU's products with f32 or bf16 weights round (`high`: bf16 products on AMX tiles).
     pub matmul_precision: gpt::MatmulPrecision,
+    /// A request running longer is ended (`None`: no limit).
+    pub request_timeout: Option<std::time::Duration>,
+    /// A stream whose client reads nothing for this long is dropped.
+    pub stream_timeout: std::time::Duration,
+    /// `/metrics` wants `Authorization: Bearer KEY` (`None`: open, as `/health` is).
+    pub metrics_key: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -64,6 +71,9 @@ impl Default for ServerConfig {
             cors_origins: Vec::new(),
             prefix_cache_mib: 256,
             matmul_precision: gpt::MatmulPrecision::Highest,
+            request_timeout: Some(std::time::Duration::from_secs(600)),
+            stream_timeout: std::time::Duration::from_secs(60),
+            metrics_key: None,
         }
     }
 }
@@ -168,6 +178,8 @@ pub fn load_state(
             max_queue: cfg.max_queue.max(1),
             max_prefill_tokens: 4096.max(model_context),
             prefix_cache_bytes: cfg.prefix_cache_mib << 20,
+            request_timeout: cfg.request_timeout,
+            stream_timeout: cfg.stream_timeout,
         },
         metrics.clone(),
     )?;
@@ -180,6 +192,7 @@ pub fn load_state(
         limits,
         model_name: cfg.model_name.clone(),
         api_key: cfg.api_key.clone(),
+        metrics_key: cfg.metrics_key.clone(),
         metrics,
         body_limit: cfg.body_limit,
         created,

@@ -8,8 +8,15 @@ pub struct Metrics {
     pub requests: IntCounterVec,
     pub prompt_tokens: IntCounter,
     pub generated_tokens: IntCounter,
+    /// `usage.completion_tokens` of the completion and chat responses that ended whole (a stream
+    /// through its last chunk): what clients were billed, as they count it.
+    pub completion_tokens: IntCounter,
     /// Sequences dropped because their client went away.
     pub cancelled: IntCounter,
+    /// Requests ended by the request timeout.
+    pub timeouts: IntCounter,
+    /// Streams dropped because their client stopped reading for the stream timeout.
+    pub stream_timeouts: IntCounter,
     pub queue_depth: IntGauge,
     /// Sequences in the last decode step.
     pub batch_size: IntGauge,
@@ -30,7 +37,16 @@ impl Metrics {
         )?;
         let prompt_tokens = IntCounter::new("gpt_prompt_tokens_total", "Prompt tokens processed")?;
         let generated_tokens = IntCounter::new("gpt_generated_tokens_total", "Tokens generated")?;
+        let completion_tokens = IntCounter::new(
+            "gpt_completion_tokens_total",
+            "usage.completion_tokens of the responses that ended whole",
+        )?;
         let cancelled = IntCounter::new("gpt_cancelled_total", "Sequences cancelled by a client disconnect")?;
+        let timeouts = IntCounter::new("gpt_request_timeouts_total", "Requests ended by the request timeout")?;
+        let stream_timeouts = IntCounter::new(
+            "gpt_stream_timeouts_total",
+            "Streams dropped because their client stopped reading",
+        )?;
         let queue_depth = IntGauge::new("gpt_queue_depth", "Requests waiting for the engine")?;
         let batch_size = IntGauge::new("gpt_batch_size", "Sequences in the latest decode step")?;
         let prefix_cache_lookups = IntCounter::new(
@@ -60,7 +76,10 @@ impl Metrics {
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(prompt_tokens.clone()))?;
         registry.register(Box::new(generated_tokens.clone()))?;
+        registry.register(Box::new(completion_tokens.clone()))?;
         registry.register(Box::new(cancelled.clone()))?;
+        registry.register(Box::new(timeouts.clone()))?;
+        registry.register(Box::new(stream_timeouts.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
         registry.register(Box::new(batch_size.clone()))?;
         registry.register(Box::new(prefix_cache_lookups.clone()))?;
@@ -74,7 +93,10 @@ impl Metrics {
             requests,
             prompt_tokens,
             generated_tokens,
+            completion_tokens,
             cancelled,
+            timeouts,
+            stream_timeouts,
             queue_depth,
             batch_size,
             prefix_cache_lookups,

@@ -8,29 +8,32 @@ use std::time::Duration;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use futures_util::stream::{self, Stream, StreamExt};
 use serde::Serialize;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::api::{Choice, Usage};
-use crate::engine::Event;
+use crate::engine::EventSource;
 use crate::error::ApiError;
 use crate::fold::{merge, Delta, Fold};
+use crate::metrics::Metrics;
 use crate::validation::ValidRequest;
 
 /// Waits for every choice: the whole choices and the usage.
 pub async fn collect(
     req: Arc<ValidRequest>,
-    mut events: mpsc::UnboundedReceiver<Event>,
+    mut events: EventSource,
+    metrics: &Metrics,
 ) -> Result<(Vec<Choice>, Usage), ApiError> {
     let mut fold = Fold::new(req);
     let mut choices = fold.empty_choices();
     while !fold.is_done() {
-        let event = events.recv().await.ok_or(ApiError::ShuttingDown)?;
+        // The engine dropped the request before its choices ended: its thread failed.
+        let event = events.recv().await.ok_or(ApiError::EngineFailed)?;
         for delta in fold.apply(event)? {
             merge(&mut choices, delta);
         }
     }
-    Ok((choices, fold.usage()))
+    let usage = fold.usage();
+    metrics.completion_tokens.inc_by(usage.completion_tokens as u64);
+    Ok((choices, usage))
 }
 
 /// Server-Sent Events: the `first` chunks, then the chunks `chunks` makes of each delta of the
@@ -38,7 +41,8 @@ pub async fn collect(
 /// for it, then `[DONE]`.
 pub fn stream_response<C: Serialize + Send + 'static>(
     req: Arc<ValidRequest>,
-    events: mpsc::UnboundedReceiver<Event>,
+    events: EventSource,
+    metrics: Arc<Metrics>,
     first: Vec<C>,
     mut chunks: impl FnMut(Delta) -> Vec<C> + Send + 'static,
     usage: impl Fn(Usage) -> C + Send + 'static,
@@ -48,8 +52,12 @@ pub fn stream_response<C: Serialize + Send + 'static>(
     let mut ended = false;
     let data = |c: &C| Ok(SseEvent::default().data(serde_json::to_string(c).unwrap_or_default()));
     let first = stream::iter(first.iter().map(data).collect::<Vec<_>>());
-    // Ends when the engine drops the request's last sender, after its last choice.
-    let body = UnboundedReceiverStream::new(events)
+    // Ends when the engine drops the request's last sender: after its last choice, or (its thread
+    // failed) before, and then with an error event.
+    let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = finished.clone();
+    let body = events
+        .into_stream()
         .map(move |event| {
             let mut out: Vec<Result<SseEvent, Infallible>> = Vec::new();
             if ended {
@@ -61,8 +69,12 @@ pub fn stream_response<C: Serialize + Send + 'static>(
                         out.extend(chunks(d).iter().map(data));
                     }
                     ended = fold.is_done();
-                    if ended && include_usage {
-                        out.push(data(&usage(fold.usage())));
+                    if ended {
+                        let total = fold.usage();
+                        metrics.completion_tokens.inc_by(total.completion_tokens as u64);
+                        if include_usage {
+                            out.push(data(&usage(total)));
+                        }
                     }
                 }
                 Err(e) => {
@@ -73,10 +85,25 @@ pub fn stream_response<C: Serialize + Send + 'static>(
                 }
             }
             if ended {
+                seen.store(true, std::sync::atomic::Ordering::SeqCst);
                 out.push(Ok(SseEvent::default().data("[DONE]")));
             }
             stream::iter(out)
         })
         .flatten();
-    Sse::new(first.chain(body)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    let broken = stream::once(async move {
+        let done = finished.load(std::sync::atomic::Ordering::SeqCst);
+        let error = ApiError::EngineFailed.body();
+        stream::iter(match done {
+            true => Vec::new(),
+            false => vec![
+                Ok(SseEvent::default()
+                    .event("error")
+                    .data(serde_json::to_string(&error).unwrap_or_default())),
+                Ok(SseEvent::default().data("[DONE]")),
+            ],
+        })
+    })
+    .flatten();
+    Sse::new(first.chain(body).chain(broken)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
 }

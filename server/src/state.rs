@@ -25,6 +25,8 @@ pub struct AppState {
     pub limits: Limits,
     pub model_name: String,
     pub api_key: Option<String>,
+    /// Required on `/metrics` when set.
+    pub metrics_key: Option<String>,
     pub metrics: Arc<Metrics>,
     pub body_limit: usize,
     pub created: u64,

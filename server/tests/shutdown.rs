@@ -2,54 +2,18 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpt-server");
 
-/// The server's log lines, kept for failure messages.
-type Log = Arc<Mutex<Vec<String>>>;
+use common::Log;
 
-/// Starts the binary on an ephemeral port and returns it with its base URL (read from its log).
+/// Starts the binary on an ephemeral port and returns it with its base URL and its log.
 fn spawn(checkpoint: &std::path::Path, extra: &[&str]) -> anyhow::Result<(Child, String, Log)> {
-    let mut child = Command::new(BIN)
-        .args([
-            "--checkpoint",
-            checkpoint.to_str().unwrap_or_default(),
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-        ])
-        .args(extra)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let stdout = child.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?;
-    let mut lines = BufReader::new(stdout).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .ok_or_else(|| anyhow::anyhow!("server exited before listening"))??;
-        if let Some(rest) = line.split("address=").nth(1) {
-            break rest.split_whitespace().next().unwrap_or_default().to_string();
-        }
-    };
-    let log = Log::default();
-    let sink = log.clone();
-    std::thread::spawn(move || {
-        for line in lines.map_while(Result::ok) {
-            if let Ok(mut log) = sink.lock() {
-                log.push(line);
-            }
-        }
-    });
-    Ok((child, format!("http://{addr}"), log))
+    common::spawn_binary(checkpoint, extra, &[])
 }
 
 fn sigterm(child: &Child) -> anyhow::Result<()> {

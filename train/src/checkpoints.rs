@@ -38,6 +38,11 @@ pub struct TrainerState {
     pub last_eval_step: Option<usize>,
     pub elapsed_s: f64,
     pub run: RunConfig,
+    /// Checksums of the checkpoint's weight and optimizer files ([`checksum`], hex), checked on
+    /// load: a truncated or altered file is an error naming it. (Absent from checkpoints saved
+    /// before they were recorded: not checked.)
+    #[serde(default)]
+    pub checksums: std::collections::BTreeMap<String, String>,
 }
 
 impl TrainerState {
@@ -50,6 +55,7 @@ impl TrainerState {
             last_eval_step: None,
             elapsed_s: 0.0,
             run: run.clone(),
+            checksums: Default::default(),
         }
     }
 }
@@ -113,6 +119,62 @@ fn read_state(dir: &Path) -> Result<TrainerState> {
     serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))
 }
 
+/// A checksum of a file's bytes: 64 bits over its 8-byte words and its length, each word mixed
+/// in by steps that are one-to-one, so that any change to one word (a flipped bit) or to the
+/// length (a truncation) changes it. Not cryptographic: it finds damage, not tampering.
+pub fn checksum(path: &Path) -> Result<String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut h, mut len) = (0x9E37_79B9_7F4A_7C15u64, 0u64);
+    let mix = |h: u64, w: u64| {
+        let h = (h ^ w).wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+        h ^ (h >> 32)
+    };
+    let mut tail: Vec<u8> = Vec::new();
+    loop {
+        let n = file
+            .read(&mut buf)
+            .with_context(|| format!("reading {}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        len += n as u64;
+        tail.extend_from_slice(&buf[..n]);
+        let whole = tail.len() / 8 * 8;
+        for word in tail[..whole].chunks_exact(8) {
+            h = mix(
+                h,
+                u64::from_le_bytes([word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7]]),
+            );
+        }
+        tail.drain(..whole);
+    }
+    let mut last = [0u8; 8];
+    last[..tail.len()].copy_from_slice(&tail);
+    h = mix(mix(h, u64::from_le_bytes(last)), len);
+    Ok(format!("{h:016x}"))
+}
+
+/// The files whose checksums a checkpoint records.
+const CHECKSUMMED: [&str; 2] = [checkpoint::WEIGHTS_FILE, OPTIMIZER_FILE];
+
+/// Checks a checkpoint's files against the checksums its state records.
+fn verify(dir: &Path, state: &TrainerState) -> Result<()> {
+    for (file, want) in &state.checksums {
+        let path = dir.join(file);
+        let got = checksum(&path)?;
+        if &got != want {
+            bail!(
+                "{}: checksum {got}, but {STATE_FILE} recorded {want} when it was saved: the file is damaged \
+                 (truncated or altered)",
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Reads and checks one checkpoint: its three files must be from the same step.
 fn read(dir: &Path) -> Result<Saved> {
     let state = read_state(dir)?;
@@ -137,10 +199,23 @@ fn read(dir: &Path) -> Result<Saved> {
 
 /// The newest complete checkpoint of the run in `out`; `None` when it has none. Incomplete ones
 /// (from a crash) are passed over with a warning.
+/// (A checkpoint whose files fail their checksums is an error that names the file: it was
+/// complete once, so it was damaged after the save, and resuming from an older one silently would
+/// hide that.)
 pub fn latest(out: &Path) -> Result<Option<Saved>> {
     for (_, dir) in list(out)?.into_iter().rev() {
-        match read(&dir) {
+        // A state with checksums was written last, after the files it checks: the save completed.
+        let complete = read_state(&dir).is_ok_and(|s| !s.checksums.is_empty());
+        match read(&dir).and_then(|saved| verify(&saved.dir, &saved.state).map(|()| saved)) {
             Ok(saved) => return Ok(Some(saved)),
+            Err(e) if complete => {
+                return Err(e.context(format!(
+                    "{} was saved whole (its {STATE_FILE} records its files' checksums) but no longer \
+                     reads back: it was altered after saving; restore it, or move it away to resume \
+                     from the checkpoint before it",
+                    dir.display()
+                )));
+            }
             Err(e) => tracing::warn!(error = %e, "skipping an incomplete checkpoint"),
         }
     }
@@ -177,9 +252,28 @@ fn step_metadata(step: usize) -> HashMap<String, String> {
     HashMap::from([("step".to_string(), step.to_string())])
 }
 
+/// Set while a checkpoint is being written: a second Ctrl-C then waits for the save to finish
+/// (see `gpt-train`'s signal handler) instead of leaving only the previous checkpoint.
+pub static SAVING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Saves the run at `state.step` (see the module docs) and returns the checkpoint's directory.
 /// Keeps the newest `keep_last` checkpoints (at least one).
 pub fn save(
+    out: &Path,
+    model: &Gpt,
+    tokenizer: &Tokenizer,
+    opt: &AdamW,
+    state: &TrainerState,
+    keep_last: usize,
+) -> Result<PathBuf> {
+    use std::sync::atomic::Ordering;
+    SAVING.store(true, Ordering::SeqCst);
+    let saved = save_now(out, model, tokenizer, opt, state, keep_last);
+    SAVING.store(false, Ordering::SeqCst);
+    saved
+}
+
+fn save_now(
     out: &Path,
     model: &Gpt,
     tokenizer: &Tokenizer,
@@ -199,8 +293,13 @@ pub fn save(
         save_delay();
         let opt_bytes = safetensors::serialize(opt.state_tensors(), Some(meta))?;
         write_atomic(&tmp.join(OPTIMIZER_FILE), &opt_bytes)?;
+        drop(opt_bytes);
         save_delay();
-        write_atomic(&tmp.join(STATE_FILE), serde_json::to_string_pretty(state)?.as_bytes())?;
+        let mut state = state.clone();
+        for file in CHECKSUMMED {
+            state.checksums.insert(file.to_string(), checksum(&tmp.join(file))?);
+        }
+        write_atomic(&tmp.join(STATE_FILE), serde_json::to_string_pretty(&state)?.as_bytes())?;
         save_delay();
         sync_dir(&tmp)?;
         std::fs::rename(&tmp, &final_dir).with_context(|| format!("renaming {} into place", tmp.display()))?;
@@ -256,10 +355,12 @@ pub fn save_best(out: &Path, model: &Gpt, tokenizer: &Tokenizer, step: usize) ->
     Ok(())
 }
 
-/// Loads a checkpoint's weights into the model's variables, and the optimizer's state.
+/// Loads a checkpoint's weights into the model's variables, and the optimizer's state (a
+/// checkpoint from [`latest`], its files checked against their checksums).
 pub fn restore(saved: &Saved, varmap: &VarMap, opt: &mut AdamW, device: &Device) -> Result<()> {
     let weights = saved.dir.join(checkpoint::WEIGHTS_FILE);
-    let tensors = candle_core::safetensors::load(&weights, device)?;
+    let tensors = candle_core::safetensors::load(&weights, device)
+        .with_context(|| format!("{}: not a readable safetensors file", weights.display()))?;
     let vars = varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap poisoned"))?;
     for (name, var) in vars.iter() {
         let key = format!("transformer.{name}");
@@ -269,7 +370,8 @@ pub fn restore(saved: &Saved, varmap: &VarMap, opt: &mut AdamW, device: &Device)
         var.set(&t.to_dtype(DType::F32)?)?;
     }
     let optimizer = saved.dir.join(OPTIMIZER_FILE);
-    let state_tensors = candle_core::safetensors::load(&optimizer, device)?;
+    let state_tensors = candle_core::safetensors::load(&optimizer, device)
+        .with_context(|| format!("{}: not a readable safetensors file", optimizer.display()))?;
     opt.load_state(state_tensors, saved.state.step as u64)
         .with_context(|| format!("restoring {}", optimizer.display()))?;
     Ok(())

@@ -399,10 +399,21 @@ fn bad_inputs_give_clear_errors_and_keep_what_was_saved() -> anyhow::Result<()> 
         "a failed run changed the checkpoint"
     );
 
-    // A checkpoint whose files disagree is detected and passed over (here it is the only one).
+    // A saved checkpoint altered afterwards is an error naming it, not passed over silently.
     let state_path = Path::new(&out).join("latest/trainer_state.json");
-    let text = std::fs::read_to_string(&state_path)?.replace("\"step\": 3", "\"step\": 2");
-    std::fs::write(&state_path, text)?;
+    let saved = std::fs::read_to_string(&state_path)?;
+    std::fs::write(&state_path, saved.replace("\"step\": 3", "\"step\": 2"))?;
+    let err = fails(&["train", "--out", &out, "--resume", "--max-iters", "5"])?;
+    assert!(
+        err.contains("altered after saving") && err.contains("step-00000003"),
+        "{err}"
+    );
+    // One cut while being written (its state has no checksums yet) is passed over (here it is
+    // the only one).
+    let mut state: serde_json::Value = serde_json::from_str(&saved)?;
+    state["checksums"] = serde_json::json!({});
+    state["step"] = serde_json::json!(2);
+    std::fs::write(&state_path, serde_json::to_string_pretty(&state)?)?;
     let err = fails(&["train", "--out", &out, "--resume", "--max-iters", "5"])?;
     assert!(
         err.contains("cut while being written") && err.contains("no complete checkpoint"),

@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use gpt::beam::{reorder, BeamParams, BeamSearch, Hypothesis};
 use gpt::{KvCache, Tokenizer};
-use tokio::sync::mpsc;
 
+use super::channel::EventSink;
 use super::runner::{StepInput, StepOutput};
 use super::sequence::{prompt_logprobs, ModelInfo, Status};
 
@@ -22,7 +22,7 @@ use crate::validation::ValidRequest;
 pub struct BeamGroup {
     pub request: Arc<ValidRequest>,
     pub prompt: usize,
-    pub events: mpsc::UnboundedSender<Event>,
+    pub events: EventSink,
     search: Option<BeamSearch>,
     caches: Vec<KvCache>,
     /// Each beam's next token; `None` until the prompt is prefilled.
@@ -35,7 +35,7 @@ impl BeamGroup {
         request: Arc<ValidRequest>,
         prompt: usize,
         cache: KvCache,
-        events: mpsc::UnboundedSender<Event>,
+        events: EventSink,
         queued_at: Instant,
         model: ModelInfo,
     ) -> Self {
@@ -192,6 +192,11 @@ impl BeamGroup {
     }
 
     /// Ends the search now (a shutdown's grace period is over): every candidate, with no text.
+    /// When the request was queued (its time limit counts from there).
+    pub fn queued_at(&self) -> Instant {
+        self.queued_at
+    }
+
     pub fn cut(&self) {
         end_unstarted(&self.events, self.prompt, 0..self.request.best_of);
     }

@@ -6,6 +6,7 @@
 //! is gone (the client disconnected) is dropped before the next step.
 
 pub mod beam;
+pub mod channel;
 pub mod prefix;
 pub mod runner;
 pub mod scheduler;
@@ -13,7 +14,7 @@ pub mod sequence;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use gpt::{Gpt, Tokenizer};
 use tokio::sync::mpsc;
@@ -21,6 +22,7 @@ use tokio::sync::mpsc;
 use crate::metrics::Metrics;
 use crate::validation::ValidRequest;
 use beam::BeamGroup;
+pub use channel::{EventSink, EventSource};
 use prefix::PrefixStore;
 use runner::{Runner, StepInput, StepOutput};
 
@@ -64,6 +66,9 @@ pub enum Event {
         cumulative_logprob: f64,
     },
     Error(String),
+    /// A whole (not streamed) request ran past the server's request timeout; its sequences are
+    /// freed. (A streamed one ends its choices with `finish_reason: "length"` instead.)
+    TimedOut,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,7 +94,46 @@ pub struct EngineConfig {
     pub max_prefill_tokens: usize,
     /// Bytes of KV cache the prefix store may hold (0: no prefix caching).
     pub prefix_cache_bytes: usize,
+    /// A request that runs longer than this (from its arrival) is ended; `None`: no limit.
+    pub request_timeout: Option<Duration>,
+    /// A stream whose client takes none of its waiting events for this long is dropped.
+    pub stream_timeout: Duration,
 }
+
+/// Why a request was not queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// The queue holds this many requests.
+    QueueFull(usize),
+    /// The engine thread has failed; the process is about to exit.
+    Failed,
+}
+
+/// A fault to inject, for the tests of failure handling only: `GPT_SERVER_FAULT=panic` makes the
+/// engine thread panic at its first step, `GPT_SERVER_FAULT=fail-steps` makes every step fail for
+/// every sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    Panic,
+    FailSteps,
+}
+
+impl Fault {
+    fn from_env() -> Option<Self> {
+        match std::env::var("GPT_SERVER_FAULT").ok()?.as_str() {
+            "panic" => Some(Fault::Panic),
+            "fail-steps" => Some(Fault::FailSteps),
+            _ => None,
+        }
+    }
+}
+
+/// Consecutive steps that fail for every sequence before the engine declares itself failed.
+const FAILED_STEPS: usize = 3;
+
+/// Sequences held at once, paused ones included, in batches: a client that reads slowly keeps
+/// its caches (until the stream timeout) without keeping others out of the batch, within this.
+const PAUSED_BATCHES: usize = 4;
 
 /// The handle the HTTP layer holds.
 pub struct Engine {
@@ -97,13 +141,15 @@ pub struct Engine {
     /// Requests submitted and not yet wholly admitted.
     queued: Arc<AtomicUsize>,
     cut: Arc<AtomicBool>,
+    /// The engine thread panicked, or its steps kept failing: it serves nothing more.
+    failed: Arc<AtomicBool>,
     max_queue: usize,
     metrics: Arc<Metrics>,
 }
 
 struct Job {
     request: Arc<ValidRequest>,
-    events: mpsc::UnboundedSender<Event>,
+    events: EventSink,
     queued_at: Instant,
 }
 
@@ -113,6 +159,7 @@ impl Engine {
         let (jobs, rx) = mpsc::unbounded_channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let cut = Arc::new(AtomicBool::new(false));
+        let failed = Arc::new(AtomicBool::new(false));
         let info = ModelInfo {
             eos: tokenizer.eos_token_id(),
             context: model.config().n_positions,
@@ -130,27 +177,45 @@ impl Engine {
             metrics: metrics.clone(),
             queued: queued.clone(),
             cut: cut.clone(),
+            request_timeout: cfg.request_timeout,
+            stream_timeout: cfg.stream_timeout,
+            fault: Fault::from_env(),
+            failing_steps: 0,
         };
-        std::thread::Builder::new()
-            .name("gpt-engine".into())
-            .spawn(move || worker.run(rx))?;
+        let flag = failed.clone();
+        std::thread::Builder::new().name("gpt-engine".into()).spawn(move || {
+            // A panic unwinds through the worker, dropping every request's events: their handlers
+            // see the channel close before their choices end, and answer with an error.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run(rx))) {
+                Ok(Outcome::Closed) => {}
+                Ok(Outcome::Failed) => flag.store(true, Ordering::SeqCst),
+                Err(_) => {
+                    tracing::error!("the engine thread panicked: failing every request in flight");
+                    flag.store(true, Ordering::SeqCst);
+                }
+            }
+        })?;
         Ok(Self {
             jobs,
             queued,
             cut,
+            failed,
             max_queue: cfg.max_queue,
             metrics,
         })
     }
 
-    /// Queues a request; `Err` with the queue's capacity when it is full.
-    pub fn submit(&self, request: Arc<ValidRequest>) -> Result<mpsc::UnboundedReceiver<Event>, usize> {
+    /// Queues a request and returns its events.
+    pub fn submit(&self, request: Arc<ValidRequest>) -> Result<EventSource, Refused> {
+        if self.failed() {
+            return Err(Refused::Failed);
+        }
         let max = self.max_queue;
         self.queued
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| (q < max).then_some(q + 1))
-            .map_err(|_| max)?;
+            .map_err(|_| Refused::QueueFull(max))?;
         self.metrics.queue_depth.inc();
-        let (events, rx) = mpsc::unbounded_channel();
+        let (events, rx) = channel::channel();
         let job = Job {
             request,
             events,
@@ -159,9 +224,15 @@ impl Engine {
         if self.jobs.send(job).is_err() {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             self.metrics.queue_depth.dec();
-            return Err(max); // the engine thread is gone
+            return Err(Refused::Failed); // the engine thread is gone
         }
         Ok(rx)
+    }
+
+    /// Whether the engine thread has failed (it panicked, or its steps kept failing for every
+    /// sequence): `/health` answers 503 and the process exits, for a supervisor to restart it.
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
     }
 
     /// Ends every generation at the next step with `finish_reason: "length"` (the end of a
@@ -175,7 +246,7 @@ impl Engine {
 struct Group {
     request: Arc<ValidRequest>,
     prompt: usize,
-    events: mpsc::UnboundedSender<Event>,
+    events: EventSink,
     queued_at: Instant,
     last: bool,
 }
@@ -209,10 +280,41 @@ impl Active {
         }
     }
 
-    fn cancelled(&self) -> bool {
+    fn events(&self) -> &EventSink {
         match self {
-            Active::Seq(s) => s.events.is_closed(),
-            Active::Beams(b) => b.events.is_closed(),
+            Active::Seq(s) => &s.events,
+            Active::Beams(b) => &b.events,
+        }
+    }
+
+    fn request(&self) -> &ValidRequest {
+        match self {
+            Active::Seq(s) => &s.request,
+            Active::Beams(b) => &b.request,
+        }
+    }
+
+    fn queued_at(&self) -> Instant {
+        match self {
+            Active::Seq(s) => s.queued_at(),
+            Active::Beams(b) => b.queued_at(),
+        }
+    }
+
+    fn cancelled(&self) -> bool {
+        self.events().is_closed()
+    }
+
+    /// Ends it now with `finish_reason: "length"`, every candidate (a shutdown's cut, a streamed
+    /// request's timeout).
+    fn cut(self) {
+        match self {
+            Active::Seq(s) => {
+                let _ = s.done(FinishReason::Length);
+                // A prefill that never ran ends all its candidates.
+                end_unstarted(&s.events, s.prompt, 1..s.slots());
+            }
+            Active::Beams(b) => b.cut(),
         }
     }
 
@@ -235,32 +337,95 @@ struct Worker {
     metrics: Arc<Metrics>,
     queued: Arc<AtomicUsize>,
     cut: Arc<AtomicBool>,
+    request_timeout: Option<Duration>,
+    stream_timeout: Duration,
+    fault: Option<Fault>,
+    /// Consecutive steps that failed for every sequence in them.
+    failing_steps: usize,
+}
+
+/// How the worker's loop ended.
+enum Outcome {
+    /// The server dropped the engine.
+    Closed,
+    /// Steps kept failing for every sequence.
+    Failed,
 }
 
 impl Worker {
-    fn run(mut self, mut rx: mpsc::UnboundedReceiver<Job>) {
+    fn run(mut self, mut rx: mpsc::UnboundedReceiver<Job>) -> Outcome {
         loop {
             if self.running.is_empty() && self.scheduler.is_empty() {
                 match rx.blocking_recv() {
                     Some(job) => self.enqueue(job),
-                    None => return, // the server is gone
+                    None => return Outcome::Closed, // the server is gone
                 }
             }
             while let Ok(job) = rx.try_recv() {
                 self.enqueue(job);
             }
             self.drop_cancelled();
+            self.end_late();
             if self.cut.load(Ordering::SeqCst) {
                 self.cut_everything();
                 continue;
             }
-            let running: usize = self.running.iter().map(Active::slots).sum();
-            for group in self.scheduler.admit(running) {
-                self.left_queue(&group);
-                self.start(group);
+            // A request waiting for its client to read holds its caches but no step: it does
+            // not count against the batch, up to PAUSED_BATCHES batches of them.
+            let held: usize = self.running.iter().map(Active::slots).sum();
+            let stepping: usize = self
+                .running
+                .iter()
+                .filter(|a| !a.events().is_full())
+                .map(Active::slots)
+                .sum();
+            if held < PAUSED_BATCHES * self.max_batch {
+                for group in self.scheduler.admit(stepping) {
+                    self.left_queue(&group);
+                    self.start(group);
+                }
             }
-            if !self.running.is_empty() {
+            if self.running.iter().any(|a| !a.events().is_full()) {
                 self.step();
+                if self.failing_steps >= FAILED_STEPS {
+                    tracing::error!(
+                        steps = self.failing_steps,
+                        "every sequence failed in each of the last steps: the engine stops"
+                    );
+                    return Outcome::Failed;
+                }
+            } else if !self.running.is_empty() {
+                // Every running request waits for its client to read: wait a little, then look
+                // again (new requests, readers, timeouts).
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// Ends what ran past the request timeout: a streamed request's choices with `finish_reason:
+    /// "length"`, a whole one with [`Event::TimedOut`] (a 504); waiting or running alike.
+    fn end_late(&mut self) {
+        let Some(limit) = self.request_timeout else { return };
+        let late = |at: Instant| at.elapsed() > limit;
+        let (gone, kept): (Vec<Active>, Vec<Active>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|a| late(a.queued_at()));
+        self.running = kept;
+        for active in gone {
+            self.metrics.timeouts.inc();
+            if active.request().stream {
+                active.cut();
+            } else {
+                let _ = active.events().send(Event::TimedOut);
+            }
+        }
+        for group in self.scheduler.take_where(|g| late(g.queued_at)) {
+            self.left_queue(&group);
+            self.metrics.timeouts.inc();
+            if group.request.stream {
+                end_unstarted(&group.events, group.prompt, 0..group.request.best_of);
+            } else {
+                let _ = group.events.send(Event::TimedOut);
             }
         }
     }
@@ -288,26 +453,40 @@ impl Worker {
         }
     }
 
+    /// Drops what nobody waits for: requests whose client disconnected, and streams whose client
+    /// has not read for the stream timeout (its sequences freed).
     fn drop_cancelled(&mut self) {
         for group in self.scheduler.drop_cancelled() {
             self.left_queue(&group);
+            self.metrics.cancelled.inc_by(group.request.best_of as u64);
         }
-        let before = self.running.len();
+        let timeout = self.stream_timeout;
+        for group in self.scheduler.take_where(|g| g.events.stalled(timeout)) {
+            self.left_queue(&group);
+            self.metrics.stream_timeouts.inc();
+        }
+        let cancelled: usize = self.running.iter().filter(|a| a.cancelled()).map(Active::slots).sum();
         self.running.retain(|a| !a.cancelled());
-        self.metrics.cancelled.inc_by((before - self.running.len()) as u64);
+        self.metrics.cancelled.inc_by(cancelled as u64);
+        // Counted by stream: a request's candidates share one.
+        let (stalled, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|a| a.events().stalled(timeout));
+        self.running = running;
+        let mut streams: Vec<usize> = stalled.iter().map(|a| a.events().channel_id()).collect();
+        streams.sort_unstable();
+        streams.dedup();
+        let stalled = streams.len();
+        if stalled > 0 {
+            tracing::warn!(stalled, "dropped streams whose clients stopped reading");
+            self.metrics.stream_timeouts.inc_by(stalled as u64);
+        }
     }
 
     /// Ends everything, running and waiting, with `finish_reason: "length"`.
     fn cut_everything(&mut self) {
         for active in self.running.drain(..) {
-            match active {
-                Active::Seq(s) => {
-                    let _ = s.done(FinishReason::Length);
-                    // A prefill that never ran ends all its candidates.
-                    end_unstarted(&s.events, s.prompt, 1..s.slots());
-                }
-                Active::Beams(b) => b.cut(),
-            }
+            active.cut();
         }
         for group in self.scheduler.drain() {
             self.left_queue(&group);
@@ -376,15 +555,36 @@ impl Worker {
         let outputs = {
             let mut inputs: Vec<StepInput> = Vec::new();
             for active in self.running.iter_mut() {
+                // A request whose client has a full buffer waits (see `channel`).
+                if active.events().is_full() {
+                    counts.push(None);
+                    continue;
+                }
                 let mine = active.step_inputs();
-                counts.push(mine.len());
+                counts.push(Some(mine.len()));
                 inputs.extend(mine);
             }
-            self.runner.step(&mut inputs)
+            match self.fault {
+                Some(Fault::Panic) => panic!("GPT_SERVER_FAULT=panic: the engine thread panics (a failure test)"),
+                Some(Fault::FailSteps) => (0..inputs.len())
+                    .map(|_| {
+                        Err(gpt::Error::Device(
+                            "GPT_SERVER_FAULT=fail-steps: the step failed".into(),
+                        ))
+                    })
+                    .collect(),
+                None => self.runner.step(&mut inputs),
+            }
         };
+        let all_failed = !outputs.is_empty() && outputs.iter().all(|o| o.is_err());
+        self.failing_steps = if all_failed { self.failing_steps + 1 } else { 0 };
         let mut outputs = outputs.into_iter();
         let mut next = Vec::with_capacity(self.max_batch);
         for (active, n) in std::mem::take(&mut self.running).into_iter().zip(counts) {
+            let Some(n) = n else {
+                next.push(active);
+                continue;
+            };
             let mine: gpt::Result<Vec<StepOutput>> = outputs.by_ref().take(n).collect();
             match active {
                 Active::Seq(seq) => match mine.map(|mut o| o.remove(0)) {
@@ -443,7 +643,7 @@ impl Worker {
         &mut self,
         mut seq: Sequence,
         positions: &[runner::PositionLogprob],
-    ) -> Result<Vec<Sequence>, (mpsc::UnboundedSender<Event>, gpt::Error)> {
+    ) -> Result<Vec<Sequence>, (EventSink, gpt::Error)> {
         let events = seq.events.clone();
         // The prompt's logprobs: those of a reused prefix, then the prefill's.
         let mut all = seq.take_cached_logprobs();
@@ -473,7 +673,7 @@ impl Worker {
 }
 
 /// Ends candidates that generated nothing, with `finish_reason: "length"`.
-pub(crate) fn end_unstarted(events: &mpsc::UnboundedSender<Event>, prompt: usize, candidates: std::ops::Range<usize>) {
+pub(crate) fn end_unstarted(events: &EventSink, prompt: usize, candidates: std::ops::Range<usize>) {
     for candidate in candidates {
         let _ = events.send(Event::Done {
             prompt,

@@ -49,7 +49,12 @@ impl<T: Queued> Scheduler<T> {
 
     /// Removes the waiting items whose clients have gone.
     pub fn drop_cancelled(&mut self) -> Vec<T> {
-        let (gone, kept): (Vec<T>, Vec<T>) = self.waiting.drain(..).partition(|w| w.cancelled());
+        self.take_where(|w| w.cancelled())
+    }
+
+    /// Removes and returns the waiting items `pred` picks, the others keeping their order.
+    pub fn take_where(&mut self, pred: impl Fn(&T) -> bool) -> Vec<T> {
+        let (gone, kept): (Vec<T>, Vec<T>) = self.waiting.drain(..).partition(|w| pred(w));
         self.waiting = kept.into();
         gone
     }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gpt::{KvCache, Sampler, Tokenizer};
-use tokio::sync::mpsc;
 
+use super::channel::EventSink;
 use super::runner::{top_k, PositionLogprob, StepInput};
 use super::{Event, FinishReason, TokenLogprob};
 use crate::metrics::Metrics;
@@ -46,7 +46,7 @@ pub struct Sequence {
     prefill: Option<usize>,
     /// Logprobs of the prompt's first tokens, from a reused prefix (see `prefix`).
     cached_logprobs: Vec<PositionLogprob>,
-    pub events: mpsc::UnboundedSender<Event>,
+    pub events: EventSink,
     queued_at: Instant,
     last_token_at: Option<Instant>,
 }
@@ -64,7 +64,7 @@ impl Sequence {
         request: Arc<ValidRequest>,
         prompt: usize,
         cache: KvCache,
-        events: mpsc::UnboundedSender<Event>,
+        events: EventSink,
         queued_at: Instant,
     ) -> Self {
         let text_start = if request.echo {
@@ -268,6 +268,11 @@ impl Sequence {
     }
 
     /// Sends the choice's end.
+    /// When the request was queued (its time limit counts from there).
+    pub fn queued_at(&self) -> Instant {
+        self.queued_at
+    }
+
     pub fn done(&self, reason: FinishReason) -> gpt::Result<Status> {
         let _ = self.events.send(Event::Done {
             prompt: self.prompt,

@@ -47,7 +47,7 @@ pub async fn chat_completions(
     })
     .await?;
     let valid = Arc::new(valid);
-    let events = state.engine.submit(valid.clone()).map_err(ApiError::QueueFull)?;
+    let events = state.engine.submit(valid.clone())?;
     let (id, created, model) = (
         format!("chatcmpl-{:016x}", rand::random::<u64>()),
         super::now(),
@@ -79,9 +79,9 @@ pub async fn chat_completions(
             usage: Some(u),
             ..usage_chunk.clone()
         };
-        Ok(stream_response(valid, events, first, chunks, usage).into_response())
+        Ok(stream_response(valid, events, state.metrics.clone(), first, chunks, usage).into_response())
     } else {
-        let (choices, usage) = collect(valid, events).await?;
+        let (choices, usage) = collect(valid, events, &state.metrics).await?;
         Ok(Json(ChatCompletion {
             id,
             object: "chat.completion".into(),

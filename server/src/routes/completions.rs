@@ -8,10 +8,9 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::Stream;
-use tokio::sync::mpsc;
 
 use crate::api::*;
-use crate::engine::Event;
+use crate::engine::EventSource;
 use crate::error::ApiError;
 use crate::fold::Delta;
 use crate::respond::{collect, stream_response};
@@ -40,7 +39,7 @@ pub async fn completions(
     let (tokenizer, limits) = (state.tokenizer.clone(), state.limits.clone());
     let valid = blocking(move || validate(request, &tokenizer, &limits)).await?;
     let valid = Arc::new(valid);
-    let events = state.engine.submit(valid.clone()).map_err(ApiError::QueueFull)?;
+    let events = state.engine.submit(valid.clone())?;
     let id = format!("cmpl-{:016x}", rand::random::<u64>());
     let completion = Completion {
         id,
@@ -51,9 +50,9 @@ pub async fn completions(
         usage: None,
     };
     if valid.stream {
-        Ok(completion_stream(valid, completion, events).into_response())
+        Ok(completion_stream(valid, completion, events, state.metrics.clone()).into_response())
     } else {
-        let (choices, usage) = collect(valid, events).await?;
+        let (choices, usage) = collect(valid, events, &state.metrics).await?;
         Ok(Json(Completion {
             choices,
             usage: Some(usage),
@@ -67,7 +66,8 @@ pub async fn completions(
 fn completion_stream(
     req: Arc<ValidRequest>,
     completion: Completion,
-    events: mpsc::UnboundedReceiver<Event>,
+    events: EventSource,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let usage_chunk = completion.clone();
     let chunk = move |d: Delta| {
@@ -85,5 +85,5 @@ fn completion_stream(
         usage: Some(u),
         ..usage_chunk.clone()
     };
-    stream_response(req, events, Vec::new(), chunk, usage)
+    stream_response(req, events, metrics, Vec::new(), chunk, usage)
 }

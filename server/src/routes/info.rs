@@ -50,12 +50,21 @@ pub async fn playground(State(state): State<Arc<AppState>>) -> impl IntoResponse
     )
 }
 
-#[utoipa::path(get, path = "/health", responses((status = 200, body = Health)))]
-pub async fn health(State(state): State<Arc<AppState>>) -> Json<Health> {
-    Json(Health {
-        status: "ok".into(),
-        model: state.model_name.clone(),
-    })
+#[utoipa::path(get, path = "/health", responses((status = 200, body = Health), (status = 503, body = Health, description = "The engine failed; the process is exiting")))]
+/// 200 while the engine serves; 503 once its thread has failed (the process is then exiting, for
+/// its supervisor to restart it).
+pub async fn health(State(state): State<Arc<AppState>>) -> (axum::http::StatusCode, Json<Health>) {
+    let (code, status) = match state.engine.failed() {
+        false => (axum::http::StatusCode::OK, "ok"),
+        true => (axum::http::StatusCode::SERVICE_UNAVAILABLE, "failed"),
+    };
+    (
+        code,
+        Json(Health {
+            status: status.into(),
+            model: state.model_name.clone(),
+        }),
+    )
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {

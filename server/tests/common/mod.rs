@@ -150,18 +150,74 @@ pub fn reference_greedy(prompt: &str, max_tokens: usize) -> anyhow::Result<Strin
 /// fixture's tokenizer: for tests that must catch a generation in flight. Its weights come from a
 /// seeded generator, so every run generates the same tokens (no early end-of-text).
 pub fn slow_checkpoint() -> anyhow::Result<tempfile::TempDir> {
-    let dir = tempfile::tempdir()?;
-    let cfg = gpt::Config {
+    random_checkpoint(gpt::Config {
         n_positions: 1024,
         n_embd: 512,
         n_layer: 8,
         n_head: 8,
         ..gpt::Config::tiny(320)
-    };
+    })
+}
+
+/// A randomly initialised (seeded) model of shape `cfg` with the fixture's tokenizer (320 tokens).
+pub fn random_checkpoint(cfg: gpt::Config) -> anyhow::Result<tempfile::TempDir> {
+    let dir = tempfile::tempdir()?;
     let varmap = candle_nn::VarMap::new();
     let vb = gpt_train::init::seeded_var_builder(&varmap, 7, &Device::Cpu);
     let model = gpt::Gpt::new(vb, &cfg)?;
     let tok = gpt::Tokenizer::from_file(&fixture().join("tokenizer.json"))?;
     gpt::save_dir(dir.path(), &model, &tok, DType::F32)?;
     Ok(dir)
+}
+
+/// The server's log lines (stdout), kept for failure messages.
+pub type Log = Arc<std::sync::Mutex<Vec<String>>>;
+
+/// The `gpt-server` binary on `checkpoint` with `extra` flags and `env`, on an ephemeral port:
+/// the process, its base URL (read from its log) and its log.
+pub fn spawn_binary(
+    checkpoint: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> anyhow::Result<(std::process::Child, String, Log)> {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let mut command = Command::new(env!("CARGO_BIN_EXE_gpt-server"));
+    command
+        .args([
+            "--checkpoint",
+            checkpoint.to_str().unwrap_or_default(),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+        ])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mut child = command.spawn()?;
+    let stdout = child.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("the server exited before listening"))??;
+        if let Some(rest) = line.split("address=").nth(1) {
+            break rest.split_whitespace().next().unwrap_or_default().to_string();
+        }
+    };
+    let log = Log::default();
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            if let Ok(mut log) = sink.lock() {
+                log.push(line);
+            }
+        }
+    });
+    Ok((child, format!("http://{addr}"), log))
 }

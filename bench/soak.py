@@ -1,0 +1,305 @@
+"""A soak run against gpt-server: mixed load at a fixed arrival rate for a while, then a report.
+
+    python3 bench/soak.py URL --minutes 30 --rate 4 --pid SERVER_PID [--model NAME] [--out report.json]
+
+Standard library only (a thread per request in flight, `http.client`), so it runs wherever
+Python does. Requests arrive as a Poisson process at `--rate` per second, drawn from this mix:
+
+| share | request |
+|---|---|
+| 25% | streamed completion (`stream_options.include_usage`); one in ten of all streams is dropped by the client after 3 chunks |
+| 15% | whole completion |
+| 15% | chat completion, streamed or not |
+| 5%  | completion with `n` 2 or 3 |
+| 5%  | beam search (`use_beam_search`, `best_of` 2) |
+| 5%  | `echo` with `logprobs` (`max_tokens` 0 or a few) |
+| 5%  | `/v1/attention` |
+| 10% | `/tokenize` |
+| 15% | completion sharing a long prefix with earlier ones (the prefix cache), streamed |
+
+Per minute it records the server's resident memory (`/proc/PID/status`), and time to first token
+and inter-token latency (p50, p99) of the streams that started in that minute. At the end it
+reads `/metrics` and compares it with its own counts: completion and chat requests by status,
+generated tokens of the requests that ended normally, and streams dropped. The report (JSON) has
+`pass` and the reason of each check; the exit status is 0 when every check passes.
+
+Pass: no 5xx; resident memory after the first minute (warm-up) grows by at most 5%; p50 and p99
+of each minute within 20% (or 5 ms) of the first minute's; the counters equal exactly.
+"""
+import argparse
+import http.client
+import json
+import random
+import re
+import statistics
+import sys
+import threading
+import time
+import urllib.parse
+
+PARAGRAPH = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+    "First Citizen:\nYou are all resolved rather to die than to famish?\n\n"
+)
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.status = {}  # (route, status) -> count
+        self.completion_tokens = 0  # of completion/chat requests that ended normally
+        self.dropped = 0
+        self.ttft = {}  # minute -> [s]
+        self.itl = {}  # minute -> [s]
+        self.errors = []
+
+    def count(self, route, status):
+        with self.lock:
+            self.status[(route, status)] = self.status.get((route, status), 0) + 1
+
+
+def connection(url):
+    parts = urllib.parse.urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+
+
+def request(url, path, body, model, stats, minute, stream=False, drop=False):
+    """One request; returns nothing, records everything."""
+    route = "chat" if "chat" in path else ("completions" if "completions" in path else path)
+    conn = connection(url)
+    try:
+        payload = dict(body)
+        if model and path.startswith("/v1/") and "attention" not in path:
+            payload["model"] = model
+        if stream:
+            payload["stream"] = True
+            payload["stream_options"] = {"include_usage": True}
+        data = json.dumps(payload)
+        start = time.monotonic()
+        method = "GET" if body is None else "POST"
+        conn.request(method, path, body=None if body is None else data,
+                     headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        stats.count(route, resp.status)
+        if resp.status >= 500:
+            stats.errors.append((path, resp.status, resp.read()[:200].decode(errors="replace")))
+            return
+        if not stream:
+            out = json.loads(resp.read() or b"null")
+            if resp.status == 200 and isinstance(out, dict) and "usage" in out and route in ("completions", "chat"):
+                with stats.lock:
+                    stats.completion_tokens += out["usage"]["completion_tokens"]
+            return
+        last, chunks, usage, ended = None, 0, None, False
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.decode(errors="replace").strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                ended = True
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            now = time.monotonic()
+            if chunk.get("choices"):
+                with stats.lock:
+                    if last is None:
+                        stats.ttft.setdefault(minute, []).append(now - start)
+                    else:
+                        stats.itl.setdefault(minute, []).append(now - last)
+                last = now
+                chunks += 1
+            if drop and chunks >= 3:
+                with stats.lock:
+                    stats.dropped += 1
+                return  # closing the connection: the server drops the sequence
+        if ended and usage is not None and route in ("completions", "chat"):
+            with stats.lock:
+                stats.completion_tokens += usage["completion_tokens"]
+    except Exception as e:  # a client-side failure is a failure of the run too
+        stats.errors.append((path, "exception", repr(e)))
+    finally:
+        conn.close()
+
+
+def pick(rng, prefix_pool):
+    """One request of the mix: (path, body, stream, drop)."""
+    x = rng.random()
+    prompt = PARAGRAPH[: rng.randint(20, len(PARAGRAPH))]
+    drop = rng.random() < 0.1
+    if x < 0.25:
+        return "/v1/completions", {"prompt": prompt, "max_tokens": rng.randint(16, 64), "temperature": 0.8,
+                                   "seed": rng.randint(0, 1 << 30)}, True, drop
+    if x < 0.40:
+        return "/v1/completions", {"prompt": prompt, "max_tokens": rng.randint(8, 48), "temperature": 0}, False, False
+    if x < 0.55:
+        stream = rng.random() < 0.5
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt[:60]}],
+                                        "max_completion_tokens": rng.randint(8, 40), "temperature": 0.7},\
+            stream, drop and stream
+    if x < 0.60:
+        return "/v1/completions", {"prompt": prompt, "max_tokens": 24, "n": rng.randint(2, 3),
+                                   "temperature": 1.0}, False, False
+    if x < 0.65:
+        return "/v1/completions", {"prompt": prompt, "max_tokens": 16, "use_beam_search": True,
+                                   "best_of": 2, "n": 1, "temperature": 0}, False, False
+    if x < 0.70:
+        return "/v1/completions", {"prompt": prompt, "max_tokens": rng.choice([0, 4]), "echo": True,
+                                   "logprobs": 3, "temperature": 0}, False, False
+    if x < 0.75:
+        return "/v1/attention", {"prompt": prompt[:80]}, False, False
+    if x < 0.85:
+        return "/tokenize", {"prompt": prompt}, False, False
+    prefix = rng.choice(prefix_pool)
+    return "/v1/completions", {"prompt": prefix + prompt[:rng.randint(5, 40)], "max_tokens": 24,
+                               "temperature": 0}, True, drop
+
+
+def server_rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def metrics(url):
+    conn = connection(url)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, value = line.rsplit(" ", 1)
+        out[name] = float(value)
+    return out
+
+
+def quantile(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("url")
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson arrivals)")
+    ap.add_argument("--pid", type=int, required=True, help="the server's process id, for its memory")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="overload on purpose and print the completed requests per second (saturation)")
+    args = ap.parse_args()
+
+    rng = random.Random(args.seed)
+    prefix_pool = [PARAGRAPH * 2 + f"Scene {i}.\n" for i in range(4)]
+    stats = Stats()
+    before = metrics(args.url)
+    start = time.monotonic()
+    end = start + args.minutes * 60
+    threads, rss = [], []
+    next_sample = start
+    while True:
+        now = time.monotonic()
+        if now >= end:
+            break
+        if now >= next_sample:
+            rss.append((round((now - start) / 60, 2), server_rss_kib(args.pid)))
+            next_sample += 60
+        minute = int((now - start) // 60)
+        path, body, stream, drop = pick(rng, prefix_pool)
+        t = threading.Thread(target=request, args=(args.url, path, body, args.model, stats, minute, stream, drop),
+                             daemon=True)
+        t.start()
+        threads.append(t)
+        threads = [t for t in threads if t.is_alive()]
+        time.sleep(rng.expovariate(args.rate))
+    for t in threads:
+        t.join(timeout=600)
+    rss.append((round((time.monotonic() - start) / 60, 2), server_rss_kib(args.pid)))
+    time.sleep(1.0)  # the server's last counters
+    after = metrics(args.url)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    if args.calibrate:
+        done = sum(n for (_, status), n in stats.status.items() if status < 400)
+        rps = done / (args.minutes * 60)
+        print(json.dumps({"saturation_rps": round(rps, 3), "requests": {f"{r} {s}": n for (r, s), n in
+                                                                          sorted(stats.status.items())}}))
+        return
+
+    checks = {}
+    fivexx = sum(n for (route, status), n in stats.status.items() if status >= 500)
+    checks["no 5xx"] = (fivexx == 0 and not stats.errors, f"{fivexx} 5xx, client errors: {stats.errors[:5]}")
+    warm = [kib for m, kib in rss if m >= 1.0] or [kib for _, kib in rss]
+    growth = (warm[-1] - warm[0]) / warm[0] if warm and warm[0] else 0.0
+    checks["memory flat"] = (growth <= 0.05, f"RSS after warm-up {warm[0]} -> {warm[-1]} KiB ({growth:+.1%})")
+    drift = []
+    minutes = sorted(set(stats.ttft) | set(stats.itl))
+    first = minutes[0] if minutes else 0
+    per_minute = []
+    for m in minutes:
+        row = {"minute": m}
+        for name, table in (("ttft", stats.ttft), ("itl", stats.itl)):
+            for q in (0.5, 0.99):
+                row[f"{name}_p{int(q * 100)}"] = quantile(table.get(m, []), q)
+        per_minute.append(row)
+    # The last minute may be partial (few samples): compared only when it has a tenth of the first's.
+    base = per_minute[0] if per_minute else {}
+    for row in per_minute[1:]:
+        for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+            a, b = base.get(key), row.get(key)
+            if a is None or b is None:
+                continue
+            if abs(b - a) > max(0.2 * a, 0.005):
+                drift.append(f"minute {row['minute']} {key} {b * 1000:.1f} ms vs {a * 1000:.1f} ms")
+    checks["latency steady"] = (not drift, "; ".join(drift[:10]) or "every minute within 20% of the first")
+    served = {status: sum(n for (r, s), n in stats.status.items() if s == status and r in ("completions", "chat"))
+              for status in {s for (_, s) in stats.status}}
+    mismatched = []
+    for status, n in served.items():
+        got = delta(f'gpt_requests_total{{status="{status}"}}')
+        if got != n:
+            mismatched.append(f"status {status}: server {got:.0f}, client {n}")
+    got_tokens = delta("gpt_completion_tokens_total")
+    if got_tokens != stats.completion_tokens:
+        mismatched.append(f"completion tokens: server {got_tokens:.0f}, client {stats.completion_tokens}")
+    got_dropped = delta("gpt_cancelled_total")
+    if got_dropped != stats.dropped:
+        mismatched.append(f"cancelled: server {got_dropped:.0f}, client {stats.dropped}")
+    checks["counters agree"] = (not mismatched, "; ".join(mismatched) or "requests, tokens, cancellations equal")
+    report = {
+        "minutes": args.minutes,
+        "rate": args.rate,
+        "requests": {f"{r} {s}": n for (r, s), n in sorted(stats.status.items())},
+        "dropped_streams": stats.dropped,
+        "completion_tokens": stats.completion_tokens,
+        "rss_kib": rss,
+        "per_minute": per_minute,
+        "checks": {name: {"pass": ok, "detail": detail} for name, (ok, detail) in checks.items()},
+        "pass": all(ok for ok, _ in checks.values()),
+    }
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    for name, (ok, detail) in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
+    sys.exit(0 if report["pass"] else 1)
+
+
+if __name__ == "__main__":
+    main()
