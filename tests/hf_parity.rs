@@ -175,6 +175,53 @@ fn saved_checkpoint_has_the_transformers_layout() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The gradient fixture (`make_grad_fixture.py`): PyTorch's reference tensors, and the fixture
+/// model built for training (its weights in fresh variables) with the fixture's batch.
+struct GradFixture {
+    reference: HashMap<String, Tensor>,
+    model: gpt::Gpt,
+    named: Vec<(String, candle_core::Var)>,
+    x: Tensor,
+    y: Tensor,
+}
+
+impl GradFixture {
+    fn load(autocast: gpt::Autocast) -> anyhow::Result<Self> {
+        let dev = Device::Cpu;
+        let reference = candle_core::safetensors::load(fixture().join("grads.safetensors"), &dev)?;
+        let cfg = gpt::Config::from_file(&fixture().join("config.json"))?;
+        let varmap = candle_nn::VarMap::new();
+        let model =
+            gpt::Gpt::new(candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev), &cfg)?.with_autocast(autocast);
+        let named = gpt_train::init::named_vars(&varmap)?;
+        let base = gpt::load_model(&fixture(), DType::F32, &dev)?;
+        let weights: HashMap<String, Tensor> = base
+            .named_tensors()?
+            .into_iter()
+            .map(|(name, t)| (name.trim_start_matches("transformer.").to_string(), t))
+            .collect();
+        for (name, var) in &named {
+            let t = weights.get(name).ok_or_else(|| anyhow::anyhow!("no weight `{name}`"))?;
+            var.set(&t.contiguous()?)?;
+        }
+        let mut fixture = Self {
+            reference,
+            model,
+            named,
+            x: Tensor::zeros(1, DType::U32, &dev)?,
+            y: Tensor::zeros(1, DType::U32, &dev)?,
+        };
+        let ids = fixture.get("ids")?.to_dtype(DType::U32)?;
+        let t = ids.dim(1)? - 1;
+        (fixture.x, fixture.y) = (ids.narrow(1, 0, t)?, ids.narrow(1, 1, t)?);
+        Ok(fixture)
+    }
+
+    fn get(&self, name: &str) -> anyhow::Result<Tensor> {
+        (self.reference.get(name).cloned()).ok_or_else(|| anyhow::anyhow!("grads.safetensors: no `{name}`"))
+    }
+}
+
 /// The training path's loss and the gradient of every parameter (the packed linear products, the
 /// fused LM head and loss, LayerNorm, GELU, softmax and adds, each with its backward) against
 /// PyTorch autograd in f64 on the fixture model (`make_grad_fixture.py`): three windows of the
@@ -182,34 +229,12 @@ fn saved_checkpoint_has_the_transformers_layout() -> anyhow::Result<()> {
 /// magnitude.
 #[test]
 fn training_gradients_match_pytorch_autograd() -> anyhow::Result<()> {
-    let dev = Device::Cpu;
-    let reference = candle_core::safetensors::load(fixture().join("grads.safetensors"), &dev)?;
-    let get = |name: &str| {
-        reference
-            .get(name)
-            .cloned()
-            .ok_or_else(|| anyhow::anyhow!("grads.safetensors: no `{name}`"))
-    };
-    let cfg = gpt::Config::from_file(&fixture().join("config.json"))?;
-    let varmap = candle_nn::VarMap::new();
-    let model = gpt::Gpt::new(candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev), &cfg)?;
-    let named = gpt_train::init::named_vars(&varmap)?;
-    let base = gpt::load_model(&fixture(), DType::F32, &dev)?;
-    let weights: HashMap<String, Tensor> = base
-        .named_tensors()?
-        .into_iter()
-        .map(|(name, t)| (name.trim_start_matches("transformer.").to_string(), t))
-        .collect();
-    for (name, var) in &named {
-        let t = weights.get(name).ok_or_else(|| anyhow::anyhow!("no weight `{name}`"))?;
-        var.set(&t.contiguous()?)?;
-    }
-    let ids = get("ids")?.to_dtype(DType::U32)?;
-    let t = ids.dim(1)? - 1;
-    let (x, y) = (ids.narrow(1, 0, t)?, ids.narrow(1, 1, t)?);
+    let f = GradFixture::load(gpt::Autocast::Off)?;
+    let (model, named, get) = (&f.model, &f.named, |name: &str| f.get(name));
+    let (x, y) = (&f.x, &f.y);
     let train = Some(gpt::Dropout { key: 0, first_row: 0 });
     for eps in [0.0f32, 0.1] {
-        let loss = model.loss(&x, &y, train, eps)?;
+        let loss = model.loss(x, y, train, eps)?;
         let want = get(&format!("eps{eps}.loss"))?.flatten_all()?.to_vec1::<f32>()?[0];
         let got = loss.to_scalar::<f32>()?;
         assert!(
@@ -217,7 +242,7 @@ fn training_gradients_match_pytorch_autograd() -> anyhow::Result<()> {
             "eps {eps}: loss {got} vs {want}"
         );
         let grads = loss.backward()?;
-        for (name, var) in &named {
+        for (name, var) in named {
             let want = get(&format!("eps{eps}.transformer.{name}"))?;
             let got = grads
                 .get(var.as_tensor())
@@ -230,5 +255,41 @@ fn training_gradients_match_pytorch_autograd() -> anyhow::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// bf16 mixed precision (`gpt-train --dtype bf16`: the linear products and the LM head on bf16
+/// operands, f32 sums; attention, LayerNorm, GELU and the loss in f32) against PyTorch autograd in
+/// f64 on the fixture: each gradient within twice the deviation of PyTorch's own
+/// `torch.autocast(bfloat16)` from f64 on the same batch (`bf16_error.*` in the fixture), and
+/// within 2% of its largest magnitude. The loss within 0.5%.
+#[test]
+fn bf16_training_gradients_stay_within_pytorch_autocasts_deviation() -> anyhow::Result<()> {
+    let f = GradFixture::load(gpt::Autocast::Bf16)?;
+    let (model, named, get) = (&f.model, &f.named, |name: &str| f.get(name));
+    let (x, y) = (&f.x, &f.y);
+    let loss = model.loss(x, y, Some(gpt::Dropout { key: 0, first_row: 0 }), 0.0)?;
+    let want = get("eps0.loss")?.flatten_all()?.to_vec1::<f32>()?[0];
+    let got = loss.to_scalar::<f32>()?;
+    assert!((got - want).abs() <= 5e-3 * want.abs(), "loss {got} vs {want}");
+    let grads = loss.backward()?;
+    let mut worst = 0f32;
+    for (name, var) in named {
+        let want = get(&format!("eps0.transformer.{name}"))?;
+        let torch = get(&format!("bf16_error.transformer.{name}"))?
+            .flatten_all()?
+            .to_vec1::<f32>()?[0];
+        let got = grads
+            .get(var.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no gradient for `{name}`"))?;
+        let size = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let diff = max_abs_diff(got, &want)?;
+        worst = worst.max(diff / torch);
+        assert!(
+            diff <= 2.0 * torch && diff <= 0.02 * size,
+            "`{name}` differs by {diff:e} (PyTorch's autocast: {torch:e}; largest gradient {size:e})"
+        );
+    }
+    println!("bf16 gradients: at most {worst:.2}x PyTorch autocast's deviation from f64");
     Ok(())
 }
