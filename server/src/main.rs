@@ -92,6 +92,11 @@ struct Args {
     /// open-file limit, raised at start to its hard limit).
     #[arg(long, env = "GPT_SERVER_MAX_CONNECTIONS", default_value_t = 4096)]
     max_connections: usize,
+    /// Each connection's kernel send buffer, KiB (SO_SNDBUF). Unset, the kernel sizes it (up to
+    /// 4 MiB on Linux): a client that stops reading then holds that much before its stream
+    /// pauses and, after --stream-timeout-secs, is dropped.
+    #[arg(long, env = "GPT_SERVER_SEND_BUFFER_KIB")]
+    send_buffer_kib: Option<usize>,
 }
 
 /// `weights/` under the working directory, else next to this source tree (for `cargo run`).
@@ -211,6 +216,7 @@ async fn run() -> Result<()> {
     let serve_cfg = gpt_server::serve::ServeConfig {
         header_read_timeout: Duration::from_secs(args.header_timeout_secs.max(1)),
         max_connections: args.max_connections.min((files as usize).saturating_sub(64).max(16)),
+        send_buffer: args.send_buffer_kib.map(|kib| kib.saturating_mul(1024)),
     };
     tracing::info!(
         max_connections = serve_cfg.max_connections,

@@ -28,6 +28,37 @@ pub struct ServeConfig {
     pub header_read_timeout: Duration,
     /// Connections served at once.
     pub max_connections: usize,
+    /// Each connection's kernel send buffer in bytes (`SO_SNDBUF`); `None` leaves the kernel's
+    /// autotuning (up to `net.ipv4.tcp_wmem`'s maximum, 4 MB by default).
+    pub send_buffer: Option<usize>,
+}
+
+/// Sets a socket's kernel send buffer. (tokio sets it only on sockets it connects itself, and
+/// socket2 would be a dependency for one call.)
+#[cfg(unix)]
+fn set_send_buffer(stream: &tokio::net::TcpStream, bytes: usize) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let size = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: a valid descriptor owned by `stream`, and a pointer to a c_int with its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            &size as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+#[cfg(not(unix))]
+fn set_send_buffer(_: &tokio::net::TcpStream, _: usize) -> std::io::Result<()> {
+    Ok(())
 }
 
 /// Raises the soft limit on open files to the hard one (each connection is a file); returns the
@@ -87,6 +118,11 @@ pub async fn serve(listener: TcpListener, app: Router, cfg: ServeConfig, shutdow
             _ = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
+        if let Some(bytes) = cfg.send_buffer {
+            if let Err(e) = set_send_buffer(&stream, bytes) {
+                tracing::warn!(error = %e, bytes, "setting the send buffer failed");
+            }
+        }
         tracing::trace!(%peer, "connection accepted");
         let service = TowerToHyperService::new(
             app.clone()
