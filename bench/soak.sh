@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The soak run (bench/soak.py): gpt-server on a checkpoint, its saturation found by a short
 # overload, then MINUTES of the mixed load at 80% of it; the report goes to target/soak/.
-#   [MINUTES=30] [CALIBRATE_SECS=60] bash bench/soak.sh [CHECKPOINT]     (default: weights/)
+#   [MINUTES=30] [CALIBRATE_SECS=60] [PREFIX_CACHE_MIB=16] bash bench/soak.sh [CHECKPOINT]
+# (default: weights/; the prefix cache small enough that the run fills it to its bound)
 # For a GPT-2-small-shaped checkpoint: python bench/make_random_gpt2.py DIR, then bash
 # bench/soak.sh DIR. CI runs MINUTES=3 CALIBRATE_SECS=30 on the default model.
 set -euo pipefail
@@ -15,6 +16,7 @@ mkdir -p "$out"
 cargo build -q --release --locked -p gpt-server
 port=${PORT:-18190}
 ./target/release/gpt-server --checkpoint "$checkpoint" --model-name soak --port "$port" --device cpu \
+  --prefix-cache-mib "${PREFIX_CACHE_MIB:-16}" \
   > "$out/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT

@@ -155,9 +155,31 @@ impl Sampler {
             .copied()
             .filter(|v| !v.is_nan())
             .fold(f32::NEG_INFINITY, f32::max);
-        if max == f32::NEG_INFINITY {
-            return Err(crate::Error::EmptyInput("every token is excluded from sampling"));
-        }
+        let max = if max == f32::NEG_INFINITY {
+            // Penalties so large that they rule out every token left (an overflow to -inf): the
+            // tokens not suppressed whose raw logits are finite stay, equally likely.
+            let mut excluded = vec![false; values.len()];
+            for &t in suppress {
+                if let Some(e) = excluded.get_mut(t as usize) {
+                    *e = true;
+                }
+            }
+            let mut any = false;
+            for ((v, &raw), &out) in values.iter_mut().zip(logits).zip(&excluded) {
+                *v = if !out && raw.is_finite() {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                };
+                any |= *v == 0.0;
+            }
+            if !any {
+                return Err(crate::Error::EmptyInput("every token is excluded from sampling"));
+            }
+            0.0
+        } else {
+            max
+        };
         let temperature = self.params.temperature;
         // min_p: p_i / p_max = exp((l_i - l_max) / T) < min_p  <=>  l_i - l_max < T ln(min_p).
         let floor = match self.params.min_p {
@@ -244,6 +266,34 @@ mod tests {
         let out = r.penalised(&logits(), &[1], &[]).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(out[1], 1.5);
         assert_eq!(r.sample(&logits(), &[1], &[], &[]).unwrap(), 4);
+    }
+
+    #[test]
+    fn penalties_that_overflow_every_token_left_leave_them_equally_likely() {
+        // Every token but 0 and 2 suppressed; both negative and in the prompt, so a huge
+        // repetition penalty sends them to -inf.
+        let row = vec![-4.0f32, 5.0, -5.0, 4.0, 3.0];
+        let suppress = [1, 3, 4];
+        let mut drawn = std::collections::BTreeSet::new();
+        for seed in 0..32 {
+            let mut s = Sampler::new(SamplingParams {
+                repetition_penalty: 1e38,
+                temperature: 1.0,
+                seed,
+                ..Default::default()
+            });
+            drawn.insert(s.sample_row(&row, &[0, 2], &[], &suppress).unwrap());
+        }
+        assert_eq!(drawn.into_iter().collect::<Vec<_>>(), [0, 2]);
+        let mut s = Sampler::new(SamplingParams {
+            repetition_penalty: 1e38,
+            temperature: 1.0,
+            ..Default::default()
+        });
+        assert!(
+            s.sample_row(&row, &[0, 2], &[], &[0, 1, 2, 3, 4]).is_err(),
+            "nothing left"
+        );
     }
 
     #[test]

@@ -145,26 +145,55 @@ pub struct StreamOptions {
     /// Send a last chunk with the token counts before `[DONE]`.
     #[serde(default)]
     pub include_usage: bool,
+    /// With `include_usage`: every chunk carries the counts so far too (vLLM's extension).
+    #[serde(default)]
+    pub continuous_usage_stats: bool,
 }
 
-/// Fields of OpenAI's or vLLM's completions API that this server does not implement: a request
-/// with one of them is refused with a message that says so, rather than silently served without
-/// it. (Other unknown fields are refused as unknown.)
-pub const UNSUPPORTED: &[&str] = &[
-    "suffix",
-    "early_stopping",
-    "prompt_logprobs",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "truncate_prompt_tokens",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "response_format",
-    "allowed_token_ids",
-    "bad_words",
+/// Fields of OpenAI's or vLLM's completions API that this server does not implement, each with
+/// the reason: a request with one is refused with a message that names it and says why, rather
+/// than silently served without it. (Other unknown fields are refused as unknown.)
+pub const UNSUPPORTED: &[(&str, &str)] = &[
+    (
+        "suffix",
+        "these GPT-2-layout models have no fill-in-the-middle training",
+    ),
+    (
+        "prompt_embeds",
+        "prompts are text or token ids; embeddings are not accepted",
+    ),
+    (
+        "early_stopping",
+        "beam search runs every beam to its end (vLLM's own beam search does too)",
+    ),
+    (
+        "prompt_logprobs",
+        "use `echo` with `logprobs` for the prompt's log-probabilities",
+    ),
+    (
+        "bad_words",
+        "banning multi-token words needs lookahead this sampler does not have",
+    ),
+    (
+        "response_format",
+        "structured output (JSON mode, JSON schema) is not implemented",
+    ),
+    ("guided_json", "structured output is not implemented"),
+    ("guided_regex", "structured output is not implemented"),
+    ("guided_choice", "structured output is not implemented"),
+    ("guided_grammar", "structured output is not implemented"),
+    ("guided_decoding_backend", "structured output is not implemented"),
+    ("guided_whitespace_pattern", "structured output is not implemented"),
+    ("structural_tag", "structured output is not implemented"),
+    ("structured_outputs", "structured output is not implemented"),
+    ("logits_processors", "the server runs no user-supplied code"),
+    (
+        "kv_transfer_params",
+        "there is no disaggregated prefill to transfer a KV cache to",
+    ),
+    ("vllm_xargs", "there are no custom extensions to pass them to"),
+    ("mm_processor_kwargs", "the models are text-only"),
+    ("lora_request", "there are no LoRA adapters"),
 ];
 
 /// Declares a request type with its own fields and the generation fields that completions and
@@ -245,6 +274,34 @@ macro_rules! generation_fields {
             stream_options: Option<StreamOptions>,
             /// Accepted and ignored, as by OpenAI.
             user: Option<String>,
+            /// Keep the stop string that ended a choice at the end of its text (vLLM's field).
+            include_stop_str_in_output: Option<bool>,
+            /// Leave special tokens (`<|endoftext|>`) out of the text; default true (vLLM's).
+            skip_special_tokens: Option<bool>,
+            /// vLLM's; the byte-level and character tokenizers here decode with no spaces
+            /// between special tokens either way, as vLLM's fast tokenizers do.
+            spaces_between_special_tokens: Option<bool>,
+            /// Keep only the prompt's last k tokens (k >= 1, or -1 for as many as the context
+            /// allows), vLLM's field.
+            #[serde(default, deserialize_with = "json_int::option")]
+            truncate_prompt_tokens: Option<i64>,
+            /// Sample only among these token ids (vLLM's field).
+            #[serde(default, deserialize_with = "json_int::option_vec")]
+            allowed_token_ids: Option<Vec<i64>>,
+            /// Add the tokenizer's special tokens to the prompt. Default true for completions and
+            /// false for chat (vLLM's defaults); the tokenizers here add none either way.
+            add_special_tokens: Option<bool>,
+            /// Scheduling priority (vLLM's field): requests are served first come, first served,
+            /// so only 0 is accepted.
+            #[serde(default, deserialize_with = "json_int::option")]
+            priority: Option<i64>,
+            /// The response's id becomes `cmpl-<request_id>` (`chatcmpl-` in chat), as in vLLM.
+            request_id: Option<String>,
+            /// With logprobs: tokens written as `token_id:<id>` instead of their text (vLLM's).
+            return_tokens_as_token_ids: Option<bool>,
+            /// The prefix cache shares a prompt's cached prefix only with requests of the same
+            /// salt (vLLM's field; a non-empty string).
+            cache_salt: Option<String>,
         }
     };
 }
@@ -304,6 +361,10 @@ pub struct Choice {
     /// "stop" (a stop string, a stop token or end of text) or "length"; `null` in all but a
     /// stream's last chunk for this choice.
     pub finish_reason: Option<String>,
+    /// What stopped it (vLLM's field): the stop string, or the stop token's id; `null` for
+    /// end of text, the length limit, and in all but a stream's last chunk.
+    #[schema(value_type = Option<Object>)]
+    pub stop_reason: Option<Value>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -311,6 +372,13 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// `null`, as from vLLM unless it runs with `--enable-prompt-tokens-details`.
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 /// The response, and each chunk of a stream (`data: {...}` events, then `data: [DONE]`).
@@ -324,24 +392,30 @@ pub struct Completion {
     pub choices: Vec<Choice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// The server's version and the served model's configuration (OpenAI's field).
+    pub system_fingerprint: String,
 }
 
-/// Fields of OpenAI's chat API that this server does not implement, beside [`UNSUPPORTED`].
-pub const UNSUPPORTED_CHAT: &[&str] = &[
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "audio",
-    "modalities",
-    "prediction",
-    "reasoning_effort",
-    "web_search_options",
-    "store",
-    "metadata",
-    "service_tier",
-    "echo",
+/// Fields of OpenAI's and vLLM's chat API that this server does not implement, beside
+/// [`UNSUPPORTED`], with the reason.
+pub const UNSUPPORTED_CHAT: &[(&str, &str)] = &[
+    ("tools", "these models were not trained to call tools"),
+    ("tool_choice", "these models were not trained to call tools"),
+    ("parallel_tool_calls", "these models were not trained to call tools"),
+    ("functions", "these models were not trained to call functions"),
+    ("function_call", "these models were not trained to call functions"),
+    ("audio", "the models are text-only"),
+    ("modalities", "the models are text-only"),
+    (
+        "prediction",
+        "predicted outputs (speculative decoding) are not implemented",
+    ),
+    ("reasoning_effort", "these models do not reason before answering"),
+    ("include_reasoning", "these models do not reason before answering"),
+    ("web_search_options", "the server does not search the web"),
+    ("store", "completions are not stored"),
+    ("metadata", "completions are not stored, so there is nothing to tag"),
+    ("service_tier", "there is one tier"),
 ];
 
 /// A message's content: a string, or text parts (`{"type": "text", "text": ...}`) joined with
@@ -428,6 +502,22 @@ generation_fields!(request_with_generation_fields! {
         /// With `logprobs`: also this many most likely tokens at each position.
         #[serde(default, deserialize_with = "json_int::option")]
         pub top_logprobs: Option<i64>,
+        /// When the last message is the assistant's, its content starts the answer's (vLLM's).
+        pub echo: Option<bool>,
+        /// End the prompt with the template's start of an assistant turn; default true.
+        pub add_generation_prompt: Option<bool>,
+        /// Leave the last message open, for the model to continue it (a prefilled answer);
+        /// not with `add_generation_prompt: true`.
+        pub continue_final_message: Option<bool>,
+        /// A Jinja chat template for this request instead of the model's.
+        pub chat_template: Option<String>,
+        /// More variables for the chat template.
+        #[schema(value_type = Option<Object>)]
+        pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+        /// Documents for templates that take them (retrieval-augmented generation), as
+        /// `documents` in the template.
+        #[schema(value_type = Option<Vec<Object>>)]
+        pub documents: Option<Vec<serde_json::Map<String, Value>>>,
     }
 });
 
@@ -479,6 +569,10 @@ pub struct ChatChoice {
     pub logprobs: Option<ChatLogProbs>,
     /// "stop" or "length".
     pub finish_reason: Option<String>,
+    /// What stopped it (vLLM's field): the stop string or the stop token's id; `null` for end of
+    /// text and the length limit.
+    #[schema(value_type = Option<Object>)]
+    pub stop_reason: Option<Value>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -490,6 +584,8 @@ pub struct ChatCompletion {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
+    /// The server's version and the served model's configuration (OpenAI's field).
+    pub system_fingerprint: String,
 }
 
 /// What a chunk adds to a choice: the role first, then content.
@@ -508,6 +604,9 @@ pub struct ChatChunkChoice {
     pub logprobs: Option<ChatLogProbs>,
     /// `null` but in a choice's last chunk.
     pub finish_reason: Option<String>,
+    /// As in [`ChatChoice`], in a choice's last chunk.
+    #[schema(value_type = Option<Object>)]
+    pub stop_reason: Option<Value>,
 }
 
 /// One chunk of a streamed chat completion (`data: {...}` events, then `data: [DONE]`).
@@ -521,6 +620,7 @@ pub struct ChatCompletionChunk {
     pub choices: Vec<ChatChunkChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    pub system_fingerprint: String,
 }
 
 /// `POST /v1/attention`: the model's attention probabilities over a prompt.

@@ -68,9 +68,39 @@ impl ChatTemplate {
 
     /// The prompt for `messages`, ending where the assistant's next turn begins.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, ApiError> {
+        self.render_with(messages, &RenderOptions::default())
+    }
+
+    /// This template's special tokens and stop strings with another source (a request's own
+    /// `chat_template`); an error names what is wrong with it.
+    pub fn with_source(&self, source: &str) -> Result<Self, ApiError> {
+        if source.is_empty() {
+            return Err(ApiError::invalid("chat_template", "chat_template must not be empty"));
+        }
+        Self::new(
+            source.to_string(),
+            self.stop.clone(),
+            self.bos_token.clone(),
+            self.eos_token.clone(),
+        )
+        .map_err(|e| ApiError::invalid("chat_template", format!("{e:#}")))
+    }
+
+    /// The prompt for `messages` as `options` ask: with or without the start of the
+    /// assistant's turn, or ending inside the last message (for the model to continue it), with
+    /// the request's extra template variables.
+    pub fn render_with(&self, messages: &[ChatMessage], options: &RenderOptions) -> Result<String, ApiError> {
         if messages.is_empty() {
             return Err(ApiError::invalid("messages", "messages must hold at least one message"));
         }
+        let continue_final = options.continue_final_message;
+        if continue_final && options.add_generation_prompt == Some(true) {
+            return Err(ApiError::invalid(
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true",
+            ));
+        }
+        let add_generation_prompt = options.add_generation_prompt.unwrap_or(!continue_final);
         let messages: Vec<_> = messages
             .iter()
             .map(|m| context! { role => m.role, content => m.content.0, name => m.name })
@@ -79,12 +109,15 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| ApiError::Internal(e.to_string()))?;
-        template
+        let extra = minijinja::Value::from_serialize(&options.kwargs);
+        let rendered = template
             .render(context! {
                 messages,
-                add_generation_prompt => true,
+                add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
+                documents => options.documents,
+                ..extra
             })
             .map_err(|e| {
                 let detail = e.detail().map_or_else(|| e.to_string(), str::to_string);
@@ -92,8 +125,52 @@ impl ChatTemplate {
                     "messages",
                     format!("the chat template cannot render these messages: {detail}"),
                 )
-            })
+            })?;
+        if !continue_final {
+            return Ok(rendered);
+        }
+        // Cut after the last message's content, as vLLM does: what the template writes after
+        // it (an end of turn) would close the message the model is to continue.
+        // (A template that does not write the content out, or an empty content, leaves the
+        // rendering as it is.)
+        let last = options.final_content.as_deref().unwrap_or_default();
+        match rendered.rfind(last) {
+            Some(at) if !last.is_empty() => Ok(rendered[..at + last.len()].to_string()),
+            _ => Ok(rendered),
+        }
     }
+}
+
+/// How a request asks for its conversation to be rendered (vLLM's chat fields).
+#[derive(Debug, Default)]
+pub struct RenderOptions {
+    /// Default true, or false with `continue_final_message`.
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: bool,
+    /// The last message's content (what `continue_final_message` continues).
+    pub final_content: Option<String>,
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+    pub documents: Option<Vec<serde_json::Map<String, serde_json::Value>>>,
+}
+
+impl RenderOptions {
+    /// The options a chat request gives (its fields are taken out of it).
+    pub fn take(req: &mut ChatCompletionRequest) -> Self {
+        Self {
+            add_generation_prompt: req.add_generation_prompt,
+            continue_final_message: req.continue_final_message.unwrap_or(false),
+            final_content: req.messages.last().map(|m| m.content.0.clone()),
+            kwargs: req.chat_template_kwargs.take().unwrap_or_default(),
+            documents: req.documents.take(),
+        }
+    }
+}
+
+/// With `echo`: the content of the last message when it is the assistant's, which the answer
+/// continues (vLLM's chat `echo`).
+pub fn echoed(req: &ChatCompletionRequest) -> Option<String> {
+    let last = req.messages.last()?;
+    (req.echo == Some(true) && last.role == Role::Assistant).then(|| last.content.0.clone())
 }
 
 /// The completion request that generates the assistant's turn for `req`, whose messages the
@@ -209,15 +286,16 @@ pub fn chat_logprobs(lp: LogProbs) -> ChatLogProbs {
 }
 
 /// A whole completion's choice as a chat choice.
-pub fn chat_choice(choice: Choice) -> ChatChoice {
+pub fn chat_choice(choice: Choice, echo: Option<&str>) -> ChatChoice {
     ChatChoice {
         index: choice.index,
         message: ChatResponseMessage {
             role: "assistant".into(),
-            content: choice.text,
+            content: format!("{}{}", echo.unwrap_or_default(), choice.text),
         },
         logprobs: choice.logprobs.map(chat_logprobs),
         finish_reason: choice.finish_reason,
+        stop_reason: choice.stop_reason,
     }
 }
 
@@ -234,6 +312,7 @@ pub fn chat_chunks(delta: Delta) -> Vec<ChatChunkChoice> {
             },
             logprobs: delta.logprobs.map(chat_logprobs),
             finish_reason: None,
+            stop_reason: None,
         });
     }
     if let Some(reason) = delta.finish_reason {
@@ -242,21 +321,23 @@ pub fn chat_chunks(delta: Delta) -> Vec<ChatChunkChoice> {
             delta: ChatDelta::default(),
             logprobs: None,
             finish_reason: Some(reason.as_str().into()),
+            stop_reason: delta.stop_reason.as_ref().map(crate::engine::StopReason::to_json),
         });
     }
     out
 }
 
-/// The first chunk of a choice: its role, and empty content.
-pub fn role_chunk(index: u32) -> ChatChunkChoice {
+/// The first chunk of a choice: its role, and empty content (or the echoed last message).
+pub fn role_chunk(index: u32, echo: Option<&str>) -> ChatChunkChoice {
     ChatChunkChoice {
         index,
         delta: ChatDelta {
             role: Some("assistant".into()),
-            content: Some(String::new()),
+            content: Some(echo.unwrap_or_default().to_string()),
         },
         logprobs: None,
         finish_reason: None,
+        stop_reason: None,
     }
 }
 

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use crate::api::{Choice, LogProbs, Usage};
-use crate::engine::{Event, FinishReason, TokenLogprob};
+use crate::engine::{Event, FinishReason, StopReason, TokenLogprob};
 use crate::error::ApiError;
 use crate::validation::ValidRequest;
 
@@ -20,6 +20,7 @@ pub struct Delta {
     /// `Some` when the request asked for logprobs.
     pub logprobs: Option<LogProbs>,
     pub finish_reason: Option<FinishReason>,
+    pub stop_reason: Option<StopReason>,
 }
 
 /// A candidate held until its prompt's best are chosen.
@@ -28,6 +29,7 @@ struct Held {
     text: String,
     logprobs: Option<LogProbs>,
     finish: Option<FinishReason>,
+    stop_reason: Option<StopReason>,
     tokens: usize,
     cumulative_logprob: f64,
 }
@@ -38,6 +40,9 @@ pub struct Fold {
     held: Vec<Vec<Held>>,
     finished: usize,
     completion_tokens: usize,
+    /// Tokens generated so far by each candidate (`prompt × best_of + candidate`), returned or
+    /// not: what a stream's continuous usage counts.
+    generated: Vec<usize>,
 }
 
 impl Fold {
@@ -48,11 +53,35 @@ impl Fold {
                 .collect(),
             false => Vec::new(),
         };
+        let candidates = request.prompts.len() * request.best_of;
         Self {
             request,
             held,
             finished: 0,
             completion_tokens: 0,
+            generated: vec![0; candidates],
+        }
+    }
+
+    fn prompt_tokens(&self) -> usize {
+        self.request.prompts.iter().map(|p| p.ids.len()).sum()
+    }
+
+    /// The usage so far, while choices are still generating: every token generated yet.
+    pub fn usage_so_far(&self) -> Usage {
+        let prompt_tokens = self.prompt_tokens();
+        let completion_tokens = self.generated.iter().sum();
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: None,
+        }
+    }
+
+    fn count(&mut self, prompt: usize, candidate: usize, tokens: usize) {
+        if let Some(n) = self.generated.get_mut(prompt * self.request.best_of + candidate) {
+            *n = (*n).max(tokens);
         }
     }
 
@@ -62,11 +91,12 @@ impl Fold {
     }
 
     pub fn usage(&self) -> Usage {
-        let prompt_tokens = self.request.prompts.iter().map(|p| p.ids.len()).sum();
+        let prompt_tokens = self.prompt_tokens();
         Usage {
             prompt_tokens,
             completion_tokens: self.completion_tokens,
             total_tokens: prompt_tokens + self.completion_tokens,
+            prompt_tokens_details: None,
         }
     }
 
@@ -78,16 +108,18 @@ impl Fold {
                 index: index as u32,
                 logprobs: self.request.logprobs.map(|_| LogProbs::default()),
                 finish_reason: None,
+                stop_reason: None,
             })
             .collect()
     }
 
     pub fn apply(&mut self, event: Event) -> Result<Vec<Delta>, ApiError> {
         let want_logprobs = self.request.logprobs.is_some();
+        let as_ids = self.request.tokens_as_ids;
         match event {
             Event::Prompt { prompt, logprobs } => {
                 let text = self.request.prompts[prompt].text.clone();
-                let logprobs = want_logprobs.then(|| logprobs_of(&logprobs));
+                let logprobs = want_logprobs.then(|| logprobs_of(&logprobs, as_ids));
                 let mut out = Vec::new();
                 for candidate in 0..self.request.best_of {
                     out.extend(self.content(prompt, candidate, text.clone(), logprobs.clone()));
@@ -99,17 +131,29 @@ impl Fold {
                 candidate,
                 text,
                 logprobs,
+                completion_tokens,
             } => {
-                let logprobs = want_logprobs.then(|| logprobs_of(&logprobs));
+                self.count(prompt, candidate, completion_tokens);
+                let logprobs = want_logprobs.then(|| logprobs_of(&logprobs, as_ids));
                 Ok(self.content(prompt, candidate, text, logprobs).into_iter().collect())
             }
             Event::Done {
                 prompt,
                 candidate,
                 finish_reason,
+                stop_reason,
                 completion_tokens,
                 cumulative_logprob,
-            } => Ok(self.done(prompt, candidate, finish_reason, completion_tokens, cumulative_logprob)),
+            } => {
+                self.count(prompt, candidate, completion_tokens);
+                let end = End {
+                    reason: finish_reason,
+                    stop_reason,
+                    tokens: completion_tokens,
+                    cumulative_logprob,
+                };
+                Ok(self.done(prompt, candidate, end))
+            }
             Event::Error(e) => Err(ApiError::Internal(e)),
             Event::TimedOut => Err(ApiError::Timeout),
         }
@@ -129,32 +173,28 @@ impl Fold {
             text,
             logprobs,
             finish_reason: None,
+            stop_reason: None,
         })
     }
 
-    fn done(
-        &mut self,
-        prompt: usize,
-        candidate: usize,
-        reason: FinishReason,
-        tokens: usize,
-        cumulative: f64,
-    ) -> Vec<Delta> {
+    fn done(&mut self, prompt: usize, candidate: usize, end: End) -> Vec<Delta> {
         let n = self.request.n;
         let Some(candidates) = self.held.get_mut(prompt) else {
             self.finished += 1;
-            self.completion_tokens += tokens;
+            self.completion_tokens += end.tokens;
             return vec![Delta {
                 index: (prompt * n + candidate) as u32,
                 text: String::new(),
                 logprobs: None,
-                finish_reason: Some(reason),
+                finish_reason: Some(end.reason),
+                stop_reason: end.stop_reason,
             }];
         };
         if let Some(held) = candidates.get_mut(candidate) {
-            held.finish = Some(reason);
-            held.tokens = tokens;
-            held.cumulative_logprob = cumulative;
+            held.finish = Some(end.reason);
+            held.stop_reason = end.stop_reason;
+            held.tokens = end.tokens;
+            held.cumulative_logprob = end.cumulative_logprob;
         }
         if candidates.iter().any(|c| c.finish.is_none()) {
             return Vec::new();
@@ -176,10 +216,19 @@ impl Fold {
                 text: held.text,
                 logprobs: self.request.logprobs.map(|_| held.logprobs.unwrap_or_default()),
                 finish_reason: held.finish,
+                stop_reason: held.stop_reason,
             });
         }
         out
     }
+}
+
+/// How a candidate ended.
+struct End {
+    reason: FinishReason,
+    stop_reason: Option<StopReason>,
+    tokens: usize,
+    cumulative_logprob: f64,
 }
 
 /// Adds a delta to the whole response's choices.
@@ -193,20 +242,26 @@ pub fn merge(choices: &mut [Choice], delta: Delta) {
     }
     if let Some(reason) = delta.finish_reason {
         choice.finish_reason = Some(reason.as_str().into());
+        choice.stop_reason = delta.stop_reason.as_ref().map(StopReason::to_json);
     }
 }
 
-/// The API's logprobs of some positions.
-pub fn logprobs_of(items: &[TokenLogprob]) -> LogProbs {
+/// The API's logprobs of some positions; with `as_ids`, each token written `token_id:<id>`
+/// (vLLM's `return_tokens_as_token_ids`).
+pub fn logprobs_of(items: &[TokenLogprob], as_ids: bool) -> LogProbs {
+    let name = |id: u32, text: &str| match as_ids {
+        true => format!("token_id:{id}"),
+        false => text.to_string(),
+    };
     let mut lp = LogProbs::default();
     for t in items {
-        lp.tokens.push(t.token.clone());
+        lp.tokens.push(name(t.id, &t.token));
         lp.token_logprobs.push(t.logprob);
         lp.top_logprobs.push(t.logprob.is_some().then(|| {
             // Most likely first; tokens that decode to the same text keep the likelier entry.
             let mut top = serde_json::Map::new();
-            for (tok, p) in &t.top {
-                top.entry(tok.clone()).or_insert_with(|| serde_json::Value::from(*p));
+            for (id, tok, p) in &t.top {
+                top.entry(name(*id, tok)).or_insert_with(|| serde_json::Value::from(*p));
             }
             top
         }));
@@ -247,7 +302,14 @@ mod tests {
             echo: false,
             stream: false,
             include_usage: false,
+            continuous_usage: false,
             beam_search: None,
+            include_stop_str: false,
+            skip_special_tokens: true,
+            allowed_token_ids: None,
+            tokens_as_ids: false,
+            request_id: None,
+            cache_salt: None,
         })
     }
 
@@ -257,6 +319,7 @@ mod tests {
             candidate,
             text: text.into(),
             logprobs: vec![],
+            completion_tokens: 1,
         }
     }
 
@@ -265,6 +328,7 @@ mod tests {
             prompt,
             candidate,
             finish_reason: FinishReason::Length,
+            stop_reason: None,
             completion_tokens: tokens,
             cumulative_logprob: cumulative,
         }
@@ -317,6 +381,18 @@ mod tests {
         assert_eq!(got, [(0, "best"), (1, "middle")]);
         assert!(f.is_done());
         assert_eq!(f.usage().completion_tokens, 6 + 7, "usage counts the choices returned");
+    }
+
+    #[test]
+    fn usage_so_far_counts_every_candidates_tokens_as_they_come() {
+        let mut f = Fold::new(request(1, 1, 2, None));
+        assert_eq!(f.usage_so_far().completion_tokens, 0);
+        f.apply(text(0, 0, "a")).expect("ok");
+        f.apply(text(0, 1, "b")).expect("ok");
+        assert_eq!(f.usage_so_far().completion_tokens, 2);
+        f.apply(done(0, 0, 5, -1.0)).expect("ok");
+        assert_eq!(f.usage_so_far().completion_tokens, 6);
+        assert_eq!(f.usage_so_far().prompt_tokens, 2);
     }
 
     #[test]

@@ -146,6 +146,7 @@ pub fn load_state(
         max_n: 16,
         max_logprobs: 20,
         max_stop: 64,
+        template_stops: 0,
         max_prompts: 128,
         n_layer: model.config().n_layer,
         n_head: model.config().n_head,
@@ -170,6 +171,13 @@ pub fn load_state(
     let metrics = Arc::new(Metrics::new()?);
     let tokenizer = Arc::new(tokenizer);
     let attention_model = model.clone(); // shares the weights
+    let fingerprint = fingerprint(&format!(
+        "{} {:?} {:?} {}",
+        env!("CARGO_PKG_VERSION"),
+        model.config(),
+        cfg.matmul_precision,
+        cfg.model_name
+    ));
     let engine = Engine::start(
         model,
         (*tokenizer).clone(),
@@ -200,5 +208,15 @@ pub fn load_state(
         chat_template,
         attention_model,
         cors_origins: cfg.cors_origins.clone(),
+        fingerprint,
     }))
+}
+
+/// `system_fingerprint`: what a response depends on besides the request (the server's version,
+/// the model's configuration, the arithmetic's precision), hashed.
+fn fingerprint(what: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    what.hash(&mut h);
+    format!("fp_{:012x}", h.finish() & 0xffff_ffff_ffff)
 }

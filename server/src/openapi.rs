@@ -75,6 +75,15 @@ pub fn document(limits: &Limits) -> Value {
     chat_limits(schemas, limits);
     attention_limits(schemas, limits, &token);
     schemas["StreamOptions"]["additionalProperties"] = false.into();
+    // vLLM's `stop_reason`: the stop string, or the stop token's id.
+    for choice in ["Choice", "ChatChoice", "ChatChunkChoice"] {
+        let reason = &mut schemas[choice]["properties"]["stop_reason"];
+        let description = reason["description"].clone();
+        *reason = json!({
+            "description": description,
+            "oneOf": [{"type": "null"}, {"type": "string"}, {"type": "integer", "minimum": 0}],
+        });
+    }
     schemas["TokenizeRequest"]["properties"]["prompt"] = text(limits, 0);
     schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token;
     event_stream_schemas(&mut doc);
@@ -123,6 +132,11 @@ fn chat_limits(schemas: &mut Value, limits: &Limits) {
     chat["properties"]["top_logprobs"]["minimum"] = 0.into();
     chat["properties"]["top_logprobs"]["maximum"] = (limits.max_logprobs as i64).into();
     chat["properties"]["messages"]["minItems"] = 1.into();
+    chat["properties"]["chat_template"] = json!({
+        "description": "A Jinja chat template for this request instead of the model's (one that does not \
+            compile, or renders an empty prompt, is a 400).",
+        "oneOf": [{"type": "null"}, {"type": "string", "minLength": 1}],
+    });
     chat["properties"]["messages"]["description"] = format!(
         "The conversation, rendered to one prompt by the chat template; that prompt may hold at most {} \
          tokens (a longer one is a 400 with code `context_length_exceeded`).",
@@ -134,6 +148,11 @@ fn chat_limits(schemas: &mut Value, limits: &Limits) {
         all.push(json!({
             "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
             "then": {"properties": {"logprobs": {"const": true}}, "required": ["logprobs"]},
+        }));
+        // continue_final_message and add_generation_prompt not both true.
+        all.push(json!({
+            "if": {"properties": {"continue_final_message": {"const": true}}, "required": ["continue_final_message"]},
+            "then": {"properties": {"add_generation_prompt": {"enum": [null, false]}}},
         }));
     }
     let message = &mut schemas["ChatMessage"];
@@ -235,6 +254,26 @@ fn shared_limits(schema: &mut Value, limits: &Limits, token: &Value) {
         "type": ["object", "null"],
         "propertyNames": {"pattern": format!("^({})$", decimal_range(limits.vocab_size as u64 - 1))},
         "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS.min, "maximum": LOGIT_BIAS.max},
+    });
+    request["truncate_prompt_tokens"] = json!({
+        "description": "Keep only the prompt's last k tokens (vLLM's field); -1 keeps as many as the context allows.",
+        "oneOf": [
+            {"type": "null"},
+            {"type": "integer", "enum": [-1]},
+            {"type": "integer", "minimum": 1, "maximum": limits.context as i64 - 1},
+        ],
+    });
+    request["allowed_token_ids"] = json!({
+        "description": "Sample only among these token ids (vLLM's field).",
+        "oneOf": [{"type": "null"}, {"type": "array", "minItems": 1, "items": token}],
+    });
+    request["priority"] = json!({
+        "description": "vLLM's scheduling priority: requests are served first come, first served, so only 0.",
+        "oneOf": [{"type": "null"}, {"type": "integer", "enum": [0]}],
+    });
+    request["cache_salt"] = json!({
+        "description": "Prefix-cache entries are shared only among requests with the same salt (vLLM's field).",
+        "oneOf": [{"type": "null"}, {"type": "string", "minLength": 1}],
     });
     request["stream_options"] = json!({
         "description": "With `stream`; ignored otherwise.",

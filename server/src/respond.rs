@@ -36,10 +36,27 @@ pub async fn collect(
     Ok((choices, usage))
 }
 
+/// A chunk of a stream, which can carry the usage so far (`continuous_usage_stats`).
+pub trait Chunk: Serialize + Send + 'static {
+    fn set_usage(&mut self, usage: Usage);
+}
+
+impl Chunk for crate::api::Completion {
+    fn set_usage(&mut self, usage: Usage) {
+        self.usage = Some(usage);
+    }
+}
+
+impl Chunk for crate::api::ChatCompletionChunk {
+    fn set_usage(&mut self, usage: Usage) {
+        self.usage = Some(usage);
+    }
+}
+
 /// Server-Sent Events: the `first` chunks, then the chunks `chunks` makes of each delta of the
 /// fold, an error event if generation fails midway, the chunk `usage` makes if the request asked
-/// for it, then `[DONE]`.
-pub fn stream_response<C: Serialize + Send + 'static>(
+/// for it, then `[DONE]`. With `continuous_usage`, every chunk carries the usage so far.
+pub fn stream_response<C: Chunk>(
     req: Arc<ValidRequest>,
     events: EventSource,
     metrics: Arc<Metrics>,
@@ -47,10 +64,15 @@ pub fn stream_response<C: Serialize + Send + 'static>(
     mut chunks: impl FnMut(Delta) -> Vec<C> + Send + 'static,
     usage: impl Fn(Usage) -> C + Send + 'static,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let include_usage = req.include_usage;
+    let (include_usage, continuous) = (req.include_usage, req.continuous_usage);
     let mut fold = Fold::new(req);
     let mut ended = false;
     let data = |c: &C| Ok(SseEvent::default().data(serde_json::to_string(c).unwrap_or_default()));
+    let mut first = first;
+    if continuous {
+        let start = fold.usage_so_far();
+        first.iter_mut().for_each(|c| c.set_usage(start));
+    }
     let first = stream::iter(first.iter().map(data).collect::<Vec<_>>());
     // Ends when the engine drops the request's last sender: after its last choice, or (its thread
     // failed) before, and then with an error event.
@@ -65,8 +87,13 @@ pub fn stream_response<C: Serialize + Send + 'static>(
             }
             match fold.apply(event) {
                 Ok(deltas) => {
+                    let so_far = fold.usage_so_far();
                     for d in deltas {
-                        out.extend(chunks(d).iter().map(data));
+                        let mut made = chunks(d);
+                        if continuous {
+                            made.iter_mut().for_each(|c| c.set_usage(so_far));
+                        }
+                        out.extend(made.iter().map(data));
                     }
                     ended = fold.is_done();
                     if ended {

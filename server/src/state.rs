@@ -37,12 +37,14 @@ pub struct AppState {
     pub attention_model: gpt::Gpt,
     /// Origins allowed to call the API from a browser (`*`: any); none by default.
     pub cors_origins: Vec<String>,
+    /// Responses' `system_fingerprint`.
+    pub fingerprint: String,
 }
 
 /// A request body that names the model it is for.
 pub trait RequestBody: serde::de::DeserializeOwned {
     /// Fields the server knows but does not implement, refused by name (`suffix`, say).
-    const UNSUPPORTED: &'static [&'static [&'static str]] = &[];
+    const UNSUPPORTED: &'static [&'static [(&'static str, &'static str)]] = &[];
 
     /// The `model` the request names, if any.
     fn model(&self) -> Option<&str>;
@@ -79,18 +81,18 @@ pub async fn blocking<T: Send + 'static>(
 /// name (`suffix`, say; the `unsupported` list), and any other unknown field.
 fn parse_body<T: serde::de::DeserializeOwned>(
     body: Result<Json<serde_json::Value>, JsonRejection>,
-    unsupported: &[&[&str]],
+    unsupported: &[&[(&str, &str)]],
 ) -> Result<T, ApiError> {
     let Json(value) = body.map_err(rejection)?;
-    if let Some(field) = value.as_object().and_then(|o| {
+    if let Some((field, why)) = value.as_object().and_then(|o| {
         unsupported
             .iter()
             .flat_map(|list| list.iter())
-            .find(|f| o.contains_key(**f))
+            .find(|(f, _)| o.contains_key(*f))
     }) {
         return Err(ApiError::invalid(
             *field,
-            format!("`{field}` is not supported by this server"),
+            format!("`{field}` is not supported by this server: {why}"),
         ));
     }
     // The path names the parameter in the message ("temperature: invalid type ...").
@@ -125,7 +127,7 @@ fn rejection(e: JsonRejection) -> ApiError {
 macro_rules! request_body {
     ($($t:ty $(=> $unsupported:expr)?),* $(,)?) => {$(
         impl RequestBody for $t {
-            $(const UNSUPPORTED: &'static [&'static [&'static str]] = $unsupported;)?
+            $(const UNSUPPORTED: &'static [&'static [(&'static str, &'static str)]] = $unsupported;)?
             fn model(&self) -> Option<&str> {
                 self.model.as_deref()
             }

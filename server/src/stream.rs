@@ -16,9 +16,10 @@ const REPLACEMENT: char = '\u{FFFD}';
 /// (lossy decoding turns an unfinished UTF-8 suffix into exactly one U+FFFD, and nothing before it
 /// can change): that one character is held and the window grows until it is complete. Everything
 /// before it is sent, so a model that emits invalid bytes still streams, one character behind.
-/// Special tokens (`<|endoftext|>`) add no text.
+/// Special tokens (`<|endoftext|>`) add no text unless it is made with `skip_special: false`.
 #[derive(Debug, Default, Clone)]
 pub struct Detokenizer {
+    keep_special: bool,
     tokens: Vec<u32>,
     /// The window is `tokens[prefix..]`; `tokens[prefix..read]` were sent with earlier windows.
     prefix: usize,
@@ -30,10 +31,24 @@ pub struct Detokenizer {
 }
 
 impl Detokenizer {
+    pub fn new(skip_special: bool) -> Self {
+        Self {
+            keep_special: !skip_special,
+            ..Self::default()
+        }
+    }
+
+    fn decode(&self, tokenizer: &Tokenizer, ids: &[u32]) -> gpt::Result<String> {
+        match self.keep_special {
+            true => tokenizer.decode(ids),
+            false => tokenizer.decode_skip_special(ids),
+        }
+    }
+
     /// The text `token` adds (possibly empty).
     pub fn push(&mut self, token: u32, tokenizer: &Tokenizer) -> gpt::Result<String> {
         self.tokens.push(token);
-        let window = tokenizer.decode_skip_special(&self.tokens[self.prefix..])?;
+        let window = self.decode(tokenizer, &self.tokens[self.prefix..])?;
         let sent = self.base + self.extra;
         if window.len() < sent || !window.is_char_boundary(sent) {
             return Ok(String::new()); // the decoder changed earlier text: wait for more tokens
@@ -50,9 +65,7 @@ impl Detokenizer {
         } else {
             self.prefix = self.read;
             self.read = self.tokens.len();
-            self.base = tokenizer
-                .decode_skip_special(&self.tokens[self.prefix..self.read])?
-                .len();
+            self.base = self.decode(tokenizer, &self.tokens[self.prefix..self.read])?.len();
             self.extra = 0;
         }
         Ok(new)
@@ -60,7 +73,7 @@ impl Detokenizer {
 
     /// At the end of generation: the held character, if any (it stays U+FFFD).
     pub fn finish(&mut self, tokenizer: &Tokenizer) -> gpt::Result<String> {
-        let window = tokenizer.decode_skip_special(&self.tokens[self.prefix..])?;
+        let window = self.decode(tokenizer, &self.tokens[self.prefix..])?;
         let rest = window.get(self.base + self.extra..).unwrap_or_default().to_string();
         self.extra += rest.len();
         Ok(rest)
@@ -71,22 +84,29 @@ impl Detokenizer {
 #[derive(Debug, Default)]
 pub struct TextStream {
     stop: Vec<String>,
+    /// The stop string that ends the text stays in it (vLLM's `include_stop_str_in_output`).
+    include_stop: bool,
     sent: usize, // bytes of the decoded output already emitted
 }
 
 impl TextStream {
-    pub fn new(stop: Vec<String>) -> Self {
-        Self { stop, sent: 0 }
+    pub fn new(stop: Vec<String>, include_stop: bool) -> Self {
+        Self {
+            stop,
+            include_stop,
+            sent: 0,
+        }
     }
 
-    /// Given the whole decoded output so far, returns the text that may be sent now, and whether
-    /// a stop string was reached (the text before it is then all that is left to send). With
-    /// `check_stop` false (before `min_tokens`), stop strings neither stop nor hold text back.
-    pub fn push(&mut self, decoded: &str, check_stop: bool) -> (String, bool) {
+    /// Given the whole decoded output so far, returns the text that may be sent now, and the
+    /// stop string reached, if one was (the text before it, or up to its end with
+    /// `include_stop`, is then all that is left to send). With `check_stop` false (before
+    /// `min_tokens`), stop strings neither stop nor hold text back.
+    pub fn push(&mut self, decoded: &str, check_stop: bool) -> (String, Option<String>) {
         if !check_stop {
             let text = decoded.get(self.sent..).unwrap_or_default().to_string();
             self.sent = decoded.len();
-            return (text, false);
+            return (text, None);
         }
         // Search from where a stop string could begin that was not visible before.
         let longest = self.stop.iter().map(String::len).max().unwrap_or(0);
@@ -96,6 +116,7 @@ impl TextStream {
         }
         // Only a stop string that ends in unsent text counts (one sent before `min_tokens` does
         // not stop the text later).
+        // The earliest; of those starting there, the longest.
         let hit = self
             .stop
             .iter()
@@ -104,12 +125,14 @@ impl TextStream {
                     .match_indices(s.as_str())
                     .map(|(i, _)| from + i)
                     .find(|&i| i + s.len() > self.sent)
+                    .map(|i| (i, std::cmp::Reverse(s.len()), s))
             })
             .min();
-        if let Some(end) = hit {
+        if let Some((start, _, stop)) = hit {
+            let end = if self.include_stop { start + stop.len() } else { start };
             let text = decoded.get(self.sent..end).unwrap_or_default().to_string();
             self.sent = end.max(self.sent);
-            return (text, true);
+            return (text, Some(stop.clone()));
         }
         // Hold back the longest tail that is the start of some stop string.
         let mut end = decoded.len();
@@ -120,11 +143,11 @@ impl TextStream {
             end = start;
         }
         if end <= self.sent {
-            return (String::new(), false);
+            return (String::new(), None);
         }
         let text = decoded[self.sent..end].to_string();
         self.sent = end;
-        (text, false)
+        (text, None)
     }
 
     /// At the end of generation: whatever is still held back (no stop string followed).
@@ -141,12 +164,16 @@ mod tests {
 
     /// Feeds growing prefixes, as token-by-token decoding does, and collects what is sent.
     fn run(stop: &[&str], steps: &[&str]) -> (String, bool) {
-        let mut s = TextStream::new(stop.iter().map(|s| s.to_string()).collect());
+        run_with(stop, steps, false)
+    }
+
+    fn run_with(stop: &[&str], steps: &[&str], include_stop: bool) -> (String, bool) {
+        let mut s = TextStream::new(stop.iter().map(|s| s.to_string()).collect(), include_stop);
         let mut out = String::new();
         for decoded in steps {
             let (text, stopped) = s.push(decoded, true);
             out.push_str(&text);
-            if stopped {
+            if stopped.is_some() {
                 return (out, true);
             }
         }
@@ -166,18 +193,29 @@ mod tests {
     }
 
     #[test]
+    fn with_include_stop_the_stop_string_ends_the_text() {
+        assert_eq!(
+            run_with(&["\n\n"], &["Hello", "Hello\n", "Hello\n\nWorld"], true),
+            ("Hello\n\n".into(), true)
+        );
+        // Of two stop strings starting at one place, the longer one is the one reached.
+        let mut s = TextStream::new(vec!["ab".into(), "abc".into()], true);
+        assert_eq!(s.push("xabcd", true), ("xabc".into(), Some("abc".into())));
+    }
+
+    #[test]
     fn held_text_is_not_sent_early() {
-        let mut s = TextStream::new(vec!["stop".into()]);
-        assert_eq!(s.push("a st", true), ("a ".into(), false));
-        assert_eq!(s.push("a sto", true), (String::new(), false));
-        assert_eq!(s.push("a stoX", true), ("stoX".into(), false));
+        let mut s = TextStream::new(vec!["stop".into()], false);
+        assert_eq!(s.push("a st", true), ("a ".into(), None));
+        assert_eq!(s.push("a sto", true), (String::new(), None));
+        assert_eq!(s.push("a stoX", true), ("stoX".into(), None));
     }
 
     #[test]
     fn stop_strings_are_ignored_until_checked() {
-        let mut s = TextStream::new(vec!["b".into()]);
-        assert_eq!(s.push("ab", false), ("ab".into(), false));
-        assert_eq!(s.push("abcb", true), ("c".into(), true));
+        let mut s = TextStream::new(vec!["b".into()], false);
+        assert_eq!(s.push("ab", false), ("ab".into(), None));
+        assert_eq!(s.push("abcb", true), ("c".into(), Some("b".into())));
     }
 
     #[test]

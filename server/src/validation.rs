@@ -42,6 +42,8 @@ pub struct Limits {
     pub max_logprobs: usize,
     /// Stop strings, and stop token ids, per request.
     pub max_stop: usize,
+    /// Stop strings a chat template adds to the request's own (beyond `max_stop`).
+    pub template_stops: usize,
     /// Prompts per request.
     pub max_prompts: usize,
     /// A character-level vocabulary's characters: a prompt with any other is refused.
@@ -245,8 +247,21 @@ pub struct ValidRequest {
     pub echo: bool,
     pub stream: bool,
     pub include_usage: bool,
+    /// Every chunk of the stream carries the usage so far (`continuous_usage_stats`).
+    pub continuous_usage: bool,
     /// Beam search instead of sampling: `best_of` beams, scored with this length penalty.
     pub beam_search: Option<f32>,
+    /// The stop string that ends a choice stays in its text.
+    pub include_stop_str: bool,
+    pub skip_special_tokens: bool,
+    /// Sample only among these ids (sorted, no duplicates).
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// Logprobs' tokens as `token_id:<id>`.
+    pub tokens_as_ids: bool,
+    /// The client's id for the request (the response's id is made from it).
+    pub request_id: Option<String>,
+    /// Prefix-cache entries are shared only with requests of the same salt.
+    pub cache_salt: Option<String>,
 }
 
 /// Tokenises and checks one prompt; `at` names it in errors (`prompt`, `prompt[3]`).
@@ -256,6 +271,7 @@ fn prompt_ids(
     at: &str,
     tokenizer: &Tokenizer,
     limits: &Limits,
+    truncate: Option<usize>,
 ) -> Result<ValidPrompt, ApiError> {
     let prompt = match (text, ids) {
         (Some(text), _) => {
@@ -287,6 +303,12 @@ fn prompt_ids(
     if prompt.ids.is_empty() {
         return Err(ApiError::invalid(param::PROMPT, format!("{at} encodes to no tokens")));
     }
+    let mut prompt = prompt;
+    if let Some(keep) = truncate.filter(|&k| k < prompt.ids.len()) {
+        // The last `keep` tokens, as vLLM keeps them; the text is theirs (for `echo`).
+        prompt.ids.drain(..prompt.ids.len() - keep);
+        prompt.text = tokenizer.decode(&prompt.ids)?;
+    }
     if prompt.ids.len() >= limits.context {
         return Err(ApiError::ContextLength {
             message: format!(
@@ -302,7 +324,12 @@ fn prompt_ids(
     Ok(prompt)
 }
 
-fn prompts(prompt: &Prompt, tokenizer: &Tokenizer, limits: &Limits) -> Result<Vec<ValidPrompt>, ApiError> {
+fn prompts(
+    prompt: &Prompt,
+    tokenizer: &Tokenizer,
+    limits: &Limits,
+    truncate: Option<usize>,
+) -> Result<Vec<ValidPrompt>, ApiError> {
     let count = match prompt {
         Prompt::Texts(v) => v.len(),
         Prompt::TokenLists(v) => v.len(),
@@ -313,12 +340,26 @@ fn prompts(prompt: &Prompt, tokenizer: &Tokenizer, limits: &Limits) -> Result<Ve
         return Err(ApiError::invalid(param::PROMPT, msg));
     }
     match prompt {
-        Prompt::Text(text) => Ok(vec![prompt_ids(Some(text), None, param::PROMPT, tokenizer, limits)?]),
-        Prompt::Tokens(ids) => Ok(vec![prompt_ids(None, Some(ids), param::PROMPT, tokenizer, limits)?]),
+        Prompt::Text(text) => Ok(vec![prompt_ids(
+            Some(text),
+            None,
+            param::PROMPT,
+            tokenizer,
+            limits,
+            truncate,
+        )?]),
+        Prompt::Tokens(ids) => Ok(vec![prompt_ids(
+            None,
+            Some(ids),
+            param::PROMPT,
+            tokenizer,
+            limits,
+            truncate,
+        )?]),
         Prompt::Texts(texts) => texts
             .iter()
             .enumerate()
-            .map(|(i, t)| prompt_ids(Some(t), None, &format!("prompt[{i}]"), tokenizer, limits))
+            .map(|(i, t)| prompt_ids(Some(t), None, &format!("prompt[{i}]"), tokenizer, limits, truncate))
             .collect(),
         Prompt::TokenLists(lists) => {
             if lists.is_empty() {
@@ -327,7 +368,7 @@ fn prompts(prompt: &Prompt, tokenizer: &Tokenizer, limits: &Limits) -> Result<Ve
             lists
                 .iter()
                 .enumerate()
-                .map(|(i, ids)| prompt_ids(None, Some(ids), &format!("prompt[{i}]"), tokenizer, limits))
+                .map(|(i, ids)| prompt_ids(None, Some(ids), &format!("prompt[{i}]"), tokenizer, limits, truncate))
                 .collect()
         }
     }
@@ -338,7 +379,34 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
         true => Some(beam_search_settings(&req)? as f32),
         false => None,
     };
-    let prompts = prompts(&req.prompt, tokenizer, limits)?;
+    let truncate = truncation(req.truncate_prompt_tokens, limits)?;
+    let prompts = prompts(&req.prompt, tokenizer, limits, truncate)?;
+    if let Some(p) = req.priority.filter(|&p| p != 0) {
+        return Err(ApiError::invalid(
+            "priority",
+            format!("priority must be 0, got {p}: requests are served first come, first served"),
+        ));
+    }
+    if req.cache_salt.as_deref() == Some("") {
+        return Err(ApiError::invalid("cache_salt", "cache_salt must be a non-empty string"));
+    }
+    let allowed_token_ids = match &req.allowed_token_ids {
+        None => None,
+        Some(ids) if ids.is_empty() => {
+            return Err(ApiError::invalid(
+                "allowed_token_ids",
+                "allowed_token_ids must not be empty",
+            ))
+        }
+        Some(ids) => {
+            let mut ids = (ids.iter().enumerate())
+                .map(|(i, &id)| limits.token("allowed_token_ids", &format!("allowed_token_ids[{i}]"), id))
+                .collect::<Result<Vec<u32>, _>>()?;
+            ids.sort_unstable();
+            ids.dedup();
+            Some(ids)
+        }
+    };
     let max_tokens = limits.int(param::MAX_TOKENS, req.max_tokens, 16)? as usize;
     let min_tokens = limits.int(param::MIN_TOKENS, req.min_tokens, 0)? as usize;
     let mut sampling = sampling(&req, limits)?;
@@ -364,9 +432,31 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
         logprobs,
         echo: req.echo.unwrap_or(false),
         stream,
-        include_usage: stream && req.stream_options.is_some_and(|o| o.include_usage),
+        include_usage: stream && req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        continuous_usage: stream
+            && (req.stream_options.as_ref()).is_some_and(|o| o.include_usage && o.continuous_usage_stats),
         beam_search,
+        include_stop_str: req.include_stop_str_in_output.unwrap_or(false),
+        skip_special_tokens: req.skip_special_tokens.unwrap_or(true),
+        allowed_token_ids,
+        tokens_as_ids: req.return_tokens_as_token_ids.unwrap_or(false),
+        request_id: req.request_id,
+        cache_salt: req.cache_salt,
     })
+}
+
+/// `truncate_prompt_tokens`: k >= 1 tokens kept, or -1 for as many as the context allows.
+fn truncation(k: Option<i64>, limits: &Limits) -> Result<Option<usize>, ApiError> {
+    let most = limits.context.saturating_sub(1);
+    match k {
+        None => Ok(None),
+        Some(-1) => Ok(Some(most)),
+        Some(k) if (1..=most as i64).contains(&k) => Ok(Some(k as usize)),
+        Some(k) => Err(ApiError::invalid(
+            "truncate_prompt_tokens",
+            format!("truncate_prompt_tokens must be -1 or between 1 and {most} (the context less one), got {k}"),
+        )),
+    }
 }
 
 /// The sampling parameters, checked against their ranges; `logit_bias` is left empty (see
@@ -437,7 +527,7 @@ fn stops(
         Some(Stop::One(s)) => vec![s],
         Some(Stop::Many(v)) => v,
     };
-    if stop.len() > limits.max_stop || stop.iter().any(String::is_empty) {
+    if stop.len() > limits.max_stop + limits.template_stops || stop.iter().any(String::is_empty) {
         return Err(ApiError::invalid(
             param::STOP,
             format!("stop must be up to {} non-empty strings", limits.max_stop),

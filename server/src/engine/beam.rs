@@ -14,7 +14,7 @@ use super::channel::EventSink;
 use super::runner::{StepInput, StepOutput};
 use super::sequence::{prompt_logprobs, ModelInfo, Status};
 
-use super::{end_unstarted, Event, FinishReason, TokenLogprob};
+use super::{end_unstarted, Event, FinishReason, StopReason, TokenLogprob};
 use crate::metrics::Metrics;
 use crate::stream::Detokenizer;
 use crate::validation::ValidRequest;
@@ -142,14 +142,15 @@ impl BeamGroup {
             false => 0,
         };
         for (candidate, h) in hypotheses.iter().enumerate() {
-            let mut detokenizer = Detokenizer::default();
+            let mut detokenizer = Detokenizer::new(r.skip_special_tokens);
             let (mut text, mut logprobs) = (String::new(), Vec::new());
             let last = h.tokens.len().saturating_sub(1);
             for (i, (&token, &lp)) in h.tokens.iter().zip(&h.logprobs).enumerate() {
                 if r.logprobs.is_some() {
                     let token_text = tokenizer.decode(&[token])?;
                     logprobs.push(TokenLogprob {
-                        top: vec![(token_text.clone(), lp)],
+                        id: token,
+                        top: vec![(token, token_text.clone(), lp)],
                         token: token_text,
                         logprob: Some(lp),
                         offset: text_start + text.chars().count(),
@@ -160,27 +161,33 @@ impl BeamGroup {
                 }
             }
             text.push_str(&detokenizer.finish(tokenizer)?);
-            let stop = r.stop.iter().filter_map(|s| text.find(s.as_str())).min();
-            let reason = match (stop, h.ended_by_eos) {
-                (Some(cut), _) => {
+            // The first stop string in the text (the earliest, the longest there).
+            let stop = (r.stop.iter())
+                .filter_map(|s| text.find(s.as_str()).map(|at| (at, std::cmp::Reverse(s.len()), s)))
+                .min();
+            let (reason, stop_reason) = match (stop, h.ended_by_eos) {
+                (Some((at, _, s)), _) => {
+                    let cut = if r.include_stop_str { at + s.len() } else { at };
                     let chars = text[..cut].chars().count();
                     text.truncate(cut);
                     logprobs.retain(|l| l.offset < text_start + chars);
-                    FinishReason::Stop
+                    (FinishReason::Stop, Some(StopReason::Text(s.clone())))
                 }
-                (None, true) => FinishReason::Stop,
-                (None, false) => FinishReason::Length,
+                (None, true) => (FinishReason::Stop, None),
+                (None, false) => (FinishReason::Length, None),
             };
             let _ = self.events.send(Event::Text {
                 prompt: self.prompt,
                 candidate,
                 text,
                 logprobs,
+                completion_tokens: h.tokens.len(),
             });
             let _ = self.events.send(Event::Done {
                 prompt: self.prompt,
                 candidate,
                 finish_reason: reason,
+                stop_reason,
                 completion_tokens: h.tokens.len(),
                 cumulative_logprob: f64::from(h.score),
             });

@@ -117,6 +117,7 @@ mod tests {
             prompt: 0,
             candidate: 0,
             finish_reason: FinishReason::Stop,
+            stop_reason: None,
             completion_tokens: 0,
             cumulative_logprob: 0.0,
         }

@@ -32,10 +32,12 @@ use sequence::{ModelInfo, Sequence, Status};
 /// Log-probabilities of one position: the chosen token and the most likely ones.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
+    pub id: u32,
     pub token: String,
     /// `None` for the first prompt token (nothing predicts it).
     pub logprob: Option<f32>,
-    pub top: Vec<(String, f32)>,
+    /// The most likely tokens: id, text, log-probability.
+    pub top: Vec<(u32, String, f32)>,
     /// Where the token starts in the choice's text, in characters.
     pub offset: usize,
 }
@@ -50,18 +52,22 @@ pub enum Event {
         prompt: usize,
         logprobs: Vec<TokenLogprob>,
     },
-    /// More text for a candidate (possibly empty, when only logprobs are new).
+    /// More text for a candidate (possibly empty, when only logprobs are new), and how many
+    /// tokens it has generated so far.
     Text {
         prompt: usize,
         candidate: usize,
         text: String,
         logprobs: Vec<TokenLogprob>,
+        completion_tokens: usize,
     },
     /// A candidate is complete.
     Done {
         prompt: usize,
         candidate: usize,
         finish_reason: FinishReason,
+        /// The stop string or stop token that ended it, if one did.
+        stop_reason: Option<StopReason>,
         completion_tokens: usize,
         cumulative_logprob: f64,
     },
@@ -75,6 +81,23 @@ pub enum Event {
 pub enum FinishReason {
     Stop,
     Length,
+}
+
+/// What ended a choice with `finish_reason: "stop"`, when it was not the end-of-text token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    Text(String),
+    Token(u32),
+}
+
+impl StopReason {
+    /// As vLLM writes it: the string, or the token id as a number.
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            StopReason::Text(s) => s.clone().into(),
+            StopReason::Token(id) => (*id).into(),
+        }
+    }
 }
 
 impl FinishReason {
@@ -310,7 +333,7 @@ impl Active {
     fn cut(self) {
         match self {
             Active::Seq(s) => {
-                let _ = s.done(FinishReason::Length);
+                let _ = s.done(FinishReason::Length, None);
                 // A prefill that never ran ends all its candidates.
                 end_unstarted(&s.events, s.prompt, 1..s.slots());
             }
@@ -514,7 +537,7 @@ impl Worker {
             let ids = &r.prompts[group.prompt].ids;
             let top_k = if r.echo { r.logprobs } else { None };
             self.metrics.prefix_cache_lookups.inc();
-            match self.prefix.lookup(ids, top_k) {
+            match self.prefix.lookup(ids, top_k, r.cache_salt.as_deref()) {
                 Ok(Some(hit)) => {
                     self.metrics.prefix_cache_hits.inc();
                     self.metrics.prefix_cache_reused_tokens.inc_by(hit.len as u64);
@@ -622,7 +645,7 @@ impl Worker {
         let mut running = Vec::new();
         for mut s in family {
             if s.request.max_tokens == 0 {
-                let _ = s.done(FinishReason::Length);
+                let _ = s.done(FinishReason::Length, None);
                 continue;
             }
             match s.advance(&out.last, &self.tokenizer, self.info, &self.metrics) {
@@ -650,9 +673,12 @@ impl Worker {
         all.extend_from_slice(positions);
         let positions = &all[..];
         let top_k = seq.wants_prompt_logprobs();
-        let stored = self
-            .prefix
-            .insert(seq.prompt_ids(), &seq.cache, top_k.map(|k| (k, positions)));
+        let stored = self.prefix.insert(
+            seq.prompt_ids(),
+            &seq.cache,
+            top_k.map(|k| (k, positions)),
+            seq.request.cache_salt.as_deref(),
+        );
         if let Err(e) = stored {
             tracing::warn!(error = %e, "prefix cache insert failed");
         }
@@ -679,6 +705,7 @@ pub(crate) fn end_unstarted(events: &EventSink, prompt: usize, candidates: std::
             prompt,
             candidate,
             finish_reason: FinishReason::Length,
+            stop_reason: None,
             completion_tokens: 0,
             cumulative_logprob: 0.0,
         });

@@ -11,6 +11,9 @@
 //! the common prefix (the logprob of the token after the reused positions was computed from
 //! them) and only entries stored with at least its `k`.
 //!
+//! A request with a `cache_salt` shares entries only with requests of the same salt (vLLM's
+//! defence against guessing other users' prompts from time to first token).
+//!
 //! Plain data and a linear scan: tens of entries at most fit the memory bound at this project's
 //! model sizes, against a prefill that takes milliseconds per token.
 
@@ -23,6 +26,7 @@ struct Entry {
     cache: KvCache,
     /// `(k, logprobs)`: `logprobs[t]` is for token `t + 1`, with the top `k` alternatives.
     logprobs: Option<(usize, Vec<PositionLogprob>)>,
+    salt: Option<String>,
     last_used: u64,
 }
 
@@ -60,7 +64,10 @@ impl PrefixStore {
     }
 
     /// How many positions of `entry` a prompt may reuse (see the module's notes).
-    fn usable(entry: &Entry, prompt: &[u32], top_k: Option<usize>) -> usize {
+    fn usable(entry: &Entry, prompt: &[u32], top_k: Option<usize>, salt: Option<&str>) -> usize {
+        if entry.salt.as_deref() != salt {
+            return 0;
+        }
         let common = entry.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
         let most = common.min(prompt.len().saturating_sub(1));
         match (top_k, &entry.logprobs) {
@@ -71,13 +78,19 @@ impl PrefixStore {
     }
 
     /// The longest stored prefix of `prompt`, copied into a fresh cache; `top_k` when the
-    /// prompt's own logprobs are wanted (with that many alternatives).
-    pub fn lookup(&mut self, prompt: &[u32], top_k: Option<usize>) -> candle_core::Result<Option<Hit>> {
+    /// prompt's own logprobs are wanted (with that many alternatives); only entries stored with
+    /// the same `salt`.
+    pub fn lookup(
+        &mut self,
+        prompt: &[u32],
+        top_k: Option<usize>,
+        salt: Option<&str>,
+    ) -> candle_core::Result<Option<Hit>> {
         let best = self
             .entries
             .iter()
             .enumerate()
-            .map(|(i, e)| (i, Self::usable(e, prompt, top_k)))
+            .map(|(i, e)| (i, Self::usable(e, prompt, top_k, salt)))
             .max_by_key(|&(_, n)| n);
         let Some((i, len)) = best.filter(|&(_, n)| n > 0) else {
             return Ok(None);
@@ -110,6 +123,7 @@ impl PrefixStore {
         tokens: &[u32],
         cache: &KvCache,
         logprobs: Option<(usize, &[PositionLogprob])>,
+        salt: Option<&str>,
     ) -> candle_core::Result<()> {
         let bytes = tokens.len() * self.bytes_per_token;
         if tokens.len() < 2 || bytes > self.capacity_bytes || cache.len() != tokens.len() {
@@ -118,7 +132,8 @@ impl PrefixStore {
         let new_k = logprobs.map(|(k, _)| k);
         // Entries this one covers: a prefix of its tokens, with no better logprobs.
         let covered = |e: &Entry| {
-            e.tokens.len() <= tokens.len()
+            e.salt.as_deref() == salt
+                && e.tokens.len() <= tokens.len()
                 && tokens.starts_with(&e.tokens)
                 && e.logprobs.as_ref().map(|(k, _)| *k) <= new_k
         };
@@ -127,7 +142,7 @@ impl PrefixStore {
         if self.entries.len() != before {
             self.recount();
         }
-        if self.entries.iter().any(|e| e.tokens.starts_with(tokens)) && new_k.is_none() {
+        if (self.entries.iter()).any(|e| e.salt.as_deref() == salt && e.tokens.starts_with(tokens)) && new_k.is_none() {
             return Ok(()); // a longer entry already holds all of it
         }
         self.clock += 1;
@@ -136,6 +151,7 @@ impl PrefixStore {
             // Exactly the prompt's positions: entries are copied from, never grown.
             cache: cache.compact()?,
             logprobs: logprobs.map(|(k, l)| (k, l.to_vec())),
+            salt: salt.map(str::to_string),
             last_used: self.clock,
         });
         self.used_bytes += bytes;
@@ -195,51 +211,79 @@ mod tests {
     #[test]
     fn the_longest_shared_prefix_is_reused_and_one_token_is_left_to_prefill() {
         let mut store = PrefixStore::new(1 << 20, 10);
-        store.insert(&[1, 2, 3, 4], &cache(4), None).expect("insert");
-        store.insert(&[1, 2, 9, 9, 9], &cache(5), None).expect("insert");
-        let hit = store.lookup(&[1, 2, 3, 7], None).expect("lookup").expect("a hit");
+        store.insert(&[1, 2, 3, 4], &cache(4), None, None).expect("insert");
+        store.insert(&[1, 2, 9, 9, 9], &cache(5), None, None).expect("insert");
+        let hit = store.lookup(&[1, 2, 3, 7], None, None).expect("lookup").expect("a hit");
         assert_eq!((hit.len, hit.cache.len()), (3, 3));
         // The whole stored prompt again: all but its last token.
         assert_eq!(
-            store.lookup(&[1, 2, 3, 4], None).expect("lookup").map(|h| h.len),
+            store.lookup(&[1, 2, 3, 4], None, None).expect("lookup").map(|h| h.len),
             Some(3)
         );
-        assert!(store.lookup(&[5, 1, 2], None).expect("lookup").is_none());
+        assert!(store.lookup(&[5, 1, 2], None, None).expect("lookup").is_none());
     }
 
     #[test]
     fn prompt_logprobs_come_from_entries_that_stored_enough_of_them() {
         let mut store = PrefixStore::new(1 << 20, 10);
-        store.insert(&[1, 2, 3, 4], &cache(4), None).expect("insert");
+        store.insert(&[1, 2, 3, 4], &cache(4), None, None).expect("insert");
         // No stored logprobs: no reuse for a request that wants them.
-        assert!(store.lookup(&[1, 2, 3, 5], Some(1)).expect("lookup").is_none());
+        assert!(store.lookup(&[1, 2, 3, 5], Some(1), None).expect("lookup").is_none());
         store
-            .insert(&[1, 2, 3, 4], &cache(4), Some((2, &logprobs(3, 2))))
+            .insert(&[1, 2, 3, 4], &cache(4), Some((2, &logprobs(3, 2))), None)
             .expect("insert");
         // One position less than the common prefix; tokens 1..=2's logprobs, top cut to k.
-        let hit = store.lookup(&[1, 2, 3, 5], Some(1)).expect("lookup").expect("a hit");
+        let hit = store
+            .lookup(&[1, 2, 3, 5], Some(1), None)
+            .expect("lookup")
+            .expect("a hit");
         assert_eq!(hit.len, 2);
         assert_eq!(hit.logprobs.len(), 2);
         assert!(hit.logprobs.iter().all(|p| p.top.len() == 1));
-        assert!(store.lookup(&[1, 2, 3, 5], Some(3)).expect("lookup").is_none());
+        assert!(store.lookup(&[1, 2, 3, 5], Some(3), None).expect("lookup").is_none());
     }
 
     #[test]
     fn the_store_stays_within_its_capacity_evicting_the_least_recently_used() {
         let mut store = PrefixStore::new(100, 10); // 10 positions
-        store.insert(&[1, 1, 1, 1], &cache(4), None).expect("insert");
-        store.insert(&[2, 2, 2, 2], &cache(4), None).expect("insert");
-        assert!(store.lookup(&[1, 1, 1, 1, 5], None).expect("lookup").is_some()); // 1s used last
-        store.insert(&[3, 3, 3, 3], &cache(4), None).expect("insert");
+        store.insert(&[1, 1, 1, 1], &cache(4), None, None).expect("insert");
+        store.insert(&[2, 2, 2, 2], &cache(4), None, None).expect("insert");
+        assert!(store.lookup(&[1, 1, 1, 1, 5], None, None).expect("lookup").is_some()); // 1s used last
+        store.insert(&[3, 3, 3, 3], &cache(4), None, None).expect("insert");
         assert!(store.used_bytes() <= 100);
-        assert!(store.lookup(&[2, 2, 2, 2, 5], None).expect("lookup").is_none());
-        assert!(store.lookup(&[1, 1, 1, 1, 5], None).expect("lookup").is_some());
+        assert!(store.lookup(&[2, 2, 2, 2, 5], None, None).expect("lookup").is_none());
+        assert!(store.lookup(&[1, 1, 1, 1, 5], None, None).expect("lookup").is_some());
         // Larger than the whole store: not kept.
-        store.insert(&[4; 11], &cache(11), None).expect("insert");
-        assert!(store.lookup(&[4; 12], None).expect("lookup").is_none());
+        store.insert(&[4; 11], &cache(11), None, None).expect("insert");
+        assert!(store.lookup(&[4; 12], None, None).expect("lookup").is_none());
         // Off.
         let mut off = PrefixStore::new(0, 10);
-        off.insert(&[1, 1, 1, 1], &cache(4), None).expect("insert");
-        assert!(off.lookup(&[1, 1, 1, 1, 5], None).expect("lookup").is_none());
+        off.insert(&[1, 1, 1, 1], &cache(4), None, None).expect("insert");
+        assert!(off.lookup(&[1, 1, 1, 1, 5], None, None).expect("lookup").is_none());
+    }
+
+    #[test]
+    fn salted_prompts_share_entries_only_with_the_same_salt() {
+        let mut store = PrefixStore::new(1 << 20, 1);
+        store.insert(&[1, 2, 3, 4], &cache(4), None, Some("a")).expect("insert");
+        assert!(store.lookup(&[1, 2, 3, 5], None, None).expect("lookup").is_none());
+        assert!(store.lookup(&[1, 2, 3, 5], None, Some("b")).expect("lookup").is_none());
+        assert!(store.lookup(&[1, 2, 3, 5], None, Some("a")).expect("lookup").is_some());
+        // The same tokens unsalted are an entry of their own, not a cover of the salted one.
+        store.insert(&[1, 2, 3, 4, 5], &cache(5), None, None).expect("insert");
+        assert_eq!(
+            store
+                .lookup(&[1, 2, 3, 4, 6], None, Some("a"))
+                .expect("lookup")
+                .map(|h| h.len),
+            Some(4)
+        );
+        assert_eq!(
+            store
+                .lookup(&[1, 2, 3, 4, 5, 6], None, None)
+                .expect("lookup")
+                .map(|h| h.len),
+            Some(5)
+        );
     }
 }

@@ -10,7 +10,7 @@ use gpt::{KvCache, Sampler, Tokenizer};
 
 use super::channel::EventSink;
 use super::runner::{top_k, PositionLogprob, StepInput};
-use super::{Event, FinishReason, TokenLogprob};
+use super::{Event, FinishReason, StopReason, TokenLogprob};
 use crate::metrics::Metrics;
 use crate::stream::{Detokenizer, TextStream};
 use crate::validation::ValidRequest;
@@ -75,7 +75,8 @@ impl Sequence {
         let candidates = request.best_of;
         Self {
             sampler: Sampler::new(request.sampling.clone()),
-            text: TextStream::new(request.stop.clone()),
+            text: TextStream::new(request.stop.clone(), request.include_stop_str),
+            detokenizer: Detokenizer::new(request.skip_special_tokens),
             request,
             prompt,
             candidate: 0,
@@ -83,7 +84,6 @@ impl Sequence {
             output: Vec::new(),
             decoded: String::new(),
             decoded_chars: 0,
-            detokenizer: Detokenizer::default(),
             cumulative_logprob: 0.0,
             text_start,
             prefill: Some(candidates - 1),
@@ -159,8 +159,8 @@ impl Sequence {
                 decoded: String::new(),
                 decoded_chars: 0,
                 sampler: Sampler::new(sampling),
-                detokenizer: Detokenizer::default(),
-                text: TextStream::new(self.request.stop.clone()),
+                detokenizer: Detokenizer::new(self.request.skip_special_tokens),
+                text: TextStream::new(self.request.stop.clone(), self.request.include_stop_str),
                 cumulative_logprob: 0.0,
                 text_start: self.text_start,
                 prefill: None,
@@ -183,12 +183,21 @@ impl Sequence {
         metrics: &Metrics,
     ) -> gpt::Result<Status> {
         let r = self.request.clone();
-        // Before min_tokens, neither the end-of-text token nor a stop token may be chosen.
-        let suppress: Vec<u32> = if self.output.len() < r.min_tokens {
+        // Before min_tokens, neither the end-of-text token nor a stop token may be chosen; with
+        // `allowed_token_ids`, nothing else may.
+        let mut suppress: Vec<u32> = if self.output.len() < r.min_tokens {
             model.eos.iter().chain(&r.stop_token_ids).copied().collect()
         } else {
             Vec::new()
         };
+        if let Some(allowed) = &r.allowed_token_ids {
+            // Only ending tokens allowed before min_tokens: the allowed ones win (something must
+            // be sampled).
+            if allowed.iter().all(|id| suppress.contains(id)) {
+                suppress.clear();
+            }
+            suppress.extend((0..logits.len() as u32).filter(|id| allowed.binary_search(id).is_err()));
+        }
         let prompt = &r.prompts[self.prompt].ids;
         let token = self.sampler.sample_row(logits, prompt, &self.output, &suppress)?;
         let now = Instant::now();
@@ -220,22 +229,23 @@ impl Sequence {
         }
         self.output.push(token);
 
-        let ends = (Some(token) == model.eos && !r.ignore_eos) || r.stop_token_ids.contains(&token);
-        if ends {
+        let stop_token = r.stop_token_ids.contains(&token);
+        if (Some(token) == model.eos && !r.ignore_eos) || stop_token {
             // The token that ends the text counts and has its logprobs, but adds no text.
-            return self.finish(logprobs, String::new(), FinishReason::Stop, tokenizer);
+            let reason = stop_token.then_some(StopReason::Token(token));
+            return self.finish(logprobs, String::new(), FinishReason::Stop, reason, tokenizer);
         }
         let new = self.detokenizer.push(token, tokenizer)?;
         self.decoded_chars += new.chars().count();
         self.decoded.push_str(&new);
         let (text, stopped) = self.text.push(&self.decoded, self.output.len() >= r.min_tokens);
-        if stopped {
+        if let Some(stop) = stopped {
             self.send_text(text, logprobs);
-            return self.done(FinishReason::Stop);
+            return self.done(FinishReason::Stop, Some(StopReason::Text(stop)));
         }
         let at_limit = self.output.len() >= r.max_tokens || prompt.len() + self.output.len() >= model.context;
         if at_limit {
-            return self.finish(logprobs, text, FinishReason::Length, tokenizer);
+            return self.finish(logprobs, text, FinishReason::Length, None, tokenizer);
         }
         self.send_text(text, logprobs);
         Ok(Status::Running)
@@ -247,13 +257,14 @@ impl Sequence {
         logprobs: Vec<TokenLogprob>,
         mut text: String,
         reason: FinishReason,
+        stop_reason: Option<StopReason>,
         tokenizer: &Tokenizer,
     ) -> gpt::Result<Status> {
         let held = self.detokenizer.finish(tokenizer)?;
         self.decoded.push_str(&held);
         text.push_str(&self.text.finish(&self.decoded));
         self.send_text(text, logprobs);
-        self.done(reason)
+        self.done(reason, stop_reason)
     }
 
     fn send_text(&self, text: String, logprobs: Vec<TokenLogprob>) {
@@ -263,6 +274,7 @@ impl Sequence {
                 candidate: self.candidate,
                 text,
                 logprobs,
+                completion_tokens: self.output.len(),
             });
         }
     }
@@ -273,11 +285,12 @@ impl Sequence {
         self.queued_at
     }
 
-    pub fn done(&self, reason: FinishReason) -> gpt::Result<Status> {
+    pub fn done(&self, reason: FinishReason, stop_reason: Option<StopReason>) -> gpt::Result<Status> {
         let _ = self.events.send(Event::Done {
             prompt: self.prompt,
             candidate: self.candidate,
             finish_reason: reason,
+            stop_reason,
             completion_tokens: self.output.len(),
             cumulative_logprob: self.cumulative_logprob,
         });
@@ -293,12 +306,13 @@ pub fn token_logprob(
     offset: usize,
 ) -> gpt::Result<TokenLogprob> {
     Ok(TokenLogprob {
+        id: token,
         token: tokenizer.decode(&[token])?,
         logprob: Some(p.logprob),
         top: p
             .top
             .iter()
-            .map(|&(id, lp)| Ok((tokenizer.decode(&[id])?, lp)))
+            .map(|&(id, lp)| Ok((id, tokenizer.decode(&[id])?, lp)))
             .collect::<gpt::Result<_>>()?,
         offset,
     })
@@ -317,6 +331,7 @@ pub fn prompt_logprobs(
         let entry = match t.checked_sub(1).and_then(|p| positions.get(p)) {
             Some(p) => token_logprob(tokenizer, id, p, offset)?,
             None => TokenLogprob {
+                id,
                 token: tokenizer.decode(&[id])?,
                 logprob: None,
                 top: Vec::new(),

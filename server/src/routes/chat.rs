@@ -31,28 +31,38 @@ use crate::validation::validate;
 )]
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
-    ModelRequest(request): ModelRequest<ChatCompletionRequest>,
+    ModelRequest(mut request): ModelRequest<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let used_max_completion_tokens = request.max_completion_tokens.is_some();
+    let echo = chat::echoed(&request);
     let state2 = state.clone();
     // Rendering and tokenising are CPU work: off the async runtime.
     let valid = blocking(move || {
-        let template = &state2.chat_template;
-        let prompt = template.render(&request.messages)?;
+        let own;
+        let template = match request.chat_template.take() {
+            Some(source) => {
+                own = state2.chat_template.with_source(&source)?;
+                &own
+            }
+            None => &state2.chat_template,
+        };
+        let options = chat::RenderOptions::take(&mut request);
+        let prompt = template.render_with(&request.messages, &options)?;
         let completion = chat::completion_request(request, prompt, &template.stop, state2.limits.max_tokens_cap)?;
         // The template's stop strings come on top of the request's own.
         let mut limits = state2.limits.clone();
-        limits.max_stop += template.stop.len();
+        limits.template_stops = template.stop.len();
         validate(completion, &state2.tokenizer, &limits).map_err(|e| chat::chat_error(e, used_max_completion_tokens))
     })
     .await?;
     let valid = Arc::new(valid);
     let events = state.engine.submit(valid.clone())?;
     let (id, created, model) = (
-        format!("chatcmpl-{:016x}", rand::random::<u64>()),
+        super::response_id("chatcmpl", valid.request_id.as_deref()),
         super::now(),
         state.model_name.clone(),
     );
+    let system_fingerprint = state.fingerprint.clone();
     if valid.stream {
         let chunk = ChatCompletionChunk {
             id,
@@ -61,12 +71,13 @@ pub async fn chat_completions(
             model,
             choices: Vec::new(),
             usage: None,
+            system_fingerprint,
         };
         let with =
             |choices: Vec<ChatChunkChoice>, c: &ChatCompletionChunk| ChatCompletionChunk { choices, ..c.clone() };
         let choices = valid.prompts.len() * valid.n;
         let first = (0..choices as u32)
-            .map(|i| with(vec![chat::role_chunk(i)], &chunk))
+            .map(|i| with(vec![chat::role_chunk(i, echo.as_deref())], &chunk))
             .collect();
         let usage_chunk = chunk.clone();
         let chunks = move |d: Delta| {
@@ -87,8 +98,11 @@ pub async fn chat_completions(
             object: "chat.completion".into(),
             created,
             model,
-            choices: choices.into_iter().map(chat::chat_choice).collect(),
+            choices: (choices.into_iter())
+                .map(|c| chat::chat_choice(c, echo.as_deref()))
+                .collect(),
             usage,
+            system_fingerprint,
         })
         .into_response())
     }

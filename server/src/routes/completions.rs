@@ -40,14 +40,14 @@ pub async fn completions(
     let valid = blocking(move || validate(request, &tokenizer, &limits)).await?;
     let valid = Arc::new(valid);
     let events = state.engine.submit(valid.clone())?;
-    let id = format!("cmpl-{:016x}", rand::random::<u64>());
     let completion = Completion {
-        id,
+        id: super::response_id("cmpl", valid.request_id.as_deref()),
         object: "text_completion".into(),
         created: super::now(),
         model: state.model_name.clone(),
         choices: Vec::new(),
         usage: None,
+        system_fingerprint: state.fingerprint.clone(),
     };
     if valid.stream {
         Ok(completion_stream(valid, completion, events, state.metrics.clone()).into_response())
@@ -77,6 +77,7 @@ fn completion_stream(
                 index: d.index,
                 logprobs: d.logprobs,
                 finish_reason: d.finish_reason.map(|r| r.as_str().into()),
+                stop_reason: d.stop_reason.as_ref().map(crate::engine::StopReason::to_json),
             }],
             ..completion.clone()
         }]

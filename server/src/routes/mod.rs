@@ -12,3 +12,12 @@ fn now() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
+
+/// A response's id: `PREFIX-<request_id>` for a request that names itself (vLLM's
+/// `request_id`), else `PREFIX-` and 16 random hex digits.
+fn response_id(prefix: &str, request_id: Option<&str>) -> String {
+    match request_id {
+        Some(id) => format!("{prefix}-{id}"),
+        None => format!("{prefix}-{:016x}", rand::random::<u64>()),
+    }
+}

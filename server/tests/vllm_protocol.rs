@@ -1,0 +1,292 @@
+//! vLLM's request protocol, field by field (the README's table): the fields that shape the output
+//! or the accounting do what they do in vLLM, and the ones this server does not implement are
+//! 400s that name them and say why.
+
+mod common;
+
+use common::{config, fixture, start, streamed_text};
+use serde_json::{json, Value};
+
+const PROMPT: &str = "First Citizen:\nBefore we proceed";
+
+fn text(v: &Value) -> String {
+    v["choices"][0]["text"].as_str().unwrap_or_default().to_string()
+}
+
+#[tokio::test]
+async fn continuous_usage_stats_put_the_counts_so_far_in_every_chunk() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let body = json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "n": 2, "stream": true,
+        "stream_options": {"include_usage": true, "continuous_usage_stats": true}});
+    let chunks = server.stream(body.clone()).await?;
+    assert!(chunks.len() > 3);
+    let counts: Vec<u64> = chunks
+        .iter()
+        .map(|c| c["usage"]["completion_tokens"].as_u64())
+        .collect::<Option<_>>()
+        .ok_or_else(|| anyhow::anyhow!("a chunk without usage: {chunks:?}"))?;
+    assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{counts:?}");
+    assert_eq!(counts.last(), Some(&24), "two choices of 12 tokens");
+    let prompt_tokens = chunks[0]["usage"]["prompt_tokens"].as_u64();
+    assert!(chunks
+        .iter()
+        .all(|c| c["usage"]["prompt_tokens"].as_u64() == prompt_tokens));
+    // Without it, only the last chunk has usage; without include_usage, none (as in vLLM).
+    let mut plain = body.clone();
+    plain["stream_options"] = json!({"include_usage": true});
+    let chunks = server.stream(plain).await?;
+    assert_eq!(chunks.iter().filter(|c| c.get("usage").is_some()).count(), 1);
+    let mut neither = body;
+    neither["stream_options"] = json!({"continuous_usage_stats": true});
+    let chunks = server.stream(neither).await?;
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()));
+    Ok(())
+}
+
+#[tokio::test]
+async fn stop_strings_and_tokens_report_their_stop_reason_and_can_stay_in_the_text() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let greedy = json!({"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 0,
+        "return_tokens_as_token_ids": true});
+    let (status, whole) = server.post(greedy.clone()).await?;
+    assert_eq!(status, 200, "{whole}");
+    let reference = text(&whole);
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        whole["choices"][0]["stop_reason"],
+        Value::Null,
+        "the length limit has none"
+    );
+    // A stop string from the middle of the greedy text.
+    let chars: Vec<char> = reference.chars().collect();
+    anyhow::ensure!(chars.len() > 10, "greedy text too short: {reference:?}");
+    let stop: String = chars[6..9].iter().collect();
+    let at = reference.find(&stop).unwrap_or_default();
+    for include in [false, true] {
+        let mut body = greedy.clone();
+        body["stop"] = json!([stop]);
+        body["include_stop_str_in_output"] = json!(include);
+        let (_, r) = server.post(body.clone()).await?;
+        let want = &reference[..if include { at + stop.len() } else { at }];
+        assert_eq!(text(&r), want, "include {include}");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop");
+        assert_eq!(r["choices"][0]["stop_reason"], json!(stop));
+        body["stream"] = json!(true);
+        let chunks = server.stream(body).await?;
+        assert_eq!(streamed_text(&chunks, 0).0, want, "streamed, include {include}");
+        let last = chunks.last().map(|c| c["choices"][0]["stop_reason"].clone());
+        assert_eq!(last, Some(json!(stop)));
+    }
+    // A stop token: its id is the reason.
+    let ids: Vec<u64> = whole["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.as_str()?.strip_prefix("token_id:")?.parse().ok())
+        .collect();
+    assert_eq!(ids.len(), 24, "every token as token_id:<id>");
+    let mut body = greedy;
+    body["stop_token_ids"] = json!([ids[4]]);
+    let (_, r) = server.post(body).await?;
+    let first = ids.iter().position(|&id| id == ids[4]).unwrap_or(4);
+    assert_eq!(r["usage"]["completion_tokens"], first + 1);
+    assert_eq!(r["choices"][0]["stop_reason"], json!(ids[4]));
+    Ok(())
+}
+
+#[tokio::test]
+async fn allowed_token_ids_and_special_tokens_in_the_text() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let eos = server.tokenize("<|endoftext|>").await?;
+    anyhow::ensure!(eos.len() == 1, "the fixture has an end-of-text token: {eos:?}");
+    let body = json!({"prompt": PROMPT, "max_tokens": 3, "ignore_eos": true, "allowed_token_ids": eos});
+    let (_, r) = server.post(body.clone()).await?;
+    assert_eq!(text(&r), "", "special tokens are skipped by default");
+    assert_eq!(r["usage"]["completion_tokens"], 3);
+    let mut keep = body;
+    keep["skip_special_tokens"] = json!(false);
+    let (_, r) = server.post(keep).await?;
+    assert_eq!(text(&r), "<|endoftext|>".repeat(3));
+    // Sampling among a few ids draws only those.
+    let allowed = server.tokenize(" the a of").await?;
+    let body = json!({"prompt": PROMPT, "max_tokens": 16, "temperature": 1.5, "seed": 3, "logprobs": 0,
+        "return_tokens_as_token_ids": true, "allowed_token_ids": allowed});
+    let (_, r) = server.post(body).await?;
+    let drawn: Vec<u32> = r["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.as_str()?.strip_prefix("token_id:")?.parse().ok())
+        .collect();
+    assert_eq!(drawn.len(), 16);
+    assert!(
+        drawn.iter().all(|id| allowed.contains(id)),
+        "{drawn:?} not within {allowed:?}"
+    );
+    let (status, r) = server
+        .post(json!({"prompt": "x", "allowed_token_ids": [999_999]}))
+        .await?;
+    assert_eq!((status, r["error"]["param"].clone()), (400, json!("allowed_token_ids")));
+    Ok(())
+}
+
+#[tokio::test]
+async fn truncate_prompt_tokens_keeps_the_last_tokens() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let ids = server.tokenize(PROMPT).await?;
+    let body = json!({"prompt": PROMPT, "max_tokens": 0, "echo": true, "truncate_prompt_tokens": 3});
+    let (status, r) = server.post(body).await?;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], 3);
+    assert_eq!(text(&r), server.detokenize(&ids[ids.len() - 3..]).await?);
+    // -1: as much as the context holds (all of this short prompt).
+    let (_, r) = server
+        .post(json!({"prompt": PROMPT, "max_tokens": 1, "truncate_prompt_tokens": -1}))
+        .await?;
+    assert_eq!(r["usage"]["prompt_tokens"], ids.len());
+    // A prompt longer than the context fits once truncated.
+    let context = server.get("/v1/models").await?["data"][0]["max_model_len"]
+        .as_u64()
+        .unwrap_or(0) as usize;
+    let long: Vec<u32> = ids.iter().copied().cycle().take(context + 10).collect();
+    let (status, r) = server
+        .post(json!({"prompt": long, "max_tokens": 1, "truncate_prompt_tokens": 8}))
+        .await?;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], 8);
+    for bad in [0, -2, context as i64] {
+        let (status, r) = server
+            .post(json!({"prompt": PROMPT, "truncate_prompt_tokens": bad}))
+            .await?;
+        assert_eq!(status, 400);
+        assert_eq!(r["error"]["param"], "truncate_prompt_tokens", "{r}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn ids_fingerprints_priority_and_fields_that_are_refused() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let (_, r) = server
+        .post(
+            json!({"prompt": PROMPT, "max_tokens": 2, "request_id": "abc-1", "priority": 0,
+        "add_special_tokens": true, "spaces_between_special_tokens": false}),
+        )
+        .await?;
+    assert_eq!(r["id"], "cmpl-abc-1");
+    assert!(
+        r["system_fingerprint"].as_str().is_some_and(|f| f.starts_with("fp_")),
+        "{r}"
+    );
+    assert!(
+        r["usage"].get("prompt_tokens_details").is_some_and(Value::is_null),
+        "{r}"
+    );
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "request_id": "abc-2"});
+    let r = server.call("/v1/chat/completions", chat).await?;
+    assert_eq!(r["id"], "chatcmpl-abc-2");
+    assert_eq!(
+        r["system_fingerprint"],
+        server.post(json!({"prompt": "x", "max_tokens": 1})).await?.1["system_fingerprint"]
+    );
+    let (status, r) = server.post(json!({"prompt": PROMPT, "priority": 1})).await?;
+    assert_eq!((status, r["error"]["param"].clone()), (400, json!("priority")));
+    let refused = [
+        ("suffix", json!("x")),
+        ("prompt_logprobs", json!(1)),
+        ("guided_json", json!({})),
+        ("response_format", json!({"type": "json_object"})),
+        ("logits_processors", json!(["m.P"])),
+        ("kv_transfer_params", json!({})),
+        ("vllm_xargs", json!({})),
+        ("bad_words", json!(["x"])),
+        ("prompt_embeds", json!("AAAA")),
+    ];
+    for (field, value) in refused {
+        let mut body = json!({"prompt": PROMPT});
+        body[field] = value;
+        let (status, r) = server.post(body).await?;
+        assert_eq!(status, 400, "{field}");
+        assert_eq!(r["error"]["param"], field);
+        let message = r["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("not supported") && message.contains(": "),
+            "{field}: {message}"
+        );
+    }
+    let (status, r) = server.post(json!({"prompt": PROMPT, "no_such_field": 1})).await?;
+    assert_eq!(status, 400, "unknown fields stay errors: {r}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn cache_salt_keeps_prefix_cache_entries_apart() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let hits = |m: String| -> f64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix("gpt_prefix_cache_hits_total "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let long = PROMPT.repeat(2);
+    let ask = |salt: &str| json!({"prompt": long, "max_tokens": 1, "cache_salt": salt});
+    server.post(ask("a")).await?;
+    let before = hits(server.metrics().await?);
+    server.post(ask("b")).await?;
+    assert_eq!(hits(server.metrics().await?), before, "another salt shares nothing");
+    server.post(ask("a")).await?;
+    assert_eq!(hits(server.metrics().await?), before + 1.0, "the same salt shares");
+    let (status, _) = server.post(ask("")).await?;
+    assert_eq!(status, 400);
+    Ok(())
+}
+
+#[tokio::test]
+async fn chat_echo_templates_and_continuing_the_final_message() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let prompt_tokens = |r: &Value| r["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+    let messages = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]);
+    let base = json!({"messages": messages, "max_tokens": 4, "temperature": 0});
+    // echo: the answer starts with the assistant's last message.
+    let mut body = base.clone();
+    body["echo"] = json!(true);
+    let r = server.call("/v1/chat/completions", body.clone()).await?;
+    let content = r["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    assert!(content.starts_with("Once upon"), "{content:?}");
+    body["stream"] = json!(true);
+    let chunks = server.stream_at("/v1/chat/completions", body).await?;
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, content, "streamed echo");
+    // continue_final_message: the prompt ends inside the last message (the fallback template
+    // writes a turn as "ROLE:\ncontent\n\n").
+    let mut body = base.clone();
+    body["continue_final_message"] = json!(true);
+    body["add_generation_prompt"] = json!(false);
+    let r = server.call("/v1/chat/completions", body).await?;
+    let want = server.tokenize("USER:\nhi\n\nASSISTANT:\nOnce upon").await?.len();
+    assert_eq!(prompt_tokens(&r), want);
+    let mut both = base.clone();
+    both["continue_final_message"] = json!(true);
+    both["add_generation_prompt"] = json!(true);
+    let (status, _) = server.post_to("/v1/chat/completions", both).await?;
+    assert_eq!(status, 400);
+    // add_generation_prompt: false leaves out the assistant's "ASSISTANT:\n".
+    let mut body = base.clone();
+    body["add_generation_prompt"] = json!(false);
+    let r = server.call("/v1/chat/completions", body).await?;
+    let want = server.tokenize("USER:\nhi\n\nASSISTANT:\nOnce upon\n\n").await?.len();
+    assert_eq!(prompt_tokens(&r), want);
+    // A request's own template, its variables and documents.
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "chat_template": "{{ greeting }} {{ messages[0].content }} {{ documents[0].title }}",
+        "chat_template_kwargs": {"greeting": "Hello"}, "documents": [{"title": "Verona", "text": "x"}]});
+    let r = server.call("/v1/chat/completions", body).await?;
+    assert_eq!(prompt_tokens(&r), server.tokenize("Hello hi Verona").await?.len());
+    let bad = json!({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{% for %}"});
+    let (status, r) = server.post_to("/v1/chat/completions", bad).await?;
+    assert_eq!((status, r["error"]["param"].clone()), (400, json!("chat_template")));
+    Ok(())
+}
