@@ -203,6 +203,10 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gate", default=None,
+                    help="comma-separated checks that decide the exit status (default: all); the others are "
+                         "reported only (CI's short soak gates on 'no 5xx,counters agree': a minute's p99 on a "
+                         "shared 2-core machine moves by tens of percent)")
     ap.add_argument("--calibrate", action="store_true",
                     help="overload on purpose and print the completed requests per second (saturation)")
     args = ap.parse_args()
@@ -313,7 +317,11 @@ def main():
             f.write(text)
     for name, (ok, detail) in checks.items():
         print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
-    sys.exit(0 if report["pass"] else 1)
+    gate = [g.strip() for g in args.gate.split(",")] if args.gate else list(checks)
+    unknown = [g for g in gate if g not in checks]
+    if unknown:
+        sys.exit(f"--gate: no check named {unknown}; the checks are {list(checks)}")
+    sys.exit(0 if all(checks[g][0] for g in gate) else 1)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #   [MINUTES=30] [CALIBRATE_SECS=60] [PREFIX_CACHE_MIB=16] bash bench/soak.sh [CHECKPOINT]
 # (default: weights/; the prefix cache small enough that the run fills it to its bound)
 # For a GPT-2-small-shaped checkpoint: python bench/make_random_gpt2.py DIR, then bash
-# bench/soak.sh DIR. CI runs MINUTES=3 CALIBRATE_SECS=30 on the default model.
+# bench/soak.sh DIR. CI runs MINUTES=3 CALIBRATE_SECS=30 GATE="no 5xx,counters agree" on the
+# default model (GATE: the checks that decide the exit status; all by default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 checkpoint=${1:-weights}
@@ -27,4 +28,4 @@ rate=$(python3 bench/soak.py "$url" --pid $server --model soak --calibrate --rat
 soak_rate=$(python3 -c "print(round(0.8 * $rate, 3))")
 echo "saturation ${rate} requests/s; soaking ${minutes} min at ${soak_rate} requests/s"
 python3 bench/soak.py "$url" --pid $server --model soak --rate "$soak_rate" --minutes "$minutes" \
-  --out "$out/report.json"
+  --out "$out/report.json" ${GATE:+--gate "$GATE"}
