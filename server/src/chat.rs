@@ -156,10 +156,13 @@ pub struct RenderOptions {
 impl RenderOptions {
     /// The options a chat request gives (its fields are taken out of it).
     pub fn take(req: &mut ChatCompletionRequest) -> Self {
+        let continue_final_message = req.continue_final_message.unwrap_or(false);
         Self {
             add_generation_prompt: req.add_generation_prompt,
-            continue_final_message: req.continue_final_message.unwrap_or(false),
-            final_content: req.messages.last().map(|m| m.content.0.clone()),
+            continue_final_message,
+            final_content: (req.messages.last())
+                .filter(|_| continue_final_message)
+                .map(|m| m.content.0.clone()),
             kwargs: req.chat_template_kwargs.take().unwrap_or_default(),
             documents: req.documents.take(),
         }

@@ -87,10 +87,10 @@ pub fn stream_response<C: Chunk>(
             }
             match fold.apply(event) {
                 Ok(deltas) => {
-                    let so_far = fold.usage_so_far();
+                    let so_far = continuous.then(|| fold.usage_so_far());
                     for d in deltas {
                         let mut made = chunks(d);
-                        if continuous {
+                        if let Some(so_far) = so_far {
                             made.iter_mut().for_each(|c| c.set_usage(so_far));
                         }
                         out.extend(made.iter().map(data));

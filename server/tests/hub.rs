@@ -87,6 +87,23 @@ async fn models_and_completion(base: &str) -> anyhow::Result<(String, String)> {
 
 /// The Python the checks run (`GPT_TEST_PYTHON`, which CI points at a virtual environment with
 /// transformers and torch; else `python3`).
+/// `org/tiny-gpt2` served from the cache at `cache_dir` with `HF_HUB_OFFLINE=1`: the model's id
+/// and a greedy completion, after checking that no request reached the Hub.
+async fn serve_offline(hub: &fake_hub::FakeHub, cache_dir: &str) -> anyhow::Result<(String, String)> {
+    let before = hub.requests();
+    let offline = [
+        ("HF_ENDPOINT", hub.url.as_str()),
+        ("HF_HUB_CACHE", cache_dir),
+        ("HF_HUB_OFFLINE", "1"),
+    ];
+    let (mut child, base) = spawn("org/tiny-gpt2", &offline).map_err(anyhow::Error::msg)?;
+    let served = models_and_completion(&base).await;
+    child.kill()?;
+    child.wait()?;
+    assert_eq!(hub.requests(), before, "offline, yet the Hub was asked");
+    served
+}
+
 fn python() -> String {
     std::env::var("GPT_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
 }
@@ -120,18 +137,8 @@ async fn a_hub_id_is_downloaded_served_under_its_id_and_then_found_offline() -> 
     }
 
     // Offline: no request reaches the Hub, and the same model is served.
-    let before = hub.requests();
-    let offline = [
-        ("HF_ENDPOINT", hub.url.as_str()),
-        ("HF_HUB_CACHE", cache_dir),
-        ("HF_HUB_OFFLINE", "1"),
-    ];
-    let (mut child, base) = spawn("org/tiny-gpt2", &offline).map_err(anyhow::Error::msg)?;
-    let (id, again) = models_and_completion(&base).await?;
-    child.kill()?;
-    child.wait()?;
+    let (id, again) = serve_offline(&hub, cache_dir).await?;
     assert_eq!((id.as_str(), again.as_str()), ("org/tiny-gpt2", text.as_str()));
-    assert_eq!(hub.requests(), before, "offline, yet the Hub was asked");
 
     // transformers reads the cache gpt-rs filled, offline.
     if !(python_has("transformers") && python_has("torch")) {
@@ -184,19 +191,9 @@ async fn a_cache_filled_by_huggingface_hub_is_served_offline() -> anyhow::Result
         .env_remove("HF_HUB_OFFLINE")
         .output()?;
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let before = hub.requests();
-    let env = [
-        ("HF_ENDPOINT", hub.url.as_str()),
-        ("HF_HUB_CACHE", cache_dir),
-        ("HF_HUB_OFFLINE", "1"),
-    ];
-    let (mut child, base) = spawn("org/tiny-gpt2", &env).map_err(anyhow::Error::msg)?;
-    let (id, text) = models_and_completion(&base).await?;
-    child.kill()?;
-    child.wait()?;
+    let (id, text) = serve_offline(&hub, cache_dir).await?;
     assert_eq!(id, "org/tiny-gpt2");
     assert_eq!(text, fake_hub_reference()?);
-    assert_eq!(hub.requests(), before, "offline, yet the Hub was asked");
     Ok(())
 }
 
