@@ -167,10 +167,6 @@ pub const UNSUPPORTED: &[(&str, &str)] = &[
         "beam search runs every beam to its end (vLLM's own beam search does too)",
     ),
     (
-        "prompt_logprobs",
-        "use `echo` with `logprobs` for the prompt's log-probabilities",
-    ),
-    (
         "bad_words",
         "banning multi-token words needs lookahead this sampler does not have",
     ),
@@ -299,6 +295,11 @@ macro_rules! generation_fields {
             request_id: Option<String>,
             /// With logprobs: tokens written as `token_id:<id>` instead of their text (vLLM's).
             return_tokens_as_token_ids: Option<bool>,
+            /// vLLM's: each prompt token's log-probability and rank, with this many most likely
+            /// tokens at its position, in the response's `prompt_logprobs` (`null` for the first
+            /// token). Not with `stream` (0 is accepted there and returns nothing).
+            #[serde(default, deserialize_with = "json_int::option")]
+            prompt_logprobs: Option<i64>,
             /// The prefix cache shares a prompt's cached prefix only with requests of the same
             /// salt (vLLM's field; a non-empty string).
             cache_salt: Option<String>,
@@ -352,12 +353,31 @@ pub struct LogProbs {
     pub text_offset: Vec<usize>,
 }
 
+/// One entry of vLLM's `prompt_logprobs`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PromptLogprob {
+    pub logprob: f32,
+    /// 1 for the most likely token at the position; tokens as likely count ahead.
+    pub rank: u32,
+    /// The token's text (`token_id:<id>` with `return_tokens_as_token_ids`).
+    pub decoded_token: String,
+}
+
+/// vLLM's `prompt_logprobs`: per prompt position, `null` for the first, else token id → entry
+/// for the prompt's token and the `prompt_logprobs` most likely there.
+pub type PromptLogprobs = Vec<Option<BTreeMap<u32, PromptLogprob>>>;
+
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Choice {
     pub text: String,
     /// `prompt × n + i`.
     pub index: u32,
     pub logprobs: Option<LogProbs>,
+    /// vLLM's: with `prompt_logprobs`, the prompt's (see [`PromptLogprobs`]); `null` without
+    /// it; absent from stream chunks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<Option<Object>>>)]
+    pub prompt_logprobs: Option<Option<PromptLogprobs>>,
     /// "stop" (a stop string, a stop token or end of text) or "length"; `null` in all but a
     /// stream's last chunk for this choice.
     pub finish_reason: Option<String>,
@@ -584,6 +604,9 @@ pub struct ChatCompletion {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
+    /// vLLM's: with `prompt_logprobs`, the rendered prompt's (see [`PromptLogprobs`]).
+    #[schema(value_type = Option<Vec<Option<Object>>>)]
+    pub prompt_logprobs: Option<PromptLogprobs>,
     /// The server's version and the served model's configuration (OpenAI's field).
     pub system_fingerprint: String,
 }

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use crate::api::{Choice, LogProbs, Usage};
+use crate::api::{Choice, LogProbs, PromptLogprob, PromptLogprobs, Usage};
 use crate::engine::{Event, FinishReason, StopReason, TokenLogprob};
 use crate::error::ApiError;
 use crate::validation::ValidRequest;
@@ -43,6 +43,8 @@ pub struct Fold {
     /// Tokens generated so far by each candidate (`prompt × best_of + candidate`), returned or
     /// not: what a stream's continuous usage counts.
     generated: Vec<usize>,
+    /// Each prompt's `prompt_logprobs`, once it is prefilled.
+    prompt_logprobs: Vec<Option<PromptLogprobs>>,
 }
 
 impl Fold {
@@ -55,11 +57,12 @@ impl Fold {
         };
         let candidates = request.prompts.len() * request.best_of;
         Self {
-            request,
             held,
             finished: 0,
             completion_tokens: 0,
             generated: vec![0; candidates],
+            prompt_logprobs: vec![None; request.prompts.len()],
+            request,
         }
     }
 
@@ -107,10 +110,25 @@ impl Fold {
                 text: String::new(),
                 index: index as u32,
                 logprobs: self.request.logprobs.map(|_| LogProbs::default()),
+                prompt_logprobs: None,
                 finish_reason: None,
                 stop_reason: None,
             })
             .collect()
+    }
+
+    /// Prompt `prompt`'s `prompt_logprobs`: `None` unless the request asked for them and the
+    /// prompt has been prefilled.
+    pub fn prompt_logprobs(&self, prompt: usize) -> Option<&PromptLogprobs> {
+        self.prompt_logprobs.get(prompt).and_then(Option::as_ref)
+    }
+
+    /// The whole response's choices get their prompt's `prompt_logprobs` (`null` when not asked).
+    pub fn fill_prompt_logprobs(&self, choices: &mut [Choice]) {
+        for c in choices {
+            let prompt = c.index as usize / self.request.n.max(1);
+            c.prompt_logprobs = Some(self.prompt_logprobs(prompt).cloned());
+        }
     }
 
     pub fn apply(&mut self, event: Event) -> Result<Vec<Delta>, ApiError> {
@@ -118,8 +136,25 @@ impl Fold {
         let as_ids = self.request.tokens_as_ids;
         match event {
             Event::Prompt { prompt, logprobs } => {
+                if let (Some(k), Some(slot)) = (self.request.prompt_logprobs, self.prompt_logprobs.get_mut(prompt)) {
+                    *slot = Some(prompt_logprobs_of(&logprobs, k, as_ids));
+                }
+                if !self.request.echo {
+                    return Ok(Vec::new());
+                }
                 let text = self.request.prompts[prompt].text.clone();
-                let logprobs = want_logprobs.then(|| logprobs_of(&logprobs, as_ids));
+                // The prefill's top lists are as long as the larger of `logprobs` and
+                // `prompt_logprobs` asked for: the echo's are cut to its own.
+                let top = self.request.logprobs.unwrap_or(0);
+                let logprobs = want_logprobs.then(|| {
+                    let cut: Vec<TokenLogprob> = (logprobs.into_iter())
+                        .map(|mut t| {
+                            t.top.truncate(top);
+                            t
+                        })
+                        .collect();
+                    logprobs_of(&cut, as_ids)
+                });
                 let mut out = Vec::new();
                 for candidate in 0..self.request.best_of {
                     out.extend(self.content(prompt, candidate, text.clone(), logprobs.clone()));
@@ -270,6 +305,37 @@ pub fn logprobs_of(items: &[TokenLogprob], as_ids: bool) -> LogProbs {
     lp
 }
 
+/// vLLM's `prompt_logprobs` of a prompt's positions: the token itself (with its rank) and the `k`
+/// most likely (ranks 1..=k), keyed by id; `null` for the first token.
+pub fn prompt_logprobs_of(items: &[TokenLogprob], k: usize, as_ids: bool) -> PromptLogprobs {
+    let name = |id: u32, text: &str| match as_ids {
+        true => format!("token_id:{id}"),
+        false => text.to_string(),
+    };
+    (items.iter())
+        .map(|t| {
+            let logprob = t.logprob?;
+            let mut entries = std::collections::BTreeMap::new();
+            for (rank, (id, text, lp)) in t.top.iter().take(k).enumerate() {
+                let entry = PromptLogprob {
+                    logprob: *lp,
+                    rank: rank as u32 + 1,
+                    decoded_token: name(*id, text),
+                };
+                entries.insert(*id, entry);
+            }
+            // The prompt's token, with its own rank (it may be one of the top as well).
+            let own = PromptLogprob {
+                logprob,
+                rank: t.rank.unwrap_or(0),
+                decoded_token: name(t.id, &t.token),
+            };
+            entries.insert(t.id, own);
+            Some(entries)
+        })
+        .collect()
+}
+
 fn append_logprobs(lp: &mut LogProbs, more: LogProbs) {
     lp.tokens.extend(more.tokens);
     lp.token_logprobs.extend(more.token_logprobs);
@@ -299,6 +365,7 @@ mod tests {
             n,
             best_of,
             logprobs,
+            prompt_logprobs: None,
             echo: false,
             stream: false,
             include_usage: false,

@@ -294,10 +294,17 @@ fn shared_limits(schema: &mut Value, limits: &Limits, token: &Value) {
         "stop_token_ids".into(),
         json!({"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}),
     );
-    schema["allOf"] = json!([{
-        "if": {"properties": {"use_beam_search": {"const": true}}, "required": ["use_beam_search"]},
-        "then": {"properties": neutral},
-    }]);
+    schema["allOf"] = json!([
+        {
+            "if": {"properties": {"use_beam_search": {"const": true}}, "required": ["use_beam_search"]},
+            "then": {"properties": neutral},
+        },
+        // A stream has no field for prompt_logprobs (vLLM's rule: only 0 is accepted with it).
+        {
+            "if": {"properties": {"stream": {"const": true}}, "required": ["stream"]},
+            "then": {"properties": {"prompt_logprobs": {"enum": [null, 0]}}},
+        },
+    ]);
 }
 
 /// A regular-expression character class (without the brackets) of exactly these characters:

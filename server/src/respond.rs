@@ -31,6 +31,7 @@ pub async fn collect(
             merge(&mut choices, delta);
         }
     }
+    fold.fill_prompt_logprobs(&mut choices);
     let usage = fold.usage();
     metrics.completion_tokens.inc_by(usage.completion_tokens as u64);
     Ok((choices, usage))

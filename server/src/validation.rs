@@ -26,6 +26,7 @@ pub mod param {
     pub const N: &str = "n";
     pub const BEST_OF: &str = "best_of";
     pub const LOGPROBS: &str = "logprobs";
+    pub const PROMPT_LOGPROBS: &str = "prompt_logprobs";
     pub const STOP: &str = "stop";
     pub const STOP_TOKEN_IDS: &str = "stop_token_ids";
     pub const PROMPT: &str = "prompt";
@@ -139,7 +140,7 @@ pub const LOGIT_BIAS: FloatRange = FloatRange {
 };
 
 impl Limits {
-    pub fn int_ranges(&self) -> [IntRange; 7] {
+    pub fn int_ranges(&self) -> [IntRange; 8] {
         let cap = self.max_tokens_cap as i64;
         let int = |param, min, max| IntRange { param, min, max };
         [
@@ -149,6 +150,7 @@ impl Limits {
             int(param::N, 1, self.max_n as i64),
             int(param::BEST_OF, 1, self.max_n as i64),
             int(param::LOGPROBS, 0, self.max_logprobs as i64),
+            int(param::PROMPT_LOGPROBS, 0, self.max_logprobs as i64),
             int(param::SEED, i64::MIN, i64::MAX),
         ]
     }
@@ -244,6 +246,9 @@ pub struct ValidRequest {
     /// returned.
     pub best_of: usize,
     pub logprobs: Option<usize>,
+    /// vLLM's `prompt_logprobs`: each prompt token's log-probability and rank, with this many
+    /// most likely tokens at its position (not with `stream`).
+    pub prompt_logprobs: Option<usize>,
     pub echo: bool,
     pub stream: bool,
     pub include_usage: bool,
@@ -262,6 +267,23 @@ pub struct ValidRequest {
     pub request_id: Option<String>,
     /// Prefix-cache entries are shared only with requests of the same salt.
     pub cache_salt: Option<String>,
+}
+
+impl ValidRequest {
+    /// Top-N wanted at each prompt position from the prefill: for `echo` with `logprobs`, for
+    /// `prompt_logprobs`, or the larger of the two.
+    pub fn prompt_top_k(&self) -> Option<usize> {
+        let echoed = self.logprobs.filter(|_| self.echo);
+        match (echoed, self.prompt_logprobs) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The engine tells the handler about the prompt once it is prefilled.
+    pub fn sends_prompt(&self) -> bool {
+        self.echo || self.prompt_logprobs.is_some()
+    }
 }
 
 /// Tokenises and checks one prompt; `at` names it in errors (`prompt`, `prompt[3]`).
@@ -419,6 +441,7 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
     sampling.logit_bias = logit_bias(&req, limits)?;
     let (stop, stop_token_ids) = stops(req.stop, req.stop_token_ids, limits)?;
     let stream = req.stream.unwrap_or(false);
+    let prompt_logprobs = prompt_logprobs(req.prompt_logprobs, stream, limits)?;
     Ok(ValidRequest {
         prompts,
         max_tokens,
@@ -430,6 +453,7 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
         n,
         best_of,
         logprobs,
+        prompt_logprobs,
         echo: req.echo.unwrap_or(false),
         stream,
         include_usage: stream && req.stream_options.as_ref().is_some_and(|o| o.include_usage),
@@ -443,6 +467,28 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
         request_id: req.request_id,
         cache_salt: req.cache_salt,
     })
+}
+
+/// vLLM's `prompt_logprobs`: 0 to `max_logprobs` alternatives. As in vLLM, a stream cannot carry
+/// them (0 is accepted there and returns nothing), and -1 (the whole vocabulary) is refused
+/// beyond the server's limit, as vLLM refuses it beyond its `--max-logprobs`.
+fn prompt_logprobs(k: Option<i64>, stream: bool, limits: &Limits) -> Result<Option<usize>, ApiError> {
+    let Some(k) = k else { return Ok(None) };
+    if stream && k != 0 {
+        return Err(ApiError::invalid(
+            param::PROMPT_LOGPROBS,
+            "`prompt_logprobs` are not available when `stream=True`: a stream's chunks have no field for them",
+        ));
+    }
+    if k == -1 {
+        let msg = format!(
+            "prompt_logprobs -1 asks for the whole vocabulary ({} tokens) at every position; at most {} are returned",
+            limits.vocab_size, limits.max_logprobs
+        );
+        return Err(ApiError::invalid(param::PROMPT_LOGPROBS, msg));
+    }
+    let k = limits.int(param::PROMPT_LOGPROBS, Some(k), 0)? as usize;
+    Ok((!stream).then_some(k))
 }
 
 /// `truncate_prompt_tokens`: k >= 1 tokens kept, or -1 for as many as the context allows.

@@ -5,8 +5,8 @@
 
 mod common;
 
-use candle_core::{Device, Tensor, D};
-use common::{config, fixture, start, streamed_text, Server};
+use candle_core::Device;
+use common::{config, fixture, reference, start, streamed_text, Server};
 use serde_json::{json, Value};
 
 const EOT: u32 = 0; // the fixture's <|endoftext|>
@@ -19,24 +19,6 @@ async fn ok(server: &Server, body: Value) -> anyhow::Result<Value> {
     let (status, r) = server.post(body).await?;
     anyhow::ensure!(status == 200, "{status}: {r}");
     Ok(r)
-}
-
-/// The fixture's texts and the log-softmax of the logits `transformers` computed for them.
-fn reference() -> anyhow::Result<Vec<(String, Vec<u32>, Tensor)>> {
-    let json: Value = serde_json::from_str(&std::fs::read_to_string(fixture().join("expected.json"))?)?;
-    let mut logits = candle_core::safetensors::load(fixture().join("expected.safetensors"), &Device::Cpu)?;
-    let mut out = Vec::new();
-    for (i, case) in json["cases"].as_array().into_iter().flatten().enumerate() {
-        let l = logits
-            .remove(&format!("logits_{i}"))
-            .ok_or_else(|| anyhow::anyhow!("logits_{i}"))?;
-        out.push((
-            case["text"].as_str().unwrap_or_default().to_string(),
-            serde_json::from_value(case["ids"].clone())?,
-            candle_nn::ops::log_softmax(&l, D::Minus1)?,
-        ));
-    }
-    Ok(out)
 }
 
 #[tokio::test]

@@ -193,7 +193,6 @@ async fn ids_fingerprints_priority_and_fields_that_are_refused() -> anyhow::Resu
     assert_eq!((status, r["error"]["param"].clone()), (400, json!("priority")));
     let refused = [
         ("suffix", json!("x")),
-        ("prompt_logprobs", json!(1)),
         ("guided_json", json!({})),
         ("response_format", json!({"type": "json_object"})),
         ("logits_processors", json!(["m.P"])),
@@ -288,5 +287,167 @@ async fn chat_echo_templates_and_continuing_the_final_message() -> anyhow::Resul
     let bad = json!({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{% for %}"});
     let (status, r) = server.post_to("/v1/chat/completions", bad).await?;
     assert_eq!((status, r["error"]["param"].clone()), (400, json!("chat_template")));
+    Ok(())
+}
+
+/// `prompt_logprobs` of one prompt position as (id, logprob, rank) entries.
+fn entries(position: &Value) -> Vec<(u32, f64, u64)> {
+    (position.as_object().into_iter().flatten())
+        .map(|(id, e)| {
+            (
+                id.parse().unwrap_or(u32::MAX),
+                e["logprob"].as_f64().unwrap_or(f64::NAN),
+                e["rank"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn prompt_logprobs_give_each_prompt_tokens_logprob_rank_and_the_top_as_transformers_computes(
+) -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let cases = common::reference()?;
+    let ids: Vec<Vec<u32>> = cases.iter().map(|(_, ids, _)| ids.clone()).collect();
+    let k = 5;
+    // Two prompts with two choices each: a choice carries its own prompt's.
+    let body = json!({"prompt": ids, "max_tokens": 2, "n": 2, "temperature": 0, "prompt_logprobs": k});
+    let (status, r) = server.post(body.clone()).await?;
+    assert_eq!(status, 200, "{r}");
+    for (c, choice) in r["choices"].as_array().into_iter().flatten().enumerate() {
+        let (_, ids, log_probs) = &cases[c / 2];
+        let positions = choice["prompt_logprobs"].as_array().cloned().unwrap_or_default();
+        assert_eq!(positions.len(), ids.len(), "choice {c}: one per prompt token");
+        assert_eq!(positions[0], Value::Null, "nothing predicts the first token");
+        let rows = log_probs.to_vec2::<f32>()?;
+        for t in 1..ids.len() {
+            let row: Vec<f64> = rows[t - 1].iter().map(|&v| v as f64).collect();
+            let got = entries(&positions[t]);
+            // The prompt's token: its logprob and its rank among the whole vocabulary.
+            let &(_, logprob, rank) = got
+                .iter()
+                .find(|e| e.0 == ids[t])
+                .ok_or_else(|| anyhow::anyhow!("choice {c} position {t}: no entry for the prompt token"))?;
+            let want = row[ids[t] as usize];
+            assert!(
+                (logprob - want).abs() < 1e-4,
+                "position {t}: {logprob} vs transformers {want}"
+            );
+            let above = row.iter().filter(|&&v| v > want + 1e-4).count() as u64;
+            let at_least = row.iter().filter(|&&v| v >= want - 1e-4).count() as u64;
+            assert!(
+                (above + 1..=at_least).contains(&rank),
+                "position {t}: rank {rank}, transformers {above}+1..={at_least}"
+            );
+            // The top k: ranks 1..=k, in order of logprob, the most likely as transformers has them.
+            let mut top: Vec<(u32, f64, u64)> = got.iter().copied().filter(|e| e.2 <= k).collect();
+            top.sort_by_key(|e| e.2);
+            assert_eq!(
+                top.iter().map(|e| e.2).collect::<Vec<_>>(),
+                (1..=k).collect::<Vec<_>>(),
+                "position {t}: {got:?}"
+            );
+            assert!(got.len() == k as usize || got.len() == k as usize + 1);
+            let mut sorted = row.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            for (e, want) in top.iter().zip(&sorted) {
+                assert!(
+                    (e.1 - want).abs() < 1e-4,
+                    "position {t}: rank {} {} vs {want}",
+                    e.2,
+                    e.1
+                );
+                assert!(
+                    (e.1 - row[e.0 as usize]).abs() < 1e-4,
+                    "the entry's id is the token with that logprob"
+                );
+            }
+        }
+    }
+    // The same request again comes from the prefix cache: the same numbers, ranks included.
+    let (_, again) = server.post(body).await?;
+    assert_eq!(
+        again["choices"][0]["prompt_logprobs"],
+        r["choices"][0]["prompt_logprobs"]
+    );
+    // With `echo` and `logprobs`, each keeps its own top-N; the logprobs agree.
+    let body = json!({"prompt": [ids[0]], "max_tokens": 0, "echo": true, "logprobs": 1, "prompt_logprobs": 4});
+    let (_, both) = server.post(body).await?;
+    let echo = &both["choices"][0]["logprobs"];
+    let positions = both["choices"][0]["prompt_logprobs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    for t in 1..ids[0].len() {
+        assert_eq!(echo["top_logprobs"][t].as_object().map(|m| m.len()), Some(1));
+        let e = entries(&positions[t]);
+        assert!(e.len() >= 4);
+        let own = e.iter().find(|e| e.0 == ids[0][t]).map(|e| e.1);
+        assert_eq!(own, echo["token_logprobs"][t].as_f64(), "position {t}");
+    }
+    // `prompt_logprobs: 0`: only the prompt's own tokens. Without it the field is null.
+    let (_, zero) = server
+        .post(json!({"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0}))
+        .await?;
+    let positions = zero["choices"][0]["prompt_logprobs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(positions.len() > 2 && positions[1..].iter().all(|p| entries(p).len() == 1));
+    let (_, none) = server.post(json!({"prompt": PROMPT, "max_tokens": 1})).await?;
+    assert_eq!(none["choices"][0].get("prompt_logprobs"), Some(&Value::Null));
+    // Token ids as names.
+    let (_, named) = server
+        .post(json!({"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0, "return_tokens_as_token_ids": true}))
+        .await?;
+    let first = named["choices"][0]["prompt_logprobs"][1]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        first
+            .iter()
+            .all(|(id, e)| e["decoded_token"] == format!("token_id:{id}")),
+        "{first:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn prompt_logprobs_in_chat_and_their_limits() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let chat = json!({"messages": [{"role": "user", "content": "Speak, speak."}], "max_tokens": 2,
+        "prompt_logprobs": 2});
+    let r = server.post_to("/v1/chat/completions", chat.clone()).await?;
+    assert_eq!(r.0, 200, "{}", r.1);
+    let usage = r.1["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+    let positions = r.1["prompt_logprobs"].as_array().cloned().unwrap_or_default();
+    assert_eq!(positions.len(), usage, "one per token of the rendered prompt");
+    assert!(positions[0].is_null() && positions[1..].iter().all(|p| (2..=3).contains(&entries(p).len())));
+    assert!(
+        r.1["choices"][0].get("prompt_logprobs").is_none(),
+        "on the response, as in vLLM"
+    );
+    // Refused: with a stream, below 0 or -1 (the whole vocabulary), past the limit.
+    for (body, says) in [
+        (
+            json!({"prompt": PROMPT, "prompt_logprobs": 1, "stream": true}),
+            "stream",
+        ),
+        (json!({"prompt": PROMPT, "prompt_logprobs": -1}), "whole vocabulary"),
+        (json!({"prompt": PROMPT, "prompt_logprobs": -2}), "between 0 and 20"),
+        (json!({"prompt": PROMPT, "prompt_logprobs": 21}), "between 0 and 20"),
+    ] {
+        let (status, e) = server.post(body.clone()).await?;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(e["error"]["param"], "prompt_logprobs", "{e}");
+        assert!(e["error"]["message"].as_str().unwrap_or_default().contains(says), "{e}");
+    }
+    let mut streamed = chat;
+    streamed["stream"] = json!(true);
+    streamed["prompt_logprobs"] = json!(0);
+    // 0 is accepted with a stream, as in vLLM (stream_at asserts the 200).
+    let chunks = server.stream_at("/v1/chat/completions", streamed).await?;
+    assert!(chunks.iter().all(|c| c.get("prompt_logprobs").is_none()));
     Ok(())
 }

@@ -70,7 +70,7 @@ impl BeamGroup {
             None => vec![StepInput {
                 tokens: &r.prompts[self.prompt].ids,
                 cache: &mut self.caches[0],
-                prompt_logprobs: r.echo.then_some(r.logprobs).flatten(),
+                prompt_logprobs: r.prompt_top_k(),
             }],
             Some(tokens) => self
                 .caches
@@ -102,9 +102,9 @@ impl BeamGroup {
                 metrics
                     .time_to_first_token
                     .observe(self.queued_at.elapsed().as_secs_f64());
-                if self.request.echo {
+                if self.request.sends_prompt() {
                     let positions = outputs.first().map_or(&[][..], |o| &o.prompt_logprobs[..]);
-                    let logprobs = match self.request.logprobs {
+                    let logprobs = match self.request.prompt_top_k() {
                         Some(_) => prompt_logprobs(tokenizer, &self.request.prompts[self.prompt].ids, positions)?,
                         None => Vec::new(),
                     };
@@ -153,6 +153,7 @@ impl BeamGroup {
                         top: vec![(token, token_text.clone(), lp)],
                         token: token_text,
                         logprob: Some(lp),
+                        rank: None,
                         offset: text_start + text.chars().count(),
                     });
                 }

@@ -36,6 +36,8 @@ pub struct TokenLogprob {
     pub token: String,
     /// `None` for the first prompt token (nothing predicts it).
     pub logprob: Option<f32>,
+    /// Its rank at this position (1 = most likely), for prompt tokens.
+    pub rank: Option<u32>,
     /// The most likely tokens: id, text, log-probability.
     pub top: Vec<(u32, String, f32)>,
     /// Where the token starts in the choice's text, in characters.
@@ -47,7 +49,8 @@ pub struct TokenLogprob {
 #[derive(Debug, Clone)]
 pub enum Event {
     /// Prompt `prompt` was prefilled; `logprobs` are its own tokens' (empty unless `echo` with
-    /// `logprobs`). Sent once per prompt, before its candidates' text, when `echo` is on.
+    /// `logprobs` or `prompt_logprobs` asked for them, then with the larger top-N of the two).
+    /// Sent once per prompt, before its candidates' text, when `echo` or `prompt_logprobs` is on.
     Prompt {
         prompt: usize,
         logprobs: Vec<TokenLogprob>,
@@ -521,7 +524,7 @@ impl Worker {
     /// tokens asked for, no prompt logprobs), its answer at once.
     fn start(&mut self, group: Group) {
         let r = &group.request;
-        if r.max_tokens == 0 && !(r.echo && r.logprobs.is_some()) {
+        if r.max_tokens == 0 && r.prompt_top_k().is_none() {
             if r.echo {
                 let _ = group.events.send(Event::Prompt {
                     prompt: group.prompt,
@@ -535,7 +538,7 @@ impl Worker {
         let mut cached_logprobs = Vec::new();
         if r.beam_search.is_none() {
             let ids = &r.prompts[group.prompt].ids;
-            let top_k = if r.echo { r.logprobs } else { None };
+            let top_k = r.prompt_top_k();
             self.metrics.prefix_cache_lookups.inc();
             match self.prefix.lookup(ids, top_k, r.cache_salt.as_deref()) {
                 Ok(Some(hit)) => {
@@ -683,8 +686,8 @@ impl Worker {
             tracing::warn!(error = %e, "prefix cache insert failed");
         }
         self.metrics.prefix_cache_bytes.set(self.prefix.used_bytes() as i64);
-        if seq.request.echo {
-            let logprobs = match seq.request.logprobs {
+        if seq.request.sends_prompt() {
+            let logprobs = match top_k {
                 Some(_) => sequence::prompt_logprobs(&self.tokenizer, seq.prompt_ids(), positions)
                     .map_err(|e| (events.clone(), e))?,
                 None => Vec::new(),

@@ -103,6 +103,7 @@ impl PrefixStore {
                 .iter()
                 .map(|p| PositionLogprob {
                     logprob: p.logprob,
+                    rank: p.rank,
                     top: p.top.iter().take(k).copied().collect(),
                 })
                 .collect(),
@@ -203,6 +204,7 @@ mod tests {
         (0..n)
             .map(|t| PositionLogprob {
                 logprob: -(t as f32),
+                rank: Some(t as u32 + 1),
                 top: (0..k as u32).map(|i| (i, -1.0)).collect(),
             })
             .collect()

@@ -25,6 +25,9 @@ pub struct StepInput<'a> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PositionLogprob {
     pub logprob: f32,
+    /// The token's rank in the vocabulary at this position (1 = most likely; tokens as likely
+    /// count ahead of it, as vLLM counts), where it was computed: for prompt positions.
+    pub rank: Option<u32>,
     pub top: Vec<(u32, f32)>,
 }
 
@@ -165,6 +168,7 @@ impl Runner {
                         let next = input.tokens[pos + 1] as usize;
                         let _ = positions[r].set(PositionLogprob {
                             logprob: row[next] - lse,
+                            rank: Some(rank(row, next)),
                             top: top_k(row, k, lse),
                         });
                     }
@@ -180,6 +184,13 @@ impl Runner {
         }
         Ok(outputs)
     }
+}
+
+/// The rank of token `id` in a logits row: how many tokens are at least as likely (so >= 1),
+/// vLLM's definition for prompt logprobs.
+pub fn rank(row: &[f32], id: usize) -> u32 {
+    let v = row[id];
+    row.iter().filter(|&&x| x >= v).count() as u32
 }
 
 /// The `k` most likely tokens of a logits row as `(id, log-probability)`, most likely first

@@ -136,10 +136,10 @@ impl Sequence {
         }
     }
 
-    /// Top-N of the prompt's own tokens wanted from the prefill (`echo` with `logprobs`).
+    /// Top-N of the prompt's own tokens wanted from the prefill (`echo` with `logprobs`, or
+    /// `prompt_logprobs`).
     pub fn wants_prompt_logprobs(&self) -> Option<usize> {
-        let r = &self.request;
-        (self.is_prefill() && r.echo).then_some(r.logprobs).flatten()
+        self.request.prompt_top_k().filter(|_| self.is_prefill())
     }
 
     /// After the prefill: this sequence and its forks, one per candidate, each sampling with its
@@ -221,6 +221,7 @@ impl Sequence {
                     token,
                     &PositionLogprob {
                         logprob,
+                        rank: None,
                         top: top_k(logits, k, lse),
                     },
                     self.text_start + self.decoded_chars,
@@ -309,6 +310,7 @@ pub fn token_logprob(
         id: token,
         token: tokenizer.decode(&[token])?,
         logprob: Some(p.logprob),
+        rank: p.rank,
         top: p
             .top
             .iter()
@@ -334,6 +336,7 @@ pub fn prompt_logprobs(
                 id,
                 token: tokenizer.decode(&[id])?,
                 logprob: None,
+                rank: None,
                 top: Vec::new(),
                 offset,
             },

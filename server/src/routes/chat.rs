@@ -92,7 +92,9 @@ pub async fn chat_completions(
         };
         Ok(stream_response(valid, events, state.metrics.clone(), first, chunks, usage).into_response())
     } else {
-        let (choices, usage) = collect(valid, events, &state.metrics).await?;
+        let (mut choices, usage) = collect(valid, events, &state.metrics).await?;
+        // One prompt, so every choice carries the same; vLLM puts them on the response.
+        let prompt_logprobs = choices.first_mut().and_then(|c| c.prompt_logprobs.take()).flatten();
         Ok(Json(ChatCompletion {
             id,
             object: "chat.completion".into(),
@@ -102,6 +104,7 @@ pub async fn chat_completions(
                 .map(|c| chat::chat_choice(c, echo.as_deref()))
                 .collect(),
             usage,
+            prompt_logprobs,
             system_fingerprint,
         })
         .into_response())

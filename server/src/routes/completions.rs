@@ -76,6 +76,7 @@ fn completion_stream(
                 text: d.text,
                 index: d.index,
                 logprobs: d.logprobs,
+                prompt_logprobs: None,
                 finish_reason: d.finish_reason.map(|r| r.as_str().into()),
                 stop_reason: d.stop_reason.as_ref().map(crate::engine::StopReason::to_json),
             }],

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor, D};
 use gpt_server::app::AppState;
 pub use gpt_server::ServerConfig;
 use serde_json::Value;
@@ -220,4 +220,22 @@ pub fn spawn_binary(
         }
     });
     Ok((child, format!("http://{addr}"), log))
+}
+
+/// The fixture's texts and the log-softmax of the logits `transformers` computed for them.
+pub fn reference() -> anyhow::Result<Vec<(String, Vec<u32>, Tensor)>> {
+    let json: Value = serde_json::from_str(&std::fs::read_to_string(fixture().join("expected.json"))?)?;
+    let mut logits = candle_core::safetensors::load(fixture().join("expected.safetensors"), &Device::Cpu)?;
+    let mut out = Vec::new();
+    for (i, case) in json["cases"].as_array().into_iter().flatten().enumerate() {
+        let l = logits
+            .remove(&format!("logits_{i}"))
+            .ok_or_else(|| anyhow::anyhow!("logits_{i}"))?;
+        out.push((
+            case["text"].as_str().unwrap_or_default().to_string(),
+            serde_json::from_value(case["ids"].clone())?,
+            candle_nn::ops::log_softmax(&l, D::Minus1)?,
+        ));
+    }
+    Ok(out)
 }
