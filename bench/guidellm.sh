@@ -13,7 +13,7 @@
 # draws output tokens/s and inter-token latency against request rate for both (docs/guidellm.png)
 # and prints the Markdown tables of BENCHMARKS.md.
 #
-#   bash bench/guidellm.sh                        # everything (about 25 minutes on 2 cores)
+#   bash bench/guidellm.sh                        # everything (about 30 minutes on 2 cores)
 #   SERVERS=gpt-server ...                        # one server only (no llama.cpp build)
 #   CHECKPOINT=weights SERVERS=gpt-server WEIGHTS=f32 PROFILES=concurrent STREAMS=4 DURATION=20 \
 #     OUT=target/bench/guidellm-ci PLOT=target/bench/guidellm-ci/plot.png bash bench/guidellm.sh  # CI
