@@ -45,9 +45,11 @@ fi
 if [ -n "${CHECKPOINT:-}" ]; then
   [[ $servers == *llama-server* ]] && { echo "CHECKPOINT= serves gpt-server only (llama-server reads GGUF)"; exit 1; }
   model=$CHECKPOINT
+elif [[ $servers == *llama-server* ]]; then
+  llama_cpp_build llama-server llama-quantize
+  gpt2_checkpoint $weights
 else
-  [[ $servers == *llama-server* ]] && llama_cpp_build llama-server llama-quantize
-  if [[ $servers == *llama-server* ]]; then gpt2_checkpoint $weights; else gpt2_checkpoint; fi
+  gpt2_checkpoint
 fi
 cargo build -q --release --locked -p gpt-server
 

@@ -117,17 +117,11 @@ impl Fold {
             .collect()
     }
 
-    /// Prompt `prompt`'s `prompt_logprobs`: `None` unless the request asked for them and the
-    /// prompt has been prefilled.
-    pub fn prompt_logprobs(&self, prompt: usize) -> Option<&PromptLogprobs> {
-        self.prompt_logprobs.get(prompt).and_then(Option::as_ref)
-    }
-
     /// The whole response's choices get their prompt's `prompt_logprobs` (`null` when not asked).
     pub fn fill_prompt_logprobs(&self, choices: &mut [Choice]) {
         for c in choices {
             let prompt = c.index as usize / self.request.n.max(1);
-            c.prompt_logprobs = Some(self.prompt_logprobs(prompt).cloned());
+            c.prompt_logprobs = Some(self.prompt_logprobs.get(prompt).cloned().flatten());
         }
     }
 
@@ -284,10 +278,7 @@ pub fn merge(choices: &mut [Choice], delta: Delta) {
 /// The API's logprobs of some positions; with `as_ids`, each token written `token_id:<id>`
 /// (vLLM's `return_tokens_as_token_ids`).
 pub fn logprobs_of(items: &[TokenLogprob], as_ids: bool) -> LogProbs {
-    let name = |id: u32, text: &str| match as_ids {
-        true => format!("token_id:{id}"),
-        false => text.to_string(),
-    };
+    let name = |id: u32, text: &str| token_name(id, text, as_ids);
     let mut lp = LogProbs::default();
     for t in items {
         lp.tokens.push(name(t.id, &t.token));
@@ -308,10 +299,7 @@ pub fn logprobs_of(items: &[TokenLogprob], as_ids: bool) -> LogProbs {
 /// vLLM's `prompt_logprobs` of a prompt's positions: the token itself (with its rank) and the `k`
 /// most likely (ranks 1..=k), keyed by id; `null` for the first token.
 pub fn prompt_logprobs_of(items: &[TokenLogprob], k: usize, as_ids: bool) -> PromptLogprobs {
-    let name = |id: u32, text: &str| match as_ids {
-        true => format!("token_id:{id}"),
-        false => text.to_string(),
-    };
+    let name = |id: u32, text: &str| token_name(id, text, as_ids);
     (items.iter())
         .map(|t| {
             let logprob = t.logprob?;
@@ -334,6 +322,15 @@ pub fn prompt_logprobs_of(items: &[TokenLogprob], k: usize, as_ids: bool) -> Pro
             Some(entries)
         })
         .collect()
+}
+
+/// A token as logprobs name it: its text, or `token_id:<id>` with vLLM's
+/// `return_tokens_as_token_ids`.
+fn token_name(id: u32, text: &str, as_ids: bool) -> String {
+    match as_ids {
+        true => format!("token_id:{id}"),
+        false => text.to_string(),
+    }
 }
 
 fn append_logprobs(lp: &mut LogProbs, more: LogProbs) {
