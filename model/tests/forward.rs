@@ -356,24 +356,50 @@ fn half_precision_inference_stays_close_to_f32() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let tok = gpt::Tokenizer::train_char(&[write_corpus(dir.path())?])?;
     gpt::save_dir(dir.path(), &model, &tok, DType::F32)?;
-    let idx = batch(&[tokens(30, cfg.vocab_size, 5)])?;
-    let reference = model.forward(&idx)?;
-    for (dtype, tol) in [(DType::F16, 0.05), (DType::BF16, 0.3)] {
+    let ids = tokens(30, cfg.vocab_size, 5);
+    let reference = model.forward(&batch(std::slice::from_ref(&ids))?)?.squeeze(0)?;
+    // The error relative to the logits' scale, as the weights are random (each run draws new
+    // ones): the largest and the root-mean-square difference. Over 40 random models on each of
+    // the AVX-512, AVX2 and portable kernels the worst were 0.8% and 0.3% for f16 and 5.8% and
+    // 2.1% for bf16 (8 significand bits, and a bf16 model keeps its activations in bf16); the
+    // bounds are about twice those, far below what a wrong product or layer gives.
+    let relative = |logits: &Tensor| -> anyhow::Result<(f32, f32)> {
+        let diff = (logits.to_dtype(DType::F32)? - &reference)?;
+        let max = diff.abs()?.max_all()?.to_scalar::<f32>()? / reference.abs()?.max_all()?.to_scalar::<f32>()?;
+        let rms = |t: &Tensor| -> candle_core::Result<f32> { t.sqr()?.mean_all()?.sqrt()?.to_scalar::<f32>() };
+        Ok((max, rms(&diff)? / rms(&reference)?))
+    };
+    for (dtype, max_tol, rms_tol) in [(DType::F16, 0.02, 0.008), (DType::BF16, 0.12, 0.05)] {
         let half = gpt::load_model(dir.path(), dtype, &candle_core::Device::Cpu)?;
         assert_eq!(half.dtype(), dtype);
-        let diff = max_abs_diff(&half.forward(&idx)?, &reference)?;
-        assert!(diff < tol, "{dtype:?}: max abs diff {diff}");
-        // The cached path runs in half precision too.
+        let (max, rms) = relative(&half.forward(&batch(std::slice::from_ref(&ids))?)?.squeeze(0)?)?;
+        assert!(
+            max < max_tol && rms < rms_tol,
+            "{dtype:?}: relative difference max {max}, rms {rms}"
+        );
+        // The cached path runs in half precision too: prefill, then one token at a time.
         let mut cache = half.new_cache();
-        let ids = tokens(30, cfg.vocab_size, 5);
-        let last = half.forward_step(
+        let mut rows = vec![half.forward_step(
             &mut [SeqStep {
-                tokens: &ids,
+                tokens: &ids[..20],
                 cache: &mut cache,
             }],
-            LogitsFor::Last,
-        )?;
-        assert!(max_abs_diff(&last.squeeze(0)?, &reference.i((0, 29))?)? < tol);
+            LogitsFor::All,
+        )?];
+        for id in &ids[20..] {
+            rows.push(half.forward_step(
+                &mut [SeqStep {
+                    tokens: std::slice::from_ref(id),
+                    cache: &mut cache,
+                }],
+                LogitsFor::All,
+            )?);
+        }
+        let (max, rms) = relative(&Tensor::cat(&rows, 0)?)?;
+        assert!(
+            max < max_tol && rms < rms_tol,
+            "{dtype:?} cached: relative difference max {max}, rms {rms}"
+        );
     }
     Ok(())
 }
