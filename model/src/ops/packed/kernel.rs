@@ -27,7 +27,6 @@ pub(super) trait Format {
 pub(super) struct F32;
 pub(super) struct F16;
 pub(super) struct Bf16;
-pub(super) struct Q8_0;
 pub(super) struct Q4_0;
 
 macro_rules! dense_format {
@@ -58,27 +57,6 @@ macro_rules! dense_format {
 dense_format!(F32, 4, load_f32);
 dense_format!(F16, 2, load_f16);
 dense_format!(Bf16, 2, load_bf16);
-
-impl Format for Q8_0 {
-    const BLOCK: usize = BLOCK;
-    const BLOCK_BYTES: usize = LANES * BLOCK + 2 * LANES;
-    const STEPS: usize = BLOCK;
-    const PER_STEP: usize = 1;
-    #[inline(always)]
-    fn pos(t: usize, _: usize) -> usize {
-        t
-    }
-    #[inline(always)]
-    unsafe fn scale<V: Vec16>(block: *const u8) -> V {
-        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
-        unsafe { V::load_f16(block.add(LANES * BLOCK)) }
-    }
-    #[inline(always)]
-    unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2] {
-        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
-        unsafe { [V::mul(V::load_i8(block.add(t * LANES)), scale), V::zero()] }
-    }
-}
 
 impl Format for Q4_0 {
     const BLOCK: usize = BLOCK;
@@ -139,7 +117,8 @@ pub(super) fn run(
         WeightFormat::F32 => run_format::<F32>,
         WeightFormat::F16 => run_format::<F16>,
         WeightFormat::Bf16 => run_format::<Bf16>,
-        WeightFormat::Q8_0 => run_format::<Q8_0>,
+        // Integer products on activations quantized to q8_0 (`int8.rs`).
+        WeightFormat::Q8_0 => super::int8::run,
         WeightFormat::Q4_0 => run_format::<Q4_0>,
     };
     run(w, x, y, m, simd, ep, accumulate)

@@ -1,5 +1,6 @@
 //! Weight matrices packed for the CPU's inference products `y = x @ W^T`, in f32, f16, bf16,
-//! q8_0 or q4_0, with f32 activations and f32 accumulation.
+//! q8_0 or q4_0, with f32 activations and f32 accumulation; q8_0 weights take the activations
+//! quantized to q8_0 too and sum each block's products in integers (`int8.rs`).
 //!
 //! Why not candle's kernels: decoding reads every weight once per step, so its limit is memory
 //! bandwidth, which candle's gemm reaches at about half (its one-row path) and its quantized
@@ -11,7 +12,8 @@
 //! along `k`, its 16 weights side by side, so a panel is read front to back as a stream of
 //! 16-wide vectors (64 bytes in f32). Quantized panels keep GGML's blocks of 32 along `k`: each
 //! block is its 16 x 32 codes followed by the 16 columns' f16 scales. GGML's codes are moved,
-//! never requantized, so a GGUF file round-trips exactly; q4_0's two codes per byte are regrouped
+//! never requantized, so a GGUF file round-trips exactly (q8_0's codes in the integer kernel's
+//! order, `int8.rs`); q4_0's two codes per byte are regrouped
 //! on the way (GGML pairs positions `t` and `t + 16`, here a byte holds `2t` and `2t + 1`) so that
 //! every format yields its weights in ascending positions.
 //! Columns are padded with zeros to a multiple of 32 (two panels: a task).
@@ -198,7 +200,7 @@ impl PackedMatrix {
                     _ => src[2..].to_vec(),
                 };
                 for (t, &code) in src_codes.iter().enumerate() {
-                    bytes[at + t * LANES + lane] = code;
+                    bytes[at + code_offset(format, t, lane)] = code;
                 }
                 bytes[at + codes + 2 * lane..][..2].copy_from_slice(&src[..2]);
             }
@@ -227,7 +229,7 @@ impl PackedMatrix {
                 let lane = r % LANES;
                 dst[..2].copy_from_slice(&bytes[at + codes + 2 * lane..][..2]);
                 for (t, code) in dst[2..].iter_mut().enumerate() {
-                    *code = bytes[at + t * LANES + lane];
+                    *code = bytes[at + code_offset(self.format, t, lane)];
                 }
                 if self.format == WeightFormat::Q4_0 {
                     let ggml = ggml_q4_halves(&dst[2..]);
@@ -486,9 +488,9 @@ impl PackedMatrix {
                 let scale = f16::from_le_bytes(read2(at + codes + 2 * lane)).to_f32();
                 let j = c % BLOCK;
                 let q = if self.format == WeightFormat::Q8_0 {
-                    bytes[at + j * LANES + lane] as i8 as f32
+                    bytes[at + code_offset(self.format, j, lane)] as i8 as f32
                 } else {
-                    let byte = bytes[at + j / 2 * LANES + lane];
+                    let byte = bytes[at + code_offset(self.format, j / 2, lane)];
                     (if j.is_multiple_of(2) { byte & 15 } else { byte >> 4 }) as f32 - 8.0
                 };
                 q * scale
@@ -497,7 +499,15 @@ impl PackedMatrix {
     }
 }
 
-/// Bytes of one dense weight.
+/// Byte offset, within its block, of code byte `t` of column `lane`: q8_0 in the order of the
+/// integer kernel (`int8.rs`), q4_0's 16 pair bytes a 16-byte row each.
+fn code_offset(format: WeightFormat, t: usize, lane: usize) -> usize {
+    match format {
+        WeightFormat::Q8_0 => int8::code_offset(t, lane),
+        _ => t * LANES + lane,
+    }
+}
+
 /// A q4_0 block's 16 code bytes from GGML's order (byte `t`: positions `t` low, `t + 16` high)
 /// to this layout's (byte `t`: positions `2t` low, `2t + 1` high).
 fn q4_pairs(ggml: &[u8]) -> Vec<u8> {
@@ -517,6 +527,7 @@ fn ggml_q4_halves(pairs: &[u8]) -> Vec<u8> {
     (0..16).map(|t| code(t) | code(t + 16) << 4).collect()
 }
 
+/// Bytes of one dense weight.
 fn format_bytes(format: WeightFormat) -> usize {
     match format {
         WeightFormat::F16 | WeightFormat::Bf16 => 2,
@@ -597,4 +608,5 @@ impl CustomOp2 for WithEpilogue<'_> {
 
 mod amx;
 mod format;
+mod int8;
 mod kernel;

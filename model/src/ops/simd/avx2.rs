@@ -78,17 +78,6 @@ unsafe impl Vec16 for Y2 {
         }
     }
     #[inline(always)]
-    unsafe fn load_i8(p: *const u8) -> Self {
-        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
-        unsafe {
-            let v = _mm_loadu_si128(p as *const __m128i);
-            Y2(
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
-            )
-        }
-    }
-    #[inline(always)]
     unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
         // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
         unsafe {

@@ -67,11 +67,6 @@ unsafe impl Vec16 for __m512 {
         }
     }
     #[inline(always)]
-    unsafe fn load_i8(p: *const u8) -> Self {
-        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
-        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))) }
-    }
-    #[inline(always)]
     unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
         // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
         unsafe {

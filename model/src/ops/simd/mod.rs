@@ -100,7 +100,7 @@ pub(crate) trait Kernel {
 /// # Safety
 /// An implementation's methods may use only the instructions of the [`Simd`] whose `run` uses
 /// it (the caller checks that instruction set once, in [`Simd::run`]), and each touches exactly
-/// the memory its contract names: the 16 lanes (64 bytes of f32, 32 of f16 or bf16, 16 of i8 or
+/// the memory its contract names: the 16 lanes (64 bytes of f32, 32 of f16 or bf16, 16 of
 /// nibble pairs) at the pointer given, unaligned. Callers of the `unsafe` methods guarantee that
 /// this memory is valid.
 pub(crate) unsafe trait Vec16: Copy {
@@ -132,10 +132,6 @@ pub(crate) unsafe trait Vec16: Copy {
     /// # Safety
     /// `p` valid for 32 bytes.
     unsafe fn load_bf16(p: *const u8) -> Self;
-    /// 16 signed bytes.
-    /// # Safety
-    /// `p` valid for 16 bytes.
-    unsafe fn load_i8(p: *const u8) -> Self;
     /// 16 bytes of two 4-bit codes each: (low, high).
     /// # Safety
     /// `p` valid for 16 bytes.

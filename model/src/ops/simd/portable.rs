@@ -36,10 +36,6 @@ unsafe impl Vec16 for [f32; LANES] {
         // SAFETY: the trait's contract: the memory at the pointer holds the lanes read or written.
         std::array::from_fn(|l| unsafe { (p as *const half::bf16).add(l).read_unaligned() }.to_f32())
     }
-    unsafe fn load_i8(p: *const u8) -> Self {
-        // SAFETY: the trait's contract: the memory at the pointer holds the lanes read or written.
-        std::array::from_fn(|l| unsafe { *p.add(l) } as i8 as f32)
-    }
     unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
         // SAFETY: the trait's contract: the memory at the pointer holds the lanes read or written.
         let byte = |l: usize| unsafe { *p.add(l) };

@@ -1,0 +1,352 @@
+//! q8_0 products on integers, as llama.cpp takes them: the activations quantized to q8_0 too
+//! (per row and block of 32 positions, `d = max|x| / 127` and codes `q = round(x · (1/d))`, half
+//! away from zero), each block's product `Σ q·w` summed exactly in 32-bit integers, then
+//! `y += Σ q·w · (d_x · d_w)` in f32, block after block along `k` (`Σ q·w · s` as one fused
+//! multiply-add, `s = d_x · d_w` rounded first). An integer dot product takes 64 byte products per
+//! AVX512-VNNI instruction (`vpdpbusd`) against 16 f32 ones per fused multiply-add, and the weights
+//! are never widened: at 16-64 rows (batched decode, prefill) the f32-activation kernel was slower
+//! with q8_0 weights than with f32 ones (`BENCHMARKS.md`).
+//!
+//! Every instruction set gives the same bits: the integer sums are exact (at most 32 · 255 · 127 in
+//! magnitude) and exact in f32 (under 2^24), and the f32 steps are the same operations in the same
+//! order. Rows are quantized independently, so a row decodes the same alone or in a batch.
+//!
+//! Layout (set by `PackedMatrix::from_qtensor`): in a q8_0 block of a panel, the 16 columns'
+//! codes for positions `4g..4g + 4` are one 64-byte line, column after column, each column's four
+//! positions adjacent (byte `64g + 4c + r` is column `c` at position `4g + r`): the order in which
+//! `vpdpbusd` sums four byte products into each 32-bit lane. The 16 f16 scales follow.
+//!
+//! `vpdpbusd` multiplies unsigned bytes by signed ones; the weights are read as `w + 128` (their
+//! top bit flipped in the register) and `128 · Σq`, computed with the activations' codes, is taken
+//! off where each block's sum starts.
+
+use std::mem::MaybeUninit;
+
+use super::{kernel, Epilogue, PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
+use crate::ops::simd::{Kernel, Vec16};
+
+/// Bytes of a q8_0 block in a panel: 16 columns x 32 codes, then 16 f16 scales.
+const BLOCK_BYTES: usize = LANES * BLOCK + 2 * LANES;
+
+/// Byte offset, within its block, of the code of column `lane` at position `t` (`0..32`).
+pub(super) fn code_offset(t: usize, lane: usize) -> usize {
+    t / 4 * 64 + lane * 4 + t % 4
+}
+
+/// Activations `(m, k)` quantized to q8_0 blocks (`k` a multiple of 32).
+pub(super) struct Q8Rows {
+    codes: Vec<i8>,
+    /// `d` per row and block.
+    scales: Vec<f32>,
+    /// `-128 · Σq` per row and block: where the unsigned-weight sum starts.
+    offsets: Vec<i32>,
+}
+
+impl Q8Rows {
+    /// `x`'s rows of `k` in q8_0 blocks, on `simd`'s instructions (the same values on any).
+    pub(super) fn new(x: &[f32], k: usize, simd: Simd) -> Self {
+        let blocks = x.len() / BLOCK;
+        debug_assert!(k.is_multiple_of(BLOCK) && x.len().is_multiple_of(k.max(1)));
+        let mut q = Self {
+            codes: vec![0i8; x.len()],
+            scales: vec![0f32; blocks],
+            offsets: vec![0i32; blocks],
+        };
+        simd.run(Quantize { x, q: &mut q });
+        q
+    }
+}
+
+/// [`Q8Rows::new`] as plain Rust for [`Simd::run`] to vectorise (a pass that took as long as the
+/// product itself at 4 rows when it ran unvectorised).
+struct Quantize<'a> {
+    x: &'a [f32],
+    q: &'a mut Q8Rows,
+}
+
+impl Kernel for Quantize<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Vec16>(self) {
+        let q = self.q;
+        let blocks = self.x.chunks_exact(BLOCK).zip(q.codes.chunks_exact_mut(BLOCK));
+        for ((block, codes), (scale, offset)) in blocks.zip(q.scales.iter_mut().zip(q.offsets.iter_mut())) {
+            let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let finite = block.iter().fold(true, |a, v| a & v.is_finite());
+            if !finite {
+                // The product is not a number, as in f32 (codes stay zero: `0 · NaN` is NaN).
+                (*scale, *offset) = (f32::NAN, 0);
+                continue;
+            }
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (c, &v) in codes.iter_mut().zip(block) {
+                let code = (v * inv).round().clamp(-127.0, 127.0) as i32;
+                *c = code as i8;
+                sum += code;
+            }
+            (*scale, *offset) = (d, -128 * sum);
+        }
+    }
+}
+
+/// Whether this CPU has AVX512-VNNI beside [`Simd::Avx512`] (detected once).
+fn vnni() -> bool {
+    static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    #[cfg(target_arch = "x86_64")]
+    return *VNNI.get_or_init(|| Simd::Avx512.is_available() && std::is_x86_feature_detected!("avx512vnni"));
+    #[cfg(not(target_arch = "x86_64"))]
+    return *VNNI.get_or_init(|| false);
+}
+
+/// One task: columns `col0..col0 + 32` (two panels) of every row.
+struct Task<'a> {
+    q: &'a Q8Rows,
+    y: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    panels: *const u8,
+    panel_bytes: usize,
+    col0: usize,
+    accumulate: bool,
+}
+
+/// `y = x @ W^T` (`y += ` with `accumulate`) for q8_0 `W`, then the epilogue, over candle's thread
+/// pool, a task per two panels; every element of `y` is written. `k > 0`, a multiple of 32.
+pub(super) fn run(
+    w: &PackedMatrix,
+    x: &[f32],
+    y: &mut [MaybeUninit<f32>],
+    m: usize,
+    simd: Simd,
+    ep: Epilogue,
+    accumulate: bool,
+) {
+    debug_assert!(x.len() == m * w.k && y.len() == m * w.n && w.k.is_multiple_of(BLOCK));
+    let q = Q8Rows::new(x, w.k, simd);
+    let panel_bytes = super::panel_bytes(w.format, w.k);
+    let groups = w.n.div_ceil(LANES * GROUP);
+    let (y_at, w_at) = (y.as_mut_ptr() as usize, w.bytes().as_ptr() as usize);
+    let vnni = simd == Simd::Avx512 && vnni();
+    candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
+        for g in range {
+            let t = Task {
+                q: &q,
+                y: y_at as *mut f32,
+                m,
+                n: w.n,
+                k: w.k,
+                panels: (w_at + g * GROUP * panel_bytes) as *const u8,
+                panel_bytes,
+                col0: g * GROUP * LANES,
+                accumulate,
+            };
+            // Tasks write disjoint columns of `y`; the panels of group `g` exist (the matrix is
+            // padded to whole groups).
+            #[cfg(target_arch = "x86_64")]
+            if vnni {
+                // SAFETY: AVX-512 and VNNI available (checked once above); the task's operands
+                // lie within `q`, the panels and `y`, its columns its own.
+                unsafe { avx512_vnni::task(&t) };
+            } else {
+                simd.run(Portable(&t));
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            simd.run(Portable(&t));
+            // SAFETY: this task's columns, written above.
+            unsafe { kernel::epilogue(ep, simd, t.y, m, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
+        }
+    });
+}
+
+/// A task in plain Rust (vectorised for the instruction set [`Simd::run`] compiles it for): the
+/// definition, and the kernel where there is no VNNI.
+struct Portable<'a, 'b>(&'a Task<'b>);
+
+impl Kernel for Portable<'_, '_> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Vec16>(self) {
+        let t = self.0;
+        let cols = (t.n - t.col0).min(GROUP * LANES);
+        let blocks = t.k / BLOCK;
+        for i in 0..t.m {
+            let codes = &t.q.codes[i * t.k..(i + 1) * t.k];
+            for j in 0..GROUP {
+                if j * LANES >= cols {
+                    break;
+                }
+                // SAFETY: panel `j` of this task holds `blocks` blocks (the caller's contract).
+                let panel =
+                    unsafe { std::slice::from_raw_parts(t.panels.add(j * t.panel_bytes), blocks * BLOCK_BYTES) };
+                // SAFETY: row `i`'s columns of this task, its own.
+                let y = unsafe { t.y.add(i * t.n + t.col0 + j * LANES) };
+                let lanes = (cols - j * LANES).min(LANES);
+                let mut acc = [0f32; LANES];
+                if t.accumulate {
+                    // SAFETY: as above; initialised when accumulating (the caller's contract).
+                    unsafe { std::ptr::copy_nonoverlapping(y, acc.as_mut_ptr(), lanes) };
+                }
+                for (b, block) in panel.chunks_exact(BLOCK_BYTES).enumerate() {
+                    let x = &codes[b * BLOCK..(b + 1) * BLOCK];
+                    let mut dots = [0i32; LANES];
+                    for (g, line) in block[..LANES * BLOCK].chunks_exact(64).enumerate() {
+                        for (c, dot) in dots.iter_mut().enumerate() {
+                            for r in 0..4 {
+                                *dot += x[4 * g + r] as i32 * line[4 * c + r] as i8 as i32;
+                            }
+                        }
+                    }
+                    let dx = t.q.scales[i * blocks + b];
+                    let scales = &block[LANES * BLOCK..];
+                    for c in 0..LANES {
+                        let dw = half::f16::from_le_bytes([scales[2 * c], scales[2 * c + 1]]).to_f32();
+                        acc[c] = (dots[c] as f32).mul_add(dx * dw, acc[c]);
+                    }
+                }
+                // SAFETY: as above.
+                unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), y, lanes) };
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512_vnni {
+    use std::arch::x86_64::*;
+
+    use super::{Task, BLOCK, BLOCK_BYTES, GROUP, LANES, PREFETCH};
+
+    /// Rows per register tile: `R x 2` f32 accumulators and as many integer sums, two weight
+    /// vectors and a broadcast: 29 of the 32 registers at 6.
+    const ROWS: usize = 6;
+
+    /// Blocks along `k` per chunk when several row tiles share a task's panels: the two panels'
+    /// chunk (2 x 8 x 544 B, 8.5 KiB) stays in L1 while every tile passes over it.
+    const CHUNK: usize = 8;
+
+    /// Every row of one task, in tiles of (nearly) equal height; with several tiles, `k` in
+    /// chunks that every tile passes over in turn, each tile's outputs kept in `y` between
+    /// chunks (the same operations in the same order: the same bits). The first tile prefetches
+    /// the panels ahead, the others find them in cache.
+    ///
+    /// # Safety
+    /// AVX-512F/BW, VNNI, F16C available; the task's operands valid, its columns its own.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn task(t: &Task) {
+        let tiles = t.m.div_ceil(ROWS);
+        let (height, taller) = (t.m / tiles, t.m % tiles);
+        let blocks = t.k / BLOCK;
+        let chunk = if tiles > 1 { CHUNK } else { blocks };
+        for b0 in (0..blocks).step_by(chunk) {
+            let span = (b0, (b0 + chunk).min(blocks), t.accumulate || b0 > 0);
+            let mut i0 = 0;
+            for tile in 0..tiles {
+                let rows = height + usize::from(tile < taller);
+                let prefetch = if tile == 0 { PREFETCH } else { 0 };
+                // SAFETY: the caller's contract; rows `i0..i0 + rows` exist.
+                unsafe {
+                    match rows {
+                        6 => rows_tile::<6>(t, i0, span, prefetch),
+                        5 => rows_tile::<5>(t, i0, span, prefetch),
+                        4 => rows_tile::<4>(t, i0, span, prefetch),
+                        3 => rows_tile::<3>(t, i0, span, prefetch),
+                        2 => rows_tile::<2>(t, i0, span, prefetch),
+                        _ => rows_tile::<1>(t, i0, span, prefetch),
+                    }
+                }
+                i0 += rows;
+            }
+        }
+    }
+
+    /// Rows `i0..i0 + R` times the task's two panels over blocks `b0..b1` of `k`, from the
+    /// outputs in `y` if `accumulate`, from zero otherwise.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
+    unsafe fn rows_tile<const R: usize>(
+        t: &Task,
+        i0: usize,
+        (b0, b1, accumulate): (usize, usize, bool),
+        prefetch: usize,
+    ) {
+        let cols = (t.n - t.col0).min(GROUP * LANES);
+        let blocks = t.k / BLOCK;
+        // SAFETY: the caller's contract (`task`'s): every pointer below is within the rows of the
+        // quantized activations, the task's panels, or its columns of `y`.
+        unsafe {
+            let flip = _mm512_set1_epi8(-128);
+            let mut acc = [[_mm512_setzero_ps(); GROUP]; R];
+            let y = |i: usize| t.y.add((i0 + i) * t.n + t.col0);
+            if accumulate {
+                for i in 0..R {
+                    for j in 0..GROUP {
+                        acc[i][j] = load_cols(y(i).add(j * LANES), cols.saturating_sub(j * LANES));
+                    }
+                }
+            }
+            let codes = t.q.codes.as_ptr().add(i0 * t.k);
+            let (scales, offsets) = (
+                t.q.scales.as_ptr().add(i0 * blocks),
+                t.q.offsets.as_ptr().add(i0 * blocks),
+            );
+            for b in b0..b1 {
+                let block: [*const u8; GROUP] =
+                    std::array::from_fn(|j| t.panels.add(j * t.panel_bytes + b * BLOCK_BYTES));
+                if prefetch > 0 {
+                    for p in block {
+                        for line in 0..BLOCK_BYTES.div_ceil(64) {
+                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(prefetch + 64 * line) as *const i8);
+                        }
+                    }
+                }
+                let mut dots = [[_mm512_setzero_si512(); GROUP]; R];
+                for i in 0..R {
+                    let start = _mm512_set1_epi32(*offsets.add(i * blocks + b));
+                    dots[i] = [start; GROUP];
+                }
+                for g in 0..BLOCK / 4 {
+                    let w: [__m512i; GROUP] = std::array::from_fn(|j| {
+                        _mm512_xor_si512(_mm512_loadu_si512(block[j].add(64 * g) as *const _), flip)
+                    });
+                    for i in 0..R {
+                        let x =
+                            _mm512_set1_epi32((codes.add(i * t.k + b * BLOCK + 4 * g) as *const i32).read_unaligned());
+                        for j in 0..GROUP {
+                            dots[i][j] = _mm512_dpbusd_epi32(dots[i][j], w[j], x);
+                        }
+                    }
+                }
+                let dw: [__m512; GROUP] = std::array::from_fn(|j| {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(block[j].add(LANES * BLOCK) as *const _))
+                });
+                for i in 0..R {
+                    let dx = _mm512_set1_ps(*scales.add(i * blocks + b));
+                    for j in 0..GROUP {
+                        acc[i][j] =
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i][j]), _mm512_mul_ps(dx, dw[j]), acc[i][j]);
+                    }
+                }
+            }
+            for i in 0..R {
+                for j in 0..GROUP {
+                    let lanes = cols.saturating_sub(j * LANES).min(LANES);
+                    if lanes == LANES {
+                        _mm512_storeu_ps(y(i).add(j * LANES), acc[i][j]);
+                    } else if lanes > 0 {
+                        _mm512_mask_storeu_ps(y(i).add(j * LANES), (1u32 << lanes) as u16 - 1, acc[i][j]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The first `cols` (up to 16) values at `p`, zeros after them.
+    #[inline(always)]
+    unsafe fn load_cols(p: *const f32, cols: usize) -> __m512 {
+        // SAFETY: `p` holds `cols.min(16)` values (the caller's contract).
+        unsafe { _mm512_maskz_loadu_ps(((1u32 << cols.min(LANES)) - 1) as u16, p) }
+    }
+}
