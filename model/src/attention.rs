@@ -13,8 +13,9 @@ use crate::config::Config;
 use crate::layers::{dropout, matmul, Autocast, Conv1D, Dropout};
 
 /// Keys and values of every layer for one sequence, so that decoding a token does not recompute
-/// the prompt. Positions continue from [`KvCache::len`].
-#[derive(Debug, Clone)]
+/// the prompt. Positions continue from [`KvCache::len`]. Its CPU buffers go back to the pool of
+/// [`set_kv_pool_limit`] when it is dropped or cleared.
+#[derive(Debug)]
 pub struct KvCache {
     layers: Vec<LayerKv>,
     len: usize,
@@ -28,7 +29,7 @@ impl KvCache {
     pub fn new(cfg: &Config) -> Self {
         let chunk = Self::CHUNK.min(cfg.n_positions);
         Self {
-            layers: vec![LayerKv::new(chunk); cfg.n_layer],
+            layers: (0..cfg.n_layer).map(|_| LayerKv::new(chunk)).collect(),
             len: 0,
         }
     }
@@ -65,17 +66,24 @@ impl KvCache {
     }
 
     /// An independent copy holding the same positions: the way to share one prefilled prompt
-    /// between several continuations. (`Clone` would share storage: appending writes into the
-    /// buffers in place, so two clones would overwrite each other.)
+    /// between several continuations. (There is no `Clone`: appending writes into the buffers in
+    /// place, so two caches sharing them would overwrite each other.)
     pub fn fork(&self) -> candle_core::Result<Self> {
         self.prefix(self.len)
     }
 
-    /// A cache like this one with nothing in it.
+    /// A cache like this one (its chunk, what it reserved) with nothing in it.
     pub fn empty_like(&self) -> Self {
-        let mut empty = self.clone();
-        empty.clear();
-        empty
+        Self {
+            layers: (self.layers.iter())
+                .map(|l| {
+                    let mut empty = LayerKv::new(l.chunk);
+                    empty.want = l.want;
+                    empty
+                })
+                .collect(),
+            len: 0,
+        }
     }
 
     /// Keeps the first `len` positions only (a step that failed half-way is undone this way).
@@ -91,13 +99,14 @@ impl KvCache {
         self.copy(len, false)
     }
 
-    /// A copy of the positions held in buffers of exactly their size (a copy that is kept but
-    /// not grown, as the server's prefix store does: smaller, and quicker to allocate).
+    /// A copy of the positions held in as few whole chunks as hold them, without the room
+    /// reserved beyond (a copy that is kept but not grown, as the server's prefix store does).
     pub fn compact(&self) -> candle_core::Result<Self> {
         self.copy(self.len, true)
     }
 
-    /// Copies of the first `len` positions, in buffers of exactly `len` positions when `exact`.
+    /// Copies of the first `len` positions, in buffers of as few chunks as hold them when
+    /// `exact`, else with the room reserved.
     fn copy(&self, len: usize, exact: bool) -> candle_core::Result<Self> {
         let len = len.min(self.len);
         Ok(Self {
@@ -127,7 +136,11 @@ impl KvCache {
 /// copy, narrow, for keys and values): 1.9 ms of a 30 ms decode step at batch 16 in a profile.
 /// Here a batched CPU step writes every sequence's new rows straight from the fused projection
 /// ([`LayerKv::write_rows`]); `append` remains for the other devices.
-#[derive(Debug, Clone)]
+///
+/// Buffers are whole chunks of positions, taken from the pool of [`set_kv_pool_limit`] when it
+/// has some of the size and returned to it when dropped, so that a server's sequences reuse a
+/// few sizes of buffer rather than asking the allocator for new ones of every size.
+#[derive(Debug)]
 pub(crate) struct LayerKv {
     buffers: Option<(Tensor, Tensor)>,
     len: usize,
@@ -152,7 +165,9 @@ impl LayerKv {
     }
 
     fn clear(&mut self) {
-        self.buffers = None;
+        if let Some((k, v)) = self.buffers.take() {
+            pool::put(k, v);
+        }
         self.len = 0;
     }
 
@@ -177,7 +192,8 @@ impl LayerKv {
         Ok(())
     }
 
-    /// Buffers of exactly `room` positions, holding what these held.
+    /// Buffers of at least `room` positions (from the pool, or new), holding what these held;
+    /// these go back to the pool.
     fn reallocate(
         &mut self,
         room: usize,
@@ -186,13 +202,20 @@ impl LayerKv {
         dtype: candle_core::DType,
         device: &candle_core::Device,
     ) -> candle_core::Result<()> {
-        let fresh = || Tensor::zeros((n_head, room, head_dim), dtype, device);
-        let (k, v) = (fresh()?, fresh()?);
+        let (k, v) = match pool::take(dtype, device, n_head, room, head_dim) {
+            Some(pair) => pair,
+            None => {
+                let fresh = || Tensor::zeros((n_head, room, head_dim), dtype, device);
+                (fresh()?, fresh()?)
+            }
+        };
         if let (Some((old_k, old_v)), true) = (&self.buffers, self.len > 0) {
             k.slice_set(&old_k.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
             v.slice_set(&old_v.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
         }
-        self.buffers = Some((k, v));
+        if let Some((old_k, old_v)) = self.buffers.replace((k, v)) {
+            pool::put(old_k, old_v);
+        }
         Ok(())
     }
 
@@ -263,11 +286,120 @@ impl LayerKv {
         }
         if let (Some((k, v)), true) = (&self.buffers, len > 0) {
             let (n_head, _, head_dim) = k.dims3()?;
-            let room = if exact { len } else { copy.rounded(len) };
+            let room = if exact {
+                len.div_ceil(self.chunk) * self.chunk
+            } else {
+                copy.rounded(len)
+            };
             copy.reallocate(room, n_head, head_dim, k.dtype(), k.device())?;
             copy.append(&k.narrow(1, 0, len)?.contiguous()?, &v.narrow(1, 0, len)?.contiguous()?)?;
         }
         Ok(copy)
+    }
+}
+
+impl Drop for LayerKv {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+/// Keeps up to `bytes` of freed CPU KV-cache buffers for reuse (0, the default, keeps none).
+///
+/// A server allocates a sequence's keys and values at its start and frees them at its end, tens
+/// of times a second, in many sizes (prompt and output lengths, prefix-cache copies, forks for
+/// `n` and beams): glibc's heap then fragments and its resident size creeps up (two steps of
+/// ~5 MB in a 30-minute soak, `BENCHMARKS.md`), and handing pages back (`malloc_trim`) made them
+/// fault in again at every allocation. Buffers are whole chunks of positions, so a few sizes
+/// serve every sequence: kept here, they are taken again as they are (never cleared: only the
+/// positions a cache holds are ever read). What the pool keeps is memory the sequences held at
+/// once at some moment, so it is bounded by their peak as well as by `bytes`.
+pub fn set_kv_pool_limit(bytes: usize) {
+    pool::set_limit(bytes)
+}
+
+/// Bytes of freed KV-cache buffers the pool keeps now.
+pub fn kv_pool_bytes() -> usize {
+    pool::bytes()
+}
+
+/// The pool of [`set_kv_pool_limit`]: pairs of key and value buffers by dtype and shape, a
+/// process-wide list (tens of entries; a lookup is a scan).
+mod pool {
+    use std::sync::Mutex;
+
+    use candle_core::{DType, Device, Tensor};
+
+    struct Pool {
+        free: Vec<(Tensor, Tensor)>,
+        bytes: usize,
+        limit: usize,
+    }
+
+    static POOL: Mutex<Pool> = Mutex::new(Pool {
+        free: Vec::new(),
+        bytes: 0,
+        limit: 0,
+    });
+
+    fn lock() -> std::sync::MutexGuard<'static, Pool> {
+        // A panic elsewhere while holding the lock leaves the list consistent (each change is
+        // one push or one removal): carry on with it.
+        POOL.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn size(k: &Tensor) -> usize {
+        2 * k.elem_count() * k.dtype().size_in_bytes()
+    }
+
+    pub(super) fn set_limit(bytes: usize) {
+        let mut pool = lock();
+        pool.limit = bytes;
+        while pool.bytes > pool.limit {
+            let Some((k, _)) = pool.free.pop() else { break };
+            pool.bytes -= size(&k);
+        }
+    }
+
+    pub(super) fn bytes() -> usize {
+        lock().bytes
+    }
+
+    /// A pair of `(n_head, r, head_dim)` buffers with `room <= r < 2 room`, the smallest kept.
+    pub(super) fn take(
+        dtype: DType,
+        device: &Device,
+        n_head: usize,
+        room: usize,
+        head_dim: usize,
+    ) -> Option<(Tensor, Tensor)> {
+        if !device.is_cpu() {
+            return None;
+        }
+        let mut pool = lock();
+        let fits = |k: &Tensor| {
+            let dims = k.dims();
+            k.dtype() == dtype && dims[0] == n_head && dims[2] == head_dim && dims[1] >= room && dims[1] < 2 * room
+        };
+        let best = (pool.free.iter().enumerate())
+            .filter(|(_, (k, _))| fits(k))
+            .min_by_key(|(_, (k, _))| k.dims()[1])
+            .map(|(i, _)| i)?;
+        let pair = pool.free.swap_remove(best);
+        pool.bytes -= size(&pair.0);
+        Some(pair)
+    }
+
+    /// Keeps `k` and `v` if there is room under the limit (CPU buffers only).
+    pub(super) fn put(k: Tensor, v: Tensor) {
+        if !k.device().is_cpu() || k.dims().len() != 3 {
+            return;
+        }
+        let mut pool = lock();
+        if pool.bytes + size(&k) <= pool.limit {
+            pool.bytes += size(&k);
+            pool.free.push((k, v));
+        }
     }
 }
 

@@ -48,6 +48,8 @@ pub struct ServerConfig {
     pub cors_origins: Vec<String>,
     /// MiB of KV cache kept for prefix caching (0: off).
     pub prefix_cache_mib: usize,
+    /// MiB of freed KV-cache buffers kept for the next sequences (`gpt::set_kv_pool_limit`).
+    pub kv_pool_mib: usize,
     /// How the CPU's products with f32 or bf16 weights round (`high`: bf16 products on AMX tiles).
     pub matmul_precision: gpt::MatmulPrecision,
     /// A request running longer is ended (`None`: no limit).
@@ -70,6 +72,7 @@ impl Default for ServerConfig {
             chat_template: None,
             cors_origins: Vec::new(),
             prefix_cache_mib: 256,
+            kv_pool_mib: 512,
             matmul_precision: gpt::MatmulPrecision::Highest,
             request_timeout: Some(std::time::Duration::from_secs(600)),
             stream_timeout: std::time::Duration::from_secs(60),
@@ -178,6 +181,7 @@ pub fn load_state(
         cfg.matmul_precision,
         cfg.model_name
     ));
+    gpt::set_kv_pool_limit(cfg.kv_pool_mib << 20);
     let engine = Engine::start(
         model,
         (*tokenizer).clone(),

@@ -24,6 +24,8 @@ pub struct Metrics {
     pub prefix_cache_hits: IntCounter,
     pub prefix_cache_reused_tokens: IntCounter,
     pub prefix_cache_bytes: IntGauge,
+    /// Freed KV-cache bytes kept for reuse (`--kv-pool-mib`).
+    pub kv_pool_bytes: IntGauge,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
 }
@@ -59,6 +61,7 @@ impl Metrics {
             "Prompt tokens not prefilled, their KV cache reused",
         )?;
         let prefix_cache_bytes = IntGauge::new("gpt_prefix_cache_bytes", "KV cache bytes held by the prefix cache")?;
+        let kv_pool_bytes = IntGauge::new("gpt_kv_pool_bytes", "Freed KV cache bytes kept for the next sequences")?;
         let latency_buckets = vec![
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ];
@@ -86,6 +89,7 @@ impl Metrics {
         registry.register(Box::new(prefix_cache_hits.clone()))?;
         registry.register(Box::new(prefix_cache_reused_tokens.clone()))?;
         registry.register(Box::new(prefix_cache_bytes.clone()))?;
+        registry.register(Box::new(kv_pool_bytes.clone()))?;
         registry.register(Box::new(time_to_first_token.clone()))?;
         registry.register(Box::new(inter_token_latency.clone()))?;
         Ok(Self {
@@ -103,6 +107,7 @@ impl Metrics {
             prefix_cache_hits,
             prefix_cache_reused_tokens,
             prefix_cache_bytes,
+            kv_pool_bytes,
             time_to_first_token,
             inter_token_latency,
         })

@@ -1,0 +1,87 @@
+//! The pool of freed KV-cache buffers (`gpt::set_kv_pool_limit`): dropped caches' buffers are
+//! kept up to the limit and taken again, holding another sequence's keys and values, without
+//! changing any result. One test in its own binary, as the pool is process-wide.
+
+mod common;
+
+use candle_core::Tensor;
+use common::{random_model, tokens};
+use gpt::{Config, Gpt, KvCache, LogitsFor, SeqStep};
+
+/// Prefills `prompt` then decodes `steps` given tokens one at a time; every step's logits.
+fn run(model: &Gpt, cache: &mut KvCache, prompt: &[u32], steps: &[u32]) -> anyhow::Result<Vec<Vec<f32>>> {
+    let mut out = Vec::new();
+    let step = |ids: &[u32], cache: &mut KvCache| -> anyhow::Result<Tensor> {
+        Ok(model.forward_step(&mut [SeqStep { tokens: ids, cache }], LogitsFor::Last)?)
+    };
+    out.push(step(prompt, cache)?.flatten_all()?.to_vec1::<f32>()?);
+    for id in steps {
+        out.push(step(std::slice::from_ref(id), cache)?.flatten_all()?.to_vec1::<f32>()?);
+    }
+    Ok(out)
+}
+
+#[test]
+fn freed_buffers_are_kept_to_the_limit_and_reused_without_changing_results() -> anyhow::Result<()> {
+    let cfg = Config {
+        n_positions: 256,
+        ..Config::tiny(97)
+    };
+    let (_vm, model) = random_model(&cfg)?;
+    let (prompt, steps) = (tokens(40, cfg.vocab_size, 1), tokens(30, cfg.vocab_size, 2));
+
+    // Without a pool: the reference, and nothing kept.
+    gpt::set_kv_pool_limit(0);
+    let mut fresh = model.new_cache();
+    fresh.reserve(prompt.len() + steps.len())?;
+    let reference = run(&model, &mut fresh, &prompt, &steps)?;
+    drop(fresh);
+    assert_eq!(gpt::kv_pool_bytes(), 0);
+
+    gpt::set_kv_pool_limit(64 << 20);
+    // A cache filled with other tokens, dropped: its buffers (holding its keys and values) are
+    // kept, 2 x layers x heads x room x head_dim f32 in all.
+    let mut other = model.new_cache();
+    other.reserve(prompt.len() + steps.len())?;
+    run(
+        &model,
+        &mut other,
+        &tokens(60, cfg.vocab_size, 9),
+        &tokens(10, cfg.vocab_size, 8),
+    )?;
+    drop(other);
+    let kept = gpt::kv_pool_bytes();
+    let room = 128; // 70 positions in chunks of 64
+    assert_eq!(kept, 2 * cfg.n_layer * cfg.n_embd * room * 4);
+
+    // The next cache takes them (the pool empties) and computes the same bits over them.
+    let mut reused = model.new_cache();
+    reused.reserve(prompt.len() + steps.len())?;
+    let again = run(&model, &mut reused, &prompt, &steps)?;
+    assert_eq!(gpt::kv_pool_bytes(), 0, "the buffers were taken from the pool");
+    assert_eq!(again, reference);
+
+    // Forks, truncation and compact copies take from and give back to the pool, and keep their
+    // results: a fork of the prompt continued with the same steps gives the same logits.
+    let mut base = model.new_cache();
+    run(&model, &mut base, &prompt, &[])?;
+    let mut fork = base.fork()?;
+    let forked = run(&model, &mut fork, &steps[..1], &steps[1..])?;
+    assert_eq!(forked, reference[1..]);
+    fork.truncate(prompt.len())?;
+    let mut compacted = fork.compact()?.prefix(prompt.len())?;
+    assert_eq!(run(&model, &mut compacted, &steps[..1], &steps[1..])?, forked);
+
+    // At most the limit is kept; lowering it lets the rest go.
+    drop((reused, base, fork, compacted));
+    assert!(gpt::kv_pool_bytes() > 0);
+    gpt::set_kv_pool_limit(kept);
+    assert!(gpt::kv_pool_bytes() <= kept);
+    gpt::set_kv_pool_limit(0);
+    assert_eq!(gpt::kv_pool_bytes(), 0);
+    let mut last = model.new_cache();
+    run(&model, &mut last, &prompt, &[])?;
+    drop(last);
+    assert_eq!(gpt::kv_pool_bytes(), 0);
+    Ok(())
+}
