@@ -58,6 +58,28 @@ pub fn tune_cpu_allocator() {
     }
 }
 
+/// The allocator for a long-running server: blocks of 1 MiB or more (request-sized transients:
+/// a long prompt's activations and logits, attention maps, large response bodies) are mapped
+/// for each use and handed back to the OS when freed, everything smaller comes from the heap,
+/// which is trimmed only when 64 MiB lie free at its top. [`tune_cpu_allocator`]'s
+/// settings (every block under 32 MiB kept in the heap, never trimmed) suit training's steps of
+/// one shape; under a server's mixed load the heap kept the peak of every burst and fragmented,
+/// and its resident size crept up through a 30-minute soak (`BENCHMARKS.md`). A fixed threshold
+/// also stops glibc raising it to the size of each large block freed. The per-step tensors of a
+/// batched decode stay under 1 MiB for GPT-2 small (its 16-row logits, 3.2 MB, are mapped). Set
+/// `MALLOC_MMAP_THRESHOLD_` to choose another threshold.
+pub fn tune_cpu_allocator_for_serving() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
+        // SAFETY: mallopt only changes glibc's allocation thresholds; called before any threads
+        // start.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
+        }
+    }
+}
+
 /// Fixes candle's CPU thread count for the process. Unless `RAYON_NUM_THREADS` is set, candle
 /// asks the OS for the core count (reading /proc/cpuinfo) on every matmul: a third of a batched
 /// decode step in a profile. Call at the start of `main`, before any other thread exists.

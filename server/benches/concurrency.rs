@@ -54,7 +54,7 @@ async fn stream(
 }
 
 fn main() -> anyhow::Result<()> {
-    gpt::device::tune_cpu_allocator();
+    gpt::device::tune_cpu_allocator_for_serving();
     gpt::device::fix_cpu_thread_count(); // as gpt-server does
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

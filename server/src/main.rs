@@ -135,7 +135,7 @@ async fn shutdown_signal() {
 
 fn main() -> Result<()> {
     // Process-wide settings first, while this is the only thread.
-    gpt::device::tune_cpu_allocator();
+    gpt::device::tune_cpu_allocator_for_serving();
     gpt::device::fix_cpu_thread_count();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
