@@ -13,7 +13,7 @@
 # draws output tokens/s and inter-token latency against request rate for both (docs/guidellm.png)
 # and prints the Markdown tables of BENCHMARKS.md.
 #
-#   bash bench/guidellm.sh                        # everything (about 30 minutes on 2 cores)
+#   bash bench/guidellm.sh                        # everything (about 50 minutes on 2 cores)
 #   SERVERS=gpt-server ...                        # one server only (no llama.cpp build)
 #   CHECKPOINT=weights SERVERS=gpt-server WEIGHTS=f32 PROFILES=concurrent STREAMS=4 DURATION=20 \
 #     OUT=target/bench/guidellm-ci PLOT=target/bench/guidellm-ci/plot.png bash bench/guidellm.sh  # CI
@@ -26,7 +26,7 @@ weights=${WEIGHTS:-f32 q8_0}
 servers=${SERVERS:-gpt-server llama-server}
 profiles=${PROFILES:-sweep concurrent}
 streams=${STREAMS:-1,4,16,64}
-duration=${DURATION:-25}                    # seconds per sweep step
+duration=${DURATION:-60}                    # seconds per sweep step (25 s held 20-80 requests: a p99 of few)
 concurrent_duration=${DURATION:-45}         # per concurrency (64 streams need a few rounds)
 sweep_size=${SWEEP_SIZE:-7}
 prompt_tokens=${PROMPT_TOKENS:-128}
