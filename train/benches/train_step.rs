@@ -1,6 +1,6 @@
-//! Training-step benchmark on random tokens: median time of forward + backward (sharded over
-//! THREADS cores, default all, as gpt-train does), clipping and the AdamW update, and training
-//! tokens/s. Prints one JSON object.
+//! Training-step benchmark on random tokens: median time of forward + backward (on THREADS
+//! cores, default all, split as gpt-train's `--parallel auto` does, or PARALLEL=shards|ops),
+//! clipping and the AdamW update, and training tokens/s. Prints one JSON object.
 //!
 //!     [DEVICE=cpu|cuda] cargo bench -p gpt-train --bench train_step -- [recipe|shakespeare-char|gpt2] [BATCH] [BLOCK] [STEPS]
 //!
@@ -18,7 +18,7 @@ use candle_nn::VarMap;
 use gpt::{Config, Gpt};
 use gpt_train::init::seeded_var_builder;
 use gpt_train::optim::{clip_factor, AdamW, AdamWConfig};
-use gpt_train::step::accumulate_grads;
+use gpt_train::step::{accumulate_grads, Parallelism};
 use gpt_train::train::{cpu_threads, use_shard_parallelism};
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -29,7 +29,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 fn main() -> anyhow::Result<()> {
     gpt::device::tune_cpu_allocator();
     let threads = cpu_threads(std::env::var("THREADS").ok().and_then(|s| s.parse().ok()));
-    use_shard_parallelism(); // as gpt-train does
+    use_shard_parallelism(); // as gpt-train does, until the model's shape is known
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
     let shape = args.first().map(String::as_str).unwrap_or("recipe");
     let (mut cfg, batch, block) = match shape {
@@ -62,6 +62,18 @@ fn main() -> anyhow::Result<()> {
         Ok("bf16") => gpt::Autocast::Bf16,
         _ => gpt::Autocast::Off,
     };
+    // PARALLEL=shards|ops overrides gpt-train's automatic choice, to compare.
+    let parallel = match std::env::var("PARALLEL").as_deref() {
+        Ok("shards") => Parallelism::Shards,
+        Ok("ops") => Parallelism::Ops,
+        _ => Parallelism::Auto,
+    }
+    .resolve(&cfg);
+    let shards = if device.is_cpu() {
+        parallel.use_cpu_threads(threads)
+    } else {
+        1
+    };
     let varmap = VarMap::new();
     let model = Gpt::new(seeded_var_builder(&varmap, 0, &device), &cfg)?.with_autocast(autocast);
     let named = gpt_train::init::named_vars(&varmap)?;
@@ -82,7 +94,6 @@ fn main() -> anyhow::Result<()> {
         let t = Tensor::from_vec(ids, (batch, block + 1), &device)?;
         let (x, y) = (t.narrow(1, 0, block)?, t.narrow(1, 1, block)?);
         let t0 = Instant::now();
-        let shards = if device.is_cpu() { threads } else { 1 };
         let (_, g) = accumulate_grads(&model, &vars, &[(x, y)], shards, Default::default())?;
         let t1 = t0;
         let t2 = Instant::now();
@@ -107,6 +118,7 @@ fn main() -> anyhow::Result<()> {
             "device": gpt::device_name(&device),
             "autocast_bf16": model.autocast() == gpt::Autocast::Bf16,
             "threads": if device.is_cpu() { threads } else { 0 },
+            "parallel": format!("{parallel:?}").to_lowercase(),
             "batch_size": batch,
             "block_size": block,
             "parameters": model.num_parameters(),

@@ -57,10 +57,16 @@ pub struct TrainArgs {
     /// Complete checkpoints kept in OUT/checkpoints, the newest ones [default: 1].
     #[arg(long)]
     pub keep_last: Option<usize>,
-    /// CPU threads: each batch is split into this many shards trained in parallel; runs are
-    /// reproducible for a given value [default: all cores].
+    /// CPU threads; runs are reproducible for a given value (and --parallel) [default: all
+    /// cores].
     #[arg(long)]
     pub threads: Option<usize>,
+    /// How the CPU threads share a step: shards (each trains its own rows of the batch, with its
+    /// own copy of the gradients: best for small models), ops (every product, attention and
+    /// element-wise pass of one forward and backward split over them: one copy of the gradients)
+    /// or auto (ops from --n-embd 512 up) [default: auto].
+    #[arg(long, value_enum)]
+    pub parallel: Option<crate::step::Parallelism>,
     /// On a CUDA GPU, f32 matrix products in TF32 (tensor cores; PyTorch's `allow_tf32`, which
     /// nanoGPT sets) [default: true].
     #[arg(long)]

@@ -14,6 +14,51 @@ pub struct Objective {
     pub dropout_key: u64,
 }
 
+/// How the CPU's threads share a training step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Parallelism {
+    /// [`Parallelism::Ops`] for models of width 512 and more, else [`Parallelism::Shards`].
+    #[default]
+    Auto,
+    /// Each thread runs forward and backward on its own rows of the batch ([`accumulate_grads`]'
+    /// shards), products and all, and the gradients are summed: no synchronisation within the
+    /// pass, which small models' many small operations need, but a copy of every gradient per
+    /// thread.
+    Shards,
+    /// One forward and backward pass, each product, attention and element-wise pass split over
+    /// the threads (candle's thread pool, as inference runs): one copy of the gradients (GPT-2
+    /// small: 2.9 GB peak against 5.2 GB in two shards) and no sum of shards.
+    Ops,
+}
+
+impl Parallelism {
+    /// What `Auto` means for a model of this shape.
+    pub fn resolve(self, cfg: &gpt::Config) -> Self {
+        match self {
+            // Measured on 2 cores (BENCHMARKS.md): ops ahead at GPT-2 small (768), even with
+            // shards at 384 (with 2/3 of the memory), well behind at 128.
+            Self::Auto if cfg.n_embd >= 512 => Self::Ops,
+            Self::Auto => Self::Shards,
+            other => other,
+        }
+    }
+
+    /// Sizes candle's thread pools for `threads` CPU threads under this (resolved) choice, and
+    /// returns the number of shards a batch is split into. candle's rayon pool stays at one thread
+    /// in both (the ops it runs are small beside the products, and its threads would compete with
+    /// the pool's for the cores). Must run before the first product: the pool is sized once per
+    /// process (with another size already there, results stay the same, only the speed differs).
+    pub fn use_cpu_threads(self, threads: usize) -> usize {
+        let (shards, pool) = match self {
+            Self::Ops => (1, threads),
+            Self::Shards | Self::Auto => (threads, 1),
+        };
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+        std::env::set_var("CANDLE_NUM_THREADS", pool.to_string());
+        shards
+    }
+}
+
 /// Mean cross-entropy of next-token prediction over all positions of `(B, T)` windows, with
 /// label smoothing `eps`; `train` while training (dropout on, with masks from its key).
 pub fn loss(model: &Gpt, x: &Tensor, y: &Tensor, train: Option<Dropout>, eps: f32) -> Result<Tensor> {

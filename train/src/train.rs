@@ -46,7 +46,8 @@ pub struct Trainer {
     out: PathBuf,
     keep_last: usize,
     device: Device,
-    /// Training batches are split into this many shards, one thread each (1 on a GPU).
+    /// Training batches are split into this many shards, one thread each (1 on a GPU and with
+    /// `--parallel ops`).
     shards: usize,
     data: Dataset,
     model: Gpt,
@@ -91,7 +92,12 @@ impl Trainer {
         )?;
         let device = gpt::parse_device(&run.device)?;
         let data = prepare_data(&run, &tokenizer, &out)?;
-        let shards = if device.is_cpu() { cpu_threads(args.threads) } else { 1 };
+        let parallel = args.parallel.unwrap_or_default().resolve(&run.model);
+        let shards = if device.is_cpu() {
+            parallel.use_cpu_threads(cpu_threads(args.threads))
+        } else {
+            1
+        };
         if device.is_cuda() {
             candle_core::cuda::set_gemm_reduced_precision_f32(args.tf32.unwrap_or(true));
         }
@@ -116,7 +122,8 @@ impl Trainer {
         tracing::info!(
             parameters = model.num_parameters(),
             device = gpt::device_name(&device),
-            threads = shards,
+            threads = cpu_threads(args.threads),
+            parallel = ?parallel,
             matmul = ?model.autocast(),
             vocab = run.model.vocab_size,
             train_tokens = data.train.len(),
@@ -485,8 +492,8 @@ pub fn cpu_threads(requested: Option<usize>) -> usize {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
-/// Makes candle's own CPU thread pools single-threaded: training parallelises over batch shards
-/// instead (see [`accumulate_grads`]). Must run before candle's first operation.
+/// Makes candle's own CPU thread pools single-threaded until a run sizes them
+/// ([`crate::step::Parallelism::use_cpu_threads`]). Must run before candle's first operation.
 pub fn use_shard_parallelism() {
     for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
         std::env::set_var(var, "1");

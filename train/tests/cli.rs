@@ -144,6 +144,61 @@ fn resumed_run_matches(dropout: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--parallel ops` splits every pass over the threads in chunks that each give the bits they
+/// give alone, so a run is the same bit for bit on 1 or 2 threads; `--parallel shards` sums the
+/// shards' gradients instead (another order of the same sums), so its losses agree to rounding.
+#[test]
+fn parallel_ops_runs_give_the_same_bits_on_any_number_of_threads() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(40_000)?)?;
+    // Wide enough that the element-wise passes split into several chunks.
+    let shape = [
+        "--n-embd",
+        "128",
+        "--n-head",
+        "4",
+        "--batch-size",
+        "16",
+        "--block-size",
+        "64",
+        "--dropout",
+        "0.1",
+        "--max-iters",
+        "8",
+    ];
+    let run = |name: &str, parallel: &str, threads: &str| -> anyhow::Result<PathBuf> {
+        let out = dir.path().join(name);
+        let args = [&shape[..], &["--parallel", parallel, "--threads", threads]].concat();
+        let output = train(&corpus, &out, &args)?;
+        assert!(output.status.success(), "{name}: {}", stderr(&output));
+        Ok(out)
+    };
+    let (one, two, shards) = (
+        run("one", "ops", "1")?,
+        run("two", "ops", "2")?,
+        run("shards", "shards", "2")?,
+    );
+    let (l1, l2, ls) = (train_losses(&one)?, train_losses(&two)?, train_losses(&shards)?);
+    assert_eq!(l1.len(), 8);
+    assert_eq!(l1, l2, "ops on 1 and 2 threads");
+    let (fa, fb) = (
+        std::fs::read(one.join("latest/model.safetensors"))?,
+        std::fs::read(two.join("latest/model.safetensors"))?,
+    );
+    let (ta, tb) = (SafeTensors::deserialize(&fa)?, SafeTensors::deserialize(&fb)?);
+    assert!(ta.names().len() > 10);
+    for name in ta.names() {
+        assert!(
+            ta.tensor(name)?.data() == tb.tensor(name)?.data(),
+            "{name} after 8 steps"
+        );
+    }
+    for ((step, a), (_, b)) in l1.iter().zip(&ls) {
+        assert!((a - b).abs() < 1e-4 * a.abs(), "step {step}: ops {a} vs shards {b}");
+    }
+    Ok(())
+}
+
 #[test]
 fn a_short_run_beats_the_unigram_entropy_and_writes_its_outputs() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;

@@ -5,7 +5,7 @@
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::f32_slice;
+use super::{f32_slice, parallel};
 
 /// `x + b`, with `b` repeated over `x`: `b`'s shape is the trailing dimensions of `x` (a bias
 /// over rows, a position table over a batch). The gradient of `b` sums contiguous blocks.
@@ -18,12 +18,18 @@ impl CustomOp2 for AddTiled {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, b) = (f32_slice(s1, l1, "add-tiled")?, f32_slice(s2, l2, "add-tiled")?);
-        let mut y = vec![0f32; x.len()];
-        for (yb, xb) in y.chunks_exact_mut(b.len()).zip(x.chunks_exact(b.len())) {
-            for ((yv, &xv), &bv) in yb.iter_mut().zip(xb).zip(b) {
-                *yv = xv + bv;
-            }
+        if b.is_empty() || x.len() % b.len() != 0 {
+            candle_core::bail!("add-tiled: {:?} + {:?}", l1.dims(), l2.dims())
         }
+        // Chunks of whole tiles, so that each starts at the tile's start.
+        let grain = parallel::rows_per_chunk(b.len()) * b.len();
+        let y = parallel::collect(x.len(), grain, |start, out| {
+            for (yb, xb) in out.chunks_exact_mut(b.len()).zip(x[start..].chunks_exact(b.len())) {
+                for ((yv, &xv), &bv) in yb.iter_mut().zip(xb).zip(b) {
+                    yv.write(xv + bv);
+                }
+            }
+        });
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 
@@ -53,9 +59,15 @@ impl CustomOp1 for TileSum {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = f32_slice(storage, layout, "tile-sum")?;
         let mut sum = vec![0f32; self.shape.elem_count()];
-        for block in g.chunks_exact(sum.len()) {
-            sum.iter_mut().zip(block).for_each(|(s, &v)| *s += v);
-        }
+        let n = sum.len().max(1);
+        // By columns (each summed block after block, as alone), so any split gives the same bits.
+        let blocks = g.len() / n;
+        let grain = (parallel::GRAIN / blocks.max(1)).max(16);
+        parallel::chunks_mut(&mut sum, grain, |start, sum| {
+            for block in g.chunks_exact(n) {
+                sum.iter_mut().zip(&block[start..]).for_each(|(s, &v)| *s += v);
+            }
+        });
         Ok((CpuStorage::F32(sum), self.shape.clone()))
     }
 

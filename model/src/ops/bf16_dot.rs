@@ -118,7 +118,17 @@ impl Bf16Rows {
         let kp = k.div_ceil(2);
         let mut pairs: Vec<u32> = Vec::with_capacity(m * kp);
         let out = &mut pairs.spare_capacity_mut()[..m * kp];
-        Simd::detect().run(PackRows { a, out });
+        // Blocks of whole 16-row groups over the pool, each packed as an operand of its own.
+        let rows = (super::parallel::rows_per_chunk(kp)).next_multiple_of(LANES);
+        super::parallel::chunks_mut(out, rows * kp.max(1), |start, out| {
+            let r0 = start / kp.max(1);
+            let a = Operand {
+                offset: a.offset + r0 * a.stride.0,
+                rows: out.len() / kp.max(1),
+                ..a
+            };
+            Simd::detect().run(PackRows { a, out });
+        });
         // SAFETY: `PackRows` writes every one of the `m * kp` values.
         unsafe { pairs.set_len(m * kp) };
         Self { m, k, pairs }
@@ -218,7 +228,18 @@ impl Bf16Panels {
         let len = panels * kp * LANES;
         let mut pairs: Vec<u32> = Vec::with_capacity(len);
         let out = &mut pairs.spare_capacity_mut()[..len];
-        Simd::detect().run(PackPanels { b, out });
+        // Panels over the pool, each run of them packed as an operand of its own.
+        let panel = (kp * LANES).max(1);
+        let per_chunk = (super::parallel::GRAIN / panel).max(1);
+        super::parallel::chunks_mut(out, per_chunk * panel, |start, out| {
+            let r0 = start / panel * LANES;
+            let b = Operand {
+                offset: b.offset + r0 * b.stride.0,
+                rows: n.saturating_sub(r0),
+                ..b
+            };
+            Simd::detect().run(PackPanels { b, out });
+        });
         // SAFETY: `PackPanels` writes every value of every panel (padding rows as zeros).
         unsafe { pairs.set_len(len) };
         Self { n, k, kp, pairs }

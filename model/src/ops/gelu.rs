@@ -6,7 +6,7 @@
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::f32_slice;
+use super::{f32_slice, parallel};
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_A: f32 = 0.044_715;
@@ -45,7 +45,11 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(storage, layout, "gelu")?;
-        let y: Vec<f32> = x.iter().map(|&x| gelu_new(x)).collect();
+        let y = parallel::collect(x.len(), parallel::GRAIN, |start, out| {
+            for (y, &x) in out.iter_mut().zip(&x[start..]) {
+                y.write(gelu_new(x));
+            }
+        });
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 
@@ -71,15 +75,16 @@ impl CustomOp2 for GeluGrad {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, g) = (f32_slice(s1, l1, "gelu-grad")?, f32_slice(s2, l2, "gelu-grad")?);
-        let dx: Vec<f32> = x
-            .iter()
-            .zip(g)
-            .map(|(&x, &g)| {
+        if x.len() != g.len() {
+            candle_core::bail!("gelu-grad: {:?} and {:?}", l1.dims(), l2.dims())
+        }
+        let dx = parallel::collect(x.len(), parallel::GRAIN, |start, out| {
+            for ((d, &x), &g) in out.iter_mut().zip(&x[start..]).zip(&g[start..]) {
                 let t = fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x));
                 let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_A * x * x);
-                g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
-            })
-            .collect();
+                d.write(g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du));
+            }
+        });
         Ok((CpuStorage::F32(dx), l1.shape().clone()))
     }
 

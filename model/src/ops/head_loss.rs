@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::cross_entropy::{row_loss, row_loss_and_grad, targets_of};
+use super::parallel;
 use super::product::{Autocast, Operand, Rhs};
 
 /// Rows per chunk: the chunk's logits (`ROWS x V` f32, 26 MB at GPT-2's vocabulary) in place of
@@ -101,14 +102,19 @@ impl CustomOp3 for HeadLoss {
             let mut logits = w_rows.matmul(h_chunk)?; // (R, V)
             let chunk_targets = &targets[chunk * ROWS..chunk * ROWS + rows];
             let Some(w_cols) = &w_cols else {
-                for (row, &t) in logits.chunks_exact(vocab).zip(chunk_targets) {
-                    total += row_loss(row, t as usize, self.eps);
-                }
+                let mut losses = vec![0f64; rows];
+                parallel::rows_with(&mut logits, vocab, &mut losses, |i, row, loss| {
+                    *loss = row_loss(row, chunk_targets[i] as usize, self.eps);
+                });
+                total += losses.iter().sum::<f64>();
                 continue;
             };
-            for (row, &t) in logits.chunks_exact_mut(vocab).zip(chunk_targets) {
-                total += row_loss_and_grad(row, t as usize, self.eps, scale);
-            }
+            // Rows over the pool, their losses summed in order.
+            let mut losses = vec![0f64; rows];
+            parallel::rows_with(&mut logits, vocab, &mut losses, |i, row, loss| {
+                *loss = row_loss_and_grad(row, chunk_targets[i] as usize, self.eps, scale);
+            });
+            total += losses.iter().sum::<f64>();
             let dlogits = Operand::rows(&logits, rows, vocab);
             // d hidden (R, C) = d logits (R, V) @ W (V, C).
             dh.extend(w_cols.matmul(dlogits)?);

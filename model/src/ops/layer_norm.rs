@@ -4,7 +4,7 @@
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::f32_slice;
+use super::{f32_slice, parallel};
 
 /// LayerNorm over the last dimension, `(x - mean) / sqrt(var + eps) * gamma + beta`.
 pub(super) struct LayerNorm {
@@ -35,13 +35,23 @@ impl CustomOp3 for LayerNorm {
     ) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(s1, l1, "layer-norm")?;
         let (gamma, beta) = (f32_slice(s2, l2, "layer-norm")?, f32_slice(s3, l3, "layer-norm")?);
-        let mut y = vec![0f32; x.len()];
-        for (xr, yr) in x.chunks_exact(gamma.len()).zip(y.chunks_exact_mut(gamma.len())) {
-            let (mean, rstd) = moments(xr, self.eps);
-            for (((yv, &xv), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
-                *yv = (xv - mean) * rstd * g + b;
-            }
+        let c = gamma.len();
+        if c == 0 || x.len() % c != 0 || beta.len() != c {
+            candle_core::bail!(
+                "layer-norm: x {:?}, gamma {:?}, beta {:?}",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            )
         }
+        let y = parallel::collect(x.len(), parallel::rows_per_chunk(c) * c, |start, out| {
+            for (xr, yr) in x[start..].chunks_exact(c).zip(out.chunks_exact_mut(c)) {
+                let (mean, rstd) = moments(xr, self.eps);
+                for (((yv, &xv), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
+                    yv.write((xv - mean) * rstd * g + b);
+                }
+            }
+        });
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 
@@ -105,28 +115,64 @@ impl CustomOp3 for LayerNormGrad {
             f32_slice(s3, l3, "layer-norm-grad")?,
         );
         let c = gamma.len();
+        if c == 0 || x.len() % c != 0 || g.len() != x.len() {
+            candle_core::bail!(
+                "layer-norm-grad: x {:?}, gamma {:?}, grad {:?}",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            )
+        }
         let rows = x.len() / c;
         let mut out = vec![0f32; (rows + 2) * c];
         let (dx, params) = out.split_at_mut(rows * c);
         let (dgamma, dbeta) = params.split_at_mut(c);
-        let mut xhat = vec![0f32; c];
-        let mut ghat = vec![0f32; c];
-        for ((xr, gr), dxr) in x.chunks_exact(c).zip(g.chunks_exact(c)).zip(dx.chunks_exact_mut(c)) {
-            let (mean, rstd) = moments(xr, self.eps);
-            let (mut sum_ghat, mut sum_ghat_xhat) = (0f32, 0f32);
-            for j in 0..c {
-                xhat[j] = (xr[j] - mean) * rstd;
-                ghat[j] = gr[j] * gamma[j];
-                sum_ghat += ghat[j];
-                sum_ghat_xhat += ghat[j] * xhat[j];
-                dgamma[j] += gr[j] * xhat[j];
-                dbeta[j] += gr[j];
+        // Each row's statistics; then dx by rows, and d gamma, d beta by columns (each summed
+        // row after row, whatever the split).
+        let mut stats = vec![(0f32, 0f32); rows];
+        let per_chunk = parallel::rows_per_chunk(c);
+        parallel::chunks_mut(&mut stats, per_chunk, |row0, stats| {
+            for (s, xr) in stats.iter_mut().zip(x[row0 * c..].chunks_exact(c)) {
+                *s = moments(xr, self.eps);
             }
-            let (m1, m2) = (sum_ghat / c as f32, sum_ghat_xhat / c as f32);
-            for j in 0..c {
-                dxr[j] = rstd * (ghat[j] - m1 - xhat[j] * m2);
+        });
+        parallel::chunks_mut(dx, per_chunk * c, |start, dx| {
+            let rows = dx.len() / c;
+            let (x, g, stats) = (&x[start..], &g[start..], &stats[start / c..start / c + rows]);
+            for (((xr, gr), dxr), &(mean, rstd)) in x
+                .chunks_exact(c)
+                .zip(g.chunks_exact(c))
+                .zip(dx.chunks_exact_mut(c))
+                .zip(stats)
+            {
+                let (mut sum_ghat, mut sum_ghat_xhat) = (0f32, 0f32);
+                for j in 0..c {
+                    let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
+                    sum_ghat += ghat;
+                    sum_ghat_xhat += ghat * xhat;
+                }
+                let (m1, m2) = (sum_ghat / c as f32, sum_ghat_xhat / c as f32);
+                for j in 0..c {
+                    let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
+                    dxr[j] = rstd * (ghat - m1 - xhat * m2);
+                }
             }
-        }
+        });
+        let cols = (parallel::GRAIN / rows.max(1)).max(16);
+        parallel::chunks_mut2(dgamma, dbeta, cols, |j0, dgamma, dbeta| {
+            let j1 = j0 + dgamma.len();
+            for ((xr, gr), &(mean, rstd)) in x.chunks_exact(c).zip(g.chunks_exact(c)).zip(&stats) {
+                for (((dg, db), &xv), &gv) in dgamma
+                    .iter_mut()
+                    .zip(dbeta.iter_mut())
+                    .zip(&xr[j0..j1])
+                    .zip(&gr[j0..j1])
+                {
+                    *dg += gv * ((xv - mean) * rstd);
+                    *db += gv;
+                }
+            }
+        });
         Ok((CpuStorage::F32(out), Shape::from((rows + 2, c))))
     }
 

@@ -9,6 +9,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
+use super::parallel;
 use super::product::{product, product_into, Autocast, Operand};
 
 /// `a @ B^T` for `a` `(m, k)` and `B` `(n, k)`, f32 tensors on the CPU (any layout); not
@@ -106,9 +107,11 @@ impl CustomOp3 for Affine {
             )
         }
         let mut y = product(x, w.t(), self.autocast)?; // (m, k) @ (n, k)^T
-        for row in y.chunks_exact_mut(n.max(1)) {
-            row.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
-        }
+        parallel::chunks_mut(&mut y, parallel::rows_per_chunk(n) * n.max(1), |_, rows| {
+            for row in rows.chunks_exact_mut(n.max(1)) {
+                row.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
+            }
+        });
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 
@@ -155,10 +158,15 @@ impl CustomOp2 for AffineGrads {
         product_into(x.t(), dy.t(), self.autocast, &mut out.spare_capacity_mut()[..k * n])?;
         // SAFETY: `product_into` wrote every one of the `k * n` values.
         unsafe { out.set_len(k * n) };
+        // Column sums, by columns: each summed row after row, whatever the split.
         let mut db = vec![0f32; n];
-        for row in super::f32_slice(sd, ld, "packed-affine-grads")?.chunks_exact(n.max(1)) {
-            db.iter_mut().zip(row).for_each(|(s, &v)| *s += v);
-        }
+        let rows = super::f32_slice(sd, ld, "packed-affine-grads")?;
+        let cols = (parallel::GRAIN / dy.rows.max(1)).max(16);
+        parallel::chunks_mut(&mut db, cols, |j0, db| {
+            for row in rows.chunks_exact(n.max(1)) {
+                db.iter_mut().zip(&row[j0..]).for_each(|(s, &v)| *s += v);
+            }
+        });
         out.extend_from_slice(&db);
         Ok((CpuStorage::F32(out), Shape::from((k + 1, n))))
     }

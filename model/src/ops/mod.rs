@@ -24,6 +24,7 @@ mod head_loss;
 mod layer_norm;
 mod linear;
 mod packed;
+mod parallel;
 mod product;
 mod rows;
 pub mod simd;

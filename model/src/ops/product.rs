@@ -92,16 +92,18 @@ impl<'a> Operand<'a> {
             return std::borrow::Cow::Borrowed(&self.data[self.offset..self.offset + len]);
         }
         const B: usize = 32;
-        let mut out = vec![0f32; len];
-        for r0 in (0..self.rows).step_by(B) {
-            for c0 in (0..self.cols).step_by(B) {
-                for r in r0..(r0 + B).min(self.rows) {
-                    for c in c0..(c0 + B).min(self.cols) {
-                        out[r * self.cols + c] = self.at(r, c);
+        let cols = self.cols.max(1);
+        // Blocks of B rows over the pool (the LM head's gradient copies 6.4M values a chunk).
+        let out = super::parallel::collect(len, B * cols, |start, out| {
+            let (r0, rows) = (start / cols, out.len() / cols);
+            for c0 in (0..cols).step_by(B) {
+                for r in 0..rows {
+                    for c in c0..(c0 + B).min(cols) {
+                        out[r * cols + c].write(self.at(r0 + r, c));
                     }
                 }
             }
-        }
+        });
         std::borrow::Cow::Owned(out)
     }
 }

@@ -433,3 +433,73 @@ fn add_dropout_is_the_add_of_the_dropout() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The fused ops' forward and backward passes (element-wise, by rows, the reductions over rows,
+/// the operands' packing) spread over the thread pool give the bits they give run on one thread,
+/// on inputs of many chunks with a partial last one, f32 and bf16 products. (With one core the
+/// pool has no workers and both runs are serial.)
+#[test]
+fn fused_ops_on_the_pool_give_the_bits_of_one_thread() -> anyhow::Result<()> {
+    let dev = &Device::Cpu;
+    let (rows, c, vocab) = (517, 96, 301);
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, c), dev)?)?;
+    let h = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, c), dev)?)?;
+    let gamma = Var::from_tensor(&(Tensor::randn(0f32, 0.1, c, dev)? + 1.0)?)?;
+    let beta = Var::from_tensor(&Tensor::randn(0f32, 0.1, c, dev)?)?;
+    let w = Var::from_tensor(&Tensor::randn(0f32, 0.2, (c, 3 * c), dev)?)?;
+    let b = Var::from_tensor(&Tensor::randn(0f32, 0.1, 3 * c, dev)?)?;
+    let head = Var::from_tensor(&Tensor::randn(0f32, 0.2, (vocab, c), dev)?)?;
+    let ids: Vec<u32> = (0..rows as u32).map(|i| (i * 37 + 5) % vocab as u32).collect();
+    let targets = Tensor::new(ids.as_slice(), dev)?;
+    let vars = [&x, &h, &gamma, &beta, &w, &b, &head];
+    let run = |autocast: Autocast| -> anyhow::Result<Vec<Vec<f32>>> {
+        let y = layer_norm(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), 1e-5)?;
+        let y = add_dropout(&y, &gelu(h.as_tensor())?, 0.1, 7, 3)?;
+        let y = gelu(&affine(&y, w.as_tensor(), b.as_tensor(), autocast)?)?;
+        let y = dropout(&add_tiled(&y, b.as_tensor())?, 0.2, 9, 0)?;
+        let y = linear_product(&y, w.as_tensor(), autocast)?; // (rows, 3c) @ (c, 3c)^T
+        let loss = lm_head_loss(&y, head.as_tensor(), &targets, 0.1, true, autocast)?;
+        let grads = loss.backward()?;
+        let mut out = vec![y.flatten_all()?.to_vec1()?, vec![loss.to_scalar::<f32>()?]];
+        for var in vars {
+            let g = grads.get(var.as_tensor()).expect("every input has a gradient");
+            out.push(g.flatten_all()?.to_vec1()?);
+        }
+        Ok(out)
+    };
+    for autocast in [Autocast::Off, Autocast::Bf16] {
+        let pooled = run(autocast)?;
+        let serial = parallel::serially(|| run(autocast))?;
+        assert!(pooled[1][0].is_finite());
+        for (i, (p, s)) in pooled.iter().zip(&serial).enumerate() {
+            assert!(
+                p.iter().zip(s).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{autocast:?}: output {i} differs between the pool and one thread"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The pool's chunks cover every value once, whatever the grain.
+#[test]
+fn parallel_chunks_cover_every_value_once() {
+    for (len, grain) in [(0, 4), (1, 4), (10, 3), (100_003, 1 << 12), (70_000, 70_000)] {
+        let mut v = vec![0u32; len];
+        parallel::chunks_mut(&mut v, grain, |start, chunk| {
+            for (i, x) in chunk.iter_mut().enumerate() {
+                *x += (start + i) as u32 + 1;
+            }
+        });
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32 + 1), "{len}/{grain}");
+        let collected = parallel::collect(len, grain, |start, out| {
+            for (i, x) in out.iter_mut().enumerate() {
+                x.write((start + i) as f32);
+            }
+        });
+        assert!(
+            collected.iter().enumerate().all(|(i, &x)| x == i as f32),
+            "{len}/{grain}"
+        );
+    }
+}

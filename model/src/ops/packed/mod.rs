@@ -128,31 +128,37 @@ impl PackedMatrix {
         // SAFETY: `Line` is 64-byte aligned plain bytes, valid as 16 f32 each; the slice covers
         // exactly the spare capacity, written as f32 only.
         let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut MaybeUninit<f32>, len) };
-        // Panel by panel, position by position, the panel's 16 rows: 16 sequential streams from
-        // a row-major source, one contiguous run of 16 from a transposed one.
-        for (p, out) in out.chunks_exact_mut((k * LANES).max(1)).enumerate() {
-            let rows = n.saturating_sub(p * LANES).min(LANES);
-            let base = offset + p * LANES * strides.0;
-            for (c, lanes) in out.chunks_exact_mut(LANES).enumerate() {
-                let at = base + c * strides.1;
-                let (values, padding) = lanes.split_at_mut(rows);
-                if rows == 0 {
-                    // A padding panel: zeros only.
-                } else if strides.0 == 1 {
-                    // A transposed source: the panel's 16 rows are adjacent.
-                    for (v, &x) in values.iter_mut().zip(&data[at..at + rows]) {
-                        v.write(x);
+        // Panel by panel (spread over the pool: training packs its weights at every product),
+        // position by position, the panel's 16 rows: 16 sequential streams from a row-major
+        // source, one contiguous run of 16 from a transposed one.
+        let panel = (k * LANES).max(1);
+        let per_chunk = (crate::ops::parallel::GRAIN / panel).max(1);
+        crate::ops::parallel::chunks_mut(out, per_chunk * panel, |start, out| {
+            for (i, out) in out.chunks_exact_mut(panel).enumerate() {
+                let p = start / panel + i;
+                let rows = n.saturating_sub(p * LANES).min(LANES);
+                let base = offset + p * LANES * strides.0;
+                for (c, lanes) in out.chunks_exact_mut(LANES).enumerate() {
+                    let at = base + c * strides.1;
+                    let (values, padding) = lanes.split_at_mut(rows);
+                    if rows == 0 {
+                        // A padding panel: zeros only.
+                    } else if strides.0 == 1 {
+                        // A transposed source: the panel's 16 rows are adjacent.
+                        for (v, &x) in values.iter_mut().zip(&data[at..at + rows]) {
+                            v.write(x);
+                        }
+                    } else {
+                        for (lane, v) in values.iter_mut().enumerate() {
+                            v.write(data[at + lane * strides.0]);
+                        }
                     }
-                } else {
-                    for (lane, v) in values.iter_mut().enumerate() {
-                        v.write(data[at + lane * strides.0]);
+                    for v in padding {
+                        v.write(0.0);
                     }
-                }
-                for v in padding {
-                    v.write(0.0);
                 }
             }
-        }
+        });
         // SAFETY: all `len / 16` lines written above.
         unsafe { lines.set_len(len / LANES) };
         Self {

@@ -1,0 +1,149 @@
+//! Element-wise and row-wise passes spread over candle's thread pool (the one the packed products
+//! run on), in chunks of a fixed size: which chunk a thread takes varies from run to run, but
+//! every output value is computed by one chunk alone, so the results do not depend on it (nor on
+//! the number of threads). Reductions over rows (a bias's or LayerNorm's gradient) are split by
+//! columns for the same reason: each column is still summed row after row.
+//!
+//! When training runs one data-parallel shard per thread, the pool has no workers and these run
+//! inline on the shard's thread. rayon's `par_chunks_mut` would do the same job on a second pool
+//! of threads competing with this one for the same cores.
+
+use std::ops::Range;
+
+/// Values of work per chunk below which a pass stays on the calling thread (the pool's wake-up
+/// and barrier cost a few microseconds).
+pub(crate) const GRAIN: usize = 1 << 14;
+
+/// `out`'s start, for the pool's threads to write disjoint chunks of.
+struct Base<T>(*mut T);
+
+impl<T> Base<T> {
+    /// The chunk `range` of the slice this points into.
+    ///
+    /// # Safety
+    /// `range` within the slice, and no other live reference to any of it.
+    unsafe fn chunk<'a>(&self, range: Range<usize>) -> &'a mut [T] {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(range.start), range.len()) }
+    }
+}
+
+// SAFETY: `Base` is only used below to hand disjoint chunks of one slice to the pool's threads.
+unsafe impl<T: Send> Send for Base<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for Base<T> {}
+
+/// Whether `items` chunks are worth the pool: more than one, and a pool with workers.
+fn spread(items: usize) -> bool {
+    #[cfg(test)]
+    if SERIAL.get() {
+        return false;
+    }
+    items > 1 && candle_core::utils::barrier_pool().n_workers() > 0
+}
+
+#[cfg(test)]
+thread_local! {
+    static SERIAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every pass here on the calling thread (tests compare the two).
+#[cfg(test)]
+pub(crate) fn serially<R>(f: impl FnOnce() -> R) -> R {
+    SERIAL.set(true);
+    let r = f();
+    SERIAL.set(false);
+    r
+}
+
+/// `f(start, chunk)` for the consecutive chunks of `grain` values of `out` (the last may be
+/// shorter), `start` the chunk's offset in `out`.
+pub(crate) fn chunks_mut<T: Send>(out: &mut [T], grain: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    let (len, grain) = (out.len(), grain.max(1));
+    let items = len.div_ceil(grain);
+    if !spread(items) {
+        out.chunks_mut(grain).enumerate().for_each(|(i, c)| f(i * grain, c));
+        return;
+    }
+    let base = Base(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+        for i in range {
+            let chunk = i * grain..((i + 1) * grain).min(len);
+            // SAFETY: chunk `i` is handed to one call only, and `out` is borrowed mutably here.
+            f(chunk.start, unsafe { base.chunk(chunk) });
+        }
+    });
+}
+
+/// As [`chunks_mut`] over two slices of one length at once: `f(start, a_chunk, b_chunk)`.
+pub(crate) fn chunks_mut2<T: Send>(
+    a: &mut [T],
+    b: &mut [T],
+    grain: usize,
+    f: impl Fn(usize, &mut [T], &mut [T]) + Sync,
+) {
+    assert_eq!(a.len(), b.len(), "chunks_mut2: slices of different lengths");
+    let (len, grain) = (a.len(), grain.max(1));
+    let items = len.div_ceil(grain);
+    if !spread(items) {
+        for (i, (ca, cb)) in a.chunks_mut(grain).zip(b.chunks_mut(grain)).enumerate() {
+            f(i * grain, ca, cb);
+        }
+        return;
+    }
+    let (base_a, base_b) = (Base(a.as_mut_ptr()), Base(b.as_mut_ptr()));
+    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+        for i in range {
+            let chunk = i * grain..((i + 1) * grain).min(len);
+            // SAFETY: chunk `i` of each slice is handed to one call only; both borrowed mutably.
+            let (ca, cb) = unsafe { (base_a.chunk(chunk.clone()), base_b.chunk(chunk.clone())) };
+            f(chunk.start, ca, cb);
+        }
+    });
+}
+
+/// A new vector of `len` values, `f(start, chunk)` writing every value of each chunk of `grain`.
+pub(crate) fn collect(
+    len: usize,
+    grain: usize,
+    f: impl Fn(usize, &mut [std::mem::MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len);
+    chunks_mut(&mut out.spare_capacity_mut()[..len], grain, f);
+    // SAFETY: `f` wrote every value of every chunk, and the chunks cover `0..len`.
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// Rows per chunk for a pass over rows of `cols` values: about [`GRAIN`] values, whole rows.
+pub(crate) fn rows_per_chunk(cols: usize) -> usize {
+    (GRAIN / cols.max(1)).max(1)
+}
+
+/// `f(i, row_i, &mut out[i])` for each row of `values` (`cols` values each) beside its slot in
+/// `out`, in chunks of whole rows.
+pub(crate) fn rows_with<U: Send>(
+    values: &mut [f32],
+    cols: usize,
+    out: &mut [U],
+    f: impl Fn(usize, &mut [f32], &mut U) + Sync,
+) {
+    let cols = cols.max(1);
+    assert_eq!(
+        values.len(),
+        out.len() * cols,
+        "rows_with: {} rows for {} slots",
+        values.len() / cols,
+        out.len()
+    );
+    let per_chunk = rows_per_chunk(cols);
+    let base = Base(values.as_mut_ptr());
+    chunks_mut(out, per_chunk, |row0, slots| {
+        // SAFETY: the rows of this chunk of slots, handed to this call only; `values` is
+        // borrowed mutably here.
+        let rows = unsafe { base.chunk(row0 * cols..(row0 + slots.len()) * cols) };
+        for (i, (row, slot)) in rows.chunks_exact_mut(cols).zip(slots).enumerate() {
+            f(row0 + i, row, slot);
+        }
+    });
+}
