@@ -67,8 +67,17 @@ impl FusedUpdate {
 
     /// Runs `work` over `n` elements in parts, split over the cores for a large parameter (the
     /// update runs after the shards' threads, alone); each element on its own, so the result is
-    /// the same however it is split.
+    /// the same however it is split. On candle's thread pool when it has workers (`--parallel
+    /// ops`), else on threads of its own (a thread's start and end cost a TLB flush on every core).
     fn split(n: usize, work: impl Fn(std::ops::Range<usize>) + Sync) {
+        let pool = candle_core::utils::barrier_pool();
+        if pool.n_workers() > 0 {
+            const PART: usize = 1 << 16;
+            pool.execute_chunked(n.div_ceil(PART), |parts| {
+                work(parts.start * PART..(parts.end * PART).min(n));
+            });
+            return;
+        }
         let threads = if n >= 1 << 20 {
             crate::train::cpu_threads(None)
         } else {
