@@ -127,35 +127,23 @@ impl CustomOp3 for LayerNormGrad {
         let mut out = vec![0f32; (rows + 2) * c];
         let (dx, params) = out.split_at_mut(rows * c);
         let (dgamma, dbeta) = params.split_at_mut(c);
-        // Each row's statistics; then dx by rows, and d gamma, d beta by columns (each summed
-        // row after row, whatever the split).
+        // dx and each row's statistics by rows; then d gamma, d beta by columns (each summed row
+        // after row, whatever the split).
         let mut stats = vec![(0f32, 0f32); rows];
-        let per_chunk = parallel::rows_per_chunk(c);
-        parallel::chunks_mut(&mut stats, per_chunk, |row0, stats| {
-            for (s, xr) in stats.iter_mut().zip(x[row0 * c..].chunks_exact(c)) {
-                *s = moments(xr, self.eps);
+        parallel::rows_with(dx, c, &mut stats, |row, dxr, stat| {
+            let (xr, gr) = (&x[row * c..(row + 1) * c], &g[row * c..(row + 1) * c]);
+            let (mean, rstd) = moments(xr, self.eps);
+            *stat = (mean, rstd);
+            let (mut sum_ghat, mut sum_ghat_xhat) = (0f32, 0f32);
+            for j in 0..c {
+                let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
+                sum_ghat += ghat;
+                sum_ghat_xhat += ghat * xhat;
             }
-        });
-        parallel::chunks_mut(dx, per_chunk * c, |start, dx| {
-            let rows = dx.len() / c;
-            let (x, g, stats) = (&x[start..], &g[start..], &stats[start / c..start / c + rows]);
-            for (((xr, gr), dxr), &(mean, rstd)) in x
-                .chunks_exact(c)
-                .zip(g.chunks_exact(c))
-                .zip(dx.chunks_exact_mut(c))
-                .zip(stats)
-            {
-                let (mut sum_ghat, mut sum_ghat_xhat) = (0f32, 0f32);
-                for j in 0..c {
-                    let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
-                    sum_ghat += ghat;
-                    sum_ghat_xhat += ghat * xhat;
-                }
-                let (m1, m2) = (sum_ghat / c as f32, sum_ghat_xhat / c as f32);
-                for j in 0..c {
-                    let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
-                    dxr[j] = rstd * (ghat - m1 - xhat * m2);
-                }
+            let (m1, m2) = (sum_ghat / c as f32, sum_ghat_xhat / c as f32);
+            for j in 0..c {
+                let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
+                dxr[j] = rstd * (ghat - m1 - xhat * m2);
             }
         });
         let cols = (parallel::GRAIN / rows.max(1)).max(16);

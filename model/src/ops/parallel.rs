@@ -57,12 +57,13 @@ pub(crate) fn serially<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// `f(start, chunk)` for the consecutive chunks of `grain` values of `out` (the last may be
-/// shorter), `start` the chunk's offset in `out`.
+/// shorter), `start` the chunk's offset in `out`; on one thread, one call for the whole of `out`
+/// (so `f` must take any run of whole chunks).
 pub(crate) fn chunks_mut<T: Send>(out: &mut [T], grain: usize, f: impl Fn(usize, &mut [T]) + Sync) {
     let (len, grain) = (out.len(), grain.max(1));
     let items = len.div_ceil(grain);
     if !spread(items) {
-        out.chunks_mut(grain).enumerate().for_each(|(i, c)| f(i * grain, c));
+        f(0, out);
         return;
     }
     let base = Base(out.as_mut_ptr());
@@ -76,6 +77,9 @@ pub(crate) fn chunks_mut<T: Send>(out: &mut [T], grain: usize, f: impl Fn(usize,
 }
 
 /// As [`chunks_mut`] over two slices of one length at once: `f(start, a_chunk, b_chunk)`.
+///
+/// # Panics
+/// If the slices' lengths differ.
 pub(crate) fn chunks_mut2<T: Send>(
     a: &mut [T],
     b: &mut [T],
@@ -86,9 +90,7 @@ pub(crate) fn chunks_mut2<T: Send>(
     let (len, grain) = (a.len(), grain.max(1));
     let items = len.div_ceil(grain);
     if !spread(items) {
-        for (i, (ca, cb)) in a.chunks_mut(grain).zip(b.chunks_mut(grain)).enumerate() {
-            f(i * grain, ca, cb);
-        }
+        f(0, a, b);
         return;
     }
     let (base_a, base_b) = (Base(a.as_mut_ptr()), Base(b.as_mut_ptr()));

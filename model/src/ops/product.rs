@@ -96,10 +96,12 @@ impl<'a> Operand<'a> {
         // Blocks of B rows over the pool (the LM head's gradient copies 6.4M values a chunk).
         let out = super::parallel::collect(len, B * cols, |start, out| {
             let (r0, rows) = (start / cols, out.len() / cols);
-            for c0 in (0..cols).step_by(B) {
-                for r in 0..rows {
-                    for c in c0..(c0 + B).min(cols) {
-                        out[r * cols + c].write(self.at(r0 + r, c));
+            for rb in (0..rows).step_by(B) {
+                for c0 in (0..cols).step_by(B) {
+                    for r in rb..(rb + B).min(rows) {
+                        for c in c0..(c0 + B).min(cols) {
+                            out[r * cols + c].write(self.at(r0 + r, c));
+                        }
                     }
                 }
             }
