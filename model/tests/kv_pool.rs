@@ -83,5 +83,22 @@ fn freed_buffers_are_kept_to_the_limit_and_reused_without_changing_results() -> 
     run(&model, &mut last, &prompt, &[])?;
     drop(last);
     assert_eq!(gpt::kv_pool_bytes(), 0);
+
+    // A size the pool does not hold: kept buffers of other sizes are let go for it, so that
+    // afterwards the pool keeps the new size alone, not both (the pool and the caches in use stay
+    // within what they held at their peak).
+    gpt::set_kv_pool_limit(64 << 20);
+    let mut small = model.new_cache();
+    small.reserve(prompt.len() + steps.len())?; // room 128
+    run(&model, &mut small, &prompt, &steps)?;
+    drop(small);
+    assert_eq!(gpt::kv_pool_bytes(), kept);
+    let mut large = model.new_cache();
+    large.reserve(200)?; // room 256, which the 128s do not serve
+    assert_eq!(run(&model, &mut large, &prompt, &steps)?, reference);
+    assert_eq!(gpt::kv_pool_bytes(), 0, "the other size was let go");
+    drop(large);
+    assert_eq!(gpt::kv_pool_bytes(), 2 * kept, "only the new size is kept");
+    gpt::set_kv_pool_limit(0);
     Ok(())
 }
