@@ -58,16 +58,7 @@ impl CustomOp1 for TileSum {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = f32_slice(storage, layout, "tile-sum")?;
-        let mut sum = vec![0f32; self.shape.elem_count()];
-        let n = sum.len().max(1);
-        // By columns (each summed block after block, as alone), so any split gives the same bits.
-        let blocks = g.len() / n;
-        let grain = (parallel::GRAIN / blocks.max(1)).max(16);
-        parallel::chunks_mut(&mut sum, grain, |start, sum| {
-            for block in g.chunks_exact(n) {
-                sum.iter_mut().zip(&block[start..]).for_each(|(s, &v)| *s += v);
-            }
-        });
+        let sum = parallel::column_sums(g, self.shape.elem_count());
         Ok((CpuStorage::F32(sum), self.shape.clone()))
     }
 

@@ -119,12 +119,12 @@ impl Bf16Rows {
         let mut pairs: Vec<u32> = Vec::with_capacity(m * kp);
         let out = &mut pairs.spare_capacity_mut()[..m * kp];
         // Blocks of whole 16-row groups over the pool, each packed as an operand of its own.
-        let rows = (super::parallel::rows_per_chunk(kp)).next_multiple_of(LANES);
-        super::parallel::chunks_mut(out, rows * kp.max(1), |start, out| {
-            let r0 = start / kp.max(1);
+        let row = kp.max(1);
+        let rows = super::parallel::rows_per_chunk(row).next_multiple_of(LANES);
+        super::parallel::chunks_mut(out, rows * row, |start, out| {
             let a = Operand {
-                offset: a.offset + r0 * a.stride.0,
-                rows: out.len() / kp.max(1),
+                offset: a.offset + start / row * a.stride.0,
+                rows: out.len() / row,
                 ..a
             };
             Simd::detect().run(PackRows { a, out });

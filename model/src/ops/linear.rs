@@ -158,16 +158,10 @@ impl CustomOp2 for AffineGrads {
         product_into(x.t(), dy.t(), self.autocast, &mut out.spare_capacity_mut()[..k * n])?;
         // SAFETY: `product_into` wrote every one of the `k * n` values.
         unsafe { out.set_len(k * n) };
-        // Column sums, by columns: each summed row after row, whatever the split.
-        let mut db = vec![0f32; n];
-        let rows = super::f32_slice(sd, ld, "packed-affine-grads")?;
-        let cols = (parallel::GRAIN / dy.rows.max(1)).max(16);
-        parallel::chunks_mut(&mut db, cols, |j0, db| {
-            for row in rows.chunks_exact(n.max(1)) {
-                db.iter_mut().zip(&row[j0..]).for_each(|(s, &v)| *s += v);
-            }
-        });
-        out.extend_from_slice(&db);
+        out.extend_from_slice(&parallel::column_sums(
+            super::f32_slice(sd, ld, "packed-affine-grads")?,
+            n,
+        ));
         Ok((CpuStorage::F32(out), Shape::from((k + 1, n))))
     }
 }

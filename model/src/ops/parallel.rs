@@ -87,21 +87,25 @@ pub(crate) fn chunks_mut2<T: Send>(
     f: impl Fn(usize, &mut [T], &mut [T]) + Sync,
 ) {
     assert_eq!(a.len(), b.len(), "chunks_mut2: slices of different lengths");
-    let (len, grain) = (a.len(), grain.max(1));
-    let items = len.div_ceil(grain);
-    if !spread(items) {
-        f(0, a, b);
-        return;
-    }
-    let (base_a, base_b) = (Base(a.as_mut_ptr()), Base(b.as_mut_ptr()));
-    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-        for i in range {
-            let chunk = i * grain..((i + 1) * grain).min(len);
-            // SAFETY: chunk `i` of each slice is handed to one call only; both borrowed mutably.
-            let (ca, cb) = unsafe { (base_a.chunk(chunk.clone()), base_b.chunk(chunk.clone())) };
-            f(chunk.start, ca, cb);
+    let base_b = Base(b.as_mut_ptr());
+    chunks_mut(a, grain, |start, ca| {
+        // SAFETY: `b`'s chunk beside `a`'s, handed to this call only; `b` is borrowed mutably.
+        f(start, ca, unsafe { base_b.chunk(start..start + ca.len()) });
+    });
+}
+
+/// The column sums of `values`, rows of `n` values: each column summed row after row, the
+/// columns split over the pool (so any split gives the same bits).
+pub(crate) fn column_sums(values: &[f32], n: usize) -> Vec<f32> {
+    let n = n.max(1);
+    let mut sums = vec![0f32; n];
+    let grain = (GRAIN / (values.len() / n).max(1)).max(16);
+    chunks_mut(&mut sums, grain, |j0, sums| {
+        for row in values.chunks_exact(n) {
+            sums.iter_mut().zip(&row[j0..]).for_each(|(s, &v)| *s += v);
         }
     });
+    sums
 }
 
 /// A new vector of `len` values, `f(start, chunk)` writing every value of each chunk of `grain`.
