@@ -190,14 +190,16 @@ def metrics(url):
 
 
 def memory_sample(args, start, now):
-    """(minute, RSS KiB, prefix cache KiB, KV pool KiB): the server's memory and its two bounded
-    caches, whose filling is warm-up."""
+    """(minute, RSS KiB, prefix cache KiB, KV pool KiB, heap allocated KiB, heap free KiB): the
+    server's memory, its two bounded caches, whose filling is warm-up, and the C heap's live and
+    free bytes (a leak grows the first, fragmentation the second)."""
     try:
         m = metrics(args.url)
     except OSError:
         m = {}
     return (round((now - start) / 60, 2), server_rss_kib(args.pid),
-            int(m.get("gpt_prefix_cache_bytes", 0) // 1024), int(m.get("gpt_kv_pool_bytes", 0) // 1024))
+            int(m.get("gpt_prefix_cache_bytes", 0) // 1024), int(m.get("gpt_kv_pool_bytes", 0) // 1024),
+            int(m.get("gpt_heap_allocated_bytes", 0) // 1024), int(m.get("gpt_heap_free_bytes", 0) // 1024))
 
 
 def memory_check(rss):
@@ -213,7 +215,8 @@ def memory_check(rss):
     early = (last[1] - from_one[0][1]) / from_one[0][1] if from_one[0][1] else 0.0
     detail = (f"RSS from minute {first[0]:.0f} (prefix cache at its bound, {first[2]} KiB) {first[1]} -> "
               f"{last[1]} KiB ({growth:+.1%}; outside the prefix cache and the KV pool {other:+.1%}); "
-              f"from minute 1 {early:+.1%}")
+              f"from minute 1 {early:+.1%}; C heap allocated {first[4]} -> {last[4]} KiB, free {first[5]} -> "
+              f"{last[5]} KiB")
     return growth <= 0.05, detail
 
 
@@ -334,7 +337,8 @@ def main():
         "requests": {f"{r} {s}": n for (r, s), n in sorted(stats.status.items())},
         "dropped_streams": stats.dropped,
         "completion_tokens": stats.completion_tokens,
-        "memory_kib": [{"minute": m, "rss": r, "prefix_cache": p, "kv_pool": k} for m, r, p, k in rss],
+        "memory_kib": [{"minute": m, "rss": r, "prefix_cache": p, "kv_pool": k, "heap_allocated": a,
+                        "heap_free": f} for m, r, p, k, a, f in rss],
         "per_minute": per_minute,
         "checks": {name: {"pass": ok, "detail": detail} for name, (ok, detail) in checks.items()},
         "pass": all(ok for ok, _ in checks.values()),

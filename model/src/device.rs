@@ -84,6 +84,31 @@ pub fn tune_cpu_allocator_for_serving() {
     }
 }
 
+/// The C heap's bytes: `allocated` to live blocks (mapped ones included), `free` inside the
+/// heap (freed blocks not handed back to the OS: what fragmentation holds). glibc's `mallinfo2`,
+/// summed over its arenas; `None` on other C libraries. The split tells a leak (allocated grows)
+/// from fragmentation (free grows) when a server's resident memory creeps up.
+pub fn heap_usage() -> Option<HeapUsage> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 only reads the allocator's statistics.
+        let info = unsafe { libc::mallinfo2() };
+        Some(HeapUsage {
+            allocated: info.uordblks + info.hblkhd,
+            free: info.fordblks,
+        })
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    None
+}
+
+/// See [`heap_usage`].
+#[derive(Debug, Clone, Copy)]
+pub struct HeapUsage {
+    pub allocated: usize,
+    pub free: usize,
+}
+
 /// Fixes candle's CPU thread count for the process. Unless `RAYON_NUM_THREADS` is set, candle
 /// asks the OS for the core count (reading /proc/cpuinfo) on every matmul: a third of a batched
 /// decode step in a profile. Call at the start of `main`, before any other thread exists.

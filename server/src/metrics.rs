@@ -24,8 +24,11 @@ pub struct Metrics {
     pub prefix_cache_hits: IntCounter,
     pub prefix_cache_reused_tokens: IntCounter,
     pub prefix_cache_bytes: IntGauge,
-    /// Freed KV-cache bytes kept for reuse (`--kv-pool-mib`).
-    pub kv_pool_bytes: IntGauge,
+    /// KV-cache bytes free for the next sequences (`--kv-cache-mib`).
+    kv_pool_bytes: IntGauge,
+    /// The C heap's live and free bytes, read at each scrape (`gpt::device::heap_usage`).
+    heap_allocated_bytes: IntGauge,
+    heap_free_bytes: IntGauge,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
 }
@@ -61,7 +64,12 @@ impl Metrics {
             "Prompt tokens not prefilled, their KV cache reused",
         )?;
         let prefix_cache_bytes = IntGauge::new("gpt_prefix_cache_bytes", "KV cache bytes held by the prefix cache")?;
-        let kv_pool_bytes = IntGauge::new("gpt_kv_pool_bytes", "Freed KV cache bytes kept for the next sequences")?;
+        let kv_pool_bytes = IntGauge::new("gpt_kv_pool_bytes", "KV cache bytes free for the next sequences")?;
+        let heap_allocated_bytes = IntGauge::new("gpt_heap_allocated_bytes", "C heap bytes in live blocks")?;
+        let heap_free_bytes = IntGauge::new(
+            "gpt_heap_free_bytes",
+            "C heap bytes freed but kept by the allocator (fragmentation)",
+        )?;
         let latency_buckets = vec![
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ];
@@ -90,6 +98,8 @@ impl Metrics {
         registry.register(Box::new(prefix_cache_reused_tokens.clone()))?;
         registry.register(Box::new(prefix_cache_bytes.clone()))?;
         registry.register(Box::new(kv_pool_bytes.clone()))?;
+        registry.register(Box::new(heap_allocated_bytes.clone()))?;
+        registry.register(Box::new(heap_free_bytes.clone()))?;
         registry.register(Box::new(time_to_first_token.clone()))?;
         registry.register(Box::new(inter_token_latency.clone()))?;
         Ok(Self {
@@ -108,6 +118,8 @@ impl Metrics {
             prefix_cache_reused_tokens,
             prefix_cache_bytes,
             kv_pool_bytes,
+            heap_allocated_bytes,
+            heap_free_bytes,
             time_to_first_token,
             inter_token_latency,
         })
@@ -115,6 +127,11 @@ impl Metrics {
 
     /// The Prometheus text exposition format.
     pub fn render(&self) -> String {
+        self.kv_pool_bytes.set(gpt::kv_pool_bytes() as i64);
+        if let Some(heap) = gpt::device::heap_usage() {
+            self.heap_allocated_bytes.set(heap.allocated as i64);
+            self.heap_free_bytes.set(heap.free as i64);
+        }
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()

@@ -577,7 +577,6 @@ impl Worker {
         self.metrics
             .batch_size
             .set(self.running.iter().map(Active::slots).sum::<usize>() as i64);
-        self.metrics.kv_pool_bytes.set(gpt::kv_pool_bytes() as i64);
         let mut counts = Vec::with_capacity(self.running.len());
         let outputs = {
             let mut inputs: Vec<StepInput> = Vec::new();
