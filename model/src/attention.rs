@@ -24,7 +24,7 @@ pub struct KvCache {
 impl KvCache {
     /// Room is allocated in chunks of this many positions as the sequence grows, rather than the
     /// whole context up front: many short sequences then cost little memory.
-    const CHUNK: usize = 64;
+    pub(crate) const CHUNK: usize = 64;
 
     pub fn new(cfg: &Config) -> Self {
         let chunk = Self::CHUNK.min(cfg.n_positions);
@@ -49,18 +49,15 @@ impl KvCache {
     }
 
     /// Room for `positions` in all (a sequence's expected length: its prompt and the tokens it
-    /// may generate), taken at the first step instead of chunk by chunk. Each growth copies every
-    /// layer's keys and values into new buffers whose pages the OS then faults in; at batch 16
-    /// the sequences cross a chunk boundary together, and that step took 200-270 ms against
-    /// 29 ms for the others (measured). Buffers already allocated and too small grow now.
+    /// may generate), taken at the first step instead of chunk by chunk. Each growth of whole
+    /// buffers copies every layer's keys and values into new ones whose pages the OS then faults
+    /// in; at batch 16 the sequences cross a chunk boundary together, and that step took
+    /// 200-270 ms against 29 ms for the others (measured). Buffers already allocated and too small
+    /// grow now.
     pub fn reserve(&mut self, positions: usize) -> candle_core::Result<()> {
         for layer in &mut self.layers {
             layer.want = positions;
-            if let Some((k, _)) = &layer.buffers {
-                let (n_head, _, head_dim) = k.dims3()?;
-                let (dtype, device) = (k.dtype(), k.device().clone());
-                layer.reserve(0, n_head, head_dim, dtype, &device)?;
-            }
+            layer.reserve_wanted()?;
         }
         Ok(())
     }
@@ -128,31 +125,45 @@ impl KvCache {
     }
 }
 
-/// One layer's keys and values: two `(n_head, room, head_dim)` buffers, of which the first `len`
-/// positions are held, grown by whole chunks of positions.
+/// One layer's keys and values, of which the first `len` positions are held, in one of two
+/// layouts chosen at the first allocation:
+///
+/// - On the CPU in f32 (the fused attention's case), **blocks** of `chunk` positions, each a
+///   pair of `(n_head, chunk, head_dim)` buffers, one more as the sequence grows (the way vLLM's
+///   paged cache holds positions). Every sequence of a model then allocates buffers of one size,
+///   which the pool of [`set_kv_pool_limit`] hands from a finished sequence to the next as they
+///   are: a server's KV memory rises to its peak and stays there. One buffer per sequence in
+///   whole chunks instead had a few sizes per model (64 to 256 positions for the default model),
+///   and freed buffers of those sizes between other allocations fragmented glibc's heap, which
+///   grew by 7-11% over 15-30 minutes of a soak (`BENCHMARKS.md`).
+/// - Elsewhere (CUDA, half precision), two **whole** `(n_head, room, head_dim)` buffers grown by
+///   whole chunks, read through candle's ops as views.
 ///
 /// Not candle-nn's `kv_cache::KvCache`: that one is written only by `append`ing a tensor, which
 /// for one decode row of one sequence costs a dozen op dispatches (split, reshape, transpose,
 /// copy, narrow, for keys and values): 1.9 ms of a 30 ms decode step at batch 16 in a profile.
 /// Here a batched CPU step writes every sequence's new rows straight from the fused projection
 /// ([`LayerKv::write_rows`]); `append` remains for the other devices.
-///
-/// Buffers are whole chunks of positions, taken from the pool of [`set_kv_pool_limit`] when it
-/// has some of the size and returned to it when dropped, so that a server's sequences reuse a
-/// few sizes of buffer rather than asking the allocator for new ones of every size.
 #[derive(Debug)]
 pub(crate) struct LayerKv {
-    buffers: Option<(Tensor, Tensor)>,
+    store: Store,
     len: usize,
     chunk: usize,
     /// Positions to make room for at the first allocation ([`KvCache::reserve`]).
     want: usize,
 }
 
+#[derive(Debug)]
+enum Store {
+    Empty,
+    Whole(Tensor, Tensor),
+    Blocks(Vec<(Tensor, Tensor)>),
+}
+
 impl LayerKv {
     fn new(chunk: usize) -> Self {
         Self {
-            buffers: None,
+            store: Store::Empty,
             len: 0,
             chunk: chunk.max(1),
             want: 0,
@@ -165,18 +176,43 @@ impl LayerKv {
     }
 
     fn clear(&mut self) {
-        if let Some((k, v)) = self.buffers.take() {
-            pool::put(k, v);
+        match std::mem::replace(&mut self.store, Store::Empty) {
+            Store::Empty => {}
+            Store::Whole(k, v) => pool::put(k, v),
+            Store::Blocks(blocks) => blocks.into_iter().for_each(|(k, v)| pool::put(k, v)),
         }
         self.len = 0;
     }
 
     fn room(&self) -> usize {
-        self.buffers.as_ref().map_or(0, |(k, _)| k.dims()[1])
+        match &self.store {
+            Store::Empty => 0,
+            Store::Whole(k, _) => k.dims()[1],
+            Store::Blocks(blocks) => blocks.len() * self.chunk,
+        }
+    }
+
+    /// The `(n_head, head_dim, dtype, device)` of the buffers held, if any.
+    fn kind(&self) -> Option<(usize, usize, candle_core::DType, candle_core::Device)> {
+        let k = match &self.store {
+            Store::Empty => return None,
+            Store::Whole(k, _) => k,
+            Store::Blocks(blocks) => &blocks.first()?.0,
+        };
+        let dims = k.dims();
+        Some((dims[0], dims[2], k.dtype(), k.device().clone()))
+    }
+
+    /// Makes room for what was reserved, if buffers are held (their kind is known).
+    fn reserve_wanted(&mut self) -> candle_core::Result<()> {
+        match self.kind() {
+            Some((n_head, head_dim, dtype, device)) => self.reserve(0, n_head, head_dim, dtype, &device),
+            None => Ok(()),
+        }
     }
 
     /// Makes room for `extra` more positions of `n_head` heads of `head_dim`, and for what was
-    /// reserved, in whole chunks (copying what is held into larger buffers when it does not fit).
+    /// reserved, in whole chunks: new blocks, or whole buffers copied into larger ones.
     pub(crate) fn reserve(
         &mut self,
         extra: usize,
@@ -186,14 +222,28 @@ impl LayerKv {
         device: &candle_core::Device,
     ) -> candle_core::Result<()> {
         let need = self.len + extra;
-        if need.max(self.want) > self.room() {
-            self.reallocate(self.rounded(need), n_head, head_dim, dtype, device)?;
+        if need.max(self.want) <= self.room() {
+            return Ok(());
         }
-        Ok(())
+        let room = self.rounded(need);
+        if let Store::Empty = self.store {
+            if device.is_cpu() && dtype == candle_core::DType::F32 && crate::ops::cpu_fused() {
+                self.store = Store::Blocks(Vec::new());
+            }
+        }
+        match &mut self.store {
+            Store::Blocks(blocks) => {
+                while blocks.len() * self.chunk < room {
+                    blocks.push(buffers(n_head, self.chunk, head_dim, dtype, device)?);
+                }
+                Ok(())
+            }
+            _ => self.reallocate(room, n_head, head_dim, dtype, device),
+        }
     }
 
-    /// Buffers of at least `room` positions (from the pool, or new), holding what these held;
-    /// these go back to the pool.
+    /// Whole buffers of at least `room` positions (from the pool, or new), holding what these
+    /// held; these go back to the pool.
     fn reallocate(
         &mut self,
         room: usize,
@@ -202,31 +252,49 @@ impl LayerKv {
         dtype: candle_core::DType,
         device: &candle_core::Device,
     ) -> candle_core::Result<()> {
-        let (k, v) = match pool::take(dtype, device, n_head, room, head_dim) {
-            Some(pair) => pair,
-            None => {
-                let fresh = || Tensor::zeros((n_head, room, head_dim), dtype, device);
-                (fresh()?, fresh()?)
-            }
-        };
-        if let (Some((old_k, old_v)), true) = (&self.buffers, self.len > 0) {
+        let (k, v) = buffers(n_head, room, head_dim, dtype, device)?;
+        if let (Store::Whole(old_k, old_v), true) = (&self.store, self.len > 0) {
             k.slice_set(&old_k.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
             v.slice_set(&old_v.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
         }
-        if let Some((old_k, old_v)) = self.buffers.replace((k, v)) {
+        if let Store::Whole(old_k, old_v) = std::mem::replace(&mut self.store, Store::Whole(k, v)) {
             pool::put(old_k, old_v);
         }
         Ok(())
     }
 
+    /// Where `t` positions appended now go in blocks: `(block, position in it, first of the
+    /// `t`, how many)`, block after block.
+    fn spans(&self, t: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+        let mut i = 0;
+        std::iter::from_fn(move || {
+            (i < t).then(|| {
+                let (b, at) = ((self.len + i) / self.chunk, (self.len + i) % self.chunk);
+                let n = (self.chunk - at).min(t - i);
+                i += n;
+                (b, at, i - n, n)
+            })
+        })
+    }
+
     /// Appends keys and values `(n_head, t, head_dim)`; returns every position held, `(n_head,
-    /// len, head_dim)` views of the buffers.
+    /// len, head_dim)` (views of whole buffers; blocks are copied into one).
     pub(crate) fn append(&mut self, k: &Tensor, v: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let (n_head, t, head_dim) = k.dims3()?;
         self.reserve(t, n_head, head_dim, k.dtype(), k.device())?;
-        let (kb, vb) = self.buffers()?;
-        kb.slice_set(k, 1, self.len)?;
-        vb.slice_set(v, 1, self.len)?;
+        match &self.store {
+            Store::Whole(kb, vb) => {
+                kb.slice_set(k, 1, self.len)?;
+                vb.slice_set(v, 1, self.len)?;
+            }
+            Store::Blocks(blocks) => {
+                for (b, at, i, n) in self.spans(t) {
+                    blocks[b].0.slice_set(&k.narrow(1, i, n)?.contiguous()?, 1, at)?;
+                    blocks[b].1.slice_set(&v.narrow(1, i, n)?.contiguous()?, 1, at)?;
+                }
+            }
+            Store::Empty => candle_core::bail!("kv-cache: no room reserved"),
+        }
         self.len += t;
         self.held()
     }
@@ -240,61 +308,131 @@ impl LayerKv {
         c: usize,
         row0: usize,
         t: usize,
-    ) -> candle_core::Result<(Tensor, Tensor)> {
-        let (kb, vb) = self.buffers()?;
-        let (n_head, room, head_dim) = kb.dims3()?;
-        if self.len + t > room || n_head * head_dim != c || qkv.len() < (row0 + t) * 3 * c {
+    ) -> candle_core::Result<crate::ops::CachedKv> {
+        let (n_head, head_dim) = self.kind().map(|(n, d, ..)| (n, d)).unwrap_or_default();
+        if self.len + t > self.room() || n_head * head_dim != c || qkv.len() < (row0 + t) * 3 * c {
             candle_core::bail!(
-                "kv-cache: {t} rows at {row0} into {} of {room} positions of {n_head} x {head_dim}",
-                self.len
+                "kv-cache: {t} rows at {row0} into {} of {} positions of {n_head} x {head_dim}",
+                self.len,
+                self.room()
             )
         }
-        for (buffer, col0) in [(kb, c), (vb, 2 * c)] {
-            buffer.inplace_op1(&crate::ops::WriteRows {
-                src: qkv,
-                ld: 3 * c,
-                col0,
-                row0,
-                rows: t,
-                at: self.len,
-            })?;
+        let write = |k: &Tensor, v: &Tensor, row0: usize, rows: usize, at: usize| {
+            for (buffer, col0) in [(k, c), (v, 2 * c)] {
+                buffer.inplace_op1(&crate::ops::WriteRows {
+                    src: qkv,
+                    ld: 3 * c,
+                    col0,
+                    row0,
+                    rows,
+                    at,
+                })?;
+            }
+            candle_core::Result::Ok(())
+        };
+        match &self.store {
+            Store::Whole(k, v) => write(k, v, row0, t, self.len)?,
+            Store::Blocks(blocks) => {
+                for (b, at, i, n) in self.spans(t) {
+                    write(&blocks[b].0, &blocks[b].1, row0 + i, n, at)?;
+                }
+            }
+            Store::Empty => candle_core::bail!("kv-cache: no room reserved"),
         }
         self.len += t;
-        self.held()
+        Ok(match &self.store {
+            Store::Blocks(blocks) => crate::ops::CachedKv {
+                keys: blocks.iter().map(|(k, _)| k.clone()).collect(),
+                values: blocks.iter().map(|(_, v)| v.clone()).collect(),
+                len: self.len,
+            },
+            _ => {
+                let (k, v) = self.held()?;
+                crate::ops::CachedKv {
+                    keys: vec![k],
+                    values: vec![v],
+                    len: self.len,
+                }
+            }
+        })
     }
 
-    fn buffers(&self) -> candle_core::Result<(&Tensor, &Tensor)> {
-        match &self.buffers {
-            Some((k, v)) => Ok((k, v)),
-            None => candle_core::bail!("kv-cache: no room reserved"),
+    /// Keys and values of the positions held, `(n_head, len, head_dim)`: views of whole buffers,
+    /// or the blocks copied into one.
+    pub(crate) fn held(&self) -> candle_core::Result<(Tensor, Tensor)> {
+        match &self.store {
+            Store::Whole(k, v) => Ok((k.narrow(1, 0, self.len)?, v.narrow(1, 0, self.len)?)),
+            Store::Blocks(blocks) => {
+                let n = self.len.div_ceil(self.chunk);
+                let (k, v): (Vec<_>, Vec<_>) = blocks[..n].iter().cloned().unzip();
+                Ok((
+                    Tensor::cat(&k, 1)?.narrow(1, 0, self.len)?,
+                    Tensor::cat(&v, 1)?.narrow(1, 0, self.len)?,
+                ))
+            }
+            Store::Empty => candle_core::bail!("kv-cache: no room reserved"),
         }
     }
 
-    /// Keys and values of the positions held, `(n_head, len, head_dim)`.
-    pub(crate) fn held(&self) -> candle_core::Result<(Tensor, Tensor)> {
-        let (k, v) = self.buffers()?;
-        Ok((k.narrow(1, 0, self.len)?, v.narrow(1, 0, self.len)?))
-    }
-
-    /// A copy of the first `len` positions in fresh buffers: of `len` positions when `exact`,
-    /// else of whole chunks, as much as was reserved.
+    /// A copy of the first `len` positions in fresh buffers: of as few chunks as hold them when
+    /// `exact`, else with the room reserved.
     fn copy(&self, len: usize, exact: bool) -> candle_core::Result<Self> {
         let mut copy = Self::new(self.chunk);
         let len = len.min(self.len);
         if !exact {
             copy.want = self.want;
         }
-        if let (Some((k, v)), true) = (&self.buffers, len > 0) {
-            let (n_head, _, head_dim) = k.dims3()?;
-            let room = if exact {
-                len.div_ceil(self.chunk) * self.chunk
-            } else {
-                copy.rounded(len)
-            };
-            copy.reallocate(room, n_head, head_dim, k.dtype(), k.device())?;
-            copy.append(&k.narrow(1, 0, len)?.contiguous()?, &v.narrow(1, 0, len)?.contiguous()?)?;
+        if len == 0 {
+            return Ok(copy);
+        }
+        match &self.store {
+            Store::Empty => {}
+            Store::Whole(k, v) => {
+                let (n_head, _, head_dim) = k.dims3()?;
+                let room = if exact {
+                    len.div_ceil(self.chunk) * self.chunk
+                } else {
+                    copy.rounded(len)
+                };
+                copy.reallocate(room, n_head, head_dim, k.dtype(), k.device())?;
+                copy.append(&k.narrow(1, 0, len)?.contiguous()?, &v.narrow(1, 0, len)?.contiguous()?)?;
+            }
+            Store::Blocks(blocks) => {
+                let (n_head, _, head_dim) = blocks[0].0.dims3()?;
+                let (dtype, device) = (blocks[0].0.dtype(), blocks[0].0.device());
+                let mut copied = Vec::new();
+                // Whole blocks: the positions past `len` in the last are never read.
+                for (k, v) in &blocks[..len.div_ceil(self.chunk)] {
+                    let (ck, cv) = buffers(n_head, self.chunk, head_dim, dtype, device)?;
+                    ck.slice_set(k, 1, 0)?;
+                    cv.slice_set(v, 1, 0)?;
+                    copied.push((ck, cv));
+                }
+                copy.store = Store::Blocks(copied);
+                copy.len = len;
+                if !exact {
+                    copy.reserve(0, n_head, head_dim, dtype, device)?;
+                }
+            }
         }
         Ok(copy)
+    }
+}
+
+/// A pair of `(n_head, room, head_dim)` buffers: from the pool, or new.
+fn buffers(
+    n_head: usize,
+    room: usize,
+    head_dim: usize,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    match pool::take(dtype, device, n_head, room, head_dim) {
+        Some(pair) => Ok(pair),
+        None => {
+            let fresh = || Tensor::zeros((n_head, room, head_dim), dtype, device);
+            Ok((fresh()?, fresh()?))
+        }
     }
 }
 
@@ -307,15 +445,32 @@ impl Drop for LayerKv {
 /// Keeps up to `bytes` of freed CPU KV-cache buffers for reuse (0, the default, keeps none).
 ///
 /// A server allocates a sequence's keys and values at its start and frees them at its end, tens
-/// of times a second, in many sizes (prompt and output lengths, prefix-cache copies, forks for
-/// `n` and beams): glibc's heap then fragments and its resident size creeps up (two steps of
-/// ~5 MB in a 30-minute soak, `BENCHMARKS.md`), and handing pages back (`malloc_trim`) made them
-/// fault in again at every allocation. Buffers are whole chunks of positions, so a few sizes
-/// serve every sequence: kept here, they are taken again as they are (never cleared: only the
-/// positions a cache holds are ever read). What the pool keeps is memory the sequences held at
-/// once at some moment, so it is bounded by their peak as well as by `bytes`.
+/// of times a second (prompts and outputs of every length, prefix-cache copies, forks for `n` and
+/// beams): given back to glibc, the heap fragments and its resident size creeps up (`BENCHMARKS.md`),
+/// and handing pages back (`malloc_trim`) made them fault in again at every allocation. Kept
+/// here, buffers are taken again as they are (never cleared: only the positions a cache holds
+/// are ever read). On the CPU in f32 every buffer is a block of the same size, so any sequence
+/// takes any kept block; [`fill_kv_pool`] allocates them up front.
 pub fn set_kv_pool_limit(bytes: usize) {
     pool::set_limit(bytes)
+}
+
+/// Allocates the pool of [`set_kv_pool_limit`] up to its limit at once with blocks for the
+/// caches of a model of `cfg` in `dtype` on `device`, every page written, so that a server's KV
+/// memory is resident from its start instead of growing to each new peak of its load (as vLLM
+/// allocates its KV cache at startup). Only the CPU's f32 caches are blocks of one size (see
+/// [`KvCache`]); for others nothing is allocated. Returns the bytes the pool holds.
+pub fn fill_kv_pool(
+    cfg: &Config,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+) -> candle_core::Result<usize> {
+    if device.is_cpu() && dtype == candle_core::DType::F32 && crate::ops::cpu_fused() {
+        let n_head = cfg.n_head.max(1);
+        let block = KvCache::CHUNK.min(cfg.n_positions).max(1);
+        pool::fill(n_head, block, cfg.n_embd / n_head)?;
+    }
+    Ok(pool::bytes())
 }
 
 /// Bytes of freed KV-cache buffers the pool keeps now.
@@ -404,6 +559,31 @@ mod pool {
         let pair = pool.free.swap_remove(best);
         pool.bytes -= size(&pair.0);
         Some(pair)
+    }
+
+    /// Adds f32 CPU pairs of `(n_head, room, head_dim)` buffers while they fit under the limit,
+    /// each page written (resident now, not at its first use).
+    pub(super) fn fill(n_head: usize, room: usize, head_dim: usize) -> candle_core::Result<()> {
+        let n = n_head * room * head_dim;
+        let pair = 2 * n * 4;
+        loop {
+            let full = {
+                let pool = lock();
+                pool.bytes + pair > pool.limit
+            };
+            if pair == 0 || full {
+                return Ok(());
+            }
+            let fresh = || {
+                let mut data = vec![0f32; n];
+                // `vec![0; n]` may leave fresh pages unmapped (calloc): write one value a page.
+                for page in data.chunks_mut(1024) {
+                    page[0] = std::hint::black_box(0.0);
+                }
+                Tensor::from_vec(data, (n_head, room, head_dim), &Device::Cpu)
+            };
+            put(fresh()?, fresh()?);
+        }
     }
 
     /// Keeps `k` and `v` if there is room under the limit (CPU buffers only).
@@ -603,5 +783,54 @@ impl CausalSelfAttention {
 
     pub(crate) fn c_proj(&self) -> &Conv1D {
         &self.c_proj
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    use super::{LayerKv, Store};
+
+    /// Blocks take appended positions across their boundaries, and give back what was appended,
+    /// in one piece or from the fused projection's rows; copies of a prefix hold the same.
+    #[test]
+    fn blocks_hold_what_was_appended_across_their_boundaries() -> candle_core::Result<()> {
+        let (n_head, hs, dev) = (2, 4, Device::Cpu);
+        let mut kv = LayerKv::new(8);
+        let k = Tensor::randn(0f32, 1.0, (n_head, 21, hs), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (n_head, 21, hs), &dev)?;
+        kv.append(&k.narrow(1, 0, 5)?.contiguous()?, &v.narrow(1, 0, 5)?.contiguous()?)?;
+        assert!(matches!(&kv.store, Store::Blocks(b) if b.len() == 1));
+        let (held_k, held_v) = kv.append(&k.narrow(1, 5, 16)?.contiguous()?, &v.narrow(1, 5, 16)?.contiguous()?)?;
+        assert!(matches!(&kv.store, Store::Blocks(b) if b.len() == 3));
+        let same = |a: &Tensor, b: &Tensor| -> candle_core::Result<bool> {
+            Ok(a.flatten_all()?.to_vec1::<f32>()? == b.flatten_all()?.to_vec1::<f32>()?)
+        };
+        assert!(same(&held_k, &k)? && same(&held_v, &v)?);
+        let prefix = kv.copy(13, true)?;
+        assert!(matches!(&prefix.store, Store::Blocks(b) if b.len() == 2));
+        assert!(same(&prefix.held()?.0, &k.narrow(1, 0, 13)?)?);
+
+        // From a `(N, 3C)` projection: rows 1..11 written after 5 positions, over two blocks.
+        let c = n_head * hs;
+        let qkv = Tensor::randn(0f32, 1.0, (12, 3 * c), &dev)?;
+        let rows = qkv.flatten_all()?.to_vec1::<f32>()?;
+        let mut kv = LayerKv::new(8);
+        kv.reserve(5, n_head, hs, DType::F32, &dev)?;
+        kv.write_rows(&rows, c, 0, 5)?;
+        kv.reserve(10, n_head, hs, DType::F32, &dev)?;
+        let cached = kv.write_rows(&rows, c, 1, 10)?;
+        assert_eq!((cached.keys.len(), cached.len), (2, 15));
+        let heads = |col: usize, from: usize, n: usize| {
+            qkv.narrow(0, from, n)?
+                .narrow(1, col * c, c)?
+                .reshape((n, n_head, hs))?
+                .transpose(0, 1)
+        };
+        let (held_k, held_v) = kv.held()?;
+        assert!(same(&held_k.narrow(1, 5, 10)?, &heads(1, 1, 10)?)?);
+        assert!(same(&held_v.narrow(1, 0, 5)?, &heads(2, 0, 5)?)?);
+        Ok(())
     }
 }

@@ -24,7 +24,7 @@ pub mod rng;
 pub mod sampling;
 pub mod tokenizer;
 
-pub use attention::{kv_pool_bytes, set_kv_pool_limit, KvCache};
+pub use attention::{fill_kv_pool, kv_pool_bytes, set_kv_pool_limit, KvCache};
 pub use checkpoint::{load_dir, load_dir_as, load_model, save_dir, save_gguf_dir};
 pub use config::{Activation, Config, PositionEmbedding};
 pub use device::{device_name, parse_device};

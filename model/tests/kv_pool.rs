@@ -84,18 +84,41 @@ fn freed_buffers_are_kept_to_the_limit_and_reused_without_changing_results() -> 
     drop(last);
     assert_eq!(gpt::kv_pool_bytes(), 0);
 
-    // A size the pool does not hold: kept buffers of other sizes are let go for it, so that
-    // afterwards the pool keeps the new size alone, not both (the pool and the caches in use stay
-    // within what they held at their peak).
+    // On the CPU in f32 a cache is blocks of one size: a longer cache takes a shorter one's
+    // blocks and adds its own, and freed, the pool keeps them all (what the caches held at their
+    // peak), whatever the lengths.
     gpt::set_kv_pool_limit(64 << 20);
     let mut small = model.new_cache();
-    small.reserve(prompt.len() + steps.len())?; // room 128
+    small.reserve(prompt.len() + steps.len())?; // 2 blocks a layer
     run(&model, &mut small, &prompt, &steps)?;
     drop(small);
     assert_eq!(gpt::kv_pool_bytes(), kept);
     let mut large = model.new_cache();
-    large.reserve(200)?; // room 256, which the 128s do not serve
+    large.reserve(200)?; // 4 blocks a layer: the 2 kept and 2 new
     assert_eq!(run(&model, &mut large, &prompt, &steps)?, reference);
+    assert_eq!(gpt::kv_pool_bytes(), 0, "the kept blocks were taken");
+    drop(large);
+    assert_eq!(gpt::kv_pool_bytes(), 2 * kept, "every block is kept");
+    gpt::set_kv_pool_limit(0);
+
+    // Whole buffers (half precision, other devices) come in sizes: one the pool does not hold
+    // lets kept buffers of other sizes go, so that afterwards the pool keeps the new size alone,
+    // not both (the pool and the caches in use stay within what they held at their peak).
+    let varmap = candle_nn::VarMap::new();
+    let half = Gpt::new(
+        candle_nn::VarBuilder::from_varmap(&varmap, candle_core::DType::BF16, &candle_core::Device::Cpu),
+        &cfg,
+    )?;
+    gpt::set_kv_pool_limit(64 << 20);
+    let mut small = half.new_cache();
+    small.reserve(prompt.len() + steps.len())?; // room 128
+    let expected = run(&half, &mut small, &prompt, &steps)?;
+    drop(small);
+    let kept = 2 * cfg.n_layer * cfg.n_embd * 128 * 2;
+    assert_eq!(gpt::kv_pool_bytes(), kept);
+    let mut large = half.new_cache();
+    large.reserve(200)?; // room 256, which the 128s do not serve
+    assert_eq!(run(&half, &mut large, &prompt, &steps)?, expected);
     assert_eq!(gpt::kv_pool_bytes(), 0, "the other size was let go");
     drop(large);
     assert_eq!(gpt::kv_pool_bytes(), 2 * kept, "only the new size is kept");

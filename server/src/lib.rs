@@ -48,8 +48,9 @@ pub struct ServerConfig {
     pub cors_origins: Vec<String>,
     /// MiB of KV cache kept for prefix caching (0: off).
     pub prefix_cache_mib: usize,
-    /// MiB of freed KV-cache buffers kept for the next sequences (`gpt::set_kv_pool_limit`).
-    pub kv_pool_mib: usize,
+    /// MiB of KV cache allocated at startup and kept for reuse (`gpt::set_kv_pool_limit`,
+    /// `gpt::fill_kv_pool`); `None`: [`default_kv_cache_bytes`].
+    pub kv_cache_mib: Option<usize>,
     /// How the CPU's products with f32 or bf16 weights round (`high`: bf16 products on AMX tiles).
     pub matmul_precision: gpt::MatmulPrecision,
     /// A request running longer is ended (`None`: no limit).
@@ -72,7 +73,7 @@ impl Default for ServerConfig {
             chat_template: None,
             cors_origins: Vec::new(),
             prefix_cache_mib: 256,
-            kv_pool_mib: 512,
+            kv_cache_mib: None,
             matmul_precision: gpt::MatmulPrecision::Highest,
             request_timeout: Some(std::time::Duration::from_secs(600)),
             stream_timeout: std::time::Duration::from_secs(60),
@@ -120,6 +121,19 @@ pub fn load_chat_template(checkpoint: &Path, file: Option<&Path>) -> anyhow::Res
         Some(file) => file.display().to_string(),
         None => config_path.display().to_string(),
     })
+}
+
+/// The KV cache a server holds at most at once: a full batch of sequences at the model's whole
+/// context, and the prefix cache at its bound; at most 1 GiB (past it, blocks are allocated as
+/// sequences need them and freed when they end).
+pub fn default_kv_cache_bytes(
+    cfg: &gpt::Config,
+    dtype: candle_core::DType,
+    max_batch: usize,
+    prefix_cache: usize,
+) -> usize {
+    let per_position = 2 * cfg.n_layer * cfg.n_embd * dtype.size_in_bytes();
+    (max_batch.max(1) * cfg.n_positions * per_position + prefix_cache).min(1 << 30)
 }
 
 /// Loads the checkpoint, starts the engine thread and returns the router's state.
@@ -181,7 +195,22 @@ pub fn load_state(
         cfg.matmul_precision,
         cfg.model_name
     ));
-    gpt::set_kv_pool_limit(cfg.kv_pool_mib << 20);
+    let kv_bytes = match cfg.kv_cache_mib {
+        Some(mib) => mib << 20,
+        None => default_kv_cache_bytes(
+            model.config(),
+            model.dtype(),
+            cfg.max_batch_size,
+            cfg.prefix_cache_mib << 20,
+        ),
+    };
+    gpt::set_kv_pool_limit(kv_bytes);
+    let kv_held = gpt::fill_kv_pool(model.config(), model.dtype(), model.device())?;
+    tracing::info!(
+        limit_mib = kv_bytes >> 20,
+        allocated_mib = kv_held >> 20,
+        "KV cache: blocks allocated at startup and reused (--kv-cache-mib)"
+    );
     let engine = Engine::start(
         model,
         (*tokenizer).clone(),

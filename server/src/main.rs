@@ -72,10 +72,12 @@ struct Args {
     /// prompt, few-shot examples) reuse its cache instead of prefilling it again. 0 turns it off.
     #[arg(long, env = "GPT_SERVER_PREFIX_CACHE_MIB", default_value_t = 256)]
     prefix_cache_mib: usize,
-    /// MiB of freed KV-cache buffers kept for the next sequences rather than handed back to the
-    /// allocator, whose heap otherwise fragments and grows under a long mixed load. 0: none.
-    #[arg(long, env = "GPT_SERVER_KV_POOL_MIB", default_value_t = 512)]
-    kv_pool_mib: usize,
+    /// MiB of KV cache allocated at startup (on the CPU in f32, in blocks of 64 positions) and
+    /// kept: sequences take blocks from it and give them back, so that memory stays flat under
+    /// a long mixed load; past it, blocks are allocated and freed as needed. 0: none. Default: a
+    /// full batch at the whole context plus the prefix cache's bound, at most 1024.
+    #[arg(long, env = "GPT_SERVER_KV_CACHE_MIB")]
+    kv_cache_mib: Option<usize>,
     /// After Ctrl-C / SIGTERM, how long in-flight generations may run before they are cut.
     #[arg(long, env = "GPT_SERVER_SHUTDOWN_GRACE_SECS", default_value_t = 10)]
     shutdown_grace_secs: u64,
@@ -185,7 +187,7 @@ async fn run() -> Result<()> {
         chat_template: args.chat_template.clone(),
         cors_origins: args.cors_origins.clone(),
         prefix_cache_mib: args.prefix_cache_mib,
-        kv_pool_mib: args.kv_pool_mib,
+        kv_cache_mib: args.kv_cache_mib,
         matmul_precision: args.matmul_precision,
         request_timeout: (args.request_timeout_secs > 0).then(|| Duration::from_secs(args.request_timeout_secs)),
         stream_timeout: Duration::from_secs(args.stream_timeout_secs),

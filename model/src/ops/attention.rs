@@ -14,47 +14,99 @@ use candle_core::{Device, Layout, Result, Storage, Tensor};
 
 use super::Simd;
 
-/// Keys or values of one sequence: `(n_head, T, head_dim)` with unit stride in the last dim.
-struct Heads<'a> {
+/// One sequence's keys and values for [`cached_attention`], `len` positions in order, in blocks:
+/// `(n_head, B, head_dim)` tensors of `B` positions each (the same `B` for every block; the last
+/// may hold fewer than `B` positions), unit stride in the last dim. A cache of one contiguous
+/// buffer is one block ([`CachedKv::whole`]); the CPU's KV cache holds blocks of 64 positions.
+#[derive(Debug, Clone)]
+pub struct CachedKv {
+    pub keys: Vec<Tensor>,
+    pub values: Vec<Tensor>,
+    pub len: usize,
+}
+
+impl CachedKv {
+    /// Keys and values `(n_head, T, head_dim)` as one block of `T` positions.
+    pub fn whole(k: Tensor, v: Tensor) -> Result<Self> {
+        let len = k.dims3()?.1;
+        Ok(Self {
+            keys: vec![k],
+            values: vec![v],
+            len,
+        })
+    }
+}
+
+/// One block of [`Heads`] where its storage lies.
+struct Block<'a> {
     data: &'a [f32],
     start: usize,
     head_stride: usize,
     pos_stride: usize,
 }
 
+/// Keys or values of one sequence, read in place: `len` positions in blocks of `block`.
+struct Heads<'a> {
+    blocks: Vec<Block<'a>>,
+    block: usize,
+    len: usize,
+}
+
 impl<'a> Heads<'a> {
-    fn new(storage: &'a Storage, layout: &Layout, n_head: usize, t: usize, hs: usize) -> Result<Self> {
-        let Storage::Cpu(cpu) = storage else {
-            candle_core::bail!("cached-attention: the cache is not on the CPU")
-        };
-        let stride = layout.stride();
-        if layout.dims() != [n_head, t, hs] || stride[2] != 1 {
+    fn new(
+        blocks: &'a [(candle_core::StorageRef<'a>, &'a Layout)],
+        len: usize,
+        n_head: usize,
+        hs: usize,
+    ) -> Result<Self> {
+        let block = blocks.first().and_then(|(_, l)| l.dims().get(1).copied()).unwrap_or(0);
+        if block * blocks.len() < len || (len > 0 && block == 0) {
             candle_core::bail!(
-                "cached-attention: the cache is {:?} with strides {stride:?}",
-                layout.dims()
+                "cached-attention: {len} positions in {} blocks of {block}",
+                blocks.len()
             )
         }
-        Ok(Self {
-            data: cpu.as_slice::<f32>()?,
-            start: layout.start_offset(),
-            head_stride: stride[0],
-            pos_stride: stride[1],
-        })
+        let blocks = (blocks.iter())
+            .map(|(storage, layout)| {
+                let Storage::Cpu(cpu) = &**storage else {
+                    candle_core::bail!("cached-attention: the cache is not on the CPU")
+                };
+                let stride = layout.stride();
+                if layout.dims() != [n_head, block, hs] || stride[2] != 1 {
+                    candle_core::bail!(
+                        "cached-attention: a block of the cache is {:?} with strides {stride:?}, not ({n_head}, {block}, {hs})",
+                        layout.dims()
+                    )
+                }
+                Ok(Block {
+                    data: cpu.as_slice::<f32>()?,
+                    start: layout.start_offset(),
+                    head_stride: stride[0],
+                    pos_stride: stride[1],
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { blocks, block, len })
     }
 
     /// Head `h` at position `j`.
+    #[inline(always)]
     fn row(&self, h: usize, j: usize, hs: usize) -> &[f32] {
-        &self.data[self.start + h * self.head_stride + j * self.pos_stride..][..hs]
+        let b = &self.blocks[j / self.block];
+        &b.data[b.start + h * b.head_stride + (j % self.block) * b.pos_stride..][..hs]
     }
 
-    /// Head `h`'s positions `..n` (`n >= 1`) as a pointer to position 0, every position
-    /// `j < n` then at `j * pos_stride` from it, `hs` values long: checked once here, for loops
-    /// that would otherwise check every position.
-    fn rows(&self, h: usize, n: usize, hs: usize) -> *const f32 {
-        // Position n - 1 is in bounds (a panic here is a bug: the layout was checked in `new`),
-        // and so then is every earlier one.
-        let _ = self.row(h, n - 1, hs);
-        self.row(h, 0, hs).as_ptr()
+    /// Head `h` from position `j` (`j < len`) to the end of its block or of the positions held:
+    /// `(pointer to position j, positions, stride between them)`, each position `hs` values
+    /// long. Checked once here, for loops that would otherwise check every position. (Inlined:
+    /// a call inside the kernels' loops made them keep their sums in memory, 25% slower.)
+    #[inline(always)]
+    fn run(&self, h: usize, j: usize, hs: usize) -> (*const f32, usize, usize) {
+        let n = (self.block - j % self.block).min(self.len - j);
+        // The run's last position is in bounds (a panic here is a bug: the layout was checked in
+        // `new`), and so then is every earlier one.
+        let _ = self.row(h, j + n - 1, hs);
+        (self.row(h, j, hs).as_ptr(), n, self.blocks[j / self.block].pos_stride)
     }
 }
 
@@ -115,15 +167,9 @@ impl candle_core::InplaceOp1 for WriteRows<'_> {
 
 /// `softmax(q k^T * scale) v` for each new token (causal: token `i` of a sequence whose cache held
 /// `T - len` positions before this step sees keys `..= T - len + i`). `qkv` is `(N, 3C)`, the new
-/// tokens of each sequence in turn (`lens[s]` of them); `kv[s]` are sequence `s`'s keys and values
-/// `(n_head, T, C / n_head)` after this step's append. Returns `(N, C)`.
-pub fn cached_attention(
-    qkv: &Tensor,
-    lens: &[usize],
-    kv: &[(Tensor, Tensor)],
-    n_head: usize,
-    scale: f32,
-) -> Result<Tensor> {
+/// tokens of each sequence in turn (`lens[s]` of them); `kv[s]` are sequence `s`'s `T` keys and
+/// values after this step's append. Returns `(N, C)`.
+pub fn cached_attention(qkv: &Tensor, lens: &[usize], kv: &[CachedKv], n_head: usize, scale: f32) -> Result<Tensor> {
     cached_attention_on(Simd::detect(), qkv, lens, kv, n_head, scale)
 }
 
@@ -138,7 +184,7 @@ pub fn cached_attention_on(
     simd: Simd,
     qkv: &Tensor,
     lens: &[usize],
-    kv: &[(Tensor, Tensor)],
+    kv: &[CachedKv],
     n_head: usize,
     scale: f32,
 ) -> Result<Tensor> {
@@ -155,19 +201,19 @@ pub fn cached_attention_on(
         candle_core::bail!("cached-attention: qkv is not on the CPU")
     };
     let q = super::f32_slice(q_cpu, q_layout, "cached-attention")?;
-    let guards: Vec<_> = kv
-        .iter()
-        .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
-        .collect();
+    fn guards(blocks: &[Tensor]) -> Vec<(candle_core::StorageRef<'_>, &Layout)> {
+        blocks.iter().map(Tensor::storage_and_layout).collect()
+    }
+    let guards: Vec<_> = kv.iter().map(|kv| (guards(&kv.keys), guards(&kv.values))).collect();
     let mut seqs = Vec::with_capacity(lens.len());
     let mut row0 = 0;
-    for (((k, k_layout), (v, v_layout)), &len) in guards.iter().zip(lens) {
-        let t = k_layout.dims().get(1).copied().unwrap_or(0);
+    for (((k, v), kv), &len) in guards.iter().zip(kv).zip(lens) {
+        let t = kv.len;
         if t < len {
             candle_core::bail!("cached-attention: {len} new tokens but {t} cached positions")
         }
-        let keys = Heads::new(k, k_layout, n_head, t, hs)?;
-        let values = Heads::new(v, v_layout, n_head, t, hs)?;
+        let keys = Heads::new(k, t, n_head, hs)?;
+        let values = Heads::new(v, t, n_head, hs)?;
         seqs.push((keys, values, row0, len, t));
         row0 += len;
     }
@@ -359,9 +405,7 @@ mod x86 {
             });
             // Scores, every row against the keys of the last (a row's extra ones are unused):
             // 16 keys at a time, their lane sums taken together (`sums16`), then one at a time.
-            let full = n[R - 1] / 16 * 16;
             let scale = _mm512_set1_ps(head.scale);
-            let (keys, stride) = (head.keys.rows(head.h, n[R - 1], hs), head.keys.pos_stride);
             let dot = |q: &[__m512; CH], k: *const f32| {
                 let mut acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
                 for (c, &qc) in q.iter().enumerate().skip(1) {
@@ -369,20 +413,30 @@ mod x86 {
                 }
                 acc
             };
-            for j0 in (0..full).step_by(16) {
-                let block = keys.add(j0 * stride);
-                for (r, q) in q.iter().enumerate() {
-                    // The 16 products, kept in registers (slot s holds key SLOTS[s]: the
-                    // permutation is its own inverse).
-                    let a: [__m512; 16] = std::array::from_fn(|slot| dot(q, block.add(SLOTS[slot] * stride)));
-                    let s = _mm512_mul_ps(sums16(&a), scale);
-                    _mm512_storeu_ps(scores[r * t + j0..][..16].as_mut_ptr(), s);
+            // Run by run of positions stored together (a block of the cache), 16 keys at once
+            // while a run has them. (The run of a position the rows do not all see ends at the
+            // last row's bound; a row's extra scores are never read.)
+            let mut j0 = 0;
+            while j0 < n[R - 1] {
+                let (keys, run, stride) = head.keys.run(head.h, j0, hs);
+                let run = run.min(n[R - 1] - j0);
+                let full = run / 16 * 16;
+                for j in (0..full).step_by(16) {
+                    let block = keys.add(j * stride);
+                    for (r, q) in q.iter().enumerate() {
+                        // The 16 products, kept in registers (slot s holds key SLOTS[s]: the
+                        // permutation is its own inverse).
+                        let a: [__m512; 16] = std::array::from_fn(|slot| dot(q, block.add(SLOTS[slot] * stride)));
+                        let s = _mm512_mul_ps(sums16(&a), scale);
+                        _mm512_storeu_ps(scores[r * t + j0 + j..][..16].as_mut_ptr(), s);
+                    }
                 }
-            }
-            for j in full..n[R - 1] {
-                for (r, q) in q.iter().enumerate() {
-                    scores[r * t + j] = sum16(dot(q, keys.add(j * stride))) * head.scale;
+                for j in full..run {
+                    for (r, q) in q.iter().enumerate() {
+                        scores[r * t + j0 + j] = sum16(dot(q, keys.add(j * stride))) * head.scale;
+                    }
                 }
+                j0 += run;
             }
             // Softmax's numerators and their sum, row by row.
             let mut inv = [0f32; R];
@@ -395,21 +449,26 @@ mod x86 {
                 inv[r] = 1.0 / lanes_sum(row);
             }
             // The values' weighted sums: the keys all rows see together, then each row's rest.
-            let (values, stride) = (head.values.rows(head.h, n[R - 1], hs), head.values.pos_stride);
             let mut acc = [[_mm512_setzero_ps(); CH]; R];
-            for j in 0..n[0] {
-                let v = values.add(j * stride);
-                let v: [__m512; CH] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(16 * c)));
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let p = _mm512_set1_ps(scores[r * t + j]);
-                    for (a, &v) in acc.iter_mut().zip(&v) {
-                        *a = _mm512_fmadd_ps(p, v, *a);
+            let mut j0 = 0;
+            while j0 < n[0] {
+                let (values, run, stride) = head.values.run(head.h, j0, hs);
+                for j in j0..j0 + run.min(n[0] - j0) {
+                    let v = values.add((j - j0) * stride);
+                    let v: [__m512; CH] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(16 * c)));
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let p = _mm512_set1_ps(scores[r * t + j]);
+                        for (a, &v) in acc.iter_mut().zip(&v) {
+                            *a = _mm512_fmadd_ps(p, v, *a);
+                        }
                     }
                 }
+                j0 += run;
             }
             for (r, acc) in acc.iter_mut().enumerate() {
                 for j in n[0]..n[r] {
-                    let (v, p) = (values.add(j * stride), _mm512_set1_ps(scores[r * t + j]));
+                    let v = head.values.row(head.h, j, hs).as_ptr();
+                    let p = _mm512_set1_ps(scores[r * t + j]);
                     for (c, a) in acc.iter_mut().enumerate() {
                         *a = _mm512_fmadd_ps(p, _mm512_loadu_ps(v.add(16 * c)), *a);
                     }

@@ -44,7 +44,7 @@ use softmax::CausalSoftmax;
 use window_attention::WindowAttention;
 
 pub(crate) use attention::WriteRows;
-pub use attention::{cached_attention, cached_attention_on};
+pub use attention::{cached_attention, cached_attention_on, CachedKv};
 pub use bf16_dot::Bf16Dot;
 pub(crate) use gelu::gelu_new;
 pub use head_loss::lm_head_loss;

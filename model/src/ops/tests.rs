@@ -174,7 +174,7 @@ fn cached_attention_matches_candle() {
 }
 
 fn cached_attention_matches_candle_on(simd: Simd) {
-    let cached_attention = |qkv: &Tensor, lens: &[usize], kv: &[(Tensor, Tensor)], n_head, scale| {
+    let cached_attention = |qkv: &Tensor, lens: &[usize], kv: &[CachedKv], n_head, scale| {
         cached_attention_on(simd, qkv, lens, kv, n_head, scale)
     };
     let dev = Device::Cpu;
@@ -215,7 +215,7 @@ fn cached_attention_matches_candle_on(simd: Simd) {
             let att = candle_nn::ops::softmax_last_dim(&att.broadcast_add(&mask).unwrap()).unwrap();
             let y = att.matmul(&v.contiguous().unwrap()).unwrap(); // (nh, len, hs)
             expected.push(y.transpose(0, 1).unwrap().reshape((len, c)).unwrap());
-            kv.push((k, v));
+            kv.push(CachedKv::whole(k, v).unwrap());
             row0 += len;
         }
         let expected = Tensor::cat(&expected, 0).unwrap();
@@ -228,14 +228,39 @@ fn cached_attention_matches_candle_on(simd: Simd) {
             d < 1e-6,
             "{simd:?} against the portable path, n_head={n_head} hs={hs}: {d}"
         );
+        // The same caches in blocks of 8 and of 16 positions (the KV cache's layout on the CPU):
+        // the same bits.
+        for block in [8, 16] {
+            let blocks = |x: &Tensor| -> Vec<Tensor> {
+                let t = x.dims()[1];
+                (0..t.div_ceil(block))
+                    .map(|b| {
+                        let out = Tensor::zeros((n_head, block, hs), DType::F32, &dev).unwrap();
+                        let part = x.narrow(1, b * block, block.min(t - b * block)).unwrap();
+                        out.slice_set(&part.contiguous().unwrap(), 1, 0).unwrap();
+                        out
+                    })
+                    .collect()
+            };
+            let paged: Vec<CachedKv> = (kv.iter())
+                .map(|kv| CachedKv {
+                    keys: blocks(&kv.keys[0]),
+                    values: blocks(&kv.values[0]),
+                    len: kv.len,
+                })
+                .collect();
+            let scale = 1.0 / (hs as f32).sqrt();
+            let in_blocks = cached_attention(&qkv, &lens, &paged, n_head, scale).unwrap();
+            assert_eq!(max_diff(&in_blocks, &got), 0.0, "{simd:?}, hs={hs}, blocks of {block}");
+        }
         // Batch invariance: the middle sequence alone, then token by token.
         let scale = 1.0 / (hs as f32).sqrt();
         let alone = cached_attention(&qkv.narrow(0, 1, 7).unwrap(), &[7], &kv[1..2], n_head, scale).unwrap();
         assert_eq!(max_diff(&alone, &got.narrow(0, 1, 7).unwrap()), 0.0);
         for i in 0..7 {
-            let (k, v) = &kv[1];
+            let (k, v) = (&kv[1].keys[0], &kv[1].values[0]);
             let t = cached[1] + i + 1;
-            let seen = (k.narrow(1, 0, t).unwrap(), v.narrow(1, 0, t).unwrap());
+            let seen = CachedKv::whole(k.narrow(1, 0, t).unwrap(), v.narrow(1, 0, t).unwrap()).unwrap();
             let one = cached_attention(&qkv.narrow(0, 1 + i, 1).unwrap(), &[1], &[seen], n_head, scale).unwrap();
             assert_eq!(
                 max_diff(&one, &got.narrow(0, 1 + i, 1).unwrap()),
@@ -247,7 +272,7 @@ fn cached_attention_matches_candle_on(simd: Simd) {
     // Lengths that do not add up to the rows are an error, not a panic.
     let qkv = Tensor::zeros((3, 3 * 64), DType::F32, &dev).unwrap();
     let kv = Tensor::zeros((1, 3, 64), DType::F32, &dev).unwrap();
-    assert!(cached_attention(&qkv, &[2], &[(kv.clone(), kv)], 1, 0.125).is_err());
+    assert!(cached_attention(&qkv, &[2], &[CachedKv::whole(kv.clone(), kv).unwrap()], 1, 0.125).is_err());
 }
 
 /// Forward and both gradients against candle's matmul, for a transposed view of GPT-2's
