@@ -227,7 +227,7 @@ impl LayerKv {
         }
         let room = self.rounded(need);
         if let Store::Empty = self.store {
-            if device.is_cpu() && dtype == candle_core::DType::F32 && crate::ops::cpu_fused() {
+            if in_blocks(dtype, device) {
                 self.store = Store::Blocks(Vec::new());
             }
         }
@@ -419,6 +419,12 @@ impl LayerKv {
     }
 }
 
+/// Whether caches of `dtype` on `device` are held in blocks (see [`LayerKv`]): where the fused
+/// CPU attention reads them, the same condition as `ops::fused` on the CPU.
+fn in_blocks(dtype: candle_core::DType, device: &candle_core::Device) -> bool {
+    device.is_cpu() && dtype == candle_core::DType::F32 && crate::ops::cpu_fused()
+}
+
 /// A pair of `(n_head, room, head_dim)` buffers: from the pool, or new.
 fn buffers(
     n_head: usize,
@@ -465,7 +471,7 @@ pub fn fill_kv_pool(
     dtype: candle_core::DType,
     device: &candle_core::Device,
 ) -> candle_core::Result<usize> {
-    if device.is_cpu() && dtype == candle_core::DType::F32 && crate::ops::cpu_fused() {
+    if in_blocks(dtype, device) {
         let n_head = cfg.n_head.max(1);
         let block = KvCache::CHUNK.min(cfg.n_positions).max(1);
         pool::fill(n_head, block, cfg.n_embd / n_head)?;
