@@ -3,28 +3,48 @@
 # with the binaries that bench/gpu_build.sh packed into .gpu/ (no Rust toolchain needed here).
 #   bash bench/gpu.sh check   CPU vs CUDA (tests/cuda.rs), gpt-server on the GPU (streams,
 #                             batching, f32/bf16/f16 greedy text), gpt-train eval on both devices
-#   bash bench/gpu.sh speed   decode tokens/s (batch 1 and 8, f32 and bf16) and GPT-2-small
-#                             training tokens/s (8 x 1024), candle and PyTorch in the same run
+#   bash bench/gpu.sh speed   decode tokens/s (batch 1, 8 and 64, f32 and bf16) against
+#                             transformers; GPT-2-small training tokens/s (8 x 1024) against
+#                             nanoGPT's model.py; the shakespeare-char step with fused ops off/on
+#   bash bench/gpu.sh serve   gpt-server --device cuda on a GPT-2-small-shaped checkpoint (random
+#                             weights): 1, 16 and 64 concurrent streams, tokens/s and TTFT
+#   bash bench/gpu.sh nanogpt nanoGPT's own train.py (shakespeare-char config, eager and
+#                             torch.compile) for its ms/iteration; needs .gpu/nanogpt (gpu_build.sh)
 #   bash bench/gpu.sh train   nanoGPT's shakespeare-char configuration with gpt-train (the
 #                             default model): log, metrics, loss plot and the f16 export;
-#                             TRAIN_FLAGS adds flags (e.g. "--dtype bf16")
+#                             TRAIN_FLAGS adds flags (e.g. "--dtype bf16"), TRAIN_SECS stops it
+#                             (as Ctrl-C does: a checkpoint is saved) after that many seconds
 # Results go to $OUT (default gpu-out/). RUN_DEVICE=cpu dry-runs the script's own logic on the
 # CPU (with a CUDA build, that needs a libcuda.so.1 on the loader path, e.g. the toolkit's stub).
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu.sh check|speed|train}
+stage=${1:?usage: bash bench/gpu.sh check|speed|serve|nanogpt|train}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 bin=/tmp/gpt-bin
 mkdir -p $bin
-for f in .gpu/*.zst; do zstd -q -d -f "$f" -o "$bin/$(basename "$f" .zst)"; done
+[[ -x $bin/gpt-train ]] || zstd -q -d --long=28 -c .gpu/bin.tar.zst | tar -C $bin -xf -
+for f in .gpu/*.txt.zst .gpu/*.json.zst; do
+  [[ -e "$bin/$(basename "$f" .zst)" ]] || zstd -q -d -f "$f" -o "$bin/$(basename "$f" .zst)"
+done
 chmod +x $bin/gpt-train $bin/gpt-server $bin/cuda-tests $bin/inference $bin/train-step
 corpus=$bin/corpus.txt
 export RUST_LOG=${RUST_LOG:-info}
 dev=${RUN_DEVICE:-cuda}
 log() { echo "== $*"; }
 
+# The CUDA 13 libraries the binaries link (cuBLAS, cuRAND, NVRTC, cudart): from the system's
+# toolkit where the loader finds them, else from the CUDA wheels beside PyTorch.
+if ldd $bin/gpt-train | grep -q "not found"; then
+  for lib in $(ldd $bin/gpt-train | awk '/not found/ {print $1}'); do
+    found=$(find /usr/local /opt /usr/lib -name "$lib" 2> /dev/null | head -n 1)
+    [[ -n $found ]] && export LD_LIBRARY_PATH="$(dirname "$found")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  done
+  ldd $bin/gpt-train | grep "not found" && echo "libraries missing (above)"
+fi
+
 # Starts gpt-server on the GPU with the given flags; waits for /health.
 start_server() {
+  pkill -f "$bin/gpt-server" 2> /dev/null && sleep 1
   $bin/gpt-server --port 18080 --device "$dev" "$@" > "$bin/server.log" 2>&1 &
   server=$!
   for _ in $(seq 1 120); do curl -sf localhost:18080/health > /dev/null && return 0; sleep 0.5; done
@@ -39,6 +59,8 @@ case $stage in
 check)
   exec > >(tee "$OUT/check.log") 2>&1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  # The CPU side of the comparisons runs the project's CPU kernels, which pick AMX, AVX-512 or AVX2 here.
+  echo "host CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $(nproc) threads, flags: $(grep -m1 -o -w -E 'amx_bf16|avx512f|avx512_bf16|avx2' /proc/cpuinfo | sort -u | tr '\n' ' ')"
   log "CPU vs CUDA (tests/cuda.rs)"
   $bin/cuda-tests --test-threads 1 --nocapture
   log "CPU vs CUDA, candle's own ops (GPT_CUDA_FUSED=0)"
@@ -100,24 +122,52 @@ speed)
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   log "decode, GPT-2-small shape, random weights, 16-token prompt + 256 new tokens"
   for dtype in f32 bf16; do
-    for batch in 1 8; do
+    for batch in 1 8 64; do
       DEVICE=$dev DTYPE=$dtype BATCH=$batch NEW_TOKENS=256 $bin/inference | tee -a "$OUT/speed.jsonl"
-      python3 bench/torch_inference.py --device "$dev" --dtype $dtype --batch $batch --new-tokens 256 \
-        | tee -a "$OUT/speed.jsonl"
     done
   done
-  log "training step, GPT-2-small shape, batch 8 x 1024: candle f32+TF32 (fused off/on) and bf16; PyTorch bf16 and f32+TF32"
+  python3 bench/torch_inference.py --device "$dev" --dtype f32 bf16 --batch 1 8 64 --new-tokens 256 \
+    | tee -a "$OUT/speed.jsonl"
+  log "training step, GPT-2-small shape, batch 8 x 1024: candle f32+TF32 and bf16; nanoGPT model.py"
   DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/speed.jsonl"
-  GPT_CUDA_FUSED=0 DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/speed.jsonl"
-  python3 bench/torch_train.py throughput --device "$dev" --bf16 --batch-size 8 --block-size 1024 --max-iters 10 \
-    | tee -a "$OUT/speed.jsonl"
-  python3 bench/torch_train.py throughput --device "$dev" --tf32 --batch-size 8 --block-size 1024 --max-iters 10 \
-    | tee -a "$OUT/speed.jsonl"
   AUTOCAST=bf16 DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/speed.jsonl"
+  if [[ -d .gpu/nanogpt ]]; then
+    for dtype in float32 bfloat16; do
+      python3 bench/nanogpt_throughput.py .gpu/nanogpt --device "$dev" --dtype $dtype \
+        --batch-size 8 --block-size 1024 --max-iters 10 | tee -a "$OUT/speed.log"
+    done
+  fi
   log "training step, shakespeare-char shape (6 x 6 x 384, 64 x 256): fused kernels off/on, bf16"
   GPT_CUDA_FUSED=0 DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/speed.jsonl"
   DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/speed.jsonl"
   AUTOCAST=bf16 DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/speed.jsonl"
+  ;;
+
+serve)
+  exec > >(tee "$OUT/serve.log") 2>&1
+  log "gpt-server --device $dev, GPT-2-small shape (random weights): 1, 16, 64 concurrent streams"
+  python3 bench/make_random_gpt2.py $bin/gpt2-tokenizer.json $bin/gpt2-random > /dev/null
+  for dtype in f32 bf16; do
+    start_server --checkpoint $bin/gpt2-random --dtype $dtype --max-batch-size 64 --max-queue 256 || continue
+    echo "dtype $dtype"
+    python3 bench/serve_streams.py --url http://localhost:18080 --concurrency 1 16 64 --requests 2 \
+      | tee -a "$OUT/serve.jsonl"
+    curl -s localhost:18080/metrics | grep -E '^gpt_(batch_size|requests_total)'
+    stop_server
+  done
+  ;;
+
+nanogpt)
+  exec > >(tee "$OUT/nanogpt.log") 2>&1
+  log "nanoGPT train.py, shakespeare-char config, 300 iterations: eager, then torch.compile"
+  ng=$bin/nanogpt
+  rm -rf $ng && cp -r .gpu/nanogpt $ng
+  for compile in False True; do
+    echo "compile=$compile"
+    (cd $ng && python3 train.py config/train_shakespeare_char.py --compile=$compile --max_iters=300 \
+      --lr_decay_iters=5000 --eval_interval=100000 --eval_iters=1 --log_interval=20 \
+      --out_dir=$ng/out 2>&1 | grep -E "^iter|dtype|error|Error")
+  done
   ;;
 
 train)
@@ -127,7 +177,8 @@ train)
   log "gpt-train train: nanoGPT's shakespeare-char defaults (6 x 6 x 384, block 256, batch 64, 5000 iters)"
   start=$(date +%s)
   # shellcheck disable=SC2086
-  $bin/gpt-train train --data "$corpus" --out $run --device "$dev" ${TRAIN_FLAGS:-}
+  timeout -s INT -k 60 "${TRAIN_SECS:-100000}" \
+    $bin/gpt-train train --data "$corpus" --out $run --device "$dev" ${TRAIN_FLAGS:-}
   echo "wall: $(( $(date +%s) - start )) s"
   $bin/gpt-train export --checkpoint $run/best --out $bin/model --dtype f16 || \
     $bin/gpt-train export --checkpoint $run --out $bin/model --dtype f16

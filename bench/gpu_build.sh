@@ -2,7 +2,10 @@
 # Builds the CUDA binaries on a machine without a GPU and packs them into .gpu/ (git-ignored) for
 # a GPU machine without a Rust toolchain, where bench/gpu.sh unpacks and runs them:
 #   gpt-train, gpt-server, the CPU-vs-CUDA test binary (tests/cuda.rs), and the inference and
-#   training-step benchmarks, all with `--features cuda`; plus the corpus (compressed).
+#   training-step benchmarks, all with `--features cuda`; plus the corpus (compressed), and when
+#   they are at hand, GPT-2's tokenizer.json (for gpu.sh serve; GPT2_TOKENIZER, default
+#   target/gpt2-tokenizer/tokenizer.json) and nanoGPT's own code and shakespeare_char data (for
+#   gpu.sh nanogpt and speed; NANOGPT_DIR, a checkout of github.com/karpathy/nanoGPT).
 #   bash bench/gpu_build.sh [CORPUS]    (default data/tinyshakespeare.txt)
 # Needs a CUDA toolkit: nvcc on PATH or CUDA_ROOT set, else /opt/cuda13 from ../shared/cuda/setup.sh.
 set -euo pipefail
@@ -32,13 +35,27 @@ tests=$(executable cuda test --release -p gpt-e2e --test cuda)
 inference=$(executable inference bench -p gpt --bench inference)
 train_step=$(executable train_step bench -p gpt-train --bench train_step)
 
-rm -rf .gpu && mkdir -p .gpu
+rm -rf .gpu && mkdir -p .gpu/bin
 for pair in "gpt-train:$target/release/gpt-train" "gpt-server:$target/release/gpt-server" \
             "cuda-tests:$tests" "inference:$inference" "train-step:$train_step"; do
   name=${pair%%:*} path=${pair#*:}
-  strip -o ".gpu/$name" "$path"
-  zstd -q -19 -T0 --rm ".gpu/$name" -o ".gpu/$name.zst"
+  strip -o ".gpu/bin/$name" "$path"
 done
+# One archive with a long window: the five binaries share most of their code (candle, its
+# kernels), so together they compress to ~18 MB against ~50 MB one by one.
+tar -C .gpu/bin -cf - . | zstd -q -19 --long=28 -T0 -o .gpu/bin.tar.zst
+rm -rf .gpu/bin
 zstd -q -19 -T0 "$corpus" -o .gpu/corpus.txt.zst
+tokenizer=${GPT2_TOKENIZER:-target/gpt2-tokenizer/tokenizer.json}
+[[ -f $tokenizer ]] && zstd -q -19 "$tokenizer" -o .gpu/gpt2-tokenizer.json.zst
+if [[ -n ${NANOGPT_DIR:-} ]]; then
+  data=$NANOGPT_DIR/data/shakespeare_char
+  cp "$corpus" "$data/input.txt" # prepare.py downloads it otherwise
+  (cd "$data" && python3 prepare.py > /dev/null)
+  mkdir -p .gpu/nanogpt/config .gpu/nanogpt/data/shakespeare_char
+  cp "$NANOGPT_DIR"/{train.py,model.py,configurator.py} .gpu/nanogpt/
+  cp "$NANOGPT_DIR"/config/train_shakespeare_char.py .gpu/nanogpt/config/
+  cp "$data"/{train.bin,val.bin,meta.pkl} .gpu/nanogpt/data/shakespeare_char/
+fi
 git rev-parse HEAD > .gpu/commit
 du -sh .gpu

@@ -5,7 +5,9 @@ tokens/s, all sequences together, with the KV cache (16-token prompt, then --new
 of --batch sequences) in a hand-written cache loop, as the Rust bench does. Prints one JSON object.
 
     python bench/torch_inference.py [--threads N] [--device cpu|cuda] [--dtype f32|bf16|f16]
-        [--prefill 128] [--batch 1] [--new-tokens 128]
+        [--prefill 128] [--batch 1 [8 ...]] [--new-tokens 128]
+
+With several --dtype or --batch values, one line per (dtype, batch), in one process.
 """
 import argparse
 import json
@@ -27,15 +29,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=DTYPES, default="f32")
+    parser.add_argument("--dtype", choices=DTYPES, nargs="+", default=["f32"])
     parser.add_argument("--prefill", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    for dtype in args.dtype:
+        for batch in args.batch:
+            run(args, dtype, batch)
+
+
+def run(args, dtype: str, batch: int) -> None:
     torch.manual_seed(0)
     cfg = GPT2Config()  # GPT-2 small: 12 layers, 12 heads, 768, 50257 tokens, 1024 positions
-    model = GPT2LMHeadModel(cfg).eval().to(args.device, DTYPES[args.dtype])
+    model = GPT2LMHeadModel(cfg).eval().to(args.device, DTYPES[dtype])
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     prefill = []
@@ -48,7 +56,7 @@ def main() -> None:
         prefill = prefill[1:]
 
         decode = []
-        ids = prompt(PROMPT, cfg.vocab_size, args.batch, args.device)
+        ids = prompt(PROMPT, cfg.vocab_size, batch, args.device)
         for _ in range(min(REPEATS, 3)):
             out = model(ids, use_cache=True)
             past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
@@ -63,15 +71,15 @@ def main() -> None:
     print(json.dumps({
         "impl": f"pytorch {torch.__version__} transformers eager",
         "device": args.device,
-        "dtype": args.dtype,
+        "dtype": dtype,
         "threads": torch.get_num_threads(),
         "prefill_tokens": args.prefill,
         "prefill_tok_per_s": args.prefill / statistics.median(prefill),
-        "batch": args.batch,
+        "batch": batch,
         "decode_prompt": PROMPT,
         "decode_new_tokens": args.new_tokens,
-        "decode_tok_per_s": args.batch * args.new_tokens / statistics.median(decode),
-    }))
+        "decode_tok_per_s": batch * args.new_tokens / statistics.median(decode),
+    }), flush=True)
 
 
 if __name__ == "__main__":

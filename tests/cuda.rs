@@ -247,7 +247,9 @@ fn greedy_generation_is_the_same_text() {
 fn eval_perplexity_matches_the_cpu_within_1e_3() {
     let dir = repo("tests/fixtures/tiny-gpt2");
     let text = repo("tests/fixtures/tiny-gpt2/eval.txt");
-    let run = |dev: &Device| gpt_train::eval::eval_file(&dir, &text, Some(32), Some(16), dev).unwrap();
+    let run = |dev: &Device| {
+        gpt_train::eval::eval_file(&dir, &text, &Default::default(), Some(32), Some(16), None, dev).unwrap()
+    };
     let (cpu, cuda) = (run(&Device::Cpu), run(&gpu()));
     println!("eval mean NLL: cpu {} cuda {}", cpu.mean_nll, cuda.mean_nll);
     assert_eq!(cpu.tokens_scored, cuda.tokens_scored);

@@ -1,8 +1,6 @@
 //! Mean cross-entropy of logits against target ids, with its gradient, without `(N, V)`
 //! temporaries.
 
-#[cfg(feature = "cuda")]
-use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::f32_slice;
