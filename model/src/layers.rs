@@ -111,10 +111,27 @@ fn matmul_wt(x: &Tensor, w: &Tensor, autocast: Autocast) -> candle_core::Result<
     if x.device().is_cpu() && crate::ops::fused(x) && w.dtype() == DType::F32 && x.rank() == 2 {
         return crate::ops::linear_product(x, w, autocast);
     }
+    let w = if x.device().is_cpu() {
+        w.clone()
+    } else {
+        blas_operand(w)?
+    };
     if x.dtype() != w.dtype() && autocast == Autocast::Off {
         return x.matmul(&w.to_dtype(x.dtype())?.t()?);
     }
     matmul(x, &w.t()?, autocast)
+}
+
+/// `m` as an operand that candle's CUDA matmul accepts: row-major or column-major (its
+/// transpose row-major) as it is, else copied row-major. A block of columns of a weight
+/// (`Conv1D::forward_cols`: q, k or v of GPT-2's fused `c_attn`) is neither: cuBLAS could take
+/// its leading dimension, but candle checks for plain layouts and fails. The copy is a view's
+/// `contiguous()`, so its gradient flows back into the variable.
+pub(crate) fn blas_operand(m: &Tensor) -> candle_core::Result<Tensor> {
+    if m.rank() != 2 || m.is_contiguous() || m.t()?.is_contiguous() {
+        return Ok(m.clone());
+    }
+    m.contiguous()
 }
 
 /// GPT-2's `Conv1D`: a linear layer whose weight is `(in, out)` in checkpoints. candle-nn's
@@ -315,5 +332,32 @@ pub(crate) fn dropout(x: Tensor, p: f32, train: Option<Dropout>) -> candle_core:
     match train {
         Some(d) if p > 0.0 => crate::ops::dropout(&x, p, d.key, d.first_row),
         _ => Ok(x),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::blas_operand;
+
+    #[test]
+    fn a_column_block_of_a_weight_becomes_a_row_major_copy_with_its_gradient() -> candle_core::Result<()> {
+        let in_out = Var::from_tensor(&candle_core::Tensor::arange(0f32, 24.0, &Device::Cpu)?.reshape((4, 6))?)?;
+        let w = in_out.as_tensor().t()?; // (out, in), as Conv1D holds it
+                                         // The whole transposed weight is already a BLAS operand: no copy.
+        let whole = blas_operand(&w)?;
+        assert!(!whole.is_contiguous() && whole.t()?.is_contiguous());
+        // Rows 1..3 of (out, in) are columns 1..3 of the variable: neither layout, so copied.
+        let block = w.narrow(0, 1, 2)?;
+        assert!(!block.is_contiguous() && !block.t()?.is_contiguous());
+        let op = blas_operand(&block)?;
+        assert!(op.is_contiguous());
+        assert_eq!(op.to_vec2::<f32>()?, block.to_vec2::<f32>()?);
+        let grads = (op * 2.0)?.sum_all()?.backward()?;
+        let g = grads.get(in_out.as_tensor()).expect("a gradient for the variable");
+        let expect: Vec<Vec<f32>> = (0..4).map(|_| vec![0., 2., 2., 0., 0., 0.]).collect();
+        assert_eq!(g.to_vec2::<f32>()?, expect);
+        Ok(())
     }
 }
