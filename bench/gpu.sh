@@ -3,9 +3,12 @@
 # with the binaries that bench/gpu_build.sh packed into .gpu/ (no Rust toolchain needed here).
 #   bash bench/gpu.sh check   CPU vs CUDA (tests/cuda.rs), gpt-server on the GPU (streams,
 #                             batching, f32/bf16/f16 greedy text), gpt-train eval on both devices
-#   bash bench/gpu.sh speed   decode tokens/s (batch 1, 8 and 64, f32 and bf16) against
-#                             transformers; GPT-2-small training tokens/s (8 x 1024) against
-#                             nanoGPT's model.py; the shakespeare-char step with fused ops off/on
+#   bash bench/gpu.sh speed   decode, then steps
+#   bash bench/gpu.sh decode  decode tokens/s (batch 1, 8 and 64, f32 and bf16; the batched
+#                             decode kernel on, then off) against transformers
+#   bash bench/gpu.sh steps   every CPU-vs-CUDA test, then training tokens/s: GPT-2 small
+#                             (8 x 1024) against nanoGPT's model.py, and the shakespeare-char
+#                             step with fused ops off/on and bf16
 #   bash bench/gpu.sh serve   gpt-server --device cuda on a GPT-2-small-shaped checkpoint (random
 #                             weights): 1, 16 and 64 concurrent streams, tokens/s and TTFT
 #   bash bench/gpu.sh nanogpt nanoGPT's own train.py (shakespeare-char config, eager and
@@ -17,11 +20,15 @@
 # Results go to $OUT (default gpu-out/). RUN_DEVICE=cpu dry-runs the script's own logic on the
 # CPU (with a CUDA build, that needs a libcuda.so.1 on the loader path, e.g. the toolkit's stub).
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu.sh check|speed|serve|nanogpt|train}
+stage=${1:?usage: bash bench/gpu.sh check|speed|decode|steps|serve|nanogpt|train}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 bin=/tmp/gpt-bin
 mkdir -p $bin
+# GPU images may lack zstd: gpu_build.sh packs this machine's (and the libraries it links).
+if ! command -v zstd > /dev/null; then
+  zstd() { LD_LIBRARY_PATH="$PWD/.gpu/tools" "$PWD/.gpu/tools/zstd" "$@"; }
+fi
 [[ -x $bin/gpt-train ]] || zstd -q -d --long=28 -c .gpu/bin.tar.zst | tar -C $bin -xf -
 for f in .gpu/*.txt.zst .gpu/*.json.zst; do
   [[ -e "$bin/$(basename "$f" .zst)" ]] || zstd -q -d -f "$f" -o "$bin/$(basename "$f" .zst)"
@@ -118,29 +125,8 @@ PY
   ;;
 
 speed)
-  exec > >(tee "$OUT/speed.log") 2>&1
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  log "decode, GPT-2-small shape, random weights, 16-token prompt + 256 new tokens"
-  for dtype in f32 bf16; do
-    for batch in 1 8 64; do
-      DEVICE=$dev DTYPE=$dtype BATCH=$batch NEW_TOKENS=256 $bin/inference | tee -a "$OUT/speed.jsonl"
-    done
-  done
-  python3 bench/torch_inference.py --device "$dev" --dtype f32 bf16 --batch 1 8 64 --new-tokens 256 \
-    | tee -a "$OUT/speed.jsonl"
-  log "training step, GPT-2-small shape, batch 8 x 1024: candle f32+TF32 and bf16; nanoGPT model.py"
-  DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/speed.jsonl"
-  AUTOCAST=bf16 DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/speed.jsonl"
-  if [[ -d .gpu/nanogpt ]]; then
-    for dtype in float32 bfloat16; do
-      python3 bench/nanogpt_throughput.py .gpu/nanogpt --device "$dev" --dtype $dtype \
-        --batch-size 8 --block-size 1024 --max-iters 10 | tee -a "$OUT/speed.log"
-    done
-  fi
-  log "training step, shakespeare-char shape (6 x 6 x 384, 64 x 256): fused kernels off/on, bf16"
-  GPT_CUDA_FUSED=0 DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/speed.jsonl"
-  DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/speed.jsonl"
-  AUTOCAST=bf16 DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/speed.jsonl"
+  bash "$0" decode
+  bash "$0" steps
   ;;
 
 serve)
@@ -155,6 +141,41 @@ serve)
     curl -s localhost:18080/metrics | grep -E '^gpt_(batch_size|requests_total)'
     stop_server
   done
+  ;;
+
+decode)
+  exec > >(tee "$OUT/decode.log") 2>&1
+  log "decode, GPT-2-small shape: batched decode kernel on, then off (GPT_CUDA_FUSED=0); transformers"
+  for dtype in f32 bf16; do
+    for batch in 1 8 64; do
+      DEVICE=$dev DTYPE=$dtype BATCH=$batch NEW_TOKENS=256 $bin/inference | tee -a "$OUT/decode.jsonl"
+    done
+  done
+  for batch in 8 64; do
+    GPT_CUDA_FUSED=0 DEVICE=$dev BATCH=$batch NEW_TOKENS=256 $bin/inference | tee -a "$OUT/decode.jsonl"
+  done
+  python3 bench/torch_inference.py --device "$dev" --dtype f32 bf16 --batch 1 8 64 --new-tokens 256 \
+    | tee -a "$OUT/decode.jsonl"
+  ;;
+
+steps)
+  exec > >(tee "$OUT/steps.log") 2>&1
+  log "CPU vs CUDA: every test, then one training step with candle's ops (GPT_CUDA_FUSED=0)"
+  $bin/cuda-tests --test-threads 1
+  GPT_CUDA_FUSED=0 $bin/cuda-tests --test-threads 1 training_step
+  log "training step, shakespeare-char shape (6 x 6 x 384, 64 x 256): fused kernels off/on, bf16"
+  GPT_CUDA_FUSED=0 DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/steps.jsonl"
+  DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/steps.jsonl"
+  AUTOCAST=bf16 DEVICE=$dev $bin/train-step shakespeare-char 64 256 20 | tee -a "$OUT/steps.jsonl"
+  log "training step, GPT-2-small shape, batch 8 x 1024: candle f32+TF32 and bf16; nanoGPT model.py"
+  DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/steps.jsonl"
+  AUTOCAST=bf16 DEVICE=$dev $bin/train-step gpt2 8 1024 10 | tee -a "$OUT/steps.jsonl"
+  if [[ -d .gpu/nanogpt ]]; then
+    for dtype in bfloat16 float32; do
+      python3 bench/nanogpt_throughput.py .gpu/nanogpt --device "$dev" --dtype $dtype \
+        --batch-size 8 --block-size 1024 --max-iters 10
+    done
+  fi
   ;;
 
 nanogpt)
@@ -187,7 +208,7 @@ train)
   log "samples from gpt-server --device $dev"
   start_server --checkpoint $bin/model
   for p in "ROMEO:" "JULIET:\nO Romeo" "First Citizen:"; do
-    complete "{\"prompt\":\"$p\",\"max_tokens\":200,\"temperature\":0.8,\"top_k\":200,\"seed\":1}" \
+    complete "{\"prompt\":\"$p\",\"max_tokens\":200,\"temperature\":0.8,\"seed\":42}" \
       | python3 -c 'import json,sys; d=json.load(sys.stdin); print(json.dumps(d["choices"][0]["text"] if "choices" in d else d))'
   done
   stop_server

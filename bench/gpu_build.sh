@@ -57,5 +57,11 @@ if [[ -n ${NANOGPT_DIR:-} ]]; then
   cp "$NANOGPT_DIR"/config/train_shakespeare_char.py .gpu/nanogpt/config/
   cp "$data"/{train.bin,val.bin,meta.pkl} .gpu/nanogpt/data/shakespeare_char/
 fi
+# zstd itself, for GPU machines without it (gpu.sh uses it when there is none there).
+mkdir -p .gpu/tools
+cp "$(command -v zstd)" .gpu/tools/
+for lib in $(ldd "$(command -v zstd)" | awk '/=>/ {print $3}' | grep -v -E '/(libc|libm|ld-linux)[.-]'); do
+  cp -L "$lib" .gpu/tools/
+done
 git rev-parse HEAD > .gpu/commit
 du -sh .gpu

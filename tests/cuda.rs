@@ -260,3 +260,38 @@ fn eval_perplexity_matches_the_cpu_within_1e_3() {
         cuda.mean_nll
     );
 }
+
+/// Decode steps of sequences of different lengths in one batch (on CUDA: one launch appends and
+/// attends for all of them, `gpt::cuda_ops::decode_attention`) give the CPU's logits.
+#[test]
+fn batched_decode_of_sequences_of_different_lengths_matches_the_cpu() {
+    let dir = repo("tests/fixtures/tiny-gpt2");
+    let prompts: [&[u32]; 3] = [&[5], &[17, 3, 99, 42, 7], &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]];
+    let run = |dev: &Device| -> Vec<Tensor> {
+        let (model, _) = gpt::load_dir(&dir, DType::F32, dev).unwrap();
+        let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
+        for (ids, cache) in prompts.iter().zip(caches.iter_mut()) {
+            model
+                .forward_step(&mut [SeqStep { tokens: ids, cache }], LogitsFor::Last)
+                .unwrap();
+        }
+        (0..6u32)
+            .map(|step| {
+                let tokens: Vec<[u32; 1]> = (0..3u32).map(|b| [(step * 7 + b * 13 + 1) % 90]).collect();
+                let mut steps: Vec<SeqStep> = tokens
+                    .iter()
+                    .zip(caches.iter_mut())
+                    .map(|(tokens, cache)| SeqStep { tokens, cache })
+                    .collect();
+                let logits = model.forward_step(&mut steps, LogitsFor::Last).unwrap();
+                logits.to_device(&Device::Cpu).unwrap()
+            })
+            .collect()
+    };
+    let (cpu, cuda) = (run(&Device::Cpu), run(&gpu()));
+    for (step, (a, b)) in cpu.iter().zip(&cuda).enumerate() {
+        assert_eq!(a.dims(), &[3, b.dims()[1]]);
+        let d = max_diff(a, b);
+        assert!(d < 1e-3, "decode step {step}: logits differ by {d}");
+    }
+}

@@ -760,6 +760,10 @@ impl CausalSelfAttention {
             let y = crate::ops::cached_attention(&qkv, lens, &kv, self.n_head, self.scale() as f32)?; // (N, C)
             return self.c_proj.forward(&y);
         }
+        #[cfg(feature = "cuda")]
+        if let Some(y) = self.decode_on_gpu(&qkv, lens, caches)? {
+            return self.c_proj.forward(&y);
+        }
         let mut outputs = Vec::with_capacity(lens.len());
         let mut start = 0;
         for (&len, cache) in lens.iter().zip(caches.iter_mut()) {
@@ -783,6 +787,43 @@ impl CausalSelfAttention {
 }
 
 impl CausalSelfAttention {
+    /// A decode step (one new token for every sequence) on CUDA with whole-buffer caches: the
+    /// appends and the attention of all sequences in one kernel launch
+    /// ([`crate::cuda_ops::decode_attention`]). `None` (nothing changed but room reserved) where
+    /// that does not apply, or with `GPT_CUDA_FUSED=0`.
+    #[cfg(feature = "cuda")]
+    fn decode_on_gpu(
+        &self,
+        qkv: &Tensor,
+        lens: &[usize],
+        caches: &mut [&mut LayerKv],
+    ) -> candle_core::Result<Option<Tensor>> {
+        if !qkv.device().is_cuda() || !crate::ops::cuda_fused() || lens.iter().any(|&t| t != 1) {
+            return Ok(None);
+        }
+        let mut buffers = Vec::with_capacity(caches.len());
+        for cache in caches.iter_mut() {
+            cache.reserve(1, self.n_head, self.head_dim, qkv.dtype(), qkv.device())?;
+            match &cache.store {
+                Store::Whole(k, v) if self.head_dim + cache.len < crate::cuda_ops::DECODE_SHARED_FLOATS => {
+                    buffers.push((k.clone(), v.clone(), cache.len, cache.room()))
+                }
+                _ => return Ok(None),
+            }
+        }
+        let y = crate::cuda_ops::decode_attention(
+            &qkv.contiguous()?,
+            &buffers,
+            self.n_head,
+            self.head_dim,
+            self.scale() as f32,
+        )?;
+        for cache in caches.iter_mut() {
+            cache.len += 1;
+        }
+        Ok(Some(y))
+    }
+
     pub(crate) fn c_attn(&self) -> &Conv1D {
         &self.c_attn
     }

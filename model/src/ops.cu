@@ -6,6 +6,8 @@
 // with shuffles keep every load coalesced without shared memory.
 
 #include <stdint.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #define GELU_K0 0.7978845608028654f  // sqrt(2 / pi)
 #define GELU_K1 0.044715f
@@ -171,4 +173,83 @@ extern "C" __global__ void adamw(const float* theta, const float* g, const float
         out[n + i] = m;
         out[2 * n + i] = v;
     }
+}
+
+// Decode attention for a batch of sequences, one new token each, in one launch (inference):
+// block (h, b) appends head h of sequence b's new key and value to that sequence's cache and
+// attends over everything it holds. table[4b..4b+4]: the key buffer's and the value buffer's
+// address ((nh, cap, hs) each, in T), the positions held before this token, cap. qkv (B, 3C):
+// each row's query, key and value; y (B, C). Shared memory: hs + len + 1 floats.
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
+
+// The block's reduction of v (max or sum), returned to every thread; `red` holds a float per warp.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    v = MAX ? warp_max(v) : warp_sum(v);
+    __syncthreads();  // red may still be read from the previous reduction
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < warps ? red[lane] : (MAX ? -INFINITY : 0.0f);
+    return MAX ? warp_max(v) : warp_sum(v);
+}
+
+template <typename T>
+__device__ void decode_attention(const T* qkv, const unsigned long long* table, T* y, int nh, int hs,
+                                 float scale) {
+    extern __shared__ float smem[];
+    __shared__ float red[32];
+    int h = blockIdx.x, b = blockIdx.y, c = nh * hs;
+    size_t len = (size_t)table[4 * b + 2], cap = (size_t)table[4 * b + 3];
+    T* kb = (T*)table[4 * b] + h * cap * hs;
+    T* vb = (T*)table[4 * b + 1] + h * cap * hs;
+    const T* row = qkv + (size_t)b * 3 * c + h * hs;
+    float* q = smem;
+    float* p = smem + hs;
+    for (int d = threadIdx.x; d < hs; d += blockDim.x) {
+        q[d] = to_f(row[d]);
+        kb[len * hs + d] = row[c + d];
+        vb[len * hs + d] = row[2 * c + d];
+    }
+    __syncthreads();
+    int n = (int)len + 1;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const T* kr = kb + (size_t)j * hs;
+        float s = 0.0f;
+        for (int d = 0; d < hs; d++) s += q[d] * to_f(kr[d]);
+        p[j] = s * scale;
+        m = fmaxf(m, p[j]);
+    }
+    m = block_reduce<true>(m, red);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        p[j] = expf(p[j] - m);
+        sum += p[j];
+    }
+    float inv = 1.0f / block_reduce<false>(sum, red);  // its barriers also publish p
+    for (int d = threadIdx.x; d < hs; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; j++) acc += p[j] * to_f(vb[(size_t)j * hs + d]);
+        y[(size_t)b * c + h * hs + d] = from_f<T>(acc * inv);
+    }
+}
+
+extern "C" __global__ void decode_attention_f32(const float* qkv, const unsigned long long* table, float* y,
+                                                int nh, int hs, float scale) {
+    decode_attention(qkv, table, y, nh, hs, scale);
+}
+extern "C" __global__ void decode_attention_bf16(const __nv_bfloat16* qkv, const unsigned long long* table,
+                                                 __nv_bfloat16* y, int nh, int hs, float scale) {
+    decode_attention(qkv, table, y, nh, hs, scale);
+}
+extern "C" __global__ void decode_attention_f16(const __half* qkv, const unsigned long long* table, __half* y,
+                                                int nh, int hs, float scale) {
+    decode_attention(qkv, table, y, nh, hs, scale);
 }
