@@ -77,10 +77,10 @@ check)
   tail -c 111540 "$corpus" > $bin/val.txt
   for d in cpu "$dev"; do $bin/gpt-train eval --checkpoint weights --data $bin/val.txt --device "$d" --json; done
 
-  log "gpt-server --device $dev: 8 concurrent streams"
+  log "gpt-server --device $dev: 16 concurrent streams"
   start_server --checkpoint weights
   pids=()
-  for i in $(seq 1 8); do
+  for i in $(seq 1 16); do
     complete "{\"prompt\":\"ROMEO:\",\"max_tokens\":200,\"temperature\":0.8,\"seed\":$i,\"stream\":true}" \
       > "$bin/stream$i.txt" &
     pids+=($!)
@@ -92,7 +92,7 @@ check)
     sleep 0.05
   done
   wait "${pids[@]}"
-  for i in $(seq 1 8); do
+  for i in $(seq 1 16); do
     echo "stream $i: $(grep -c '^data: {' "$bin/stream$i.txt") chunks, last: $(tail -n 2 "$bin/stream$i.txt" | head -c 60)"
   done
   echo "largest batch seen in /metrics: $peak"
