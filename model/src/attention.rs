@@ -263,6 +263,30 @@ impl LayerKv {
         Ok(())
     }
 
+    /// After making room for `extra` more positions, the whole buffers, for a kernel that writes
+    /// the new positions itself (then [`Self::wrote`]); `None` where the cache is in blocks.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn whole_with_room(
+        &mut self,
+        extra: usize,
+        n_head: usize,
+        head_dim: usize,
+        dtype: candle_core::DType,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        self.reserve(extra, n_head, head_dim, dtype, device)?;
+        Ok(match &self.store {
+            Store::Whole(k, v) => Some((k.clone(), v.clone())),
+            _ => None,
+        })
+    }
+
+    /// Counts `t` positions written into the buffers of [`Self::whole_with_room`].
+    #[cfg(feature = "cuda")]
+    pub(crate) fn wrote(&mut self, t: usize) {
+        self.len += t;
+    }
+
     /// Where `t` positions appended now go in blocks: `(block, position in it, first of the
     /// `t`, how many)`, block after block.
     fn spans(&self, t: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
@@ -803,10 +827,9 @@ impl CausalSelfAttention {
         }
         let mut buffers = Vec::with_capacity(caches.len());
         for cache in caches.iter_mut() {
-            cache.reserve(1, self.n_head, self.head_dim, qkv.dtype(), qkv.device())?;
-            match &cache.store {
-                Store::Whole(k, v) if self.head_dim + cache.len < crate::cuda_ops::DECODE_SHARED_FLOATS => {
-                    buffers.push((k.clone(), v.clone(), cache.len, cache.room()))
+            match cache.whole_with_room(1, self.n_head, self.head_dim, qkv.dtype(), qkv.device())? {
+                Some((k, v)) if self.head_dim + cache.len < crate::cuda_ops::DECODE_SHARED_FLOATS => {
+                    buffers.push((k, v, cache.len, cache.room()))
                 }
                 _ => return Ok(None),
             }
@@ -818,9 +841,7 @@ impl CausalSelfAttention {
             self.head_dim,
             self.scale() as f32,
         )?;
-        for cache in caches.iter_mut() {
-            cache.len += 1;
-        }
+        caches.iter_mut().for_each(|cache| cache.wrote(1));
         Ok(Some(y))
     }
 

@@ -344,8 +344,8 @@ mod tests {
     #[test]
     fn a_column_block_of_a_weight_becomes_a_row_major_copy_with_its_gradient() -> candle_core::Result<()> {
         let in_out = Var::from_tensor(&candle_core::Tensor::arange(0f32, 24.0, &Device::Cpu)?.reshape((4, 6))?)?;
-        let w = in_out.as_tensor().t()?; // (out, in), as Conv1D holds it
-                                         // The whole transposed weight is already a BLAS operand: no copy.
+        // (out, in), as Conv1D holds it: already a BLAS operand as a whole, so not copied.
+        let w = in_out.as_tensor().t()?;
         let whole = blas_operand(&w)?;
         assert!(!whole.is_contiguous() && whole.t()?.is_contiguous());
         // Rows 1..3 of (out, in) are columns 1..3 of the variable: neither layout, so copied.
