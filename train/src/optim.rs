@@ -68,13 +68,17 @@ impl FusedUpdate {
     /// Runs `work` over `n` elements in parts, split over the cores for a large parameter (the
     /// update runs after the shards' threads, alone); each element on its own, so the result is
     /// the same however it is split. On candle's thread pool when it has workers (`--parallel
-    /// ops`), else on threads of its own (a thread's start and end cost a TLB flush on every core).
+    /// ops`), else on threads of its own for a large one (a thread's start and end cost a TLB flush
+    /// on every core) and on this thread for the rest; compiled for the CPU's widest vectors.
     fn split(n: usize, work: impl Fn(std::ops::Range<usize>) + Sync) {
         let pool = candle_core::utils::barrier_pool();
         if pool.n_workers() > 0 {
             const PART: usize = 1 << 16;
             pool.execute_chunked(n.div_ceil(PART), |parts| {
-                work(parts.start * PART..(parts.end * PART).min(n));
+                gpt::ops::simd::vectorised(
+                    #[inline(always)]
+                    || work(parts.start * PART..(parts.end * PART).min(n)),
+                );
             });
             return;
         }
@@ -83,11 +87,23 @@ impl FusedUpdate {
         } else {
             1
         };
-        let per = n.div_ceil(threads.max(1)).max(1);
+        if threads <= 1 {
+            gpt::ops::simd::vectorised(
+                #[inline(always)]
+                || work(0..n),
+            );
+            return;
+        }
+        let per = n.div_ceil(threads).max(1);
         std::thread::scope(|scope| {
             for start in (0..n).step_by(per) {
                 let work = &work;
-                scope.spawn(move || work(start..(start + per).min(n)));
+                scope.spawn(move || {
+                    gpt::ops::simd::vectorised(
+                        #[inline(always)]
+                        || work(start..(start + per).min(n)),
+                    )
+                });
             }
         });
     }
@@ -135,18 +151,22 @@ impl candle_core::InplaceOp2 for MomentsUpdate<'_> {
             candle_core::bail!("adamw-moments: {} moments for {n} gradients", mv.len())
         }
         let mv = Shared(mv.as_mut_ptr());
-        FusedUpdate::split(n, |range| {
-            // SAFETY: `mv` holds `2 n` values; this thread's range of m and of v is its own.
-            let (m, v) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(mv.ptr().add(range.start), range.len()),
-                    std::slice::from_raw_parts_mut(mv.ptr().add(n + range.start), range.len()),
-                )
-            };
-            for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(&g[range]) {
-                (*m, *v) = self.0.moments(g, *m, *v);
-            }
-        });
+        FusedUpdate::split(
+            n,
+            #[inline(always)]
+            |range| {
+                // SAFETY: `mv` holds `2 n` values; this thread's range of m and of v is its own.
+                let (m, v) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(mv.ptr().add(range.start), range.len()),
+                        std::slice::from_raw_parts_mut(mv.ptr().add(n + range.start), range.len()),
+                    )
+                };
+                for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(&g[range]) {
+                    (*m, *v) = self.0.moments(g, *m, *v);
+                }
+            },
+        );
         Ok(())
     }
 }
@@ -168,13 +188,17 @@ impl candle_core::InplaceOp2 for ParamUpdate<'_> {
         }
         let (m, v) = mv.split_at(n);
         let theta = Shared(theta.as_mut_ptr());
-        FusedUpdate::split(n, |range| {
-            // SAFETY: `theta` holds `n` values; this thread's range is its own.
-            let t = unsafe { std::slice::from_raw_parts_mut(theta.ptr().add(range.start), range.len()) };
-            for ((t, &m), &v) in t.iter_mut().zip(&m[range.clone()]).zip(&v[range]) {
-                *t = self.0.param(*t, m, v);
-            }
-        });
+        FusedUpdate::split(
+            n,
+            #[inline(always)]
+            |range| {
+                // SAFETY: `theta` holds `n` values; this thread's range is its own.
+                let t = unsafe { std::slice::from_raw_parts_mut(theta.ptr().add(range.start), range.len()) };
+                for ((t, &m), &v) in t.iter_mut().zip(&m[range.clone()]).zip(&v[range]) {
+                    *t = self.0.param(*t, m, v);
+                }
+            },
+        );
         Ok(())
     }
 }

@@ -23,13 +23,18 @@ impl CustomOp2 for AddTiled {
         }
         // Chunks of whole tiles, so that each starts at the tile's start.
         let grain = parallel::rows_per_chunk(b.len()) * b.len();
-        let y = parallel::collect(x.len(), grain, |start, out| {
-            for (yb, xb) in out.chunks_exact_mut(b.len()).zip(x[start..].chunks_exact(b.len())) {
-                for ((yv, &xv), &bv) in yb.iter_mut().zip(xb).zip(b) {
-                    yv.write(xv + bv);
+        let y = parallel::collect(
+            x.len(),
+            grain,
+            #[inline(always)]
+            |start, out| {
+                for (yb, xb) in out.chunks_exact_mut(b.len()).zip(x[start..].chunks_exact(b.len())) {
+                    for ((yv, &xv), &bv) in yb.iter_mut().zip(xb).zip(b) {
+                        yv.write(xv + bv);
+                    }
                 }
-            }
-        });
+            },
+        );
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 

@@ -121,14 +121,19 @@ impl Bf16Rows {
         // Blocks of whole 16-row groups over the pool, each packed as an operand of its own.
         let row = kp.max(1);
         let rows = super::parallel::rows_per_chunk(row).next_multiple_of(LANES);
-        super::parallel::chunks_mut(out, rows * row, |start, out| {
-            let a = Operand {
-                offset: a.offset + start / row * a.stride.0,
-                rows: out.len() / row,
-                ..a
-            };
-            Simd::detect().run(PackRows { a, out });
-        });
+        super::parallel::chunks_mut(
+            out,
+            rows * row,
+            #[inline(always)]
+            |start, out| {
+                let a = Operand {
+                    offset: a.offset + start / row * a.stride.0,
+                    rows: out.len() / row,
+                    ..a
+                };
+                Simd::detect().run(PackRows { a, out });
+            },
+        );
         // SAFETY: `PackRows` writes every one of the `m * kp` values.
         unsafe { pairs.set_len(m * kp) };
         Self { m, k, pairs }
@@ -231,15 +236,20 @@ impl Bf16Panels {
         // Panels over the pool, each run of them packed as an operand of its own.
         let panel = (kp * LANES).max(1);
         let per_chunk = (super::parallel::GRAIN / panel).max(1);
-        super::parallel::chunks_mut(out, per_chunk * panel, |start, out| {
-            let r0 = start / panel * LANES;
-            let b = Operand {
-                offset: b.offset + r0 * b.stride.0,
-                rows: n.saturating_sub(r0),
-                ..b
-            };
-            Simd::detect().run(PackPanels { b, out });
-        });
+        super::parallel::chunks_mut(
+            out,
+            per_chunk * panel,
+            #[inline(always)]
+            |start, out| {
+                let r0 = start / panel * LANES;
+                let b = Operand {
+                    offset: b.offset + r0 * b.stride.0,
+                    rows: n.saturating_sub(r0),
+                    ..b
+                };
+                Simd::detect().run(PackPanels { b, out });
+            },
+        );
         // SAFETY: `PackPanels` writes every value of every panel (padding rows as zeros).
         unsafe { pairs.set_len(len) };
         Self { n, k, kp, pairs }

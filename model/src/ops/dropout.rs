@@ -48,11 +48,16 @@ impl CustomOp1 for Dropout {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(storage, layout, "dropout")?;
         let scale = self.scale();
-        let y = parallel::collect(x.len(), parallel::GRAIN, |start, out| {
-            for (i, (y, &v)) in (start..).zip(out.iter_mut().zip(&x[start..])) {
-                y.write(if self.keeps(i as u64) { v * scale } else { 0.0 });
-            }
-        });
+        let y = parallel::collect(
+            x.len(),
+            parallel::GRAIN,
+            #[inline(always)]
+            |start, out| {
+                for (i, (y, &v)) in (start..).zip(out.iter_mut().zip(&x[start..])) {
+                    y.write(if self.keeps(i as u64) { v * scale } else { 0.0 });
+                }
+            },
+        );
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 
@@ -83,11 +88,16 @@ impl CustomOp2 for AddDropout {
             candle_core::bail!("add-dropout: {:?} + {:?}", l1.dims(), l2.dims())
         }
         let scale = self.0.scale();
-        let y = parallel::collect(x.len(), parallel::GRAIN, |start, out| {
-            for (i, ((y, &x), &h)) in (start..).zip(out.iter_mut().zip(&x[start..]).zip(&h[start..])) {
-                y.write(if self.0.keeps(i as u64) { x + h * scale } else { x });
-            }
-        });
+        let y = parallel::collect(
+            x.len(),
+            parallel::GRAIN,
+            #[inline(always)]
+            |start, out| {
+                for (i, ((y, &x), &h)) in (start..).zip(out.iter_mut().zip(&x[start..]).zip(&h[start..])) {
+                    y.write(if self.0.keeps(i as u64) { x + h * scale } else { x });
+                }
+            },
+        );
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 

@@ -45,11 +45,16 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(storage, layout, "gelu")?;
-        let y = parallel::collect(x.len(), parallel::GRAIN, |start, out| {
-            for (y, &x) in out.iter_mut().zip(&x[start..]) {
-                y.write(gelu_new(x));
-            }
-        });
+        let y = parallel::collect(
+            x.len(),
+            parallel::GRAIN,
+            #[inline(always)]
+            |start, out| {
+                for (y, &x) in out.iter_mut().zip(&x[start..]) {
+                    y.write(gelu_new(x));
+                }
+            },
+        );
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 
@@ -78,13 +83,18 @@ impl CustomOp2 for GeluGrad {
         if x.len() != g.len() {
             candle_core::bail!("gelu-grad: {:?} and {:?}", l1.dims(), l2.dims())
         }
-        let dx = parallel::collect(x.len(), parallel::GRAIN, |start, out| {
-            for ((d, &x), &g) in out.iter_mut().zip(&x[start..]).zip(&g[start..]) {
-                let t = fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x));
-                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_A * x * x);
-                d.write(g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du));
-            }
-        });
+        let dx = parallel::collect(
+            x.len(),
+            parallel::GRAIN,
+            #[inline(always)]
+            |start, out| {
+                for ((d, &x), &g) in out.iter_mut().zip(&x[start..]).zip(&g[start..]) {
+                    let t = fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x));
+                    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_A * x * x);
+                    d.write(g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du));
+                }
+            },
+        );
         Ok((CpuStorage::F32(dx), l1.shape().clone()))
     }
 

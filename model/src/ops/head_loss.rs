@@ -102,20 +102,23 @@ impl CustomOp3 for HeadLoss {
             let h_chunk = Operand::rows(h_chunk, rows, c);
             let mut logits = w_rows.matmul(h_chunk)?; // (R, V)
             let chunk_targets = &targets[chunk * ROWS..chunk * ROWS + rows];
-            let Some(w_cols) = &w_cols else {
-                let mut losses = vec![0f64; rows];
-                parallel::rows_with(&mut logits, vocab, &mut losses, |i, row, loss| {
-                    *loss = row_loss(row, chunk_targets[i] as usize, self.eps);
-                });
-                total += losses.iter().sum::<f64>();
-                continue;
-            };
             // Rows over the pool, their losses summed in order.
             let mut losses = vec![0f64; rows];
-            parallel::rows_with(&mut logits, vocab, &mut losses, |i, row, loss| {
-                *loss = row_loss_and_grad(row, chunk_targets[i] as usize, self.eps, scale);
-            });
+            parallel::rows_with(
+                &mut logits,
+                vocab,
+                &mut losses,
+                #[inline(always)]
+                |i, row, loss| {
+                    let target = chunk_targets[i] as usize;
+                    *loss = match w_cols {
+                        Some(_) => row_loss_and_grad(row, target, self.eps, scale),
+                        None => row_loss(row, target, self.eps),
+                    };
+                },
+            );
             total += losses.iter().sum::<f64>();
+            let Some(w_cols) = &w_cols else { continue };
             let dlogits = Operand::rows(&logits, rows, vocab);
             // d hidden (R, C) = d logits (R, V) @ W (V, C).
             dh.extend(w_cols.matmul(dlogits)?);

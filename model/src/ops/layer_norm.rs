@@ -44,14 +44,19 @@ impl CustomOp3 for LayerNorm {
                 l3.dims()
             )
         }
-        let y = parallel::collect(x.len(), parallel::rows_per_chunk(c) * c, |start, out| {
-            for (xr, yr) in x[start..].chunks_exact(c).zip(out.chunks_exact_mut(c)) {
-                let (mean, rstd) = moments(xr, self.eps);
-                for (((yv, &xv), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
-                    yv.write((xv - mean) * rstd * g + b);
+        let y = parallel::collect(
+            x.len(),
+            parallel::rows_per_chunk(c) * c,
+            #[inline(always)]
+            |start, out| {
+                for (xr, yr) in x[start..].chunks_exact(c).zip(out.chunks_exact_mut(c)) {
+                    let (mean, rstd) = moments(xr, self.eps);
+                    for (((yv, &xv), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
+                        yv.write((xv - mean) * rstd * g + b);
+                    }
                 }
-            }
-        });
+            },
+        );
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 
@@ -130,37 +135,49 @@ impl CustomOp3 for LayerNormGrad {
         // dx and each row's statistics by rows; then d gamma, d beta by columns (each summed row
         // after row, whatever the split).
         let mut stats = vec![(0f32, 0f32); rows];
-        parallel::rows_with(dx, c, &mut stats, |row, dxr, stat| {
-            let (xr, gr) = (&x[row * c..(row + 1) * c], &g[row * c..(row + 1) * c]);
-            let (mean, rstd) = moments(xr, self.eps);
-            *stat = (mean, rstd);
-            let (mut sum_ghat, mut sum_ghat_xhat) = (0f32, 0f32);
-            for j in 0..c {
-                let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
-                sum_ghat += ghat;
-                sum_ghat_xhat += ghat * xhat;
-            }
-            let (m1, m2) = (sum_ghat / c as f32, sum_ghat_xhat / c as f32);
-            for j in 0..c {
-                let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
-                dxr[j] = rstd * (ghat - m1 - xhat * m2);
-            }
-        });
-        let cols = (parallel::GRAIN / rows.max(1)).max(16);
-        parallel::chunks_mut2(dgamma, dbeta, cols, |j0, dgamma, dbeta| {
-            let j1 = j0 + dgamma.len();
-            for ((xr, gr), &(mean, rstd)) in x.chunks_exact(c).zip(g.chunks_exact(c)).zip(&stats) {
-                for (((dg, db), &xv), &gv) in dgamma
-                    .iter_mut()
-                    .zip(dbeta.iter_mut())
-                    .zip(&xr[j0..j1])
-                    .zip(&gr[j0..j1])
-                {
-                    *dg += gv * ((xv - mean) * rstd);
-                    *db += gv;
+        parallel::rows_with(
+            dx,
+            c,
+            &mut stats,
+            #[inline(always)]
+            |row, dxr, stat| {
+                let (xr, gr) = (&x[row * c..(row + 1) * c], &g[row * c..(row + 1) * c]);
+                let (mean, rstd) = moments(xr, self.eps);
+                *stat = (mean, rstd);
+                let (mut sum_ghat, mut sum_ghat_xhat) = (0f32, 0f32);
+                for j in 0..c {
+                    let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
+                    sum_ghat += ghat;
+                    sum_ghat_xhat += ghat * xhat;
                 }
-            }
-        });
+                let (m1, m2) = (sum_ghat / c as f32, sum_ghat_xhat / c as f32);
+                for j in 0..c {
+                    let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
+                    dxr[j] = rstd * (ghat - m1 - xhat * m2);
+                }
+            },
+        );
+        let cols = (parallel::GRAIN / rows.max(1)).max(16);
+        parallel::chunks_mut2(
+            dgamma,
+            dbeta,
+            cols,
+            #[inline(always)]
+            |j0, dgamma, dbeta| {
+                let j1 = j0 + dgamma.len();
+                for ((xr, gr), &(mean, rstd)) in x.chunks_exact(c).zip(g.chunks_exact(c)).zip(&stats) {
+                    for (((dg, db), &xv), &gv) in dgamma
+                        .iter_mut()
+                        .zip(dbeta.iter_mut())
+                        .zip(&xr[j0..j1])
+                        .zip(&gr[j0..j1])
+                    {
+                        *dg += gv * ((xv - mean) * rstd);
+                        *db += gv;
+                    }
+                }
+            },
+        );
         Ok((CpuStorage::F32(out), Shape::from((rows + 2, c))))
     }
 

@@ -107,11 +107,16 @@ impl CustomOp3 for Affine {
             )
         }
         let mut y = product(x, w.t(), self.autocast)?; // (m, k) @ (n, k)^T
-        parallel::chunks_mut(&mut y, parallel::rows_per_chunk(n) * n.max(1), |_, rows| {
-            for row in rows.chunks_exact_mut(n.max(1)) {
-                row.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
-            }
-        });
+        parallel::chunks_mut(
+            &mut y,
+            parallel::rows_per_chunk(n) * n.max(1),
+            #[inline(always)]
+            |_, rows| {
+                for row in rows.chunks_exact_mut(n.max(1)) {
+                    row.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
+                }
+            },
+        );
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 

@@ -1,7 +1,8 @@
 //! Element-wise and row-wise passes spread over candle's thread pool (the one the packed products
 //! run on), in chunks of a fixed size: which chunk a thread takes varies from run to run, but
 //! every output value is computed by one chunk alone, so the results do not depend on it (nor on
-//! the number of threads). Reductions over rows (a bias's or LayerNorm's gradient) are split by
+//! the number of threads). Each chunk runs compiled for the CPU's widest vectors
+//! ([`super::simd::vectorised`]). Reductions over rows (a bias's or LayerNorm's gradient) are split by
 //! columns for the same reason: each column is still summed row after row.
 //!
 //! When training runs one data-parallel shard per thread, the pool has no workers and these run
@@ -63,16 +64,24 @@ pub(crate) fn chunks_mut<T: Send>(out: &mut [T], grain: usize, f: impl Fn(usize,
     let (len, grain) = (out.len(), grain.max(1));
     let items = len.div_ceil(grain);
     if !spread(items) {
-        f(0, out);
+        super::simd::vectorised(
+            #[inline(always)]
+            || f(0, out),
+        );
         return;
     }
     let base = Base(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-        for i in range {
-            let chunk = i * grain..((i + 1) * grain).min(len);
-            // SAFETY: chunk `i` is handed to one call only, and `out` is borrowed mutably here.
-            f(chunk.start, unsafe { base.chunk(chunk) });
-        }
+        super::simd::vectorised(
+            #[inline(always)]
+            || {
+                for i in range {
+                    let chunk = i * grain..((i + 1) * grain).min(len);
+                    // SAFETY: chunk `i` is handed to one call only, and `out` is borrowed mutably here.
+                    f(chunk.start, unsafe { base.chunk(chunk) });
+                }
+            },
+        )
     });
 }
 
@@ -88,10 +97,15 @@ pub(crate) fn chunks_mut2<T: Send>(
 ) {
     assert_eq!(a.len(), b.len(), "chunks_mut2: slices of different lengths");
     let base_b = Base(b.as_mut_ptr());
-    chunks_mut(a, grain, |start, ca| {
-        // SAFETY: `b`'s chunk beside `a`'s, handed to this call only; `b` is borrowed mutably.
-        f(start, ca, unsafe { base_b.chunk(start..start + ca.len()) });
-    });
+    chunks_mut(
+        a,
+        grain,
+        #[inline(always)]
+        |start, ca| {
+            // SAFETY: `b`'s chunk beside `a`'s, handed to this call only; `b` is borrowed mutably.
+            f(start, ca, unsafe { base_b.chunk(start..start + ca.len()) });
+        },
+    );
 }
 
 /// The column sums of `values`, rows of `n` values: each column summed row after row, the
@@ -100,11 +114,16 @@ pub(crate) fn column_sums(values: &[f32], n: usize) -> Vec<f32> {
     let n = n.max(1);
     let mut sums = vec![0f32; n];
     let grain = (GRAIN / (values.len() / n).max(1)).max(16);
-    chunks_mut(&mut sums, grain, |j0, sums| {
-        for row in values.chunks_exact(n) {
-            sums.iter_mut().zip(&row[j0..]).for_each(|(s, &v)| *s += v);
-        }
-    });
+    chunks_mut(
+        &mut sums,
+        grain,
+        #[inline(always)]
+        |j0, sums| {
+            for row in values.chunks_exact(n) {
+                sums.iter_mut().zip(&row[j0..]).for_each(|(s, &v)| *s += v);
+            }
+        },
+    );
     sums
 }
 
@@ -144,12 +163,17 @@ pub(crate) fn rows_with<U: Send>(
     );
     let per_chunk = rows_per_chunk(cols);
     let base = Base(values.as_mut_ptr());
-    chunks_mut(out, per_chunk, |row0, slots| {
-        // SAFETY: the rows of this chunk of slots, handed to this call only; `values` is
-        // borrowed mutably here.
-        let rows = unsafe { base.chunk(row0 * cols..(row0 + slots.len()) * cols) };
-        for (i, (row, slot)) in rows.chunks_exact_mut(cols).zip(slots).enumerate() {
-            f(row0 + i, row, slot);
-        }
-    });
+    chunks_mut(
+        out,
+        per_chunk,
+        #[inline(always)]
+        |row0, slots| {
+            // SAFETY: the rows of this chunk of slots, handed to this call only; `values` is
+            // borrowed mutably here.
+            let rows = unsafe { base.chunk(row0 * cols..(row0 + slots.len()) * cols) };
+            for (i, (row, slot)) in rows.chunks_exact_mut(cols).zip(slots).enumerate() {
+                f(row0 + i, row, slot);
+            }
+        },
+    );
 }

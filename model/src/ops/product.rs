@@ -94,18 +94,23 @@ impl<'a> Operand<'a> {
         const B: usize = 32;
         let cols = self.cols.max(1);
         // Blocks of B rows over the pool (the LM head's gradient copies 6.4M values a chunk).
-        let out = super::parallel::collect(len, B * cols, |start, out| {
-            let (r0, rows) = (start / cols, out.len() / cols);
-            for rb in (0..rows).step_by(B) {
-                for c0 in (0..cols).step_by(B) {
-                    for r in rb..(rb + B).min(rows) {
-                        for c in c0..(c0 + B).min(cols) {
-                            out[r * cols + c].write(self.at(r0 + r, c));
+        let out = super::parallel::collect(
+            len,
+            B * cols,
+            #[inline(always)]
+            |start, out| {
+                let (r0, rows) = (start / cols, out.len() / cols);
+                for rb in (0..rows).step_by(B) {
+                    for c0 in (0..cols).step_by(B) {
+                        for r in rb..(rb + B).min(rows) {
+                            for c in c0..(c0 + B).min(cols) {
+                                out[r * cols + c].write(self.at(r0 + r, c));
+                            }
                         }
                     }
                 }
-            }
-        });
+            },
+        );
         std::borrow::Cow::Owned(out)
     }
 }

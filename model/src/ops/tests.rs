@@ -528,3 +528,41 @@ fn parallel_chunks_cover_every_value_once() {
         );
     }
 }
+
+/// A pass compiled for each instruction set this CPU runs gives the bits of the portable one: the
+/// GELU gradient's formula (the rational tanh) over values across its range, and a square root
+/// and divisions as in AdamW's update.
+#[test]
+fn vectorised_passes_give_the_same_bits_on_every_instruction_set() {
+    let x: Vec<f32> = (0..4099).map(|i| (i as f32 - 2049.0) * 0.00731).collect();
+    let pass = |simd: Simd| {
+        simd::vectorised_on(
+            simd,
+            #[inline(always)]
+            || {
+                x.iter()
+                    .map(|&x| {
+                        let t = fast_tanh(0.797_884_6 * (x + 0.044_715 * x * x * x));
+                        let adam = (x / 0.9) / ((x * x / 0.99).sqrt() + 1e-8);
+                        (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t)) * adam
+                    })
+                    .collect::<Vec<f32>>()
+            },
+        )
+    };
+    let portable = pass(Simd::Portable);
+    for &simd in Simd::available() {
+        let got = pass(simd);
+        let differ = got
+            .iter()
+            .zip(&portable)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ,
+            0,
+            "{simd:?}: {differ} of {} values differ from the portable pass",
+            x.len()
+        );
+    }
+}

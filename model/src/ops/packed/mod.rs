@@ -133,32 +133,37 @@ impl PackedMatrix {
         // source, one contiguous run of 16 from a transposed one.
         let panel = (k * LANES).max(1);
         let per_chunk = (crate::ops::parallel::GRAIN / panel).max(1);
-        crate::ops::parallel::chunks_mut(out, per_chunk * panel, |start, out| {
-            for (i, out) in out.chunks_exact_mut(panel).enumerate() {
-                let p = start / panel + i;
-                let rows = n.saturating_sub(p * LANES).min(LANES);
-                let base = offset + p * LANES * strides.0;
-                for (c, lanes) in out.chunks_exact_mut(LANES).enumerate() {
-                    let at = base + c * strides.1;
-                    let (values, padding) = lanes.split_at_mut(rows);
-                    if rows == 0 {
-                        // A padding panel: zeros only.
-                    } else if strides.0 == 1 {
-                        // A transposed source: the panel's 16 rows are adjacent.
-                        for (v, &x) in values.iter_mut().zip(&data[at..at + rows]) {
-                            v.write(x);
+        crate::ops::parallel::chunks_mut(
+            out,
+            per_chunk * panel,
+            #[inline(always)]
+            |start, out| {
+                for (i, out) in out.chunks_exact_mut(panel).enumerate() {
+                    let p = start / panel + i;
+                    let rows = n.saturating_sub(p * LANES).min(LANES);
+                    let base = offset + p * LANES * strides.0;
+                    for (c, lanes) in out.chunks_exact_mut(LANES).enumerate() {
+                        let at = base + c * strides.1;
+                        let (values, padding) = lanes.split_at_mut(rows);
+                        if rows == 0 {
+                            // A padding panel: zeros only.
+                        } else if strides.0 == 1 {
+                            // A transposed source: the panel's 16 rows are adjacent.
+                            for (v, &x) in values.iter_mut().zip(&data[at..at + rows]) {
+                                v.write(x);
+                            }
+                        } else {
+                            for (lane, v) in values.iter_mut().enumerate() {
+                                v.write(data[at + lane * strides.0]);
+                            }
                         }
-                    } else {
-                        for (lane, v) in values.iter_mut().enumerate() {
-                            v.write(data[at + lane * strides.0]);
+                        for v in padding {
+                            v.write(0.0);
                         }
-                    }
-                    for v in padding {
-                        v.write(0.0);
                     }
                 }
-            }
-        });
+            },
+        );
         // SAFETY: all `len / 16` lines written above.
         unsafe { lines.set_len(len / LANES) };
         Self {

@@ -86,6 +86,36 @@ impl Simd {
     }
 }
 
+/// `f` compiled for the widest instruction set this CPU runs, so that the plain loops in it
+/// vectorise for AVX-512 or AVX2 (with FMA) rather than for the build's baseline (x86-64's SSE2):
+/// the element-wise passes of training and the optimizer go through this. Vectorising a loop of
+/// independent values does not change its results (the compiler does not reorder sums of floats
+/// nor fuse a multiply and an add on its own), so every instruction set gives the same bits.
+/// `f` must be `#[inline(always)]` (and so must the closures it calls), or it is compiled apart,
+/// for the baseline.
+#[inline(always)]
+pub fn vectorised<R>(f: impl FnOnce() -> R) -> R {
+    vectorised_on(Simd::detect(), f)
+}
+
+/// [`vectorised`] for the instruction set `simd` (tests compare them).
+///
+/// # Panics
+/// If this CPU does not run `simd`.
+#[inline(always)]
+pub fn vectorised_on<R>(simd: Simd, f: impl FnOnce() -> R) -> R {
+    /// `f` as a [`Kernel`] that ignores its lanes.
+    struct Plain<F>(F);
+    impl<R, F: FnOnce() -> R> Kernel for Plain<F> {
+        type Output = R;
+        #[inline(always)]
+        fn run<V: Vec16>(self) -> R {
+            (self.0)()
+        }
+    }
+    simd.run(Plain(f))
+}
+
 /// A computation written once for any [`Vec16`], run by [`Simd::run`] on one instruction set.
 /// Its `run` should be `#[inline(always)]` (and so should what it calls), so that it compiles
 /// inside the instruction set's function; a kernel of plain Rust can ignore `V` and still be
