@@ -11,11 +11,41 @@ pub(super) struct LayerNorm {
     pub(super) eps: f32,
 }
 
+/// Partial sums of a row: lane `l` sums the values at `l`, `l + 16`, ...
+const SUM_LANES: usize = 16;
+
+/// `Σ f(j)` for `j` in `0..n`, as [`SUM_LANES`] interleaved partial sums added pairwise at the
+/// end. A sum value after value is bound by the add's latency (a 128-wide row's two sums were
+/// most of LayerNorm's time); this one vectorises, and its order is the code's, so every
+/// instruction set gives the same bits.
+#[inline(always)]
+fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = [0f32; SUM_LANES];
+    let whole = n / SUM_LANES * SUM_LANES;
+    for j0 in (0..whole).step_by(SUM_LANES) {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a += f(j0 + l);
+        }
+    }
+    for (a, j) in acc.iter_mut().zip(whole..n) {
+        *a += f(j);
+    }
+    let mut width = SUM_LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+        width /= 2;
+    }
+    acc[0]
+}
+
 /// Row statistics: (mean, 1 / sqrt(var + eps)).
+#[inline(always)]
 fn moments(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
-    let mean = row.iter().sum::<f32>() / n;
-    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    let mean = lane_sum(row.len(), |j| row[j]) / n;
+    let var = lane_sum(row.len(), |j| (row[j] - mean) * (row[j] - mean)) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -144,12 +174,8 @@ impl CustomOp3 for LayerNormGrad {
                 let (xr, gr) = (&x[row * c..(row + 1) * c], &g[row * c..(row + 1) * c]);
                 let (mean, rstd) = moments(xr, self.eps);
                 *stat = (mean, rstd);
-                let (mut sum_ghat, mut sum_ghat_xhat) = (0f32, 0f32);
-                for j in 0..c {
-                    let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
-                    sum_ghat += ghat;
-                    sum_ghat_xhat += ghat * xhat;
-                }
+                let sum_ghat = lane_sum(c, |j| gr[j] * gamma[j]);
+                let sum_ghat_xhat = lane_sum(c, |j| gr[j] * gamma[j] * ((xr[j] - mean) * rstd));
                 let (m1, m2) = (sum_ghat / c as f32, sum_ghat_xhat / c as f32);
                 for j in 0..c {
                     let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);

@@ -181,3 +181,31 @@ pub fn product_into(a: Operand, b: Operand, autocast: Autocast, y: &mut [MaybeUn
 pub fn product(a: Operand, b: Operand, autocast: Autocast) -> Result<Vec<f32>> {
     Rhs::new(b, autocast).matmul(a)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Row-major copies of strided operands (a transposed view, with an offset and a row stride
+    /// wider than the matrix, in sizes that leave partial blocks) hold every value where `at`
+    /// reads it, on the pool and on one thread.
+    #[test]
+    fn row_major_copies_every_value_of_a_strided_operand() {
+        let data: Vec<f32> = (0..200_000).map(|i| i as f32).collect();
+        for (rows, cols, ld, offset) in [(37, 53, 41, 5), (16, 16, 16, 0), (1, 70, 3, 2), (300, 120, 310, 7)] {
+            for stride in [(1, ld), (ld * 2, 3)] {
+                let a = Operand {
+                    data: &data,
+                    offset,
+                    rows,
+                    cols,
+                    stride,
+                };
+                let want: Vec<f32> = (0..rows).flat_map(|r| (0..cols).map(move |c| a.at(r, c))).collect();
+                assert_eq!(*a.row_major(), want[..], "{rows}x{cols} stride {stride:?}");
+                let serial = crate::ops::parallel::serially(|| a.row_major().into_owned());
+                assert_eq!(serial, want, "{rows}x{cols} stride {stride:?}, one thread");
+            }
+        }
+    }
+}
