@@ -127,7 +127,10 @@ impl candle_core::InplaceOp2 for AddAssign {
         if a.len() != b.len() {
             candle_core::bail!("add-assign: {} values and {}", a.len(), b.len())
         }
-        a.iter_mut().zip(b).for_each(|(x, &y)| *x += y);
+        gpt::ops::simd::vectorised(
+            #[inline(always)]
+            || a.iter_mut().zip(b).for_each(|(x, &y)| *x += y),
+        );
         Ok(())
     }
 }
