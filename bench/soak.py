@@ -331,6 +331,11 @@ def main():
     if got_dropped != stats.dropped:
         mismatched.append(f"cancelled: server {got_dropped:.0f}, client {stats.dropped}")
     checks["counters agree"] = (not mismatched, "; ".join(mismatched) or "requests, tokens, cancellations equal")
+    overall = {}
+    for name, table in (("ttft", stats.ttft), ("itl", stats.itl)):
+        values = [v for m in table.values() for v in m]
+        for q in (0.5, 0.99):
+            overall[f"{name}_p{int(q * 100)}"] = quantile(values, q)
     report = {
         "minutes": args.minutes,
         "rate": args.rate,
@@ -340,6 +345,7 @@ def main():
         "memory_kib": [{"minute": m, "rss": r, "prefix_cache": p, "kv_pool": k, "heap_allocated": a,
                         "heap_free": f} for m, r, p, k, a, f in rss],
         "per_minute": per_minute,
+        "overall": overall,
         "checks": {name: {"pass": ok, "detail": detail} for name, (ok, detail) in checks.items()},
         "pass": all(ok for ok, _ in checks.values()),
     }
