@@ -247,7 +247,7 @@ unsafe fn forward_head<V: Vec16>(
             }
         }
         // SAFETY: `p` holds the block's `(m, n)` weights, `v` has `tp >= n` rows (zero past `t`).
-        unsafe { gemm::<V>(m, d.hsp, n, ws.p.at(d.tp), ws.v.at(d.hsp), ws.out.at_mut(d.hsp), false) };
+        unsafe { weights_times_rows::<V>(d, i0, m, n, &ws.p, &ws.v, &mut ws.out) };
         for r in 0..m {
             // SAFETY: the caller's contract: this head's columns of this window's rows.
             let out = unsafe { std::slice::from_raw_parts_mut(y.add((b * d.t + i0 + r) * d.c + h * hs), hs) };
@@ -364,6 +364,7 @@ unsafe fn backward_head<V: Vec16>(
                 ws.vt.at(d.tp),
                 ws.dp.at_mut(d.tp),
                 false,
+                Causal::KeyColumns(i0),
             )
         };
         for r in 0..m {
@@ -394,9 +395,9 @@ unsafe fn backward_head<V: Vec16>(
                 (ws.qt[i0..].at(d.tp), ws.dp.at(d.tp), ws.dkt.at_mut(d.tp)), // dkᵀ += qᵀ dZ
             ];
             for (a, b, c) in sums {
-                gemm::<V>(hs, n, m, a, b, c, true);
+                gemm::<V>(hs, n, m, a, b, c, true, Causal::QuerySums(i0));
             }
-            gemm::<V>(m, d.hsp, n, ws.dp.at(d.tp), ws.k.at(d.hsp), ws.out.at_mut(d.hsp), false);
+            weights_times_rows::<V>(d, i0, m, n, &ws.dp, &ws.k, &mut ws.out); // dq = dZ k
         }
         for r in 0..m {
             // SAFETY: the caller's contract: this head's query columns of this window's rows.
@@ -413,6 +414,29 @@ unsafe fn backward_head<V: Vec16>(
                 *o = src[e * d.tp + j];
             }
         }
+    }
+}
+
+/// `out = w x` for a block's `(m, n)` weights `w` (`P` or `dZ`, rows of `tp`) and the first `n`
+/// rows of `x` `(tp, hsp)` (`v` or `k`): a row of `out` (of `hsp`) per query of the block, each
+/// summed over the keys its query sees.
+///
+/// # Safety
+/// `w` holds `m` rows of `tp >= n`, `x` `n` rows of `hsp`, `out` `m` rows of `hsp`.
+#[inline(always)]
+unsafe fn weights_times_rows<V: Vec16>(d: Dims, i0: usize, m: usize, n: usize, w: &[f32], x: &[f32], out: &mut [f32]) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        gemm::<V>(
+            m,
+            d.hsp,
+            n,
+            w.at(d.tp),
+            x.at(d.hsp),
+            out.at_mut(d.hsp),
+            false,
+            Causal::KeySums(i0),
+        )
     }
 }
 
@@ -470,6 +494,7 @@ impl Workspace {
                 self.kt.at(d.tp),
                 self.p.at_mut(d.tp),
                 false,
+                Causal::KeyColumns(i0),
             )
         }
     }
@@ -482,8 +507,12 @@ impl Workspace {
 /// out for it, and at these sizes (k of 32 to 256) packing them would cost as much as the
 /// products.
 ///
+/// `causal` says which terms the causal mask makes zero, so that they are skipped: half of a
+/// block's products at the diagonal. Skipping a zero term leaves every sum's bits as they were.
+///
 /// # Safety
 /// The memory named is valid (`c`'s for writing) and `c` overlaps neither operand.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn gemm<V: Vec16>(
     m: usize,
@@ -493,23 +522,40 @@ unsafe fn gemm<V: Vec16>(
     b: Mat<*const f32>,
     c: Mat<*mut f32>,
     acc: bool,
+    causal: Causal,
 ) {
     debug_assert!(n.is_multiple_of(LANES));
     // AVX-512's 32 registers hold 6 x 2 accumulators beside the operands; two AVX2 registers
     // make one `Vec16`, and 16 of them hold 2 x 2.
     if V::ROWS >= 8 {
         // SAFETY: the caller's contract.
-        unsafe { gemm_rows::<V, 6>(m, n, k, a, b, c, acc) }
+        unsafe { gemm_rows::<V, 6>(m, n, k, a, b, c, acc, causal) }
     } else {
         // SAFETY: the caller's contract.
-        unsafe { gemm_rows::<V, 2>(m, n, k, a, b, c, acc) }
+        unsafe { gemm_rows::<V, 2>(m, n, k, a, b, c, acc, causal) }
     }
+}
+
+/// Which terms of one of the attention's products the causal mask makes zero, for the block of
+/// queries that starts at position `i0` (the payload): query `i0 + r` sees keys `..=i0 + r`.
+#[derive(Debug, Clone, Copy)]
+enum Causal {
+    /// `c`'s rows are queries and its columns keys (scores, their gradient): a row tile's
+    /// columns past its last query's keys are left unwritten (the caller zeroes them).
+    KeyColumns(usize),
+    /// `a`'s rows are queries and the sums run over keys (`P v`, `dZ k`): a row tile's sums stop
+    /// after its last query's keys (the weights past them are zero).
+    KeySums(usize),
+    /// `c`'s columns are keys and the sums run over the block's queries (`dyᵀ S`, `qᵀ dZ`): a
+    /// column tile's sums start at the first query that sees its first key.
+    QuerySums(usize),
 }
 
 /// [`gemm`] with tiles of `R` rows (then single rows at the bottom edge).
 ///
 /// # Safety
 /// As [`gemm`].
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn gemm_rows<V: Vec16, const R: usize>(
     m: usize,
@@ -519,16 +565,28 @@ unsafe fn gemm_rows<V: Vec16, const R: usize>(
     b: Mat<*const f32>,
     c: Mat<*mut f32>,
     acc: bool,
+    causal: Causal,
 ) {
     let (a_all, c_all) = (a, c);
     let mut i = 0;
     while i < m {
         let rows = if i + R <= m { R } else { 1 };
+        // Keys the tile's last query sees.
+        let seen = |i0: usize| i0 + i + rows;
+        let (n, k_end) = match causal {
+            Causal::KeyColumns(i0) => (n.min(seen(i0).next_multiple_of(LANES)), k),
+            Causal::KeySums(i0) => (n, k.min(seen(i0))),
+            Causal::QuerySums(_) => (n, k),
+        };
         // SAFETY: rows `i..i + rows` of `a` and `c`: within the caller's operands.
         let (a, c) = unsafe { (a.ptr.add(i * a.ld), c.ptr.add(i * c.ld)) };
         let mut j = 0;
         while j < n {
             let width = if j + 2 * LANES <= n { 2 } else { 1 };
+            let k_start = match causal {
+                Causal::QuerySums(i0) => j.saturating_sub(i0).min(k_end),
+                _ => 0,
+            };
             // SAFETY: columns `j..j + 16 * width` of `b` and of these rows of `c`: within the
             // caller's operands.
             unsafe {
@@ -537,6 +595,7 @@ unsafe fn gemm_rows<V: Vec16, const R: usize>(
                     Mat { ptr: b.ptr.add(j), ..b },
                     Mat { ptr: c.add(j), ..c_all },
                 );
+                let k = k_start..k_end;
                 match (rows == R, width) {
                     (true, 2) => tile::<V, R, 2>(k, a, b, c, acc),
                     (true, _) => tile::<V, R, 1>(k, a, b, c, acc),
@@ -550,13 +609,13 @@ unsafe fn gemm_rows<V: Vec16, const R: usize>(
     }
 }
 
-/// One `R x 16 W` tile of [`gemm`]: `R * W` accumulators in registers over the whole of `k`.
+/// One `R x 16 W` tile of [`gemm`]: `R * W` accumulators in registers over the positions `k`.
 ///
 /// # Safety
 /// As [`gemm`], for the tile's rows and columns.
 #[inline(always)]
 unsafe fn tile<V: Vec16, const R: usize, const W: usize>(
-    k: usize,
+    k: std::ops::Range<usize>,
     a: Mat<*const f32>,
     b: Mat<*const f32>,
     c: Mat<*mut f32>,
@@ -565,7 +624,7 @@ unsafe fn tile<V: Vec16, const R: usize, const W: usize>(
     // SAFETY: the caller's contract: the tile's operands are valid.
     unsafe {
         let mut acc = [[V::zero(); W]; R];
-        for p in 0..k {
+        for p in k {
             let mut bv = [V::zero(); W];
             for (w, bv) in bv.iter_mut().enumerate() {
                 *bv = V::load_f32(b.ptr.add(p * b.ld + w * LANES) as *const u8);
