@@ -621,3 +621,28 @@ mod amx;
 mod format;
 mod int8;
 mod kernel;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Packing a strided f32 matrix gives the panels of packing its dense copy: row-major
+    /// sources and transposed views, whole and partial panels, and an offset.
+    #[test]
+    fn strided_packing_matches_packing_the_dense_copy() -> Result<()> {
+        for (n, k) in [(37, 53), (32, 48), (16, 16), (70, 5), (5, 33)] {
+            let values: Vec<f32> = (0..n * k + 3).map(|i| (i as f32 * 0.37).sin()).collect();
+            let dense = Tensor::from_slice(&values[3..], (n, k), &candle_core::Device::Cpu)?;
+            let want = PackedMatrix::from_dense(&dense, WeightFormat::F32)?;
+            let row_major = PackedMatrix::from_strided_f32(&values, 3, (n, k), (k, 1));
+            assert_eq!(row_major.bytes(), want.bytes(), "{n}x{k} row-major");
+            let t: Vec<f32> = (0..k)
+                .flat_map(|c| (0..n).map(move |r| (r, c)))
+                .map(|(r, c)| values[3 + r * k + c])
+                .collect();
+            let transposed = PackedMatrix::from_strided_f32(&t, 0, (n, k), (1, n));
+            assert_eq!(transposed.bytes(), want.bytes(), "{n}x{k} transposed");
+        }
+        Ok(())
+    }
+}
