@@ -71,14 +71,17 @@ impl FusedUpdate {
     /// ops`), else on threads of its own for a large one (a thread's start and end cost a TLB flush
     /// on every core) and on this thread for the rest; compiled for the CPU's widest vectors.
     fn split(n: usize, work: impl Fn(std::ops::Range<usize>) + Sync) {
+        let work = |range: std::ops::Range<usize>| {
+            gpt::ops::simd::vectorised(
+                #[inline(always)]
+                || work(range),
+            )
+        };
         let pool = candle_core::utils::barrier_pool();
         if pool.n_workers() > 0 {
             const PART: usize = 1 << 16;
             pool.execute_chunked(n.div_ceil(PART), |parts| {
-                gpt::ops::simd::vectorised(
-                    #[inline(always)]
-                    || work(parts.start * PART..(parts.end * PART).min(n)),
-                );
+                work(parts.start * PART..(parts.end * PART).min(n));
             });
             return;
         }
@@ -88,22 +91,14 @@ impl FusedUpdate {
             1
         };
         if threads <= 1 {
-            gpt::ops::simd::vectorised(
-                #[inline(always)]
-                || work(0..n),
-            );
+            work(0..n);
             return;
         }
         let per = n.div_ceil(threads).max(1);
         std::thread::scope(|scope| {
             for start in (0..n).step_by(per) {
                 let work = &work;
-                scope.spawn(move || {
-                    gpt::ops::simd::vectorised(
-                        #[inline(always)]
-                        || work(start..(start + per).min(n)),
-                    )
-                });
+                scope.spawn(move || work(start..(start + per).min(n)));
             }
         });
     }

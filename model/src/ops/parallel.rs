@@ -2,8 +2,8 @@
 //! run on), in chunks of a fixed size: which chunk a thread takes varies from run to run, but
 //! every output value is computed by one chunk alone, so the results do not depend on it (nor on
 //! the number of threads). Each chunk runs compiled for the CPU's widest vectors
-//! ([`super::simd::vectorised`]). Reductions over rows (a bias's or LayerNorm's gradient) are split by
-//! columns for the same reason: each column is still summed row after row.
+//! ([`super::simd::vectorised`]). Reductions over rows (a bias's or LayerNorm's gradient) are
+//! split by columns for the same reason: each column is still summed row after row.
 //!
 //! When training runs one data-parallel shard per thread, the pool has no workers and these run
 //! inline on the shard's thread. rayon's `par_chunks_mut` would do the same job on a second pool
@@ -63,25 +63,23 @@ pub(crate) fn serially<R>(f: impl FnOnce() -> R) -> R {
 pub(crate) fn chunks_mut<T: Send>(out: &mut [T], grain: usize, f: impl Fn(usize, &mut [T]) + Sync) {
     let (len, grain) = (out.len(), grain.max(1));
     let items = len.div_ceil(grain);
-    if !spread(items) {
+    let f = |start: usize, chunk: &mut [T]| {
         super::simd::vectorised(
             #[inline(always)]
-            || f(0, out),
-        );
+            || f(start, chunk),
+        )
+    };
+    if !spread(items) {
+        f(0, out);
         return;
     }
     let base = Base(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-        super::simd::vectorised(
-            #[inline(always)]
-            || {
-                for i in range {
-                    let chunk = i * grain..((i + 1) * grain).min(len);
-                    // SAFETY: chunk `i` is handed to one call only, and `out` is borrowed mutably here.
-                    f(chunk.start, unsafe { base.chunk(chunk) });
-                }
-            },
-        )
+        for i in range {
+            let chunk = i * grain..((i + 1) * grain).min(len);
+            // SAFETY: chunk `i` is handed to one call only, and `out` is borrowed mutably here.
+            f(chunk.start, unsafe { base.chunk(chunk) });
+        }
     });
 }
 
