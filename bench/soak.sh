@@ -19,13 +19,18 @@ name=$(basename "$checkpoint")
 out=target/soak/$name
 mkdir -p "$out"
 cargo build -q --release --locked -p gpt-server
+serve() { # PORT LOG: a server in the background, its pid in $!; then wait_healthy PORT
+  ./target/release/gpt-server --checkpoint "$checkpoint" --model-name soak --port "$1" --device cpu \
+    --prefix-cache-mib "${PREFIX_CACHE_MIB:-16}" > "$2" 2>&1 &
+}
+wait_healthy() {
+  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && break; sleep 0.2; done
+}
 port=${PORT:-18190}
-./target/release/gpt-server --checkpoint "$checkpoint" --model-name soak --port "$port" --device cpu \
-  --prefix-cache-mib "${PREFIX_CACHE_MIB:-16}" \
-  > "$out/server.log" 2>&1 &
+serve "$port" "$out/server.log"
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
-for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
+wait_healthy "$port"
 url=http://127.0.0.1:$port
 rate=$(python3 bench/soak.py "$url" --pid $server --model soak --calibrate --rate 40 \
   --minutes "$(python3 -c "print($calibrate / 60)")" | python3 -c "import json,sys; print(json.load(sys.stdin)['saturation_rps'])")
@@ -37,11 +42,10 @@ python3 bench/soak.py "$url" --pid $server --model soak --rate "$soak_rate" --mi
 rounds=${PROBE_ROUNDS:-2}
 if [ "$rounds" -gt 0 ]; then
   fresh_port=$((port + 1))
-  ./target/release/gpt-server --checkpoint "$checkpoint" --model-name soak --port "$fresh_port" --device cpu \
-    --prefix-cache-mib "${PREFIX_CACHE_MIB:-16}" > "$out/fresh-server.log" 2>&1 &
+  serve "$fresh_port" "$out/fresh-server.log"
   fresh=$!
   trap 'kill $server $fresh 2>/dev/null || true' EXIT
-  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$fresh_port/health" >/dev/null && break; sleep 0.2; done
+  wait_healthy "$fresh_port"
   probe() { # URL PID SEED OUT: one probe run; its own checks are not the point here
     python3 bench/soak.py "$1" --pid "$2" --model soak --rate "$soak_rate" --minutes "${PROBE_MINUTES:-1}" \
       --seed "$3" --out "$4" > /dev/null || true
