@@ -20,9 +20,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def ignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern that matches the path or a folder above it decides, and a
+    pattern that starts with `!` lets the path back in."""
     parts = pathlib.PurePosixPath(path).parts
     prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    return any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.lstrip("*/")) for pat in patterns for p in prefixes)
+    excluded = False
+    for pattern in patterns:
+        allow = pattern.startswith("!")
+        pat = pattern.lstrip("!")
+        if any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.lstrip("*/")) for p in prefixes):
+            excluded = not allow
+    return excluded
 
 
 def check(name: str) -> list[str]:

@@ -62,9 +62,13 @@ fi
 
 # The build, as a user runs it (crates fetched over the host's network).
 start=$(date +%s)
-docker build --network host -t gpt-rs . >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+docker build --network host --force-rm -t gpt-rs . >"$out/build.log" 2>&1 ||
+  { tail -40 "$out/build.log"; df -h . /var/lib; exit 1; }
 size=$(docker image inspect gpt-rs --format '{{.Size}}')
-echo "docker build: $(( $(date +%s) - start )) s; image gpt-rs: $(( size / 1000000 )) MB"
+# The build stage's layers, untagged once the image is built, are full copies under vfs: freed now.
+docker image prune -f >/dev/null
+echo "docker build: $(( $(date +%s) - start )) s; image gpt-rs: $(( size / 1000000 )) MB;" \
+  "$(df -h --output=avail . | tail -1 | tr -d ' ') free"
 
 cleanup() {
   docker rm -f gpt-ci gpt-ci-mounted >/dev/null 2>&1 || true
