@@ -52,10 +52,11 @@ impl CustomOp2 for Product {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dx = product_of(dy, &w.t()?, self.autocast)?; // (m, n) @ (n, k): dy @ (W^T)^T
-                                                          // dW (n, k) = dy^T @ x. In f32 the product's left operand is made contiguous (a
-                                                          // transposed copy): transpose the smaller, dy^T (n, m) for dW, or x^T (k, m) for dW^T
-                                                          // (k, n), returned as its transposed view.
+        // dx (m, k) = dy @ W: (m, n) @ ((W^T) (k, n))^T.
+        let dx = product_of(dy, &w.t()?, self.autocast)?;
+        // dW (n, k) = dy^T @ x. In f32 the product's left operand, a transposed view here, is
+        // read in place when small, else made contiguous (a transposed copy): the smaller, dy^T
+        // (n, m) for dW, or x^T (k, m) for dW^T (k, n), returned as its transposed view.
         let (n, k) = w.dims2()?;
         let dw = if n <= k {
             product_of(&dy.t()?, &x.t()?, self.autocast)? // (n, m) @ (m, k): dy^T @ (x^T)^T

@@ -90,6 +90,9 @@ impl Format for Q4_0 {
 /// every row.
 pub(super) struct Task {
     pub x: *const f32,
+    /// `x`'s layout: row `i`, position `c` at `x[i * ldx + c]`, or with `XT` (a column-major
+    /// `x`, such as a transposed view) at `x[c * ldx + i]`.
+    pub ldx: usize,
     pub y: *mut f32,
     pub m: usize,
     pub n: usize,
@@ -113,27 +116,53 @@ pub(super) fn run(
     ep: Epilogue,
     accumulate: bool,
 ) {
+    debug_assert!(x.len() == m * w.k);
     let run = match w.format {
-        WeightFormat::F32 => run_format::<F32>,
-        WeightFormat::F16 => run_format::<F16>,
-        WeightFormat::Bf16 => run_format::<Bf16>,
+        WeightFormat::F32 => run_format::<F32, false>,
+        WeightFormat::F16 => run_format::<F16, false>,
+        WeightFormat::Bf16 => run_format::<Bf16, false>,
         // Integer products on activations quantized to q8_0 (`int8.rs`).
-        WeightFormat::Q8_0 => super::int8::run,
-        WeightFormat::Q4_0 => run_format::<Q4_0>,
+        WeightFormat::Q8_0 => return super::int8::run(w, x, y, m, simd, ep, accumulate),
+        WeightFormat::Q4_0 => run_format::<Q4_0, false>,
     };
-    run(w, x, y, m, simd, ep, accumulate)
+    run(w, x, w.k, y, m, simd, ep, accumulate)
 }
 
-fn run_format<F: Format>(
+/// [`run`] for f32 panels with `x` `(m, k)` read where it is: row `i`, position `c` at
+/// `x[i * ldx + c]`, or, `transposed`, at `x[c * ldx + i]` (a transposed view: training's
+/// `dW = dY^T X` reads `dY^T` so, where a row-major copy cost 8% of a small model's step). The
+/// same chains of multiply-adds as [`run`] on a dense copy: the same bits.
+pub(super) fn run_f32_in_place(
+    w: &PackedMatrix,
+    x: super::InPlace,
+    y: &mut [MaybeUninit<f32>],
+    m: usize,
+    simd: Simd,
+    accumulate: bool,
+) {
+    debug_assert!(w.format == WeightFormat::F32);
+    let run = if x.transposed {
+        debug_assert!(m <= x.ldx && x.values.len() >= (w.k - 1) * x.ldx + m);
+        run_format::<F32, true>
+    } else {
+        debug_assert!(w.k <= x.ldx && x.values.len() >= (m - 1) * x.ldx + w.k);
+        run_format::<F32, false>
+    };
+    run(w, x.values, x.ldx, y, m, simd, Epilogue::default(), accumulate)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_format<F: Format, const XT: bool>(
     w: &PackedMatrix,
     x: &[f32],
+    ldx: usize,
     y: &mut [MaybeUninit<f32>],
     m: usize,
     simd: Simd,
     ep: Epilogue,
     accumulate: bool,
 ) {
-    debug_assert!(x.len() == m * w.k && y.len() == m * w.n);
+    debug_assert!(y.len() == m * w.n);
     let panel_bytes = super::panel_bytes(w.format, w.k);
     let groups = w.n.div_ceil(LANES * GROUP);
     let (x_at, y_at, w_at) = (
@@ -145,6 +174,7 @@ fn run_format<F: Format>(
         for g in range {
             let t = Task {
                 x: x_at as *const f32,
+                ldx,
                 y: y_at as *mut f32,
                 m,
                 n: w.n,
@@ -156,7 +186,7 @@ fn run_format<F: Format>(
             };
             // Tasks write disjoint columns of `y`, which outlives the pool's call; the panels of
             // group `g` exist (the matrix is padded to whole groups).
-            simd.run(TaskKernel::<F> {
+            simd.run(TaskKernel::<F, XT> {
                 t: &t,
                 format: std::marker::PhantomData,
             });
@@ -167,18 +197,18 @@ fn run_format<F: Format>(
 }
 
 /// One task of [`run_format`] on the lanes [`Simd::run`] picks.
-struct TaskKernel<'a, F> {
+struct TaskKernel<'a, F, const XT: bool> {
     t: &'a Task,
     format: std::marker::PhantomData<F>,
 }
 
-impl<F: Format> Kernel for TaskKernel<'_, F> {
+impl<F: Format, const XT: bool> Kernel for TaskKernel<'_, F, XT> {
     type Output = ();
     #[inline(always)]
     fn run<V: Vec16>(self) {
         // SAFETY: `run_format` builds tasks within `x`, `y` and the panels, each task's columns
         // its own.
-        unsafe { task::<F, V>(self.t) }
+        unsafe { task::<F, V, XT>(self.t) }
     }
 }
 
@@ -266,7 +296,7 @@ struct Tile {
 /// # Safety
 /// As [`Task`] describes; `V`'s instructions available.
 #[inline(always)]
-pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
+pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
     let cols = (t.n - t.col0).min(GROUP * LANES);
     // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
     let panel = |j: usize| unsafe { t.panels.add(j * t.panel_bytes) };
@@ -274,8 +304,8 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
     let span = |k: usize| k / F::BLOCK * F::BLOCK_BYTES;
     let tile_at = |i0: usize, k0: usize| Tile {
         // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
-        x: unsafe { t.x.add(i0 * t.k + k0) },
-        ldx: t.k,
+        x: unsafe { t.x.add(if XT { k0 * t.ldx + i0 } else { i0 * t.ldx + k0 }) },
+        ldx: t.ldx,
         w: t.panels,
         panel_stride: t.panel_bytes,
         kc: t.k,
@@ -290,7 +320,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
     };
     if t.m <= V::ROWS {
         // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
-        unsafe { tile_rows::<F, V>(&tile_at(0, 0), t.m) };
+        unsafe { tile_rows::<F, V, XT>(&tile_at(0, 0), t.m) };
         return;
     }
     // Tiles of (nearly) equal height: 16 rows as 8 + 8, not 12 + 4.
@@ -306,7 +336,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
             let mut at = tile_at(i0, 0);
             at.prefetch = if tile == 0 { PREFETCH } else { 0 };
             // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
-            unsafe { tile_rows::<F, V>(&at, rows) };
+            unsafe { tile_rows::<F, V, XT>(&at, rows) };
             i0 += rows;
         }
         return;
@@ -357,9 +387,9 @@ pub(super) unsafe fn task<F: Format, V: Vec16>(t: &Task) {
             // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
             unsafe {
                 if F::IN_PLACE {
-                    tile_rows::<F, V>(&at, rows)
+                    tile_rows::<F, V, XT>(&at, rows)
                 } else {
-                    tile_rows::<Widened<F>, V>(&at, rows)
+                    tile_rows::<Widened<F>, V, XT>(&at, rows)
                 }
             }
             i0 += rows;
@@ -417,22 +447,22 @@ unsafe fn widen<F: Format, V: Vec16>(t: &Task, k0: usize, kc: usize, out: *mut f
 
 /// One tile of `rows` rows (at most `V::ROWS`).
 #[inline(always)]
-unsafe fn tile_rows<F: Format, V: Vec16>(t: &Tile, rows: usize) {
+unsafe fn tile_rows<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: usize) {
     // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
     unsafe {
         match rows {
-            12 => tile::<F, V, 12>(t),
-            11 => tile::<F, V, 11>(t),
-            10 => tile::<F, V, 10>(t),
-            9 => tile::<F, V, 9>(t),
-            8 => tile::<F, V, 8>(t),
-            7 => tile::<F, V, 7>(t),
-            6 => tile::<F, V, 6>(t),
-            5 => tile::<F, V, 5>(t),
-            4 => tile::<F, V, 4>(t),
-            3 => tile::<F, V, 3>(t),
-            2 => tile::<F, V, 2>(t),
-            _ => tile::<F, V, 1>(t),
+            12 => tile::<F, V, 12, XT>(t),
+            11 => tile::<F, V, 11, XT>(t),
+            10 => tile::<F, V, 10, XT>(t),
+            9 => tile::<F, V, 9, XT>(t),
+            8 => tile::<F, V, 8, XT>(t),
+            7 => tile::<F, V, 7, XT>(t),
+            6 => tile::<F, V, 6, XT>(t),
+            5 => tile::<F, V, 5, XT>(t),
+            4 => tile::<F, V, 4, XT>(t),
+            3 => tile::<F, V, 3, XT>(t),
+            2 => tile::<F, V, 2, XT>(t),
+            _ => tile::<F, V, 1, XT>(t),
         }
     }
 }
@@ -440,7 +470,7 @@ unsafe fn tile_rows<F: Format, V: Vec16>(t: &Tile, rows: usize) {
 /// `R` rows times two panels over the tile's positions.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
-unsafe fn tile<F: Format, V: Vec16, const R: usize>(t: &Tile) {
+unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool>(t: &Tile) {
     // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
     unsafe {
         let mut acc = [[V::zero(); GROUP]; R];
@@ -484,7 +514,7 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize>(t: &Tile) {
                 for h in 0..F::PER_STEP {
                     let c = b * F::BLOCK + F::pos(s, h);
                     for i in 0..R {
-                        let xv = V::splat(t.x.add(i * t.ldx + c));
+                        let xv = V::splat(t.x.add(if XT { c * t.ldx + i } else { i * t.ldx + c }));
                         for j in 0..GROUP {
                             acc[i][j] = V::fma(xv, w[j][h], acc[i][j]);
                         }

@@ -55,6 +55,16 @@ const BLOCK: usize = 32;
 #[derive(Clone, Copy)]
 struct Line([u8; 64]);
 
+/// A left operand `x` `(m, k)` that the f32 kernel reads where it is: row `i`, position `c` at
+/// `values[i * ldx + c]`, or, `transposed` (column-major: a transposed view), at
+/// `values[c * ldx + i]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct InPlace<'a> {
+    pub values: &'a [f32],
+    pub ldx: usize,
+    pub transposed: bool,
+}
+
 /// A weight matrix `W` `(n, k)` packed for [`PackedMatrix::matmul`]; see the module's notes.
 #[derive(Clone)]
 pub struct PackedMatrix {
@@ -434,6 +444,48 @@ impl PackedMatrix {
         // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; every value is initialised and stays so.
         let y = unsafe { &mut *(y as *mut [f32] as *mut [MaybeUninit<f32>]) };
         kernel::run(self, x, y, m, simd, Epilogue::default(), true);
+        Ok(())
+    }
+
+    /// `y = x @ W^T`, or with `accumulate` `y += x @ W^T` (then `y` must be initialised), for
+    /// f32 panels and `x` `(m, k)` read where it is ([`InPlace`]). The bits of
+    /// [`Self::matmul_into`] on a dense copy.
+    pub(crate) fn matmul_in_place(
+        &self,
+        x: InPlace,
+        m: usize,
+        simd: Simd,
+        y: &mut [MaybeUninit<f32>],
+        accumulate: bool,
+    ) -> Result<()> {
+        let (inner, outer) = if x.transposed { (m, self.k) } else { (self.k, m) };
+        if self.format != WeightFormat::F32
+            || y.len() != m * self.n
+            || x.ldx < inner
+            || (outer > 0 && inner > 0 && x.values.len() < (outer - 1) * x.ldx + inner)
+        {
+            candle_core::bail!(
+                "packed-matmul: x ({m}, {}) with leading dimension {}{} in {} values, y {} values, {:?} panels",
+                self.k,
+                x.ldx,
+                if x.transposed { ", transposed" } else { "" },
+                x.values.len(),
+                y.len(),
+                self.format
+            )
+        }
+        if y.is_empty() {
+            return Ok(());
+        }
+        if self.k == 0 {
+            if !accumulate {
+                y.iter_mut().for_each(|v| {
+                    v.write(0.0);
+                });
+            }
+            return Ok(());
+        }
+        kernel::run_f32_in_place(self, x, y, m, simd, accumulate);
         Ok(())
     }
 
