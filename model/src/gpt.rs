@@ -272,8 +272,8 @@ impl Gpt {
             }
             return Ok(layer_norm(&self.ln_f, &x, train.is_some())?); // (B*T, C)
         }
-        let tok = tok.reshape((b_sz, seq_len, self.cfg.n_embd))?; // (B, T, C)
-                                                                  // Dropout sites: the embeddings 0, block i's layer key i + 1.
+        // (B, T, C). Dropout sites: the embeddings 0, block i's layer key i + 1.
+        let tok = tok.reshape((b_sz, seq_len, self.cfg.n_embd))?;
         let mut x = dropout(
             crate::ops::add_tiled(&tok, &pos)?,
             self.cfg.embd_pdrop,

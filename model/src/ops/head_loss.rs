@@ -90,8 +90,8 @@ impl CustomOp3 for HeadLoss {
             )
         }
         let w = Operand::of(sw, lw)?;
-        let w_rows = Rhs::new(w, self.autocast); // (V, C)
-                                                 // `W^T` `(C, V)` for `d hidden = d logits @ W`.
+        // `W` `(V, C)` for the logits, and `W^T` `(C, V)` for `d hidden = d logits @ W`.
+        let w_rows = Rhs::new(w, self.autocast);
         let w_cols = self.with_grad.then(|| Rhs::new(w.t(), self.autocast));
         let scale = 1.0 / n.max(1) as f32;
         let mut total = 0f64;

@@ -130,9 +130,10 @@ impl PackedMatrix {
         strides: (usize, usize),
     ) -> Self {
         let panels = n.div_ceil(LANES * GROUP) * GROUP;
-        let len = panels * k * LANES; // f32 values, a whole number of lines (64 bytes = 16)
-                                      // Every value is written below, padding included, so the lines start uninitialised
-                                      // (zeroing them first was a pass of its own, at every training product).
+        // f32 values, a whole number of lines (64 bytes = 16). Every value is written below,
+        // padding included, so the lines start uninitialised (zeroing them first was a pass of
+        // its own, at every training product).
+        let len = panels * k * LANES;
         let mut lines: Vec<Line> = Vec::with_capacity(len / LANES);
         let out = lines.spare_capacity_mut();
         // SAFETY: `Line` is 64-byte aligned plain bytes, valid as 16 f32 each; the slice covers
