@@ -177,10 +177,7 @@ impl Rhs {
     /// `a @ B^T` written into `y` `(a.rows, n)`, which may start uninitialised.
     pub fn matmul_into(&self, a: Operand, y: &mut [MaybeUninit<f32>]) -> Result<()> {
         match self {
-            Self::F32(w) => match a.in_place() {
-                Some(x) => w.matmul_in_place(x, a.rows, Simd::detect(), y, false),
-                None => w.matmul_into(&a.row_major(), a.rows, Simd::detect(), y),
-            },
+            Self::F32(w) => f32_product(w, a, y, false),
             Self::Bf16(w) => w.matmul_into(&Bf16Rows::new(a), Bf16Dot::detect(), y),
         }
     }
@@ -197,18 +194,33 @@ impl Rhs {
     /// over chunks of `k` in one buffer).
     pub fn matmul_add(&self, a: Operand, y: &mut [f32]) -> Result<()> {
         match self {
-            Self::F32(w) => match a.in_place() {
-                Some(x) => {
-                    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; every value is initialised
-                    // and stays so.
-                    let y = unsafe { &mut *(y as *mut [f32] as *mut [MaybeUninit<f32>]) };
-                    w.matmul_in_place(x, a.rows, Simd::detect(), y, true)
-                }
-                None => w.matmul_add(&a.row_major(), a.rows, Simd::detect(), y),
-            },
+            Self::F32(w) => {
+                // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; every value is initialised and
+                // stays so.
+                let y = unsafe { &mut *(y as *mut [f32] as *mut [MaybeUninit<f32>]) };
+                f32_product(w, a, y, true)
+            }
             Self::Bf16(w) => w.matmul_add(&Bf16Rows::new(a), Bf16Dot::detect(), y),
         }
     }
+}
+
+/// `y = a @ W^T`, or with `accumulate` `y += a @ W^T`, on the f32 kernel: `a` read where it is
+/// when the kernel can, else from its row-major copy.
+fn f32_product(w: &PackedMatrix, a: Operand, y: &mut [MaybeUninit<f32>], accumulate: bool) -> Result<()> {
+    let copy;
+    let x = match a.in_place() {
+        Some(x) => x,
+        None => {
+            copy = a.row_major();
+            InPlace {
+                values: &copy,
+                ldx: a.cols,
+                transposed: false,
+            }
+        }
+    };
+    w.matmul_in_place(x, a.rows, Simd::detect(), y, accumulate)
 }
 
 /// `a @ B^T` written into `y` `(a.rows, b.rows)` (which may start uninitialised), at

@@ -421,36 +421,9 @@ impl PackedMatrix {
         y
     }
 
-    /// `y = x @ W^T` into `y` `(m, n)`, which may start uninitialised (every value is written),
-    /// without the AMX copy: a product written into a buffer the caller holds.
-    pub(crate) fn matmul_into(&self, x: &[f32], m: usize, simd: Simd, y: &mut [MaybeUninit<f32>]) -> Result<()> {
-        self.check_into(x, m, y.len())?;
-        if self.k == 0 {
-            y.iter_mut().for_each(|v| {
-                v.write(0.0);
-            });
-        } else if !y.is_empty() {
-            kernel::run(self, x, y, m, simd, Epilogue::default(), false);
-        }
-        Ok(())
-    }
-
-    /// `y += x @ W^T` for `x` `(m, k)` and `y` `(m, n)` (f32 panels, no AMX copy): products
-    /// summed over several calls into one buffer, each output's chain continuing from its value.
-    pub(crate) fn matmul_add(&self, x: &[f32], m: usize, simd: Simd, y: &mut [f32]) -> Result<()> {
-        self.check_into(x, m, y.len())?;
-        if y.is_empty() || self.k == 0 {
-            return Ok(());
-        }
-        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; every value is initialised and stays so.
-        let y = unsafe { &mut *(y as *mut [f32] as *mut [MaybeUninit<f32>]) };
-        kernel::run(self, x, y, m, simd, Epilogue::default(), true);
-        Ok(())
-    }
-
     /// `y = x @ W^T`, or with `accumulate` `y += x @ W^T` (then `y` must be initialised), for
     /// f32 panels and `x` `(m, k)` read where it is ([`InPlace`]). The bits of
-    /// [`Self::matmul_into`] on a dense copy.
+    /// [`Self::matmul`] on a dense copy.
     pub(crate) fn matmul_in_place(
         &self,
         x: InPlace,
@@ -487,19 +460,6 @@ impl PackedMatrix {
             return Ok(());
         }
         kernel::run_f32_in_place(self, x, y, m, simd, accumulate);
-        Ok(())
-    }
-
-    fn check_into(&self, x: &[f32], m: usize, y_len: usize) -> Result<()> {
-        if x.len() != m * self.k || y_len != m * self.n {
-            candle_core::bail!(
-                "packed-matmul: x has {} values and y {y_len}, for ({m}, {}) @ ({}, {})^T",
-                x.len(),
-                self.k,
-                self.n,
-                self.k
-            )
-        }
         Ok(())
     }
 
