@@ -3,7 +3,10 @@
     python3 bench/soak.py URL --minutes 30 --rate 4 --pid SERVER_PID [--model NAME] [--out report.json]
 
 Standard library only (a thread per request in flight, `http.client`), so it runs wherever
-Python does. Requests arrive as a Poisson process at `--rate` per second, drawn from this mix:
+Python does. Requests arrive as a Poisson process at `--rate` per second, drawn from this mix;
+by default (`--arrivals replay`) one minute of them is drawn and sent again every minute, the same
+requests (sampling seeds included) at the same offsets, so that the minutes whose latencies are
+compared carry the same load:
 
 | share | request |
 |---|---|
@@ -66,7 +69,7 @@ def connection(url):
 
 
 def request(url, path, body, model, stats, minute, stream=False, drop=False):
-    """One request; returns nothing, records everything."""
+    """One request, recorded in `stats`; returns its status (None when the client failed)."""
     route = "chat" if "chat" in path else ("completions" if "completions" in path else path)
     conn = connection(url)
     try:
@@ -85,13 +88,13 @@ def request(url, path, body, model, stats, minute, stream=False, drop=False):
         stats.count(route, resp.status)
         if resp.status >= 500:
             stats.errors.append((path, resp.status, resp.read()[:200].decode(errors="replace")))
-            return
+            return resp.status
         if not stream:
             out = json.loads(resp.read() or b"null")
             if resp.status == 200 and isinstance(out, dict) and "usage" in out and route in ("completions", "chat"):
                 with stats.lock:
                     stats.completion_tokens += out["usage"]["completion_tokens"]
-            return
+            return resp.status
         last, chunks, usage, ended = None, 0, None, False
         while True:
             line = resp.readline()
@@ -119,10 +122,11 @@ def request(url, path, body, model, stats, minute, stream=False, drop=False):
             if drop and chunks >= 3:
                 with stats.lock:
                     stats.dropped += 1
-                return  # closing the connection: the server drops the sequence
+                return resp.status  # closing the connection: the server drops the sequence
         if ended and usage is not None and route in ("completions", "chat"):
             with stats.lock:
                 stats.completion_tokens += usage["completion_tokens"]
+        return resp.status
     except Exception as e:  # a client-side failure is a failure of the run too
         stats.errors.append((path, "exception", repr(e)))
     finally:
@@ -227,10 +231,56 @@ def quantile(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def arrivals(rng, rate, prefix_pool, seconds):
+    """A Poisson process of `rate` per second over `seconds`: [(offset s, request of the mix)]."""
+    out, t = [], rng.expovariate(rate)
+    while t < seconds:
+        out.append((t, pick(rng, prefix_pool)))
+        t += rng.expovariate(rate)
+    return out or [(0.0, pick(rng, prefix_pool))]
+
+
+def calibrate(args, prefix_pool):
+    """The server's saturation on this mix: `--concurrency` clients, each sending the mix's
+    requests back to back (a closed loop: the batch stays full and the queue never refuses), for
+    `--minutes`; the requests completed per second after the first tenth of the time (warm-up).
+    Overloading it with an open loop instead would overstate it: the queue's 503s fall mostly on
+    the slow requests, so the ones served would be the cheap part of the mix."""
+    stats = Stats()
+    start = time.monotonic()
+    warm, end = start + args.minutes * 6, start + args.minutes * 60
+    done = []  # completion times of the requests served
+
+    def client(seed):
+        rng = random.Random(seed)
+        while time.monotonic() < end:
+            path, body, stream, drop = pick(rng, prefix_pool)
+            status = request(args.url, path, body, args.model, stats, 0, stream, drop)
+            if status is not None and status < 400:
+                with stats.lock:
+                    done.append(time.monotonic())
+
+    threads = [threading.Thread(target=client, args=(args.seed * 1000 + i,), daemon=True)
+               for i in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=args.minutes * 60 + 600)
+    served = sum(1 for t in done if warm <= t < end)
+    refused = sum(n for (_, status), n in stats.status.items() if status >= 500 or status == 429)
+    return {"saturation_rps": round(served / (end - warm), 3), "concurrency": args.concurrency,
+            "refused": refused, "errors": stats.errors[:5],
+            "requests": {f"{r} {s}": n for (r, s), n in sorted(stats.status.items())}}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("url")
     ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--arrivals", choices=("replay", "poisson"), default="replay",
+                    help="replay: one minute of Poisson arrivals from the mix, the same requests at the same "
+                         "offsets every minute, so that minutes differ only by the server and the machine "
+                         "(default); poisson: drawn afresh for the whole run")
     ap.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson arrivals)")
     ap.add_argument("--pid", type=int, required=True, help="the server's process id, for its memory")
     ap.add_argument("--model", default=None)
@@ -241,7 +291,11 @@ def main():
                          "reported only (CI's short soak gates on 'no 5xx,counters agree': a minute's p99 on a "
                          "shared 2-core machine moves by tens of percent)")
     ap.add_argument("--calibrate", action="store_true",
-                    help="overload on purpose and print the completed requests per second (saturation)")
+                    help="print the server's saturation on this mix, requests per second, measured with "
+                         "--concurrency clients in a closed loop for --minutes")
+    ap.add_argument("--concurrency", type=int, default=32,
+                    help="clients of --calibrate: enough to keep the batch full (default 32: two batches at "
+                         "gpt-server's default --max-batch-size, under its batch plus --max-queue)")
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
@@ -253,27 +307,36 @@ def main():
     conn.close()
     # (Roman numerals: a character-level vocabulary from Shakespeare has few digits.)
     prefix_pool = [(f"Scene {n}.\n" + PARAGRAPH * 2)[: context // 2] for n in ("I", "II", "III", "IV")]
+    if args.calibrate:
+        print(json.dumps(calibrate(args, prefix_pool)))
+        return
     stats = Stats()
     before = metrics(args.url)
     start = time.monotonic()
     end = start + args.minutes * 60
     threads, rss = [], []
     next_sample = start
-    while True:
-        now = time.monotonic()
-        if now >= end:
+    # The requests and their arrival times: one minute's, sent again every minute (`replay`), or
+    # drawn afresh for the whole run (`poisson`).
+    period = 60.0 if args.arrivals == "replay" else args.minutes * 60
+    plan = arrivals(rng, args.rate, prefix_pool, period)
+    for k in range(len(plan) * int(args.minutes * 60 / period + 1)):
+        cycle, i = divmod(k, len(plan))
+        offset, (path, body, stream, drop) = plan[i]
+        at = start + cycle * period + offset
+        if at >= end:
             break
-        if now >= next_sample:
-            rss.append(memory_sample(args, start, now))
-            next_sample += 60
-        minute = int((now - start) // 60)
-        path, body, stream, drop = pick(rng, prefix_pool)
+        while (now := time.monotonic()) < at:
+            if now >= next_sample:
+                rss.append(memory_sample(args, start, now))
+                next_sample += 60
+            time.sleep(max(0.0, min(at, next_sample) - time.monotonic()))
+        minute = int((at - start) // 60)
         t = threading.Thread(target=request, args=(args.url, path, body, args.model, stats, minute, stream, drop),
                              daemon=True)
         t.start()
         threads.append(t)
         threads = [t for t in threads if t.is_alive()]
-        time.sleep(rng.expovariate(args.rate))
     for t in threads:
         t.join(timeout=600)
     rss.append(memory_sample(args, start, time.monotonic()))
@@ -282,16 +345,6 @@ def main():
 
     def delta(name):
         return after.get(name, 0.0) - before.get(name, 0.0)
-
-    if args.calibrate:
-        # Under overload the queue refuses (503) mostly the slow requests, so the cheap ones
-        # (tokenize, attention) would inflate a plain count: the rate is the generation requests
-        # served, scaled by their share of the mix (85%).
-        done = sum(n for (route, status), n in stats.status.items() if status < 400 and route in ("completions", "chat"))
-        rps = done / (args.minutes * 60) / 0.85
-        print(json.dumps({"saturation_rps": round(rps, 3), "requests": {f"{r} {s}": n for (r, s), n in
-                                                                          sorted(stats.status.items())}}))
-        return
 
     checks = {}
     fivexx = sum(n for (route, status), n in stats.status.items() if status >= 500)
