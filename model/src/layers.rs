@@ -252,18 +252,18 @@ fn linear(x: &Tensor, weight: &Weight, bias: &Tensor, autocast: Autocast) -> can
 impl Conv1D {
     /// GELU (tanh form) of the layer's output, fused with it where the weight is packed.
     pub fn forward_gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        if let Some(y) = self.fused_affine(x) {
-            return crate::ops::gelu(&y?);
+        match self.fused_affine(x, true) {
+            Some(y) => y,
+            None => linear_act(x, &self.weight, &self.bias, self.autocast, true),
         }
-        linear_act(x, &self.weight, &self.bias, self.autocast, true)
     }
 }
 
 impl Conv1D {
-    /// `x @ W + b` as one fused node ([`crate::ops::affine`]) where it applies: f32 on the CPU,
-    /// 2-D `x` (the residual stream as rows), the `(in, out)` tensor at hand; products under the
-    /// layer's autocast.
-    fn fused_affine(&self, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
+    /// `x @ W + b`, then GELU if `gelu`, as one fused node ([`crate::ops::affine`],
+    /// [`crate::ops::affine_gelu`]) where it applies: f32 on the CPU, 2-D `x` (the residual
+    /// stream as rows), the `(in, out)` tensor at hand; products under the layer's autocast.
+    fn fused_affine(&self, x: &Tensor, gelu: bool) -> Option<candle_core::Result<Tensor>> {
         match &self.in_out {
             Some(w)
                 if x.rank() == 2
@@ -272,7 +272,11 @@ impl Conv1D {
                     && w.dtype() == DType::F32
                     && self.bias.dtype() == DType::F32 =>
             {
-                Some(crate::ops::affine(x, w, &self.bias, self.autocast))
+                Some(if gelu {
+                    crate::ops::affine_gelu(x, w, &self.bias, self.autocast)
+                } else {
+                    crate::ops::affine(x, w, &self.bias, self.autocast)
+                })
             }
             _ => None,
         }
@@ -281,7 +285,7 @@ impl Conv1D {
 
 impl Module for Conv1D {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match self.fused_affine(x) {
+        match self.fused_affine(x, false) {
             Some(y) => y,
             None => linear(x, &self.weight, &self.bias, self.autocast),
         }

@@ -7,8 +7,11 @@
 //! path on stable Rust; the packed kernel runs AVX-512 where the CPU has it. Every output is one
 //! chain of multiply-adds in a fixed order, so a run is repeatable.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use std::sync::OnceLock;
 
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Tensor};
+
+use super::gelu::{gelu_new, GeluGrad};
 use super::parallel;
 use super::product::{product, product_into, Autocast, Operand};
 
@@ -74,12 +77,27 @@ impl CustomOp2 for Product {
 /// a layer was three such nodes, and the weight's gradient reached the variable through a strided
 /// add. Here `dW` comes out in the variable's own layout.
 pub fn affine(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
-    x.contiguous()?.apply_op3(w, &b.contiguous()?, Affine { autocast })
+    x.contiguous()?
+        .apply_op3(w, &b.contiguous()?, Affine { autocast, gelu: None })
 }
 
-/// See [`affine`].
+/// `gelu(x @ W + b)` (GPT-2's tanh form), as [`affine`] with the activation in the same node:
+/// the MLP's widest tensor, `(m, 4C)`, then has one gradient edge rather than two (candle gives
+/// each edge a zeroed buffer and an add), and the GELU is computed while the bias is added.
+pub fn affine_gelu(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
+    let op = Affine {
+        autocast,
+        gelu: Some(OnceLock::new()),
+    };
+    x.contiguous()?.apply_op3(w, &b.contiguous()?, op)
+}
+
+/// See [`affine`] and [`affine_gelu`].
 struct Affine {
     autocast: Autocast,
+    /// With the GELU: the pre-activation `x @ W + b`, kept by the forward pass for the backward
+    /// (a custom op has one output). It is the tensor that an unfused GELU node would keep.
+    gelu: Option<OnceLock<Tensor>>,
 }
 
 impl CustomOp3 for Affine {
@@ -108,17 +126,42 @@ impl CustomOp3 for Affine {
             )
         }
         let mut y = product(x, w.t(), self.autocast)?; // (m, k) @ (n, k)^T
-        parallel::chunks_mut(
+        let grain = parallel::rows_per_chunk(n) * n.max(1);
+        let Some(pre) = &self.gelu else {
+            parallel::chunks_mut(
+                &mut y,
+                grain,
+                #[inline(always)]
+                |_, rows| {
+                    for row in rows.chunks_exact_mut(n.max(1)) {
+                        row.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
+                    }
+                },
+            );
+            return Ok((CpuStorage::F32(y), Shape::from((m, n))));
+        };
+        let mut g = Vec::with_capacity(y.len());
+        parallel::chunks_mut2(
             &mut y,
-            parallel::rows_per_chunk(n) * n.max(1),
+            &mut g.spare_capacity_mut()[..m * n],
+            grain,
             #[inline(always)]
-            |_, rows| {
-                for row in rows.chunks_exact_mut(n.max(1)) {
-                    row.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
+            |_, rows, out| {
+                for (row, out) in rows.chunks_exact_mut(n.max(1)).zip(out.chunks_exact_mut(n.max(1))) {
+                    for ((v, g), &b) in row.iter_mut().zip(out).zip(b) {
+                        *v += b;
+                        g.write(gelu_new(*v));
+                    }
                 }
             },
         );
-        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+        // SAFETY: the pass above wrote all `m * n` values (whole rows of `n`; `y` has `m` rows).
+        unsafe { g.set_len(m * n) };
+        let y = Tensor::from_vec(y, (m, n), &Device::Cpu)?;
+        if pre.set(y).is_err() {
+            candle_core::bail!("packed-affine-gelu: the op ran forward twice")
+        }
+        Ok((CpuStorage::F32(g), Shape::from((m, n))))
     }
 
     fn bwd(
@@ -129,7 +172,13 @@ impl CustomOp3 for Affine {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dy = dy.contiguous()?;
+        let mut dy = dy.contiguous()?;
+        if let Some(pre) = &self.gelu {
+            let pre = pre
+                .get()
+                .ok_or_else(|| candle_core::Error::Msg("packed-affine-gelu: backward before forward".into()))?;
+            dy = pre.apply_op2_no_bwd(&dy, &GeluGrad)?; // through the GELU: d(x @ W + b)
+        }
         let dx = product_of(&dy, w, self.autocast)?; // (m, n) @ (k, n)^T
         let (dw, db) = dy
             .apply_op2_no_bwd(

@@ -48,7 +48,7 @@ pub use attention::{cached_attention, cached_attention_on, CachedKv};
 pub use bf16_dot::Bf16Dot;
 pub(crate) use gelu::gelu_new;
 pub use head_loss::lm_head_loss;
-pub use linear::{affine, linear_product};
+pub use linear::{affine, affine_gelu, linear_product};
 pub use packed::{MatmulPrecision, PackedMatrix, WeightFormat};
 pub use product::{product, Autocast, Operand};
 pub use rows::{argmax, argmax_on, log_sum_exp, log_sum_exp_on};

@@ -87,11 +87,11 @@ pub(crate) fn chunks_mut<T: Send>(out: &mut [T], grain: usize, f: impl Fn(usize,
 ///
 /// # Panics
 /// If the slices' lengths differ.
-pub(crate) fn chunks_mut2<T: Send>(
+pub(crate) fn chunks_mut2<T: Send, U: Send>(
     a: &mut [T],
-    b: &mut [T],
+    b: &mut [U],
     grain: usize,
-    f: impl Fn(usize, &mut [T], &mut [T]) + Sync,
+    f: impl Fn(usize, &mut [T], &mut [U]) + Sync,
 ) {
     assert_eq!(a.len(), b.len(), "chunks_mut2: slices of different lengths");
     let base_b = Base(b.as_mut_ptr());
