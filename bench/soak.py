@@ -36,6 +36,7 @@ import http.client
 import json
 import random
 import re
+import socket
 import statistics
 import sys
 import threading
@@ -120,6 +121,12 @@ def request(url, path, body, model, stats, minute, stream=False, drop=False):
                 last = now
                 chunks += 1
             if drop and chunks >= 3:
+                if b"data: [DONE]" in received(resp, conn.sock):
+                    # The server finished this stream before the client went (a busy client can
+                    # fall that far behind): it is a whole one, read to its end as such.
+                    conn.sock.settimeout(600)
+                    drop = False
+                    continue
                 with stats.lock:
                     stats.dropped += 1
                 return resp.status  # closing the connection: the server drops the sequence
@@ -131,6 +138,21 @@ def request(url, path, body, model, stats, minute, stream=False, drop=False):
         stats.errors.append((path, "exception", repr(e)))
     finally:
         conn.close()
+
+
+def received(resp, sock):
+    """The bytes of a response that have reached the client but are not read yet (the reader's
+    buffer, then the socket's queue), without waiting for more."""
+    sock.setblocking(False)
+    try:
+        buffered = resp.fp.peek(1 << 20) or b""
+    except (BlockingIOError, OSError, ValueError):
+        buffered = b""
+    try:
+        queued = sock.recv(1 << 22, socket.MSG_PEEK)
+    except (BlockingIOError, OSError):
+        queued = b""
+    return buffered + queued
 
 
 def pick(rng, prefix_pool):
