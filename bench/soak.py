@@ -10,7 +10,7 @@ compared carry the same load:
 
 | share | request |
 |---|---|
-| 25% | streamed completion (`stream_options.include_usage`); about one in ten of all streams (12% of the completion streams, made long enough to be still generating) is dropped by the client after 3 chunks |
+| 25% | streamed completion (`stream_options.include_usage`); about one in ten of all streams (12% of the completion streams, made long enough to be still generating) is dropped by the client after 3 chunks, unless so much of it has arrived unread that the server may have ended it already |
 | 15% | whole completion |
 | 15% | chat completion, streamed or not |
 | 5%  | completion with `n` 2 or 3 |
@@ -42,6 +42,10 @@ import sys
 import threading
 import time
 import urllib.parse
+
+# The events the server's engine generates ahead of a stream's handler before it pauses the
+# sequence (`STREAM_BUFFER` in server/src/engine/channel.rs).
+STREAM_BUFFER = 64
 
 PARAGRAPH = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
@@ -121,10 +125,13 @@ def request(url, path, body, model, stats, minute, stream=False, drop=False):
                 last = now
                 chunks += 1
             if drop and chunks >= 3:
-                if b"data: [DONE]" in received(resp, conn.sock):
-                    # The server finished this stream before the client went (a busy client can
-                    # fall that far behind): it is a whole one, read to its end as such.
-                    conn.sock.settimeout(600)
+                pending = received(resp, conn.sock)
+                conn.sock.settimeout(600)
+                if chunks + pending.count(b"data: ") + STREAM_BUFFER + 16 >= payload["max_tokens"]:
+                    # The server may have generated this stream to its end already (a busy client
+                    # can fall that far behind, and the engine runs up to STREAM_BUFFER tokens
+                    # ahead of what its handler has sent): the client cannot tell a drop from a
+                    # whole stream, so it reads this one to its end as a whole one.
                     drop = False
                     continue
                 with stats.lock:
