@@ -33,8 +33,17 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    fn wrap(inner: tokenizers::Tokenizer) -> Self {
+    fn wrap(mut inner: tokenizers::Tokenizer) -> Self {
         let char_level = matches!(inner.get_decoder(), Some(DecoderWrapper::Fuse(_)));
+        if inner.get_pre_tokenizer().is_none() {
+            // Without a pre-tokenizer the model's "word" is the whole text, and its cache (kept
+            // per thread, 10,000 words of under 256 bytes, ~32 bytes a character) would keep
+            // every distinct short prompt: up to ~80 MB in each thread that tokenizes, for
+            // hits only on a prompt sent again.
+            let mut model = inner.get_model().clone();
+            model.resize_cache(0);
+            inner.with_model(model);
+        }
         Self { inner, char_level }
     }
 
