@@ -40,6 +40,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     pub max_batch_size: usize,
     pub max_queue: usize,
+    /// Prompt tokens prefilled together in one step, at most (a longer prompt still runs, alone).
+    pub max_batch_prefill_tokens: usize,
     pub max_tokens_cap: usize,
     pub body_limit: usize,
     /// A Jinja chat template file, instead of the checkpoint's own (or the fallback).
@@ -68,6 +70,7 @@ impl Default for ServerConfig {
             api_key: None,
             max_batch_size: 16,
             max_queue: 64,
+            max_batch_prefill_tokens: 1024,
             max_tokens_cap: 1024,
             body_limit: 1 << 20,
             chat_template: None,
@@ -184,7 +187,6 @@ pub fn load_state(
     };
     let chat_template = load_chat_template(checkpoint, cfg.chat_template.as_deref())?;
     let openapi = openapi::document(&limits);
-    let model_context = model.config().n_positions;
     let metrics = Arc::new(Metrics::new()?);
     let tokenizer = Arc::new(tokenizer);
     let attention_model = model.clone(); // shares the weights
@@ -217,7 +219,7 @@ pub fn load_state(
         EngineConfig {
             max_batch_size: cfg.max_batch_size.max(1),
             max_queue: cfg.max_queue.max(1),
-            max_prefill_tokens: 4096.max(model_context),
+            max_prefill_tokens: cfg.max_batch_prefill_tokens.max(1),
             prefix_cache_bytes: cfg.prefix_cache_mib << 20,
             request_timeout: cfg.request_timeout,
             stream_timeout: cfg.stream_timeout,

@@ -54,6 +54,11 @@ struct Args {
     /// Requests waiting beyond the batch before new ones get 503.
     #[arg(long, env = "GPT_SERVER_MAX_QUEUE", default_value_t = 64)]
     max_queue: usize,
+    /// Prompt tokens prefilled together in one step, at most (a longer prompt still runs, alone).
+    /// A step's activations grow with it: under bursts a larger budget raises the peak memory
+    /// and not the throughput.
+    #[arg(long, env = "GPT_SERVER_MAX_BATCH_PREFILL_TOKENS", default_value_t = 1024)]
+    max_batch_prefill_tokens: usize,
     /// Largest max_tokens a request may ask for.
     #[arg(long, env = "GPT_SERVER_MAX_TOKENS_CAP", default_value_t = 1024)]
     max_tokens_cap: usize,
@@ -182,6 +187,7 @@ async fn run() -> Result<()> {
         api_key: args.api_key.clone(),
         max_batch_size: args.max_batch_size,
         max_queue: args.max_queue,
+        max_batch_prefill_tokens: args.max_batch_prefill_tokens,
         max_tokens_cap: args.max_tokens_cap,
         body_limit: args.body_limit,
         chat_template: args.chat_template.clone(),
