@@ -99,6 +99,9 @@ pub(super) struct Task {
     pub k: usize,
     pub panels: *const u8,
     pub panel_bytes: usize,
+    /// Bytes from one block of a panel to the next: `F::BLOCK_BYTES` for packed panels; for f32
+    /// read in place from a row-major matrix ([`run_f32_rows_in_place`]), its row's bytes.
+    pub block_bytes: usize,
     pub col0: usize,
     /// Add the products to the outputs already in `y` instead of writing them.
     pub accumulate: bool,
@@ -125,7 +128,7 @@ pub(super) fn run(
         WeightFormat::Q8_0 => return super::int8::run(w, x, y, m, simd, ep, accumulate),
         WeightFormat::Q4_0 => run_format::<Q4_0, false>,
     };
-    run(w, x, w.k, y, m, simd, ep, accumulate)
+    run(w.panels(), x, w.k, y, m, simd, ep, accumulate)
 }
 
 /// [`run`] for f32 panels with `x` `(m, k)` read where it is: row `i`, position `c` at
@@ -148,12 +151,75 @@ pub(super) fn run_f32_in_place(
         debug_assert!(w.k <= x.ldx && x.values.len() >= (m - 1) * x.ldx + w.k);
         run_format::<F32, false>
     };
-    run(w, x.values, x.ldx, y, m, simd, Epilogue::default(), accumulate)
+    run(w.panels(), x.values, x.ldx, y, m, simd, Epilogue::default(), accumulate)
+}
+
+/// `y = x @ B` (or with `accumulate`, `y += x @ B`) for `B` `(k, n)` a row-major f32 matrix
+/// read where it is, rows `ldb` apart, as the panels of its transpose: panel `p` is columns
+/// `16p..16p + 16`, its positions a row apart (training's `x @ W` of a `(in, out)` weight and
+/// `dY^T`'s columns in `dW = x^T dY` need no packing pass then). `x` as in
+/// [`run_f32_in_place`]; the same chains of multiply-adds as on the packed panels: the same
+/// bits. `n` is a whole number of tasks' columns (32): no padding panels.
+///
+/// # Safety
+/// `b` holds `(k - 1) * ldb + n` values, `n` is a multiple of 32 and `k > 0`; `x` as in
+/// [`run_f32_in_place`].
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn run_f32_rows_in_place(
+    b: &[f32],
+    ldb: usize,
+    (k, n): (usize, usize),
+    x: super::InPlace,
+    y: &mut [MaybeUninit<f32>],
+    m: usize,
+    simd: Simd,
+    accumulate: bool,
+) {
+    debug_assert!(n.is_multiple_of(GROUP * LANES) && k > 0 && b.len() >= (k - 1) * ldb + n);
+    let panels = Panels {
+        base: b.as_ptr() as *const u8,
+        n,
+        k,
+        panel_bytes: LANES * 4,
+        block_bytes: ldb * 4,
+    };
+    let run = if x.transposed {
+        run_format::<F32, true>
+    } else {
+        run_format::<F32, false>
+    };
+    run(panels, x.values, x.ldx, y, m, simd, Epilogue::default(), accumulate)
+}
+
+/// The right operand as the kernel reads it: `n` rows (the outputs) of `k` positions in panels
+/// of 16 rows, panel `p` at `base + p * panel_bytes`, its blocks `block_bytes` apart.
+pub(super) struct Panels {
+    pub base: *const u8,
+    pub n: usize,
+    pub k: usize,
+    pub panel_bytes: usize,
+    pub block_bytes: usize,
+}
+
+impl PackedMatrix {
+    /// The packed panels as [`run_format`] reads them.
+    fn panels(&self) -> Panels {
+        Panels {
+            base: self.bytes().as_ptr(),
+            n: self.n,
+            k: self.k,
+            panel_bytes: super::panel_bytes(self.format, self.k),
+            block_bytes: match self.format.ggml() {
+                Some(_) => super::code_bytes(self.format) + 2 * LANES,
+                None => LANES * super::format_bytes(self.format),
+            },
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
 fn run_format<F: Format, const XT: bool>(
-    w: &PackedMatrix,
+    w: Panels,
     x: &[f32],
     ldx: usize,
     y: &mut [MaybeUninit<f32>],
@@ -163,13 +229,9 @@ fn run_format<F: Format, const XT: bool>(
     accumulate: bool,
 ) {
     debug_assert!(y.len() == m * w.n);
-    let panel_bytes = super::panel_bytes(w.format, w.k);
+    let panel_bytes = w.panel_bytes;
     let groups = w.n.div_ceil(LANES * GROUP);
-    let (x_at, y_at, w_at) = (
-        x.as_ptr() as usize,
-        y.as_mut_ptr() as usize,
-        w.bytes().as_ptr() as usize,
-    );
+    let (x_at, y_at, w_at) = (x.as_ptr() as usize, y.as_mut_ptr() as usize, w.base as usize);
     candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
         for g in range {
             let t = Task {
@@ -181,6 +243,7 @@ fn run_format<F: Format, const XT: bool>(
                 k: w.k,
                 panels: (w_at + g * GROUP * panel_bytes) as *const u8,
                 panel_bytes,
+                block_bytes: w.block_bytes,
                 col0: g * GROUP * LANES,
                 accumulate,
             };
@@ -267,6 +330,8 @@ struct Tile {
     ldx: usize,
     w: *const u8,
     panel_stride: usize,
+    /// Bytes from one block to the next (f32 panels: see [`Task::block_bytes`]).
+    block_bytes: usize,
     kc: usize,
     y: *mut f32,
     ldy: usize,
@@ -308,6 +373,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
         ldx: t.ldx,
         w: t.panels,
         panel_stride: t.panel_bytes,
+        block_bytes: t.block_bytes,
         kc: t.k,
         // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
         y: unsafe { t.y.add(i0 * t.n + t.col0) },
@@ -318,15 +384,23 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
         ahead: [t.panels; GROUP],
         ahead_lines: 0,
     };
+    // f32 read in place from a row-major matrix: its blocks a row apart, so the prefetches,
+    // which run ahead within a packed panel, are left to the hardware's stride prefetcher, and
+    // every tile reads the whole of `k` (the chunks' offsets count packed blocks).
+    let strided = F::IN_PLACE && t.block_bytes != F::BLOCK_BYTES;
     if t.m <= V::ROWS {
+        let mut at = tile_at(0, 0);
+        if strided {
+            at.prefetch = 0;
+        }
         // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
-        unsafe { tile_rows::<F, V, XT>(&tile_at(0, 0), t.m) };
+        unsafe { tile_rows::<F, V, XT>(&at, t.m) };
         return;
     }
     // Tiles of (nearly) equal height: 16 rows as 8 + 8, not 12 + 4.
     let tiles = t.m.div_ceil(V::ROWS);
     let (height, taller) = (t.m / tiles, t.m % tiles);
-    if F::IN_PLACE && tiles > 2 {
+    if F::IN_PLACE && (tiles > 2 || strided) {
         // Prefill: f32 panels are read in place over the whole of `k`, the first tile
         // streaming them from memory, the others finding them in cache (measured ~10% faster
         // than chunks here, where reloading the outputs per chunk costs more than it saves).
@@ -334,7 +408,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
         for tile in 0..tiles {
             let rows = height + usize::from(tile < taller);
             let mut at = tile_at(i0, 0);
-            at.prefetch = if tile == 0 { PREFETCH } else { 0 };
+            at.prefetch = if tile == 0 && !strided { PREFETCH } else { 0 };
             // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
             unsafe { tile_rows::<F, V, XT>(&at, rows) };
             i0 += rows;
@@ -499,7 +573,8 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool>(t: &Tile) {
                 }
             }
             for j in 0..GROUP {
-                block[j] = t.w.add(j * t.panel_stride + b * F::BLOCK_BYTES);
+                let step = if F::IN_PLACE { t.block_bytes } else { F::BLOCK_BYTES };
+                block[j] = t.w.add(j * t.panel_stride + b * step);
                 scale[j] = F::scale(block[j]);
                 if t.prefetch > 0 {
                     for line in 0..F::BLOCK_BYTES.div_ceil(64) {

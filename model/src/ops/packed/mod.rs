@@ -65,6 +65,24 @@ pub(crate) struct InPlace<'a> {
     pub transposed: bool,
 }
 
+impl InPlace<'_> {
+    /// Whether the values hold an `(m, k)` matrix laid out as this says.
+    fn holds(&self, m: usize, k: usize) -> bool {
+        let (inner, outer) = if self.transposed { (m, k) } else { (k, m) };
+        self.ldx >= inner && (outer == 0 || inner == 0 || self.values.len() >= (outer - 1) * self.ldx + inner)
+    }
+
+    /// The layout, for errors.
+    fn describe(&self) -> String {
+        format!(
+            "with leading dimension {}{} in {} values",
+            self.ldx,
+            if self.transposed { ", transposed" } else { "" },
+            self.values.len()
+        )
+    }
+}
+
 /// A weight matrix `W` `(n, k)` packed for [`PackedMatrix::matmul`]; see the module's notes.
 #[derive(Clone)]
 pub struct PackedMatrix {
@@ -432,34 +450,18 @@ impl PackedMatrix {
         y: &mut [MaybeUninit<f32>],
         accumulate: bool,
     ) -> Result<()> {
-        let (inner, outer) = if x.transposed { (m, self.k) } else { (self.k, m) };
-        if self.format != WeightFormat::F32
-            || y.len() != m * self.n
-            || x.ldx < inner
-            || (outer > 0 && inner > 0 && x.values.len() < (outer - 1) * x.ldx + inner)
-        {
+        if self.format != WeightFormat::F32 || y.len() != m * self.n || !x.holds(m, self.k) {
             candle_core::bail!(
-                "packed-matmul: x ({m}, {}) with leading dimension {}{} in {} values, y {} values, {:?} panels",
+                "packed-matmul: x ({m}, {}) {}, y {} values, {:?} panels",
                 self.k,
-                x.ldx,
-                if x.transposed { ", transposed" } else { "" },
-                x.values.len(),
+                x.describe(),
                 y.len(),
                 self.format
             )
         }
-        if y.is_empty() {
-            return Ok(());
+        if !nothing_to_multiply(y, self.k, accumulate) {
+            kernel::run_f32_in_place(self, x, y, m, simd, accumulate);
         }
-        if self.k == 0 {
-            if !accumulate {
-                y.iter_mut().for_each(|v| {
-                    v.write(0.0);
-                });
-            }
-            return Ok(());
-        }
-        kernel::run_f32_in_place(self, x, y, m, simd, accumulate);
         Ok(())
     }
 
@@ -568,6 +570,54 @@ fn code_bytes(format: WeightFormat) -> usize {
 }
 
 /// Bytes of one panel: 16 columns by `k`.
+/// `y = x @ B`, or with `accumulate` `y += x @ B` (then `y` must be initialised), for `B`
+/// `(k, n)` f32, row-major with rows `ldb` apart in `b`, read where it is, without packing
+/// (the kernel reads it as the panels of its transpose), and `x` `(m, k)` read where it is
+/// ([`InPlace`]). The bits of [`PackedMatrix::matmul`] on `B^T` packed. `n` must be a multiple
+/// of 32 (the kernel's task: no padding panels).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_rows_in_place(
+    b: &[f32],
+    ldb: usize,
+    (k, n): (usize, usize),
+    x: InPlace,
+    m: usize,
+    simd: Simd,
+    y: &mut [MaybeUninit<f32>],
+    accumulate: bool,
+) -> Result<()> {
+    if !n.is_multiple_of(GROUP * LANES)
+        || ldb < n
+        || (k > 0 && b.len() < (k - 1) * ldb + n)
+        || y.len() != m * n
+        || !x.holds(m, k)
+    {
+        candle_core::bail!(
+            "rows-matmul: x ({m}, {k}) {}, B ({k}, {n}) with rows {ldb} apart in {} values, y {} values",
+            x.describe(),
+            b.len(),
+            y.len(),
+        )
+    }
+    if !nothing_to_multiply(y, k, accumulate) {
+        // SAFETY: checked above: `b` holds the matrix, `n` is whole tasks, `k > 0`, `x` and `y`
+        // hold theirs.
+        unsafe { kernel::run_f32_rows_in_place(b, ldb, (k, n), x, y, m, simd, accumulate) };
+    }
+    Ok(())
+}
+
+/// Whether a product into `y` over `k` positions is done before the kernel: `y` empty, or `k`
+/// 0 (then its sums are zeros, written unless `accumulate`).
+fn nothing_to_multiply(y: &mut [MaybeUninit<f32>], k: usize, accumulate: bool) -> bool {
+    if k == 0 && !accumulate {
+        y.iter_mut().for_each(|v| {
+            v.write(0.0);
+        });
+    }
+    y.is_empty() || k == 0
+}
+
 fn panel_bytes(format: WeightFormat, k: usize) -> usize {
     match format.ggml() {
         Some(_) => k / BLOCK * (code_bytes(format) + 2 * LANES),
