@@ -519,9 +519,52 @@ unsafe fn widen<F: Format, V: Vec16>(t: &Task, k0: usize, kc: usize, out: *mut f
     }
 }
 
+/// Rows in a tile at most, on any lanes.
+const MAX_ROWS: usize = 12;
+
 /// One tile of `rows` rows (at most `V::ROWS`).
+///
+/// A task with fewer than 32 columns (the matrix's last, when `n` is not a multiple of 32)
+/// goes through a full-width buffer, so that [`tile`] reads and writes whole vectors only: its
+/// partial loads and stores were copies of a run-time length, calls to `memcpy` that kept its
+/// accumulators in memory, zeroed by a call to `memset` for every tile (1.5 KB each, ~17,000
+/// a step of nanoGPT's CPU recipe).
 #[inline(always)]
 unsafe fn tile_rows<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: usize) {
+    debug_assert!(rows <= MAX_ROWS && V::ROWS <= MAX_ROWS);
+    if t.cols < GROUP * LANES {
+        const WIDTH: usize = GROUP * LANES;
+        let mut buf = [0f32; MAX_ROWS * WIDTH];
+        for i in 0..rows {
+            if t.accumulate {
+                // SAFETY: the tile's rows and columns of `y` (the caller's contract).
+                let row = unsafe { std::slice::from_raw_parts(t.y.add(i * t.ldy), t.cols) };
+                buf[i * WIDTH..][..t.cols].copy_from_slice(row);
+            }
+        }
+        let whole = Tile {
+            y: buf.as_mut_ptr(),
+            ldy: WIDTH,
+            cols: WIDTH,
+            ..*t
+        };
+        // SAFETY: as below, with `y` the buffer of whole rows (the panels are padded with zero
+        // rows to whole tasks).
+        unsafe { tile_rows_whole::<F, V, XT>(&whole, rows) };
+        for i in 0..rows {
+            // SAFETY: the tile's rows and columns of `y` (the caller's contract).
+            let row = unsafe { std::slice::from_raw_parts_mut(t.y.add(i * t.ldy), t.cols) };
+            row.copy_from_slice(&buf[i * WIDTH..][..t.cols]);
+        }
+        return;
+    }
+    // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+    unsafe { tile_rows_whole::<F, V, XT>(t, rows) }
+}
+
+/// [`tile_rows`] for a tile of whole vectors (32 columns).
+#[inline(always)]
+unsafe fn tile_rows_whole<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: usize) {
     // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
     unsafe {
         match rows {
@@ -551,7 +594,7 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool>(t: &Tile) {
         if t.accumulate {
             for i in 0..R {
                 for j in 0..GROUP {
-                    acc[i][j] = load_cols(t.y.add(i * t.ldy + j * LANES), t.cols.saturating_sub(j * LANES));
+                    acc[i][j] = V::load_f32(t.y.add(i * t.ldy + j * LANES) as *const u8);
                 }
             }
         }
@@ -600,29 +643,8 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool>(t: &Tile) {
         for i in 0..R {
             let y = t.y.add(i * t.ldy);
             for j in 0..GROUP {
-                if (j + 1) * LANES <= t.cols {
-                    acc[i][j].store(y.add(j * LANES));
-                } else if j * LANES < t.cols {
-                    let mut tmp = [0f32; LANES];
-                    acc[i][j].store(tmp.as_mut_ptr());
-                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), y.add(j * LANES), t.cols - j * LANES);
-                }
+                acc[i][j].store(y.add(j * LANES));
             }
-        }
-    }
-}
-
-/// The first `cols` (up to 16) values at `p`, zeros after them.
-#[inline(always)]
-unsafe fn load_cols<V: Vec16>(p: *const f32, cols: usize) -> V {
-    // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
-    unsafe {
-        if cols >= LANES {
-            V::load_f32(p as *const u8)
-        } else {
-            let mut tmp = [0f32; LANES];
-            std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), cols);
-            V::load_f32(tmp.as_ptr() as *const u8)
         }
     }
 }
