@@ -190,12 +190,8 @@ impl Rhs {
 
     /// `a @ B^T`, `(a.rows, n)` in f32.
     pub fn matmul(&self, a: Operand) -> Result<Vec<f32>> {
-        let len = a.rows * self.n();
-        let mut y = Vec::with_capacity(len);
-        self.matmul_into(a, &mut y.spare_capacity_mut()[..len])?;
-        // SAFETY: `matmul_into` wrote every one of the `len` values.
-        unsafe { y.set_len(len) };
-        Ok(y)
+        // SAFETY: `matmul_into` writes every value of `y` when it returns `Ok`.
+        unsafe { written(a.rows * self.n(), |y| self.matmul_into(a, y)) }
     }
 
     /// `a @ B^T` written into `y` `(a.rows, n)`, which may start uninitialised.
@@ -274,10 +270,18 @@ pub fn product_into(a: Operand, b: Operand, autocast: Autocast, y: &mut [MaybeUn
 
 /// `a @ B^T` `(a.rows, b.rows)` in f32, at `autocast`'s precision (see [`product_into`]).
 pub fn product(a: Operand, b: Operand, autocast: Autocast) -> Result<Vec<f32>> {
-    let len = a.rows * b.rows;
+    // SAFETY: `product_into` writes every value of `y` when it returns `Ok`.
+    unsafe { written(a.rows * b.rows, |y| product_into(a, b, autocast, y)) }
+}
+
+/// `len` values written by `write` into a buffer not zeroed first.
+///
+/// # Safety
+/// `write` writes every one of the `len` values when it returns `Ok`.
+unsafe fn written(len: usize, write: impl FnOnce(&mut [MaybeUninit<f32>]) -> Result<()>) -> Result<Vec<f32>> {
     let mut y = Vec::with_capacity(len);
-    product_into(a, b, autocast, &mut y.spare_capacity_mut()[..len])?;
-    // SAFETY: `product_into` wrote every one of the `len` values.
+    write(&mut y.spare_capacity_mut()[..len])?;
+    // SAFETY: the caller's contract: all `len` values are written.
     unsafe { y.set_len(len) };
     Ok(y)
 }

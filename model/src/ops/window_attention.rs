@@ -90,7 +90,7 @@ impl WindowAttention {
     /// Runs `task(b, h, workspace)` for every (sequence, head) on candle's thread pool, each
     /// chunk of tasks with its thread's workspace for this shape. The workspaces are kept from
     /// call to call (a thread's last one): made anew, zeroed, for every chunk, they were ~15 MB
-    /// of allocation and zeroing per step of nanoGPT's CPU recipe and ~3% of its time.
+    /// of allocation and zeroing per step of nanoGPT's CPU recipe.
     fn for_each_head(&self, d: Dims, task: impl Fn(usize, usize, &mut Workspace) + Sync) {
         thread_local! {
             static WORKSPACE: std::cell::RefCell<Option<(Dims, Workspace)>> = const { std::cell::RefCell::new(None) };
@@ -641,9 +641,8 @@ unsafe fn gemm_rows<V: Vec16, const R: usize>(
     }
 }
 
-/// [`tile`] for `rows` (1 to 6) rows: the bottom edge's rows in one tile too (as single rows,
-/// each tile's two chains of multiply-adds wait on their latency: the 4 rows left of 64 cost as
-/// many cycles as 16).
+/// [`tile`] for `rows` (1 to 6) rows: the bottom edge's rows in one tile too, rather than as
+/// single rows, whose tiles have only two chains of multiply-adds each to hide the latency.
 ///
 /// # Safety
 /// As [`gemm`], for the tile's rows and columns.

@@ -535,8 +535,8 @@ unsafe fn tile_rows<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: usize) 
     if t.cols < GROUP * LANES {
         const WIDTH: usize = GROUP * LANES;
         let mut buf = [0f32; MAX_ROWS * WIDTH];
-        for i in 0..rows {
-            if t.accumulate {
+        if t.accumulate {
+            for i in 0..rows {
                 // SAFETY: the tile's rows and columns of `y` (the caller's contract).
                 let row = unsafe { std::slice::from_raw_parts(t.y.add(i * t.ldy), t.cols) };
                 buf[i * WIDTH..][..t.cols].copy_from_slice(row);

@@ -569,7 +569,6 @@ fn code_bytes(format: WeightFormat) -> usize {
     }
 }
 
-/// Bytes of one panel: 16 columns by `k`.
 /// `y = x @ B`, or with `accumulate` `y += x @ B` (then `y` must be initialised), for `B`
 /// `(k, n)` f32, row-major with rows `ldb` apart in `b`, read where it is, without packing
 /// (the kernel reads it as the panels of its transpose), and `x` `(m, k)` read where it is
@@ -618,6 +617,7 @@ fn nothing_to_multiply(y: &mut [MaybeUninit<f32>], k: usize, accumulate: bool) -
     y.is_empty() || k == 0
 }
 
+/// Bytes of one panel: 16 columns by `k`.
 fn panel_bytes(format: WeightFormat, k: usize) -> usize {
     match format.ggml() {
         Some(_) => k / BLOCK * (code_bytes(format) + 2 * LANES),
