@@ -1,0 +1,78 @@
+//! Training's bf16 products (`gpt-train --dtype bf16`) at GPT-2 small's sizes, taken apart:
+//! for each product of a step (every projection's forward `x W^T`, `dX = dY W` and
+//! `dW = dY^T x`, the LM head's on a chunk of 512 rows), the time to round the left operand to
+//! bf16 rows and the right one to panels, each from where the step holds it (row-major or a
+//! transposed view), against the time of the product itself, on the threads candle uses.
+//! Prints one JSON line per product.
+//!
+//!     cargo bench -p gpt --bench bf16_pack
+
+mod common;
+
+use gpt::ops::bf16_dot::{Bf16Dot, Bf16Panels, Bf16Rows};
+use gpt::ops::Operand;
+
+fn values(len: usize, seed: usize, scale: f32) -> Vec<f32> {
+    (0..len).map(|i| ((i * seed % 1000) as f32 - 500.0) * scale).collect()
+}
+
+fn main() -> anyhow::Result<()> {
+    gpt::device::tune_cpu_allocator();
+    gpt::device::fix_cpu_thread_count();
+    let dot = Bf16Dot::detect();
+    let tokens = 1024;
+    // (name, rows of the input, in, out)
+    let layers = [
+        ("qkv", tokens, 768, 2304),
+        ("attn_proj", tokens, 768, 768),
+        ("fc", tokens, 768, 3072),
+        ("mlp_proj", tokens, 3072, 768),
+        ("lm_head", 512, 768, 50257),
+    ];
+    let mut total = [0f64; 3];
+    for (name, m, k, n) in layers {
+        let w = values(n * k, 7919, 1e-4); // (n, k)
+        let x = values(m * k, 104_729, 1e-3); // (m, k)
+        let dy = values(m * n, 15_485_863, 1e-3); // (m, n)
+        let (w, x, dy) = (
+            Operand::rows(&w, n, k),
+            Operand::rows(&x, m, k),
+            Operand::rows(&dy, m, n),
+        );
+        // a @ B^T for each of the layer's three products, operands as the step holds them.
+        for (product, a, b) in [("forward", x, w), ("dx", dy, w.t()), ("dw", dy.t(), x.t())] {
+            let repeats = 5;
+            let pack_a = common::median_secs(repeats, || {
+                Bf16Rows::new(a);
+                Ok(())
+            })?;
+            let pack_b = common::median_secs(repeats, || {
+                Bf16Panels::new(b);
+                Ok(())
+            })?;
+            let (rows, panels) = (Bf16Rows::new(a), Bf16Panels::new(b));
+            let multiply = common::median_secs(repeats, || {
+                panels.matmul(&rows, dot)?;
+                Ok(())
+            })?;
+            for (t, s) in total.iter_mut().zip([pack_a, pack_b, multiply]) {
+                *t += s * if name == "lm_head" { 2.0 } else { 12.0 };
+            }
+            println!(
+                "{}",
+                serde_json::json!({
+                    "layer": name, "product": product,
+                    "shape": format!("({}x{}) @ ({}x{})^T", a.rows, a.cols, b.rows, b.cols),
+                    "multiply_ms": multiply * 1e3,
+                    "gflops": 2.0 * (a.rows * a.cols * b.rows) as f64 / multiply / 1e9,
+                    "pack_a_ms": pack_a * 1e3, "pack_b_ms": pack_b * 1e3,
+                })
+            );
+        }
+    }
+    println!(
+        "{}",
+        serde_json::json!({"step_ms": {"pack_a": total[0] * 1e3, "pack_b": total[1] * 1e3, "multiply": total[2] * 1e3}})
+    );
+    Ok(())
+}
