@@ -21,6 +21,7 @@
 
 use std::mem::MaybeUninit;
 
+use super::parallel::ProductBlocks;
 use super::product::Operand;
 use super::simd::{Kernel, Simd, Vec16};
 
@@ -300,7 +301,7 @@ impl Bf16Panels {
         if y.is_empty() {
             return Ok(());
         }
-        let blocks = Blocks::new(m, n, kp);
+        let blocks = ProductBlocks::new(m, n.div_ceil(LANES * GROUP), kp * LANES * GROUP * 4, kp * 4);
         let (a_at, w_at, y_at) = (
             a.pairs.as_ptr() as usize,
             self.pairs.as_ptr() as usize,
@@ -328,56 +329,6 @@ impl Bf16Panels {
             }
         });
         Ok(())
-    }
-}
-
-/// Bytes of `B`'s panels in one block of columns, and of `a`'s rows in one block of rows: a
-/// block of each stays in a core's L2 (1 MiB on Zen 4) while the tiles go over it.
-const BLOCK_BYTES: usize = 256 << 10;
-
-/// The product's work in blocks, so that each operand comes from memory about once: columns
-/// (whole tasks) in blocks of [`BLOCK_BYTES`] of panels, each block's rows in blocks of
-/// [`BLOCK_BYTES`] of `a`, and for a block of rows every task of the column block. A task over
-/// all rows instead read the whole of `a` once per task: the LM head's `dW = dY^T h` (`a`
-/// 50257 x 512, 51 MB) ran at half the kernel's rate. An item is one task on one block of rows.
-struct Blocks {
-    m: usize,
-    tasks: usize,
-    /// Tasks per block of columns (the last may hold fewer).
-    per_block: usize,
-    /// Rows per block of rows, whole register tiles (the last may hold fewer).
-    block_rows: usize,
-    row_blocks: usize,
-}
-
-impl Blocks {
-    fn new(m: usize, n: usize, kp: usize) -> Self {
-        let tasks = n.div_ceil(LANES * GROUP);
-        let task_bytes = kp.max(1) * LANES * GROUP * 4;
-        let col_blocks = tasks.div_ceil((BLOCK_BYTES / task_bytes).max(1));
-        let block_rows = (BLOCK_BYTES / (kp.max(1) * 4) / ROWS).max(1) * ROWS;
-        Self {
-            m,
-            tasks,
-            per_block: tasks.div_ceil(col_blocks.max(1)),
-            block_rows,
-            row_blocks: m.div_ceil(block_rows),
-        }
-    }
-
-    fn items(&self) -> usize {
-        self.tasks * self.row_blocks
-    }
-
-    /// Item `i`'s task, first row and rows, column block by column block, then row block by
-    /// row block.
-    fn item(&self, i: usize) -> (usize, usize, usize) {
-        let block_items = self.per_block * self.row_blocks;
-        let (cb, rest) = (i / block_items, i % block_items);
-        let in_block = self.per_block.min(self.tasks - cb * self.per_block);
-        let (rb, j) = (rest / in_block, rest % in_block);
-        let r0 = rb * self.block_rows;
-        (cb * self.per_block + j, r0, self.block_rows.min(self.m - r0))
     }
 }
 
@@ -654,13 +605,14 @@ mod tests {
 
     /// Every layout and shape, every kernel this CPU runs: the emulation's bits (which are the
     /// instruction's), and within bf16's bound of the exact product of the unrounded operands.
-    /// The last shape spans several blocks of rows and of columns ([`Blocks`]: one task a
-    /// column block, 24 rows a row block, the last one 2).
+    /// The last shape spans several blocks of rows and of columns ([`ProductBlocks`]: one task
+    /// a column block, 24 rows a row block, the last one 4).
     #[test]
     fn products_match_the_definition_on_every_kernel_and_layout() {
-        let blocked = (50, 4096, 70);
-        let b = Blocks::new(blocked.0, blocked.2, blocked.1 / 2);
-        assert_eq!((b.tasks, b.per_block, b.block_rows, b.row_blocks), (3, 1, 24, 3));
+        let blocked = (100, 4096, 70);
+        let kp = blocked.1 / 2;
+        let b = ProductBlocks::new(blocked.0, 3, kp * LANES * GROUP * 4, kp * 4);
+        assert_eq!(b.shape(), (1, 24, 5));
         for &(m, k, n) in &[
             (1, 1, 1),
             (3, 7, 5),

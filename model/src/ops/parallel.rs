@@ -138,6 +138,76 @@ pub(crate) fn collect(
     out
 }
 
+/// Bytes of a product's right operand in one block of columns, and of its left operand in one
+/// block of rows: a block of each stays in a core's L2 (1 MiB on Zen 4) while the register
+/// tiles go over it.
+const BLOCK_BYTES: usize = 256 << 10;
+
+/// The work of a product `a @ B^T` on the packed kernels (f32 and bf16), whose task is a group
+/// of output columns, in blocks so that each operand comes from memory about once: the tasks in
+/// blocks of [`BLOCK_BYTES`] of `B`'s panels, each such block's rows in blocks of
+/// [`BLOCK_BYTES`] of `a`, and for each block of rows every task of the column block. A task
+/// over all rows read the whole of `a` once per task: the LM head's `dW = dY^T h` in bf16 (`a`
+/// 50257 x 512, 51 MB) ran at half the kernel's rate. An `a` of at most two blocks (a prefill's
+/// few hundred rows) is one block of rows: tasks in order, each over all rows, as before.
+/// Blocking changes no result: each output is still one chain along `k`.
+pub(crate) struct ProductBlocks {
+    m: usize,
+    tasks: usize,
+    /// Tasks per block of columns (the last may hold fewer).
+    per_block: usize,
+    /// Rows per block of rows, whole register tiles of every kernel (12, 2) (the last block may
+    /// hold fewer).
+    block_rows: usize,
+    row_blocks: usize,
+}
+
+impl ProductBlocks {
+    /// `m` rows of `row_bytes` bytes of `a`, `tasks` of `task_bytes` bytes of `B`'s panels.
+    pub(crate) fn new(m: usize, tasks: usize, task_bytes: usize, row_bytes: usize) -> Self {
+        let row_bytes = row_bytes.max(1);
+        let block_rows = if m * row_bytes <= 2 * BLOCK_BYTES {
+            m.max(1)
+        } else {
+            (BLOCK_BYTES / row_bytes / 12).max(1) * 12
+        };
+        let col_blocks = if block_rows >= m {
+            1
+        } else {
+            tasks.div_ceil((BLOCK_BYTES / task_bytes.max(1)).max(1))
+        };
+        Self {
+            m,
+            tasks,
+            per_block: tasks.div_ceil(col_blocks).max(1),
+            block_rows,
+            row_blocks: m.div_ceil(block_rows),
+        }
+    }
+
+    /// Items for the pool: one task on one block of rows each.
+    pub(crate) fn items(&self) -> usize {
+        self.tasks * self.row_blocks
+    }
+
+    /// Item `i`'s task, first row and rows: column block by column block, in each its row
+    /// blocks in turn, in each its tasks.
+    pub(crate) fn item(&self, i: usize) -> (usize, usize, usize) {
+        let block_items = self.per_block * self.row_blocks;
+        let (cb, rest) = (i / block_items, i % block_items);
+        let in_block = self.per_block.min(self.tasks - cb * self.per_block);
+        let (rb, j) = (rest / in_block, rest % in_block);
+        let r0 = rb * self.block_rows;
+        (cb * self.per_block + j, r0, self.block_rows.min(self.m - r0))
+    }
+
+    /// `(tasks per column block, rows per row block, row blocks)`.
+    #[cfg(test)]
+    pub(crate) fn shape(&self) -> (usize, usize, usize) {
+        (self.per_block, self.block_rows, self.row_blocks)
+    }
+}
+
 /// Rows per chunk for a pass over rows of `cols` values: about [`GRAIN`] values, whole rows.
 pub(crate) fn rows_per_chunk(cols: usize) -> usize {
     (GRAIN / cols.max(1)).max(1)
@@ -174,4 +244,38 @@ pub(crate) fn rows_with<U: Send>(
             }
         },
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every task's every row is one item's, once, for products that fit one block of rows and
+    /// products that do not (a short last column block, a short last row block).
+    #[test]
+    fn product_blocks_cover_every_row_of_every_task_once() {
+        for (m, tasks, task_bytes, row_bytes, want) in [
+            (1, 1, 1 << 10, 4, (1, 1, 1)),
+            (150, 24, 100 << 10, 3072, (24, 150, 1)),
+            (1024, 24, 100 << 10, 3072, (2, 84, 13)),
+            (1024, 7, 80 << 10, 3072, (3, 84, 13)),
+            (50257, 24, 32 << 10, 1024, (8, 252, 200)),
+            (100, 7, 300 << 10, 8192, (1, 24, 5)),
+        ] {
+            let b = ProductBlocks::new(m, tasks, task_bytes, row_bytes);
+            assert_eq!(b.shape(), want, "{m} rows, {tasks} tasks");
+            let mut seen = vec![0u8; m * tasks];
+            for i in 0..b.items() {
+                let (task, r0, rows) = b.item(i);
+                assert!(
+                    task < tasks && rows > 0 && r0 + rows <= m,
+                    "item {i}: {task} {r0} {rows}"
+                );
+                seen[task * m + r0..task * m + r0 + rows]
+                    .iter_mut()
+                    .for_each(|s| *s += 1);
+            }
+            assert!(seen.iter().all(|&s| s == 1), "{m} rows, {tasks} tasks");
+        }
+    }
 }

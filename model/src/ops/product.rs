@@ -311,12 +311,13 @@ mod tests {
     /// The left operand read in place (rows further apart than their length, or a transposed
     /// view, after an offset) gives, written and added to, the bits of one chain of multiply-adds
     /// per output in ascending `k`: sizes with partial tiles, partial panels, one row, and `k`
-    /// past the kernel's chunk.
+    /// past the kernel's chunk; the last in blocks of rows and columns (three blocks of rows,
+    /// 120, 120 and 20; two of columns, three tasks and one).
     #[test]
     fn the_left_operand_read_in_place_gives_the_bits_of_one_chain_per_output() -> Result<()> {
-        let data = values(200_000);
-        for (m, k, n) in [(1, 5, 3), (7, 130, 33), (30, 200, 70), (64, 257, 40)] {
-            let b = Operand::rows(&data[100_000..], n, k);
+        let data = values(400_000);
+        for (m, k, n) in [(1, 5, 3), (7, 130, 33), (30, 200, 70), (64, 257, 40), (260, 520, 100)] {
+            let b = Operand::rows(&data[300_000..], n, k);
             let rhs = Rhs::new(b, Autocast::Off);
             for a in left_operands(&data, m, k) {
                 assert!(a.in_place().is_some());

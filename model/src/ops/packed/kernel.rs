@@ -5,6 +5,7 @@ use std::mem::MaybeUninit;
 
 use super::WeightFormat;
 use super::{Epilogue, PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
+use crate::ops::parallel::ProductBlocks;
 use crate::ops::simd::{Kernel, Vec16};
 
 /// How one format's panel yields weight vectors: in blocks of `BLOCK` positions along `k`,
@@ -231,14 +232,16 @@ fn run_format<F: Format, const XT: bool>(
     debug_assert!(y.len() == m * w.n);
     let panel_bytes = w.panel_bytes;
     let groups = w.n.div_ceil(LANES * GROUP);
+    let blocks = ProductBlocks::new(m, groups, GROUP * panel_bytes, w.k * 4);
     let (x_at, y_at, w_at) = (x.as_ptr() as usize, y.as_mut_ptr() as usize, w.base as usize);
-    candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
-        for g in range {
+    candle_core::utils::barrier_pool().execute_chunked(blocks.items(), |range| {
+        for item in range {
+            let (g, r0, rows) = blocks.item(item);
             let t = Task {
-                x: x_at as *const f32,
+                x: (x_at + 4 * if XT { r0 } else { r0 * ldx }) as *const f32,
                 ldx,
-                y: y_at as *mut f32,
-                m,
+                y: (y_at + 4 * r0 * w.n) as *mut f32,
+                m: rows,
                 n: w.n,
                 k: w.k,
                 panels: (w_at + g * GROUP * panel_bytes) as *const u8,
@@ -247,14 +250,15 @@ fn run_format<F: Format, const XT: bool>(
                 col0: g * GROUP * LANES,
                 accumulate,
             };
-            // Tasks write disjoint columns of `y`, which outlives the pool's call; the panels of
-            // group `g` exist (the matrix is padded to whole groups).
+            // Items write disjoint blocks of `y` (rows `r0..r0 + rows` of group `g`'s columns),
+            // which outlives the pool's call; the panels of group `g` exist (the matrix is padded
+            // to whole groups).
             simd.run(TaskKernel::<F, XT> {
                 t: &t,
                 format: std::marker::PhantomData,
             });
-            // SAFETY: this task's columns, written above.
-            unsafe { epilogue(ep, simd, t.y, m, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
+            // SAFETY: this item's block of `y`, written above.
+            unsafe { epilogue(ep, simd, t.y, rows, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
         }
     });
 }

@@ -1,11 +1,12 @@
-//! Training's bf16 products (`gpt-train --dtype bf16`) at GPT-2 small's sizes, taken apart:
-//! for each product of a step (every projection's forward `x W^T`, `dX = dY W` and
-//! `dW = dY^T x`, the LM head's on a chunk of 512 rows), the time to round the left operand to
-//! bf16 rows and the right one to panels, each from where the step holds it (row-major or a
-//! transposed view), against the time of the product itself, on the threads candle uses.
-//! Prints one JSON line per product.
+//! Training's matrix products at GPT-2 small's sizes (4 x 256 tokens), each product of a step:
+//! every projection's forward `x W^T`, `dX = dY W` and `dW = dY^T x`, and the LM head's on a
+//! chunk of 512 rows, with the operands where the step holds them (row-major or a transposed
+//! view). In f32, the whole product (`f32_ms`); in bf16 (`gpt-train --dtype bf16`) taken apart:
+//! the time to round the left operand to bf16 rows and the right one to panels, against the
+//! time of the multiplication itself. On the threads candle uses; one JSON line per product,
+//! then the step's totals (12 layers, two chunks of the LM head).
 //!
-//!     cargo bench -p gpt --bench bf16_pack
+//!     cargo bench -p gpt --bench train_products
 
 mod common;
 
@@ -29,7 +30,7 @@ fn main() -> anyhow::Result<()> {
         ("mlp_proj", tokens, 3072, 768),
         ("lm_head", 512, 768, 50257),
     ];
-    let mut total = [0f64; 3];
+    let mut total = [0f64; 4];
     for (name, m, k, n) in layers {
         let w = values(n * k, 7919, 1e-4); // (n, k)
         let x = values(m * k, 104_729, 1e-3); // (m, k)
@@ -55,7 +56,11 @@ fn main() -> anyhow::Result<()> {
                 panels.matmul(&rows, dot)?;
                 Ok(())
             })?;
-            for (t, s) in total.iter_mut().zip([pack_a, pack_b, multiply]) {
+            let f32_whole = common::median_secs(repeats, || {
+                gpt::ops::product(a, b, gpt::ops::Autocast::Off)?;
+                Ok(())
+            })?;
+            for (t, s) in total.iter_mut().zip([pack_a, pack_b, multiply, f32_whole]) {
                 *t += s * if name == "lm_head" { 2.0 } else { 12.0 };
             }
             println!(
@@ -66,13 +71,14 @@ fn main() -> anyhow::Result<()> {
                     "multiply_ms": multiply * 1e3,
                     "gflops": 2.0 * (a.rows * a.cols * b.rows) as f64 / multiply / 1e9,
                     "pack_a_ms": pack_a * 1e3, "pack_b_ms": pack_b * 1e3,
+                    "f32_ms": f32_whole * 1e3, "f32_gflops": 2.0 * (a.rows * a.cols * b.rows) as f64 / f32_whole / 1e9,
                 })
             );
         }
     }
     println!(
         "{}",
-        serde_json::json!({"step_ms": {"pack_a": total[0] * 1e3, "pack_b": total[1] * 1e3, "multiply": total[2] * 1e3}})
+        serde_json::json!({"step_ms": {"pack_a": total[0] * 1e3, "pack_b": total[1] * 1e3, "multiply": total[2] * 1e3, "f32_whole": total[3] * 1e3}})
     );
     Ok(())
 }
