@@ -53,7 +53,10 @@ impl Bf16Dot {
         AVAILABLE.get_or_init(|| {
             let mut out = Vec::new();
             #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16") {
+            if std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512bf16")
+            {
                 out.push(Bf16Dot::Avx512Bf16);
             }
             out.push(Bf16Dot::Emulated);
@@ -62,11 +65,14 @@ impl Bf16Dot {
     }
 }
 
-/// `x` rounded to bf16 (to nearest, ties to even), as bits; a NaN stays a (quiet) NaN. Written
-/// without branches so that packing loops vectorise.
+/// `x` rounded to bf16 (to nearest, ties to even), as bits, as `vcvtne2ps2bf16` rounds: a NaN
+/// stays a (quiet) NaN, and a subnormal `x` reads as zero (measured on Zen 4: `0x007fffff`
+/// gives `0x0000`, where rounding alone gives the smallest normal bf16). Written without
+/// branches so that packing loops vectorise.
 #[inline(always)]
 pub fn to_bf16(x: f32) -> u16 {
     let b = x.to_bits();
+    let b = if b & 0x7f80_0000 == 0 { b & 0x8000_0000 } else { b };
     let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
     let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
     (if nan { (b >> 16) | 0x40 } else { rounded }) as u16
@@ -132,7 +138,7 @@ impl Bf16Rows {
                     rows: out.len() / row,
                     ..a
                 };
-                Simd::detect().run(PackRows { a, out });
+                pack_rows_here(a, out);
             },
         );
         // SAFETY: `PackRows` writes every one of the `m * kp` values.
@@ -148,8 +154,43 @@ fn pair_at(a: &Operand, r: usize, p: usize) -> u32 {
     pair(at(2 * p), at(2 * p + 1))
 }
 
-/// [`Bf16Rows::new`]'s packing, compiled for the instruction set at hand (the conversions
-/// vectorise).
+/// How packing rounds 16 pairs at a time: [`Scalar`] in plain Rust that vectorises, or
+/// `vcvtne2ps2bf16` where the CPU has it (the same bits: [`to_bf16`]).
+trait Round {
+    /// Pairs `(src[2j], src[2j + 1])` of the first 32 values of `src`.
+    fn adjacent(src: &[f32]) -> [u32; LANES];
+    /// Pairs `(lo[j], hi[j])` of the first 16 values of each.
+    fn interleaved(lo: &[f32], hi: &[f32]) -> [u32; LANES];
+}
+
+struct Scalar;
+
+impl Round for Scalar {
+    #[inline(always)]
+    fn adjacent(src: &[f32]) -> [u32; LANES] {
+        let src = &src[..2 * LANES];
+        std::array::from_fn(|j| pair(src[2 * j], src[2 * j + 1]))
+    }
+
+    #[inline(always)]
+    fn interleaved(lo: &[f32], hi: &[f32]) -> [u32; LANES] {
+        let (lo, hi) = (&lo[..LANES], &hi[..LANES]);
+        std::array::from_fn(|j| pair(lo[j], hi[j]))
+    }
+}
+
+/// `a` `(m, k)` into `out` as rows of pairs, on this CPU's fastest rounding.
+fn pack_rows_here(a: Operand, out: &mut [MaybeUninit<u32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if Bf16Dot::detect() == Bf16Dot::Avx512Bf16 {
+        // SAFETY: the CPU has AVX512-BF16 (and AVX512F/BW with it).
+        unsafe { x86::pack_rows(a, out) };
+        return;
+    }
+    Simd::detect().run(PackRows { a, out });
+}
+
+/// [`pack_rows`] compiled for the instruction set at hand (the plain conversions vectorise).
 struct PackRows<'a, 'b> {
     a: Operand<'a>,
     out: &'b mut [MaybeUninit<u32>],
@@ -159,59 +200,67 @@ impl Kernel for PackRows<'_, '_> {
     type Output = ();
     #[inline(always)]
     fn run<V: Vec16>(self) {
-        let Self { a, out } = self;
-        let (m, k) = (a.rows, a.cols);
-        let kp = k.div_ceil(2);
-        if a.stride.1 == 1 {
-            // Rows of adjacent values: each pair from two neighbours.
-            for (r, row) in out.chunks_exact_mut(kp.max(1)).enumerate().take(m) {
-                let src = &a.data[a.offset + r * a.stride.0..][..k];
-                for (o, two) in row.iter_mut().zip(src.chunks_exact(2)) {
-                    o.write(pair(two[0], two[1]));
-                }
-                if k % 2 == 1 {
-                    row[kp - 1].write(pair(src[k - 1], 0.0));
-                }
-            }
-            return;
-        }
-        let whole = if a.stride.0 == 1 {
-            (m / LANES, k / 2 / LANES)
-        } else {
-            (0, 0)
-        };
-        // Rows of `a` are columns of the source: 16 rows by 16 pairs at a time, read along
-        // the source's rows and written along ours.
-        for rb in 0..whole.0 {
-            let r0 = rb * LANES;
-            for pb in 0..whole.1 {
-                let p0 = pb * LANES;
-                let mut block = [[0u32; LANES]; LANES]; // [pair][row]
-                for (j, lanes) in block.iter_mut().enumerate() {
-                    let c = 2 * (p0 + j);
-                    let lo = &a.data[a.offset + r0 + c * a.stride.1..][..LANES];
-                    let hi = &a.data[a.offset + r0 + (c + 1) * a.stride.1..][..LANES];
-                    for ((o, &l), &h) in lanes.iter_mut().zip(lo).zip(hi) {
-                        *o = pair(l, h);
-                    }
-                }
-                for i in 0..LANES {
-                    for (j, o) in out[(r0 + i) * kp + p0..][..LANES].iter_mut().enumerate() {
-                        o.write(block[j][i]);
-                    }
+        pack_rows::<Scalar>(self.a, self.out);
+    }
+}
+
+/// [`Bf16Rows::new`]'s packing of `a` into `out`, rounding with `R`.
+#[inline(always)]
+fn pack_rows<R: Round>(a: Operand, out: &mut [MaybeUninit<u32>]) {
+    let (m, k) = (a.rows, a.cols);
+    let kp = k.div_ceil(2);
+    if a.stride.1 == 1 {
+        // Rows of adjacent values: each pair from two neighbours, 16 pairs at a time.
+        let whole = k / (2 * LANES);
+        for (r, row) in out.chunks_exact_mut(kp.max(1)).enumerate().take(m) {
+            let src = &a.data[a.offset + r * a.stride.0..][..k];
+            for q in 0..whole {
+                let pairs = R::adjacent(&src[2 * LANES * q..]);
+                for (o, &v) in row[LANES * q..][..LANES].iter_mut().zip(&pairs) {
+                    o.write(v);
                 }
             }
-            for r in r0..r0 + LANES {
-                for p in whole.1 * LANES..kp {
-                    out[r * kp + p].write(pair_at(&a, r, p));
-                }
+            for (p, o) in row.iter_mut().enumerate().skip(whole * LANES) {
+                o.write(pair(src[2 * p], src.get(2 * p + 1).copied().unwrap_or(0.0)));
             }
         }
-        // What the blocks left: the last rows, any other layout.
-        for r in whole.0 * LANES..m {
-            for p in 0..kp {
+        return;
+    }
+    let whole = if a.stride.0 == 1 {
+        (m / LANES, k / 2 / LANES)
+    } else {
+        (0, 0)
+    };
+    // Rows of `a` are columns of the source: 16 rows by 16 pairs at a time, read along the
+    // source's rows and written along ours.
+    for rb in 0..whole.0 {
+        let r0 = rb * LANES;
+        for pb in 0..whole.1 {
+            let p0 = pb * LANES;
+            let block: [[u32; LANES]; LANES] = std::array::from_fn(|j| {
+                // [pair][row]
+                let c = 2 * (p0 + j);
+                R::interleaved(
+                    &a.data[a.offset + r0 + c * a.stride.1..],
+                    &a.data[a.offset + r0 + (c + 1) * a.stride.1..],
+                )
+            });
+            for i in 0..LANES {
+                for (j, o) in out[(r0 + i) * kp + p0..][..LANES].iter_mut().enumerate() {
+                    o.write(block[j][i]);
+                }
+            }
+        }
+        for r in r0..r0 + LANES {
+            for p in whole.1 * LANES..kp {
                 out[r * kp + p].write(pair_at(&a, r, p));
             }
+        }
+    }
+    // What the blocks left: the last rows, any other layout.
+    for r in whole.0 * LANES..m {
+        for p in 0..kp {
+            out[r * kp + p].write(pair_at(&a, r, p));
         }
     }
 }
@@ -248,7 +297,7 @@ impl Bf16Panels {
                     rows: n.saturating_sub(r0),
                     ..b
                 };
-                Simd::detect().run(PackPanels { b, out });
+                pack_panels_here(b, out);
             },
         );
         // SAFETY: `PackPanels` writes every value of every panel (padding rows as zeros).
@@ -332,7 +381,18 @@ impl Bf16Panels {
     }
 }
 
-/// [`Bf16Panels::new`]'s packing, compiled for the instruction set at hand.
+/// `b` `(n, k)` into `out` as panels, on this CPU's fastest rounding.
+fn pack_panels_here(b: Operand, out: &mut [MaybeUninit<u32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if Bf16Dot::detect() == Bf16Dot::Avx512Bf16 {
+        // SAFETY: the CPU has AVX512-BF16 (and AVX512F/BW with it).
+        unsafe { x86::pack_panels(b, out) };
+        return;
+    }
+    Simd::detect().run(PackPanels { b, out });
+}
+
+/// [`pack_panels`] compiled for the instruction set at hand.
 struct PackPanels<'a, 'b> {
     b: Operand<'a>,
     out: &'b mut [MaybeUninit<u32>],
@@ -342,50 +402,54 @@ impl Kernel for PackPanels<'_, '_> {
     type Output = ();
     #[inline(always)]
     fn run<V: Vec16>(self) {
-        let Self { b, out } = self;
-        let (n, k) = (b.rows, b.cols);
-        let kp = k.div_ceil(2);
-        for (panel, out) in out.chunks_exact_mut((kp * LANES).max(1)).enumerate() {
-            let r0 = panel * LANES;
-            let full = r0 + LANES <= n;
-            let done = if full && b.stride.0 == 1 {
-                // A transposed source: the panel's 16 rows are adjacent at every position.
-                for p in 0..k / 2 {
-                    let lo = &b.data[b.offset + r0 + 2 * p * b.stride.1..][..LANES];
-                    let hi = &b.data[b.offset + r0 + (2 * p + 1) * b.stride.1..][..LANES];
-                    for ((o, &l), &h) in out[p * LANES..][..LANES].iter_mut().zip(lo).zip(hi) {
-                        o.write(pair(l, h));
+        pack_panels::<Scalar>(self.b, self.out);
+    }
+}
+
+/// [`Bf16Panels::new`]'s packing of `b` into `out`, rounding with `R`.
+#[inline(always)]
+fn pack_panels<R: Round>(b: Operand, out: &mut [MaybeUninit<u32>]) {
+    let (n, k) = (b.rows, b.cols);
+    let kp = k.div_ceil(2);
+    for (panel, out) in out.chunks_exact_mut((kp * LANES).max(1)).enumerate() {
+        let r0 = panel * LANES;
+        let full = r0 + LANES <= n;
+        let done = if full && b.stride.0 == 1 {
+            // A transposed source: the panel's 16 rows are adjacent at every position.
+            for p in 0..k / 2 {
+                let pairs = R::interleaved(
+                    &b.data[b.offset + r0 + 2 * p * b.stride.1..],
+                    &b.data[b.offset + r0 + (2 * p + 1) * b.stride.1..],
+                );
+                for (o, &v) in out[p * LANES..][..LANES].iter_mut().zip(&pairs) {
+                    o.write(v);
+                }
+            }
+            k / 2
+        } else if full && b.stride.1 == 1 {
+            // Rows of adjacent values: 16 rows by 16 pairs at a time, read along the rows and
+            // written across them.
+            let whole = k / 2 / LANES * LANES;
+            for p0 in (0..whole).step_by(LANES) {
+                let block: [[u32; LANES]; LANES] = std::array::from_fn(|i| {
+                    // [row][pair]
+                    R::adjacent(&b.data[b.offset + (r0 + i) * b.stride.0 + 2 * p0..])
+                });
+                for j in 0..LANES {
+                    for (i, o) in out[(p0 + j) * LANES..][..LANES].iter_mut().enumerate() {
+                        o.write(block[i][j]);
                     }
                 }
-                k / 2
-            } else if full && b.stride.1 == 1 {
-                // Rows of adjacent values: 16 rows by 16 pairs at a time, read along the rows
-                // and written across them.
-                let whole = k / 2 / LANES * LANES;
-                for p0 in (0..whole).step_by(LANES) {
-                    let mut block = [[0u32; LANES]; LANES]; // [row][pair]
-                    for (i, pairs) in block.iter_mut().enumerate() {
-                        let src = &b.data[b.offset + (r0 + i) * b.stride.0 + 2 * p0..][..2 * LANES];
-                        for (o, two) in pairs.iter_mut().zip(src.chunks_exact(2)) {
-                            *o = pair(two[0], two[1]);
-                        }
-                    }
-                    for j in 0..LANES {
-                        for (i, o) in out[(p0 + j) * LANES..][..LANES].iter_mut().enumerate() {
-                            o.write(block[i][j]);
-                        }
-                    }
-                }
-                whole
-            } else {
-                0
-            };
-            // What the paths above left: the last pairs, a partial panel, any other layout.
-            for p in done..kp {
-                for lane in 0..LANES {
-                    let r = r0 + lane;
-                    out[p * LANES + lane].write(if r < n { pair_at(&b, r, p) } else { 0 });
-                }
+            }
+            whole
+        } else {
+            0
+        };
+        // What the paths above left: the last pairs, a partial panel, any other layout.
+        for p in done..kp {
+            for lane in 0..LANES {
+                let r = r0 + lane;
+                out[p * LANES + lane].write(if r < n { pair_at(&b, r, p) } else { 0 });
             }
         }
     }
@@ -491,7 +555,61 @@ unsafe fn tile_emulated(a: *const u32, rows: usize, t: &Task, y: *mut f32) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{start_cols, store_cols, Task, GROUP, LANES};
+    use super::{start_cols, store_cols, Operand, Round, Task, GROUP, LANES};
+    use std::mem::MaybeUninit;
+
+    /// Rounding on `vcvtne2ps2bf16`, 32 values an instruction.
+    struct Cvt;
+
+    impl Round for Cvt {
+        #[inline(always)]
+        fn adjacent(src: &[f32]) -> [u32; LANES] {
+            let src = &src[..2 * LANES];
+            // SAFETY: 32 values; the callers' functions enable AVX512-BF16.
+            unsafe {
+                let (lo, hi) = (_mm512_loadu_ps(src.as_ptr()), _mm512_loadu_ps(src.as_ptr().add(LANES)));
+                // bf16 values 0..16 from `lo`, 16..32 from `hi`: in memory order, pairs of
+                // neighbours.
+                std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
+            }
+        }
+
+        #[inline(always)]
+        fn interleaved(lo: &[f32], hi: &[f32]) -> [u32; LANES] {
+            let (lo, hi) = (&lo[..LANES], &hi[..LANES]);
+            // SAFETY: 16 values each; the callers' functions enable AVX512-BF16 and AVX512BW.
+            unsafe {
+                let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(
+                    _mm512_loadu_ps(hi.as_ptr()),
+                    _mm512_loadu_ps(lo.as_ptr()),
+                ));
+                // Words 0..16 are `lo`'s, 16..32 `hi`'s: pair j is words j and 16 + j.
+                let order = _mm512_set_epi16(
+                    31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                    18, 2, 17, 1, 16, 0,
+                );
+                std::mem::transmute(_mm512_permutexvar_epi16(order, both))
+            }
+        }
+    }
+
+    /// [`super::pack_rows`] on `vcvtne2ps2bf16`.
+    ///
+    /// # Safety
+    /// AVX512-BF16 available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pack_rows(a: Operand, out: &mut [MaybeUninit<u32>]) {
+        super::pack_rows::<Cvt>(a, out)
+    }
+
+    /// [`super::pack_panels`] on `vcvtne2ps2bf16`.
+    ///
+    /// # Safety
+    /// AVX512-BF16 available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pack_panels(b: Operand, out: &mut [MaybeUninit<u32>]) {
+        super::pack_panels::<Cvt>(b, out)
+    }
 
     /// [`Bf16Dot::Avx512Bf16`](super::Bf16Dot)'s tile of `rows` (1 to 12) rows.
     ///
@@ -601,6 +719,58 @@ mod tests {
         assert_eq!(to_bf16(1.0 + 1.0 / 256.0), to_bf16(1.0));
         assert_eq!(to_bf16(1.0 + 3.0 / 256.0), to_bf16(1.0 + 4.0 / 256.0));
         assert!(f32::from_bits((to_bf16(f32::NAN) as u32) << 16).is_nan());
+        // Subnormals read as zero, keeping their sign, as the instruction reads them.
+        assert_eq!(to_bf16(f32::from_bits(0x007f_ffff)), 0);
+        assert_eq!(to_bf16(f32::from_bits(0x807f_8000)), 0x8000);
+    }
+
+    /// Packing on `vcvtne2ps2bf16` gives the bits of the plain rounding, for both operands in
+    /// every layout, with values that round every way: ties, NaNs, infinities, subnormals,
+    /// values that round up to infinity.
+    #[test]
+    fn packing_on_the_instruction_gives_the_plain_roundings_bits() {
+        let specials = [
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::from_bits(0x007f_ffff),
+            f32::from_bits(0x8000_0001),
+            f32::MIN_POSITIVE,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            -0.0,
+        ];
+        if !Bf16Dot::available().contains(&Bf16Dot::Avx512Bf16) {
+            return;
+        }
+        for &(m, k) in &[(16, 32), (35, 70), (40, 129), (17, 1), (64, 96)] {
+            let mut x = random(m * k, 3);
+            for (i, v) in x.iter_mut().enumerate().filter(|(i, _)| i % 7 == 0) {
+                *v = specials[i / 7 % specials.len()];
+            }
+            let xt = transpose(&x, m, k);
+            for a in [Operand::rows(&x, m, k), Operand::columns(&xt, m, k)] {
+                let kp = k.div_ceil(2);
+                let pack = |f: &dyn Fn(&mut [MaybeUninit<u32>]), len: usize| {
+                    let mut out = vec![MaybeUninit::new(0xdead_beef_u32); len];
+                    f(&mut out);
+                    // SAFETY: initialised above.
+                    out.iter().map(|v| unsafe { v.assume_init() }).collect::<Vec<u32>>()
+                };
+                let plain = pack(&|out| pack_rows::<Scalar>(a, out), m * kp);
+                // SAFETY: the CPU has AVX512-BF16 (checked above).
+                let fast = pack(&|out| unsafe { x86::pack_rows(a, out) }, m * kp);
+                assert_eq!(plain, fast, "rows ({m}, {k}) stride {:?}", a.stride);
+                let len = m.div_ceil(LANES * GROUP) * GROUP * kp * LANES;
+                let plain = pack(&|out| pack_panels::<Scalar>(a, out), len);
+                // SAFETY: as above.
+                let fast = pack(&|out| unsafe { x86::pack_panels(a, out) }, len);
+                assert_eq!(plain, fast, "panels ({m}, {k}) stride {:?}", a.stride);
+            }
+        }
     }
 
     /// Every layout and shape, every kernel this CPU runs: the emulation's bits (which are the
