@@ -23,18 +23,12 @@ pub enum Autocast {
     Bf16,
 }
 
-/// The largest column-major left operand (values) that the kernel reads in place rather than
-/// from a row-major copy: a tile's reads go across the columns, one cache line each, which pays
-/// while the operand stays in a core's L2 (nanoGPT's CPU recipe: its `dW = x^T dY` read so, a
-/// step 4-8% faster than with the copy) and not beyond (GPT-2 small's 768 x 1024 and
-/// 3072 x 1024: 2-8% slower).
-const IN_PLACE_TRANSPOSED_MAX: usize = 1 << 18;
-
 /// The largest right operand (values) that the kernel reads in place from its row-major
 /// transpose rather than packing it ([`Operand::rows_in_place`]): a task's positions are a row
 /// apart, which pays while they stay in cache. At nanoGPT's CPU recipe's sizes (a shard's 384
 /// rows, 128 wide) `x @ W` ran 4-16% faster so and `dW = x^T dY` 13-28% (its step ~3%); at
-/// GPT-2 small's, `x @ W` of the `(3072, 768)` projection was 30% slower (the others within 10%).
+/// GPT-2 small's, `x @ W` of the `(3072, 768)` projection was 30% slower (the others within 10%),
+/// and with the product in blocks the step still 8% slower.
 const IN_PLACE_RIGHT_MAX: usize = 1 << 18;
 
 /// A 2-D f32 matrix read in place: element `(r, c)` at `data[offset + r * stride.0 + c * stride.1]`.
@@ -99,7 +93,10 @@ impl<'a> Operand<'a> {
     }
 
     /// How the packed kernel reads the matrix where it is, if it can: unit stride along one
-    /// dimension, and a column-major matrix no larger than [`IN_PLACE_TRANSPOSED_MAX`].
+    /// dimension. A column-major matrix is read so at any size: a tile's reads go across its
+    /// columns, a cache line each, which pays while they stay in a core's L2, and the product's
+    /// blocks of rows ([`super::parallel::ProductBlocks`]) keep them there (GPT-2 small's f32
+    /// step 5% faster than with a row-major copy of those over 1 MiB: `dW = dY^T x`'s `dY^T`).
     fn in_place(&self) -> Option<InPlace<'a>> {
         let values = &self.data[self.offset.min(self.data.len())..];
         if self.stride.1 == 1 || self.cols <= 1 {
@@ -109,7 +106,7 @@ impl<'a> Operand<'a> {
                 ldx,
                 transposed: false,
             })
-        } else if (self.stride.0 == 1 || self.rows <= 1) && self.rows * self.cols <= IN_PLACE_TRANSPOSED_MAX {
+        } else if self.stride.0 == 1 || self.rows <= 1 {
             Some(InPlace {
                 values,
                 ldx: self.stride.1,

@@ -183,6 +183,7 @@ pub(super) unsafe fn run_f32_rows_in_place(
         k,
         panel_bytes: LANES * 4,
         block_bytes: ldb * 4,
+        span: k * LANES * 4,
     };
     let run = if x.transposed {
         run_format::<F32, true>
@@ -200,16 +201,20 @@ pub(super) struct Panels {
     pub k: usize,
     pub panel_bytes: usize,
     pub block_bytes: usize,
+    /// Bytes of one panel over all `k` positions (what a task reads of it).
+    pub span: usize,
 }
 
 impl PackedMatrix {
     /// The packed panels as [`run_format`] reads them.
     fn panels(&self) -> Panels {
+        let panel_bytes = super::panel_bytes(self.format, self.k);
         Panels {
             base: self.bytes().as_ptr(),
             n: self.n,
             k: self.k,
-            panel_bytes: super::panel_bytes(self.format, self.k),
+            panel_bytes,
+            span: panel_bytes,
             block_bytes: match self.format.ggml() {
                 Some(_) => super::code_bytes(self.format) + 2 * LANES,
                 None => LANES * super::format_bytes(self.format),
@@ -232,7 +237,7 @@ fn run_format<F: Format, const XT: bool>(
     debug_assert!(y.len() == m * w.n);
     let panel_bytes = w.panel_bytes;
     let groups = w.n.div_ceil(LANES * GROUP);
-    let blocks = ProductBlocks::new(m, groups, GROUP * panel_bytes, w.k * 4);
+    let blocks = ProductBlocks::new(m, groups, GROUP * w.span, w.k * 4);
     let (x_at, y_at, w_at) = (x.as_ptr() as usize, y.as_mut_ptr() as usize, w.base as usize);
     candle_core::utils::barrier_pool().execute_chunked(blocks.items(), |range| {
         for item in range {
