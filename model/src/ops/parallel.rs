@@ -143,6 +143,10 @@ pub(crate) fn collect(
 /// tiles go over it.
 const BLOCK_BYTES: usize = 256 << 10;
 
+/// A multiple of every packed kernel's register tile height (12 rows on AVX-512, 2 on AVX2 and
+/// the portable lanes), so that only a product's last block of rows has a short tile.
+const TILE_ROWS: usize = 12;
+
 /// The work of a product `a @ B^T` on the packed kernels (f32 and bf16), whose task is a group
 /// of output columns, in blocks so that each operand comes from memory about once: the tasks in
 /// blocks of [`BLOCK_BYTES`] of `B`'s panels, each such block's rows in blocks of
@@ -156,8 +160,7 @@ pub(crate) struct ProductBlocks {
     tasks: usize,
     /// Tasks per block of columns (the last may hold fewer).
     per_block: usize,
-    /// Rows per block of rows, whole register tiles of every kernel (12, 2) (the last block may
-    /// hold fewer).
+    /// Rows per block of rows, a multiple of [`TILE_ROWS`] (the last block may hold fewer).
     block_rows: usize,
     row_blocks: usize,
 }
@@ -169,17 +172,18 @@ impl ProductBlocks {
         let block_rows = if m * row_bytes <= 2 * BLOCK_BYTES {
             m.max(1)
         } else {
-            (BLOCK_BYTES / row_bytes / 12).max(1) * 12
+            (BLOCK_BYTES / row_bytes / TILE_ROWS).max(1) * TILE_ROWS
         };
-        let col_blocks = if block_rows >= m {
-            1
+        let per_block = if block_rows >= m {
+            tasks
         } else {
-            tasks.div_ceil((BLOCK_BYTES / task_bytes.max(1)).max(1))
+            let col_blocks = tasks.div_ceil((BLOCK_BYTES / task_bytes.max(1)).max(1));
+            tasks.div_ceil(col_blocks.max(1))
         };
         Self {
             m,
             tasks,
-            per_block: tasks.div_ceil(col_blocks).max(1),
+            per_block: per_block.max(1),
             block_rows,
             row_blocks: m.div_ceil(block_rows),
         }
@@ -261,6 +265,7 @@ mod tests {
             (1024, 7, 80 << 10, 3072, (3, 84, 13)),
             (50257, 24, 32 << 10, 1024, (8, 252, 200)),
             (100, 7, 300 << 10, 8192, (1, 24, 5)),
+            (1024, 0, 80 << 10, 3072, (1, 84, 13)),
         ] {
             let b = ProductBlocks::new(m, tasks, task_bytes, row_bytes);
             assert_eq!(b.shape(), want, "{m} rows, {tasks} tasks");
