@@ -69,7 +69,7 @@ impl Default for ServerConfig {
             model_name: "default".into(),
             api_key: None,
             max_batch_size: 16,
-            max_queue: 64,
+            max_queue: 256,
             max_batch_prefill_tokens: 1024,
             max_tokens_cap: 1024,
             body_limit: 1 << 20,
