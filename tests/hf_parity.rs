@@ -175,6 +175,9 @@ fn saved_checkpoint_has_the_transformers_layout() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One backward pass's result: its name, the loss, and every variable's gradient.
+type Way = (&'static str, f32, Vec<Option<Tensor>>);
+
 /// The gradient fixture (`make_grad_fixture.py`): PyTorch's reference tensors, and the fixture
 /// model built for training (its weights in fresh variables) with the fixture's batch.
 struct GradFixture {
@@ -220,39 +223,52 @@ impl GradFixture {
     fn get(&self, name: &str) -> anyhow::Result<Tensor> {
         (self.reference.get(name).cloned()).ok_or_else(|| anyhow::anyhow!("grads.safetensors: no `{name}`"))
     }
+
+    /// The training loss with label smoothing `eps` and the gradient of every variable (in
+    /// `named`'s order), by candle's backward pass and by the tape's (what `gpt-train` runs).
+    fn loss_and_grads(&self, eps: f32) -> anyhow::Result<Vec<Way>> {
+        let train = Some(gpt::Dropout { key: 0, first_row: 0 });
+        let leaves: Vec<&Tensor> = self.named.iter().map(|(_, v)| v.as_tensor()).collect();
+        let loss = self.model.loss(&self.x, &self.y, train, eps)?;
+        let mut grads = loss.backward()?;
+        let candle = leaves.iter().map(|t| grads.remove(t)).collect();
+        let (tape_loss, tape) = gpt::ops::tape::record(|| self.model.loss(&self.x, &self.y, train, eps))?;
+        let on_tape = tape.backward(&tape_loss, 1.0, &leaves)?;
+        Ok(vec![
+            ("candle's backward", loss.to_scalar::<f32>()?, candle),
+            ("the tape", tape_loss.to_scalar::<f32>()?, on_tape),
+        ])
+    }
 }
 
 /// The training path's loss and the gradient of every parameter (the packed linear products, the
 /// fused LM head and loss, LayerNorm, GELU, softmax and adds, each with its backward) against
 /// PyTorch autograd in f64 on the fixture model (`make_grad_fixture.py`): three windows of the
 /// whole context, plain and with label smoothing 0.1. Each gradient within 1e-5 of its largest
-/// magnitude.
+/// magnitude. Both backward passes: candle's and the tape's.
 #[test]
 fn training_gradients_match_pytorch_autograd() -> anyhow::Result<()> {
     let f = GradFixture::load(gpt::Autocast::Off)?;
-    let (model, named, get) = (&f.model, &f.named, |name: &str| f.get(name));
-    let (x, y) = (&f.x, &f.y);
-    let train = Some(gpt::Dropout { key: 0, first_row: 0 });
+    let get = |name: &str| f.get(name);
     for eps in [0.0f32, 0.1] {
-        let loss = model.loss(x, y, train, eps)?;
-        let want = get(&format!("eps{eps}.loss"))?.flatten_all()?.to_vec1::<f32>()?[0];
-        let got = loss.to_scalar::<f32>()?;
-        assert!(
-            (got - want).abs() <= 1e-5 * want.abs(),
-            "eps {eps}: loss {got} vs {want}"
-        );
-        let grads = loss.backward()?;
-        for (name, var) in named {
-            let want = get(&format!("eps{eps}.transformer.{name}"))?;
-            let got = grads
-                .get(var.as_tensor())
-                .ok_or_else(|| anyhow::anyhow!("eps {eps}: no gradient for `{name}`"))?;
-            let size = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-            let diff = max_abs_diff(got, &want)?;
+        for (way, got, grads) in f.loss_and_grads(eps)? {
+            let want = get(&format!("eps{eps}.loss"))?.flatten_all()?.to_vec1::<f32>()?[0];
             assert!(
-                diff <= 1e-5 * size,
-                "eps {eps}: `{name}` differs by {diff:e} of {size:e}"
+                (got - want).abs() <= 1e-5 * want.abs(),
+                "{way}, eps {eps}: loss {got} vs {want}"
             );
+            for ((name, _), got) in f.named.iter().zip(&grads) {
+                let want = get(&format!("eps{eps}.transformer.{name}"))?;
+                let got = got
+                    .as_ref()
+                    .ok_or_else(|| anyhow::anyhow!("{way}, eps {eps}: no gradient for `{name}`"))?;
+                let size = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                let diff = max_abs_diff(got, &want)?;
+                assert!(
+                    diff <= 1e-5 * size,
+                    "{way}, eps {eps}: `{name}` differs by {diff:e} of {size:e}"
+                );
+            }
         }
     }
     Ok(())
@@ -266,29 +282,27 @@ fn training_gradients_match_pytorch_autograd() -> anyhow::Result<()> {
 #[test]
 fn bf16_training_gradients_stay_within_pytorch_autocasts_deviation() -> anyhow::Result<()> {
     let f = GradFixture::load(gpt::Autocast::Bf16)?;
-    let (model, named, get) = (&f.model, &f.named, |name: &str| f.get(name));
-    let (x, y) = (&f.x, &f.y);
-    let loss = model.loss(x, y, Some(gpt::Dropout { key: 0, first_row: 0 }), 0.0)?;
-    let want = get("eps0.loss")?.flatten_all()?.to_vec1::<f32>()?[0];
-    let got = loss.to_scalar::<f32>()?;
-    assert!((got - want).abs() <= 5e-3 * want.abs(), "loss {got} vs {want}");
-    let grads = loss.backward()?;
+    let get = |name: &str| f.get(name);
     let mut worst = 0f32;
-    for (name, var) in named {
-        let want = get(&format!("eps0.transformer.{name}"))?;
-        let torch = get(&format!("bf16_error.transformer.{name}"))?
-            .flatten_all()?
-            .to_vec1::<f32>()?[0];
-        let got = grads
-            .get(var.as_tensor())
-            .ok_or_else(|| anyhow::anyhow!("no gradient for `{name}`"))?;
-        let size = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-        let diff = max_abs_diff(got, &want)?;
-        worst = worst.max(diff / torch);
-        assert!(
-            diff <= 2.0 * torch && diff <= 0.02 * size,
-            "`{name}` differs by {diff:e} (PyTorch's autocast: {torch:e}; largest gradient {size:e})"
-        );
+    for (way, got, grads) in f.loss_and_grads(0.0)? {
+        let want = get("eps0.loss")?.flatten_all()?.to_vec1::<f32>()?[0];
+        assert!((got - want).abs() <= 5e-3 * want.abs(), "{way}: loss {got} vs {want}");
+        for ((name, _), got) in f.named.iter().zip(&grads) {
+            let want = get(&format!("eps0.transformer.{name}"))?;
+            let torch = get(&format!("bf16_error.transformer.{name}"))?
+                .flatten_all()?
+                .to_vec1::<f32>()?[0];
+            let got = got
+                .as_ref()
+                .ok_or_else(|| anyhow::anyhow!("{way}: no gradient for `{name}`"))?;
+            let size = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            let diff = max_abs_diff(got, &want)?;
+            worst = worst.max(diff / torch);
+            assert!(
+                diff <= 2.0 * torch && diff <= 0.02 * size,
+                "{way}: `{name}` differs by {diff:e} (PyTorch's autocast: {torch:e}; largest gradient {size:e})"
+            );
+        }
     }
     println!("bf16 gradients: at most {worst:.2}x PyTorch autocast's deviation from f64");
     Ok(())

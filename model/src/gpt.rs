@@ -201,6 +201,19 @@ impl Gpt {
         self.wpe.dtype()
     }
 
+    /// Whether [`Gpt::loss`]'s backward pass can run on a tape ([`crate::ops::tape::record`],
+    /// then [`crate::ops::tape::Tape::backward`]) instead of candle's `backward`: the fused CPU
+    /// path in f32 (dense weights), with GPT-2's GELU. Elsewhere the forward pass runs candle ops
+    /// that the tape does not record (the tape's backward pass would refuse them).
+    /// `GPT_CPU_TAPE=0` in the environment turns it off, to compare.
+    pub fn trains_on_tape(&self) -> bool {
+        crate::ops::tape::enabled()
+            && self.device().is_cpu()
+            && crate::ops::fused(&self.wpe)
+            && self.cfg.activation_function == Activation::GeluNew
+            && matches!(&self.wte, Weight::Dense(w) if w.dtype() == DType::F32)
+    }
+
     /// A fresh cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(&self.cfg)
@@ -253,7 +266,7 @@ impl Gpt {
             });
         }
         let tok = self.wte.rows(&idx.flatten_all()?, self.dtype())?; // (B*T, C)
-        let pos = self.wpe.narrow(0, 0, seq_len)?; // (T, C)
+        let pos = crate::ops::tape::first_rows(&self.wpe, seq_len)?; // (T, C)
         if tok.device().is_cpu() && crate::ops::fused(&tok) {
             // f32 on the CPU: the residual stream as rows (`Block::forward_rows`); the
             // embeddings' masks count elements from the shard's first window.

@@ -70,7 +70,7 @@ impl Weight {
     /// Rows `ids` (1-D) of `W` in `dtype`: the token embedding of a tied LM head.
     pub fn rows(&self, ids: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
         match self {
-            Self::Dense(w) => w.embedding(ids)?.to_dtype(dtype),
+            Self::Dense(w) => crate::ops::tape::embedding(w, ids)?.to_dtype(dtype),
             Self::Packed(p) => p.rows(&ids.to_vec1::<u32>()?)?.to_dtype(dtype),
         }
     }

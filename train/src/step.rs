@@ -86,8 +86,9 @@ pub fn in_threads<T: Send>(n: usize, work: impl Fn(usize) -> Result<T> + Sync) -
 
 /// Adds `g` into `slot`, detached: a gradient otherwise keeps its step's whole graph alive, and
 /// the optimizer's running moments would chain every step's activations (a leak). On the CPU the
-/// sum is taken in place (each gradient a backward pass returns is its own tensor), so summing
-/// micro-batches and shards allocates nothing.
+/// sum is taken in place (each gradient a backward pass returns has values of its own: a tensor,
+/// or a view of a buffer that no other gradient overlaps), so summing micro-batches and shards
+/// allocates nothing.
 fn accumulate(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
     let g = g.detach();
     *slot = Some(match slot.take() {
@@ -142,7 +143,10 @@ impl candle_core::InplaceOp2 for AddAssign {
 /// With `shards` > 1 each micro-batch is split by rows across that many threads, each running
 /// forward and backward on its part (data parallelism: on a few CPU cores this beats spreading
 /// every small matmul over them). Shard gradients are weighted by their share of the rows and
-/// summed in a fixed order, so the result does not depend on thread timing.
+/// summed in a fixed order, so the result does not depend on thread timing. Where the model
+/// allows ([`Gpt::trains_on_tape`]), each piece's backward pass runs on the tape its forward pass
+/// recorded ([`gpt::ops::tape`]) rather than candle's `backward`: the same gradients, without a
+/// zeroed buffer and an add for every edge of the graph.
 pub fn accumulate_grads(
     model: &Gpt,
     vars: &[Var],
@@ -168,17 +172,27 @@ pub fn accumulate_grads(
         }
     }
     let n_workers = shards.clamp(1, pieces.len().max(1));
+    let on_tape = model.trains_on_tape();
+    let leaves: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
     let run_worker = |worker: usize| -> Result<(f64, Vec<Option<Tensor>>)> {
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
         let mut total = 0.0;
         for (x, y, weight, dropout) in pieces.iter().skip(worker).step_by(n_workers) {
-            let loss = loss(model, x, y, Some(*dropout), objective.label_smoothing)?;
-            total += weight * loss.to_scalar::<f32>()? as f64;
+            let piece_loss = || loss(model, x, y, Some(*dropout), objective.label_smoothing);
             // The piece's weight as the loss's upstream gradient: every gradient comes out
             // weighted (the fused LM head scales its own in place), and pieces only add.
-            let mut grads = (loss * *weight)?.backward()?;
-            for (slot, var) in acc.iter_mut().zip(vars) {
-                if let Some(g) = grads.remove(var.as_tensor()) {
+            let grads: Vec<Option<Tensor>> = if on_tape {
+                let (loss, tape) = gpt::ops::tape::record(piece_loss)?;
+                total += weight * loss.to_scalar::<f32>()? as f64;
+                tape.backward(&loss, *weight as f32, &leaves)?
+            } else {
+                let loss = piece_loss()?;
+                total += weight * loss.to_scalar::<f32>()? as f64;
+                let mut grads = (loss * *weight)?.backward()?;
+                leaves.iter().map(|t| grads.remove(t)).collect()
+            };
+            for (slot, g) in acc.iter_mut().zip(grads) {
+                if let Some(g) = g {
                     accumulate(slot, g)?;
                 }
             }

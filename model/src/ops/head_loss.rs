@@ -45,7 +45,7 @@ pub fn lm_head_loss(
     };
     let (hidden, targets) = (hidden.contiguous()?, targets.contiguous()?);
     if with_grad {
-        hidden.apply_op3(w, &targets, op)
+        super::tape::op3(&hidden, w, &targets, op)
     } else {
         hidden.apply_op3_no_bwd(w, &targets, &op)
     }

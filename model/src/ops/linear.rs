@@ -24,7 +24,7 @@ fn product_of(a: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
 /// `x @ W^T` for `x` `(m, k)` and `W` `(n, k)` (any layout, a transposed view included), f32
 /// on the CPU, at `autocast`'s precision; differentiable in both.
 pub fn linear_product(x: &Tensor, w: &Tensor, autocast: Autocast) -> Result<Tensor> {
-    x.apply_op2(w, Product { autocast })
+    super::tape::op2(x, w, Product { autocast })
 }
 
 /// See [`linear_product`].
@@ -77,8 +77,7 @@ impl CustomOp2 for Product {
 /// a layer was three such nodes, and the weight's gradient reached the variable through a strided
 /// add. Here `dW` comes out in the variable's own layout.
 pub fn affine(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
-    x.contiguous()?
-        .apply_op3(w, &b.contiguous()?, Affine { autocast, gelu: None })
+    super::tape::op3(&x.contiguous()?, w, &b.contiguous()?, Affine { autocast, gelu: None })
 }
 
 /// `gelu(x @ W + b)` (GPT-2's tanh form), as [`affine`] with the activation in the same node:
@@ -89,7 +88,7 @@ pub fn affine_gelu(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Re
         autocast,
         gelu: Some(OnceLock::new()),
     };
-    x.contiguous()?.apply_op3(w, &b.contiguous()?, op)
+    super::tape::op3(&x.contiguous()?, w, &b.contiguous()?, op)
 }
 
 /// See [`affine`] and [`affine_gelu`].

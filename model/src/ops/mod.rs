@@ -29,6 +29,7 @@ mod product;
 mod rows;
 pub mod simd;
 mod softmax;
+pub mod tape;
 #[cfg(test)]
 mod tests;
 mod window_attention;
@@ -68,9 +69,7 @@ pub fn f32_slice<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Resu
 /// to the logits; fused on the CPU in f32, else composed of candle-nn's ops.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, eps: f32) -> Result<Tensor> {
     if logits.device().is_cpu() && logits.dtype() == DType::F32 && targets.dtype() == DType::U32 {
-        logits
-            .contiguous()?
-            .apply_op2(&targets.contiguous()?, CrossEntropy { eps })
+        tape::op2(&logits.contiguous()?, &targets.contiguous()?, CrossEntropy { eps })
     } else if eps == 0.0 {
         candle_nn::loss::cross_entropy(logits, targets)
     } else {
@@ -109,7 +108,7 @@ pub fn dropout(x: &Tensor, p: f32, key: u64, first_row: usize) -> Result<Tensor>
         p,
     };
     if fused(x) {
-        x.contiguous()?.apply_op1(op)
+        tape::op1(&x.contiguous()?, op)
     } else {
         x.broadcast_mul(&op.mask(x)?)
     }
@@ -144,13 +143,16 @@ pub fn window_attention(
         first: (first_row * n_head * t * t) as u64,
         p,
     });
-    qkv.contiguous()?.apply_op1(WindowAttention {
-        t,
-        n_head,
-        scale,
-        dropout,
-        simd,
-    })
+    tape::op1(
+        &qkv.contiguous()?,
+        WindowAttention {
+            t,
+            n_head,
+            scale,
+            dropout,
+            simd,
+        },
+    )
 }
 
 /// `x + dropout(h)` (the residual add of a dropped-out branch) as one node, `h`'s masks those of
@@ -158,7 +160,7 @@ pub fn window_attention(
 /// on the CPU in f32.
 pub fn add_dropout(x: &Tensor, h: &Tensor, p: f32, key: u64, first_row: usize) -> Result<Tensor> {
     if p <= 0.0 {
-        return x + h;
+        return tape::add(x, h);
     }
     if !(fused(h) && h.device().is_cpu()) {
         return x + dropout(h, p, key, first_row)?;
@@ -169,7 +171,7 @@ pub fn add_dropout(x: &Tensor, h: &Tensor, p: f32, key: u64, first_row: usize) -
         first: (first_row * per_row) as u64,
         p,
     });
-    x.contiguous()?.apply_op2(&h.contiguous()?, op)
+    tape::op2(&x.contiguous()?, &h.contiguous()?, op)
 }
 
 /// `GPT_CUDA_FUSED` is not `0`.
@@ -181,7 +183,7 @@ pub fn cuda_fused() -> bool {
 /// GELU (tanh approximation), differentiable; fused on the CPU in f32.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
     if fused(x) {
-        x.contiguous()?.apply_op1(Gelu)
+        tape::op1(&x.contiguous()?, Gelu)
     } else {
         x.gelu()
     }
@@ -191,7 +193,7 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 /// dimensions), differentiable; fused on the CPU in f32.
 pub fn add_tiled(x: &Tensor, b: &Tensor) -> Result<Tensor> {
     if fused(x) && b.dtype() == DType::F32 {
-        x.contiguous()?.apply_op2(&b.contiguous()?, AddTiled)
+        tape::op2(&x.contiguous()?, &b.contiguous()?, AddTiled)
     } else {
         x.broadcast_add(b)
     }
@@ -201,7 +203,7 @@ pub fn add_tiled(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// on the CPU in f32, else candle-nn's composite.
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<Tensor> {
     if fused(x) && gamma.dtype() == DType::F32 {
-        x.contiguous()?.apply_op3(gamma, beta, LayerNorm { eps })
+        tape::op3(&x.contiguous()?, gamma, beta, LayerNorm { eps })
     } else {
         candle_nn::ops::layer_norm_slow(x, gamma, beta, eps)
     }
@@ -211,7 +213,7 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
 /// fused on the CPU in f32, else an additive mask and candle's softmax.
 pub fn causal_softmax(att: &Tensor, differentiable: bool) -> Result<Tensor> {
     if fused(att) {
-        return att.contiguous()?.apply_op1(CausalSoftmax);
+        return tape::op1(&att.contiguous()?, CausalSoftmax);
     }
     let (t_q, t_k) = (att.dim(candle_core::D::Minus2)?, att.dim(candle_core::D::Minus1)?);
     // One new query (a decode step) sees every key: no mask to build and copy to the device.

@@ -1,0 +1,256 @@
+//! The backward pass of the fused CPU training path, on a tape: while [`record`] runs a forward
+//! pass, each differentiable op of this module's wrappers (the fused ops, the residual add, the
+//! token embedding's rows, the position table's narrow) is written down with its inputs and
+//! output, and [`Tape::backward`] runs the ops' own backward rules over the entries in reverse.
+//!
+//! candle's `Tensor::backward` walks the same graph, but gives every gradient edge a zeroed
+//! buffer and an add (`GradStore::or_insert`, then `add`) even where a tensor has one consumer,
+//! as all but the residual stream do here: on nanoGPT's CPU recipe that zeroing and copying was
+//! ~7% of a step (profile in BENCHMARKS.md; candle#3578 and candle#3822 would change it
+//! upstream, both open). Here the first gradient to reach a tensor is kept as it is and a second
+//! one is added, in the order candle adds them, so the gradients are candle's, bit for bit.
+//!
+//! The ops still build candle's graph while recording (it costs the references it holds), so
+//! that an op outside the tape is caught rather than its gradient lost: a tensor that tracks
+//! gradients, reaches the backward pass and is neither an entry's output nor one of the leaves
+//! asked for is an error. Tensors that track nothing (targets, a bias-free layer's zeros) are
+//! constants and get no gradient.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use candle_core::{CustomOp1, CustomOp2, CustomOp3, Tensor, TensorId};
+
+type Result<T, E = candle_core::Error> = std::result::Result<T, E>;
+
+type Op1 = Arc<Box<dyn CustomOp1 + Send + Sync>>;
+type Op2 = Arc<Box<dyn CustomOp2 + Send + Sync>>;
+type Op3 = Arc<Box<dyn CustomOp3 + Send + Sync>>;
+
+thread_local! {
+    /// The tape [`record`] is writing on this thread, if any.
+    static TAPE: RefCell<Option<Tape>> = const { RefCell::new(None) };
+}
+
+/// One differentiable step of a recorded forward pass: what it read and what it made.
+enum Entry {
+    Op1(Op1, Tensor, Tensor),
+    Op2(Op2, [Tensor; 2], Tensor),
+    Op3(Op3, [Tensor; 3], Tensor),
+    /// `out = a + b`, same shapes.
+    Add([Tensor; 2], Tensor),
+    /// `out = arg.narrow(0, 0, len)`: the first rows of a table (the positions used).
+    FirstRows(Tensor, Tensor),
+    /// `out = table.embedding(ids)`: rows of a table by index.
+    Embedding {
+        table: Tensor,
+        ids: Tensor,
+        out: Tensor,
+    },
+}
+
+impl Entry {
+    fn out(&self) -> &Tensor {
+        match self {
+            Self::Op1(_, _, out)
+            | Self::Op2(_, _, out)
+            | Self::Op3(_, _, out)
+            | Self::Add(_, out)
+            | Self::FirstRows(_, out)
+            | Self::Embedding { out, .. } => out,
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Op1(op, ..) => op.name(),
+            Self::Op2(op, ..) => op.name(),
+            Self::Op3(op, ..) => op.name(),
+            Self::Add(..) => "add",
+            Self::FirstRows(..) => "narrow",
+            Self::Embedding { .. } => "embedding",
+        }
+    }
+}
+
+/// Whether the environment leaves the tape on (`GPT_CPU_TAPE` is not `0`).
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("GPT_CPU_TAPE").map_or(true, |v| v != "0"))
+}
+
+/// A recorded forward pass (see the module's documentation).
+#[derive(Default)]
+pub struct Tape {
+    entries: Vec<Entry>,
+}
+
+/// Runs `forward` with this thread's differentiable ops written on a new tape, and returns its
+/// result with the tape.
+///
+/// # Errors
+/// `forward`'s, or a tape already recording on this thread.
+pub fn record<R, E: From<candle_core::Error>>(forward: impl FnOnce() -> Result<R, E>) -> Result<(R, Tape), E> {
+    let started = TAPE.with_borrow_mut(|tape| match tape {
+        Some(_) => false,
+        None => {
+            *tape = Some(Tape::default());
+            true
+        }
+    });
+    if !started {
+        return Err(candle_core::Error::Msg("tape: a tape is already recording on this thread".into()).into());
+    }
+    /// Ends the recording however `forward` ends (a panic included).
+    struct Stop;
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            TAPE.with_borrow_mut(|tape| *tape = None);
+        }
+    }
+    let _stop = Stop;
+    let result = forward();
+    let tape = TAPE.with_borrow_mut(Option::take).unwrap_or_default();
+    Ok((result?, tape))
+}
+
+fn push(entry: impl FnOnce() -> Entry) {
+    TAPE.with_borrow_mut(|tape| {
+        if let Some(tape) = tape {
+            tape.entries.push(entry());
+        }
+    });
+}
+
+/// [`Tensor::apply_op1`], on the tape while one records.
+pub(crate) fn op1(x: &Tensor, op: impl CustomOp1 + Send + Sync + 'static) -> Result<Tensor> {
+    let op: Op1 = Arc::new(Box::new(op));
+    let out = x.apply_op1_arc(op.clone())?;
+    push(|| Entry::Op1(op, x.clone(), out.clone()));
+    Ok(out)
+}
+
+/// [`Tensor::apply_op2`], on the tape while one records.
+pub(crate) fn op2(a: &Tensor, b: &Tensor, op: impl CustomOp2 + Send + Sync + 'static) -> Result<Tensor> {
+    let op: Op2 = Arc::new(Box::new(op));
+    let out = a.apply_op2_arc(b, op.clone())?;
+    push(|| Entry::Op2(op, [a.clone(), b.clone()], out.clone()));
+    Ok(out)
+}
+
+/// [`Tensor::apply_op3`], on the tape while one records.
+pub(crate) fn op3(a: &Tensor, b: &Tensor, c: &Tensor, op: impl CustomOp3 + Send + Sync + 'static) -> Result<Tensor> {
+    let op: Op3 = Arc::new(Box::new(op));
+    let out = a.apply_op3_arc(b, c, op.clone())?;
+    push(|| Entry::Op3(op, [a.clone(), b.clone(), c.clone()], out.clone()));
+    Ok(out)
+}
+
+/// `a + b`, on the tape while one records.
+pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let out = (a + b)?;
+    push(|| Entry::Add([a.clone(), b.clone()], out.clone()));
+    Ok(out)
+}
+
+/// The first `len` rows of `table`, on the tape while one records.
+pub(crate) fn first_rows(table: &Tensor, len: usize) -> Result<Tensor> {
+    let out = table.narrow(0, 0, len)?;
+    push(|| Entry::FirstRows(table.clone(), out.clone()));
+    Ok(out)
+}
+
+/// Rows `ids` (1-D) of `table`, on the tape while one records.
+pub(crate) fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let out = table.embedding(ids)?;
+    push(|| Entry::Embedding {
+        table: table.clone(),
+        ids: ids.clone(),
+        out: out.clone(),
+    });
+    Ok(out)
+}
+
+impl Tape {
+    /// The gradients of `seed · out` (`out` a scalar the tape made, a loss) for each of `leaves`
+    /// (`None` for one that `out` does not depend on). Two leaves' gradients may be views of one
+    /// buffer (an affine layer's weight and bias), never overlapping ones unless the forward pass
+    /// added two leaves to each other.
+    ///
+    /// # Errors
+    /// An op's backward rule's, or a tensor that tracks gradients and reaches this pass without
+    /// being a leaf or an entry's output (an op the forward pass ran outside the tape).
+    pub fn backward(self, out: &Tensor, seed: f32, leaves: &[&Tensor]) -> Result<Vec<Option<Tensor>>> {
+        let made: HashSet<TensorId> = self.entries.iter().map(|e| e.out().id()).collect();
+        let wanted: HashSet<TensorId> = leaves.iter().map(|t| t.id()).collect();
+        let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
+        grads.insert(out.id(), Tensor::new(seed, out.device())?.broadcast_as(out.shape())?);
+        // Whether `arg`'s gradient is kept: an entry's output or a leaf; a constant's is dropped.
+        let keep = |arg: &Tensor, op: &'static str| -> Result<bool> {
+            if made.contains(&arg.id()) || wanted.contains(&arg.id()) {
+                Ok(true)
+            } else if arg.track_op() {
+                candle_core::bail!(
+                    "tape: a gradient from {op} reached a {:?} tensor made outside the tape",
+                    arg.dims()
+                )
+            } else {
+                Ok(false)
+            }
+        };
+        for entry in self.entries.into_iter().rev() {
+            let Some(grad) = grads.remove(&entry.out().id()) else {
+                continue; // nothing the loss depends on
+            };
+            let name = entry.name();
+            let (args, arg_grads): (Vec<Tensor>, Vec<Option<Tensor>>) = match entry {
+                Entry::Op1(op, x, out) => (vec![x.clone()], vec![op.bwd(&x, &out, &grad)?]),
+                Entry::Op2(op, [a, b], out) => {
+                    let (ga, gb) = op.bwd(&a, &b, &out, &grad)?;
+                    (vec![a, b], vec![ga, gb])
+                }
+                Entry::Op3(op, [a, b, c], out) => {
+                    let (ga, gb, gc) = op.bwd(&a, &b, &c, &out, &grad)?;
+                    (vec![a, b, c], vec![ga, gb, gc])
+                }
+                Entry::Add([a, b], _) => (vec![a, b], vec![Some(grad.clone()), Some(grad)]),
+                Entry::FirstRows(table, _) => {
+                    let (rows, len) = (table.dim(0)?, grad.dim(0)?);
+                    let grad = if rows > len {
+                        let mut pad = table.dims().to_vec();
+                        pad[0] = rows - len;
+                        Tensor::cat(&[&grad, &Tensor::zeros(pad, grad.dtype(), grad.device())?], 0)?
+                    } else {
+                        grad
+                    };
+                    (vec![table], vec![Some(grad)])
+                }
+                Entry::Embedding { table, ids, .. } => {
+                    // Added into the table's gradient so far, row by row, as candle does.
+                    if keep(&table, name)? {
+                        let sum = match grads.remove(&table.id()) {
+                            Some(sum) => sum,
+                            None => table.zeros_like()?,
+                        };
+                        grads.insert(table.id(), sum.index_add(&ids, &grad, 0)?);
+                    }
+                    continue;
+                }
+            };
+            for (arg, g) in args.iter().zip(arg_grads) {
+                let Some(g) = g else { continue };
+                if !keep(arg, name)? {
+                    continue;
+                }
+                // The first gradient as it is; a later one added after it, as candle orders them.
+                let sum = match grads.remove(&arg.id()) {
+                    Some(sum) => (sum + g)?,
+                    None => g,
+                };
+                grads.insert(arg.id(), sum);
+            }
+        }
+        Ok(leaves.iter().map(|t| grads.remove(&t.id())).collect())
+    }
+}

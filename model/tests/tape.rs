@@ -1,0 +1,144 @@
+//! The tape's backward pass (`gpt::ops::tape`, what `gpt-train` runs on the CPU) against candle's
+//! `backward` over the same forward pass: every parameter's gradient equal, value for value, in
+//! shapes and settings that take each kind of entry (dropout at every site, the residual add
+//! without dropout, a position table longer than the windows, a fixed sinusoidal table,
+//! bias-free layers, label smoothing, bf16 products); and an op run outside the tape refused.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarMap;
+use gpt::config::{Activation, PositionEmbedding};
+use gpt::{Autocast, Config, Dropout, Gpt};
+
+/// The gradients of `weight · loss` for every variable, by candle's backward and by the tape.
+fn both_ways(
+    model: &Gpt,
+    vars: &[Var],
+    x: &Tensor,
+    y: &Tensor,
+    train: Dropout,
+    eps: f32,
+) -> anyhow::Result<[Vec<Option<Tensor>>; 2]> {
+    let weight = 0.375;
+    let leaves: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+    let loss = model.loss(x, y, Some(train), eps)?;
+    let mut grads = (loss * weight as f64)?.backward()?;
+    let candle = leaves.iter().map(|t| grads.remove(t)).collect();
+    let (loss, tape) = gpt::ops::tape::record(|| model.loss(x, y, Some(train), eps))?;
+    let on_tape = tape.backward(&loss, weight, &leaves)?;
+    Ok([candle, on_tape])
+}
+
+fn check(cfg: &Config, autocast: Autocast, rows: usize, t: usize, eps: f32) -> anyhow::Result<()> {
+    let (varmap, model) = common::random_model(cfg)?;
+    let model = model.with_autocast(autocast);
+    assert!(model.trains_on_tape(), "{cfg:?}");
+    let mut vars = varmap.all_vars();
+    vars.sort_by_key(|v| v.elem_count()); // a fixed order; the names do not matter here
+    let ids = common::tokens(rows * (t + 1), cfg.vocab_size, 7);
+    let windows: Vec<Vec<u32>> = ids.chunks(t + 1).map(|w| w.to_vec()).collect();
+    let batch = common::batch(&windows)?;
+    let (x, y) = (batch.narrow(1, 0, t)?, batch.narrow(1, 1, t)?);
+    // A shard that starts at row 3 of its batch: every mask is drawn from there.
+    let train = Dropout { key: 11, first_row: 3 };
+    let [candle, on_tape] = both_ways(&model, &vars, &x, &y, train, eps)?;
+    let mut reached = 0;
+    for (i, (a, b)) in candle.iter().zip(&on_tape).enumerate() {
+        let shape = vars[i].shape();
+        match (a, b) {
+            (Some(a), Some(b)) => {
+                let (a, b) = (a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
+                let differ = a.iter().zip(&b).filter(|(p, q)| p != q).count();
+                assert_eq!(
+                    differ,
+                    0,
+                    "{cfg:?}: {differ} of {} values differ in a {shape:?} gradient",
+                    a.len()
+                );
+                reached += 1;
+            }
+            (None, None) => {}
+            _ => panic!("{cfg:?}: a {shape:?} variable has a gradient one way only"),
+        }
+    }
+    assert_eq!(reached, vars.len(), "{cfg:?}: every variable gets a gradient");
+    Ok(())
+}
+
+#[test]
+fn the_tapes_gradients_are_candles() -> anyhow::Result<()> {
+    let dropped = Config {
+        resid_pdrop: 0.1,
+        embd_pdrop: 0.1,
+        attn_pdrop: 0.1,
+        ..Config::tiny(50)
+    };
+    check(&dropped, Autocast::Off, 4, 24, 0.1)?;
+    // Without dropout the residual adds are plain adds; windows shorter than the table.
+    check(&Config::tiny(50), Autocast::Off, 3, 64, 0.0)?;
+    check(
+        &Config {
+            bias: false,
+            ..Config::tiny(50)
+        },
+        Autocast::Off,
+        2,
+        16,
+        0.0,
+    )?;
+    check(&dropped, Autocast::Bf16, 2, 16, 0.0)?;
+    Ok(())
+}
+
+/// A fixed (sinusoidal) position table is a constant: no gradient, and no error.
+#[test]
+fn a_fixed_position_table_gets_no_gradient() -> anyhow::Result<()> {
+    let cfg = Config {
+        position_embedding: PositionEmbedding::Sinusoidal,
+        ..Config::tiny(40)
+    };
+    check(&cfg, Autocast::Off, 2, 16, 0.0)
+}
+
+/// An op that the forward pass runs outside the tape, between two that it records, is an error
+/// of the backward pass, not a gradient lost.
+#[test]
+fn an_op_outside_the_tape_is_refused() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let w = varmap.get(
+        (8, 8),
+        "w",
+        candle_nn::Init::Randn { mean: 0.0, stdev: 1.0 },
+        DType::F32,
+        &dev,
+    )?;
+    let b = varmap.get(8, "b", candle_nn::Init::Const(0.5), DType::F32, &dev)?;
+    let x = Tensor::randn(0f32, 1.0, (4, 8), &dev)?;
+    let (y, tape) = gpt::ops::tape::record(|| -> candle_core::Result<Tensor> {
+        let h = gpt::ops::affine(&x, &w, &b, Autocast::Off)?.relu()?; // relu: not on the tape
+        let targets = Tensor::new(&[1u32, 2, 3, 4], &dev)?;
+        gpt::ops::cross_entropy(&gpt::ops::affine(&h, &w, &b, Autocast::Off)?, &targets, 0.0)
+    })?;
+    let err = tape
+        .backward(&y, 1.0, &[&w, &b])
+        .expect_err("relu is outside the tape")
+        .to_string();
+    assert!(err.contains("outside the tape") && err.contains("[4, 8]"), "{err}");
+    Ok(())
+}
+
+/// The activations that the tape does not record keep candle's backward.
+#[test]
+fn other_activations_train_on_candles_backward() -> anyhow::Result<()> {
+    for activation in [Activation::Gelu, Activation::Relu] {
+        let cfg = Config {
+            activation_function: activation,
+            ..Config::tiny(30)
+        };
+        let (_, model) = common::random_model(&cfg)?;
+        assert!(!model.trains_on_tape(), "{activation:?}");
+    }
+    Ok(())
+}
