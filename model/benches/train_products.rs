@@ -6,7 +6,10 @@
 //! time of the multiplication itself. On the threads candle uses; one JSON line per product,
 //! then the step's totals (12 layers, two chunks of the LM head).
 //!
-//!     cargo bench -p gpt --bench train_products
+//! `SHAPE=recipe` takes nanoGPT's CPU recipe's sizes instead (12 x 64 tokens, 4 layers of 128,
+//! 65 characters).
+//!
+//!     [SHAPE=recipe] cargo bench -p gpt --bench train_products
 
 mod common;
 
@@ -21,14 +24,20 @@ fn main() -> anyhow::Result<()> {
     gpt::device::tune_cpu_allocator();
     gpt::device::fix_cpu_thread_count();
     let dot = Bf16Dot::detect();
-    let tokens = 1024;
+    let recipe = std::env::var("SHAPE").is_ok_and(|s| s == "recipe");
+    // (tokens, width, vocabulary rows per LM head chunk, vocabulary, layers, LM head chunks)
+    let (tokens, c, head_rows, vocab, n_layer, chunks) = if recipe {
+        (768, 128, 768, 65, 4.0, 1.0)
+    } else {
+        (1024, 768, 512, 50257, 12.0, 2.0)
+    };
     // (name, rows of the input, in, out)
     let layers = [
-        ("qkv", tokens, 768, 2304),
-        ("attn_proj", tokens, 768, 768),
-        ("fc", tokens, 768, 3072),
-        ("mlp_proj", tokens, 3072, 768),
-        ("lm_head", 512, 768, 50257),
+        ("qkv", tokens, c, 3 * c),
+        ("attn_proj", tokens, c, c),
+        ("fc", tokens, c, 4 * c),
+        ("mlp_proj", tokens, 4 * c, c),
+        ("lm_head", head_rows, c, vocab),
     ];
     let mut total = [0f64; 4];
     for (name, m, k, n) in layers {
@@ -61,7 +70,7 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             })?;
             for (t, s) in total.iter_mut().zip([pack_a, pack_b, multiply, f32_whole]) {
-                *t += s * if name == "lm_head" { 2.0 } else { 12.0 };
+                *t += s * if name == "lm_head" { chunks } else { n_layer };
             }
             println!(
                 "{}",
