@@ -282,24 +282,29 @@ fn drop_mask(drop: Dropout, first: u64, mask: &mut [f32]) -> &[f32] {
 }
 
 /// Scores → causal softmax, in place: the first `len` entries scaled, exponentiated and
-/// normalised, the rest of the row zeroed.
+/// normalised, the rest of the row zeroed. The row holds whole vectors past `len`
+/// (`len.next_multiple_of(LANES)` entries at least).
 #[inline(always)]
 fn softmax_row(row: &mut [f32], len: usize, scale: f32) {
     let seen = &mut row[..len];
     seen.iter_mut().for_each(|s| *s *= scale);
     let max = super::rows::max(seen);
+    let whole = len / LANES * LANES;
     let mut sums = [0f32; LANES];
-    let mut chunks = seen.chunks_exact_mut(LANES);
-    for chunk in &mut chunks {
+    for chunk in row[..whole].chunks_exact_mut(LANES) {
         for (s, v) in sums.iter_mut().zip(chunk) {
             *v = super::rows::exp(*v - max);
             *s += *v;
         }
     }
+    // The last partial vector's exponentials on a whole vector (one at a time, a row's ~8 of
+    // them were most of the attention's `exp`), then summed in order; the entries past `len`
+    // are zeroed below whatever they hold.
     let mut sum = 0f32;
-    for v in chunks.into_remainder() {
-        *v = super::rows::exp(*v - max);
-        sum += *v;
+    if whole < len {
+        let tail = &mut row[whole..whole + LANES];
+        tail.iter_mut().for_each(|v| *v = super::rows::exp(*v - max));
+        tail[..len - whole].iter().for_each(|v| sum += *v);
     }
     let inv = 1.0 / (sums.iter().sum::<f32>() + sum);
     for (j, v) in row.iter_mut().enumerate() {
@@ -748,5 +753,51 @@ impl CustomOp2 for WindowAttentionGrad {
             )
         }
         Ok((CpuStorage::F32(backward(&self.0, d, qkv, dy)), l1.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The softmax of a row's first `len` scores, each exponential and sum in the order of
+    /// `softmax_row` before its last partial vector was taken whole: 16 lane sums, then the
+    /// rest one by one.
+    fn reference(scores: &[f32], scale: f32) -> Vec<f32> {
+        let x: Vec<f32> = scores.iter().map(|s| s * scale).collect();
+        let max = super::super::rows::max(&x);
+        let e: Vec<f32> = x.iter().map(|v| super::super::rows::exp(v - max)).collect();
+        let whole = x.len() / LANES * LANES;
+        let mut sums = [0f32; LANES];
+        for (j, v) in e[..whole].iter().enumerate() {
+            sums[j % LANES] += v;
+        }
+        let rest = e[whole..].iter().fold(0f32, |s, v| s + v);
+        let inv = 1.0 / (sums.iter().sum::<f32>() + rest);
+        e.iter().map(|v| v * inv).collect()
+    }
+
+    /// Every length of a 64-wide row, with whatever the entries past it hold (NaN, infinities,
+    /// scores far above the row's maximum): the first `len` probabilities are the reference's
+    /// bits, the rest zero.
+    #[test]
+    fn softmax_rows_keep_their_bits_whatever_lies_past_them() {
+        for len in 1..=64 {
+            let scores: Vec<f32> = (0..len).map(|j| ((j * 37 % 23) as f32 - 11.0) * 0.7).collect();
+            for junk in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, 0.0] {
+                let mut row = vec![junk; 64];
+                row[..len].copy_from_slice(&scores);
+                softmax_row(&mut row, len, 0.125);
+                let want = reference(&scores, 0.125);
+                for j in 0..len {
+                    assert_eq!(row[j].to_bits(), want[j].to_bits(), "len {len}, junk {junk}, entry {j}");
+                }
+                assert!(
+                    row[len..].iter().all(|&v| v == 0.0),
+                    "len {len}, junk {junk}: {:?}",
+                    &row[len..]
+                );
+            }
+        }
     }
 }
