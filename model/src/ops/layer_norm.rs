@@ -14,21 +14,25 @@ pub(super) struct LayerNorm {
 /// Partial sums of a row: lane `l` sums the values at `l`, `l + 16`, ...
 const SUM_LANES: usize = 16;
 
-/// `Σ f(j)` for `j` in `0..n`, as [`SUM_LANES`] interleaved partial sums added pairwise at the
-/// end. A sum value after value is bound by the add's latency (a 128-wide row's two sums were
-/// most of LayerNorm's time); this one vectorises, and its order is the code's, so every
-/// instruction set gives the same bits.
+/// `Σ f(cols[0][j], cols[1][j], ..)` over the columns' length (all equal), as [`SUM_LANES`]
+/// interleaved partial sums added pairwise at the end. A sum value after value is bound by the
+/// add's latency (a 128-wide row's two sums were most of LayerNorm's time); this one
+/// vectorises, and its order is the code's, so every instruction set gives the same bits. The
+/// values come in fixed-size chunks, with no bounds check per value (one took the vectors
+/// apart).
 #[inline(always)]
-fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+fn lane_sum<const K: usize>(cols: [&[f32]; K], f: impl Fn([f32; K]) -> f32) -> f32 {
+    let n = cols.first().map_or(0, |c| c.len());
     let mut acc = [0f32; SUM_LANES];
     let whole = n / SUM_LANES * SUM_LANES;
     for j0 in (0..whole).step_by(SUM_LANES) {
+        let chunk = cols.map(|c| &c[j0..j0 + SUM_LANES]);
         for (l, a) in acc.iter_mut().enumerate() {
-            *a += f(j0 + l);
+            *a += f(std::array::from_fn(|k| chunk[k][l]));
         }
     }
     for (a, j) in acc.iter_mut().zip(whole..n) {
-        *a += f(j);
+        *a += f(std::array::from_fn(|k| cols[k][j]));
     }
     let mut width = SUM_LANES / 2;
     while width > 0 {
@@ -44,8 +48,8 @@ fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
 #[inline(always)]
 fn moments(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
-    let mean = lane_sum(row.len(), |j| row[j]) / n;
-    let var = lane_sum(row.len(), |j| (row[j] - mean) * (row[j] - mean)) / n;
+    let mean = lane_sum([row], |[x]| x) / n;
+    let var = lane_sum([row], |[x]| (x - mean) * (x - mean)) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -174,8 +178,8 @@ impl CustomOp3 for LayerNormGrad {
                 let (xr, gr) = (&x[row * c..(row + 1) * c], &g[row * c..(row + 1) * c]);
                 let (mean, rstd) = moments(xr, self.eps);
                 *stat = (mean, rstd);
-                let sum_ghat = lane_sum(c, |j| gr[j] * gamma[j]);
-                let sum_ghat_xhat = lane_sum(c, |j| gr[j] * gamma[j] * ((xr[j] - mean) * rstd));
+                let sum_ghat = lane_sum([gr, gamma], |[g, w]| g * w);
+                let sum_ghat_xhat = lane_sum([gr, gamma, xr], |[g, w, x]| g * w * ((x - mean) * rstd));
                 let (m1, m2) = (sum_ghat / c as f32, sum_ghat_xhat / c as f32);
                 for j in 0..c {
                     let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
