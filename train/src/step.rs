@@ -181,15 +181,19 @@ pub fn accumulate_grads(
             let piece_loss = || loss(model, x, y, Some(*dropout), objective.label_smoothing);
             // The piece's weight as the loss's upstream gradient: every gradient comes out
             // weighted (the fused LM head scales its own in place), and pieces only add.
-            let grads: Vec<Option<Tensor>> = if on_tape {
+            let (loss, tape) = if on_tape {
                 let (loss, tape) = gpt::ops::tape::record(piece_loss)?;
-                total += weight * loss.to_scalar::<f32>()? as f64;
-                tape.backward(&loss, *weight as f32, &leaves)?
+                (loss, Some(tape))
             } else {
-                let loss = piece_loss()?;
-                total += weight * loss.to_scalar::<f32>()? as f64;
-                let mut grads = (loss * *weight)?.backward()?;
-                leaves.iter().map(|t| grads.remove(t)).collect()
+                (piece_loss()?, None)
+            };
+            total += weight * loss.to_scalar::<f32>()? as f64;
+            let grads: Vec<Option<Tensor>> = match tape {
+                Some(tape) => tape.backward(&loss, *weight as f32, &leaves)?,
+                None => {
+                    let mut grads = (loss * *weight)?.backward()?;
+                    leaves.iter().map(|t| grads.remove(t)).collect()
+                }
             };
             for (slot, g) in acc.iter_mut().zip(grads) {
                 if let Some(g) = g {

@@ -205,7 +205,10 @@ impl Tape {
             };
             let name = entry.name();
             let (args, arg_grads): (Vec<Tensor>, Vec<Option<Tensor>>) = match entry {
-                Entry::Op1(op, x, out) => (vec![x.clone()], vec![op.bwd(&x, &out, &grad)?]),
+                Entry::Op1(op, x, out) => {
+                    let gx = op.bwd(&x, &out, &grad)?;
+                    (vec![x], vec![gx])
+                }
                 Entry::Op2(op, [a, b], out) => {
                     let (ga, gb) = op.bwd(&a, &b, &out, &grad)?;
                     (vec![a, b], vec![ga, gb])
