@@ -1,8 +1,9 @@
 //! The CUDA path against the CPU path (`cargo test --release --features cuda -p gpt-e2e --test
 //! cuda`, on a machine with an NVIDIA GPU; `bench/gpu.sh` builds and runs it). Each check runs the
-//! same computation on both devices and compares: the fused kernels forward and backward, one
-//! AdamW update, a training step's loss and gradients, the fixture's logits (whole and through
-//! the KV cache), greedy generation, and `gpt-train eval`'s perplexity.
+//! same computation on both devices and compares: the fused kernels forward and backward (the
+//! training attention among them), a training step's loss and gradients and its clipped AdamW
+//! update, the fixture's logits (whole and through the KV cache), greedy generation, and
+//! `gpt-train eval`'s perplexity.
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -124,6 +125,30 @@ fn fused_kernels_match_the_cpu_forward_and_backward() {
     }
 }
 
+/// The attention op of training and evaluation (ops.cu's window_attention kernels): odd window
+/// lengths, head sizes up to the kernels' 128, dropout of the attention weights from a later
+/// window of the batch (masks counted in the whole batch's weights, as the CPU counts them).
+#[test]
+fn fused_kernels_window_attention_matches_the_cpu_forward_and_backward() {
+    assert!(gpt::ops::cuda_fused(), "GPT_CUDA_FUSED=0 is set: nothing to compare");
+    let simd = gpt::ops::Simd::detect();
+    for (b, t, nh, hs, p, first_row) in [
+        (2, 45, 3, 32, 0.0, 0),
+        (3, 70, 2, 64, 0.2, 1),
+        (1, 9, 2, 20, 0.2, 2),
+        (2, 33, 1, 128, 0.0, 0),
+        (1, 256, 6, 64, 0.1, 0),
+    ] {
+        let qkv = randn(&[b * t, 3 * nh * hs], 1.0);
+        let scale = 1.0 / (hs as f32).sqrt();
+        assert_same_both_ways(
+            &format!("window_attention {b}x{t}, {nh} heads of {hs}, p {p}"),
+            &[qkv],
+            |x| gpt::ops::window_attention(simd, &x[0], t, nh, scale, p, 0xC0FFEE, first_row),
+        );
+    }
+}
+
 /// A seeded model, identical on both devices (weights drawn on the host), with its variables
 /// sorted by name.
 fn seeded_model(cfg: &gpt::Config, device: &Device) -> (gpt::Gpt, Vec<(String, Var)>) {
@@ -147,14 +172,16 @@ fn a_training_step_matches_the_cpu() {
     };
     let tokens: Vec<u32> = (0..4 * 65).map(|i| ((i * 37 + i / 7) % 80) as u32).collect();
     let mut results = Vec::new();
+    let mut max_norm = None;
     for dev in [Device::Cpu, gpu()] {
         let (model, named) = seeded_model(&cfg, &dev);
         let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
         let data = Tensor::from_vec(tokens.clone(), (4, 65), &dev).unwrap();
         let (x, y) = (data.narrow(1, 0, 64).unwrap(), data.narrow(1, 1, 64).unwrap());
-        let (loss, mut grads) =
-            gpt_train::step::accumulate_grads(&model, &vars, &[(x, y)], 1, Default::default()).unwrap();
-        let norm = gpt_train::optim::clip_grad_norm(&mut grads, 1.0).unwrap();
+        let (loss, grads) = gpt_train::step::accumulate_grads(&model, &vars, &[(x, y)], 1, Default::default()).unwrap();
+        let norm = gpt_train::optim::global_norm(&grads).unwrap();
+        // Half the CPU's norm: the update clips, on the GPU inside its kernels.
+        let max_norm = *max_norm.get_or_insert(norm / 2.0);
         // eps well above the gradients' rounding differences: at the first step AdamW moves each
         // weight by lr * g / (|g| + eps), which for eps -> 0 is lr * sign(g), and a gradient of
         // about 0 could take either sign on the two devices.
@@ -165,7 +192,7 @@ fn a_training_step_matches_the_cpu() {
             weight_decay: 0.1,
         };
         let mut opt = gpt_train::optim::AdamW::new(named.clone(), adam).unwrap();
-        opt.step(&grads, 1e-3).unwrap();
+        opt.step_clipped(&grads, 1e-3, max_norm).unwrap();
         let grads: Vec<Tensor> = grads.iter().map(|g| g.to_device(&Device::Cpu).unwrap()).collect();
         let weights: Vec<Tensor> = vars
             .iter()

@@ -679,6 +679,17 @@ impl CausalSelfAttention {
             let y = self.forward_rows(&rows, seq_len, train, record)?;
             return dropout(y, self.resid_pdrop, train.map(|d| d.site(1)))?.reshape((b_sz, seq_len, n_embd));
         }
+        if crate::ops::fused(x) && crate::ops::window_attention_runs_on(x, self.head_dim) {
+            // f32 on a CUDA GPU: the same op (its kernels in ops.cu), one product for q, k and v;
+            // the residual dropout over (B, T, C) as below (its masks count whole windows).
+            let rows = x.reshape((b_sz * seq_len, n_embd))?;
+            let y = self.forward_rows(&rows, seq_len, train, record)?;
+            return dropout(
+                y.reshape((b_sz, seq_len, n_embd))?,
+                self.resid_pdrop,
+                train.map(|d| d.site(1)),
+            );
+        }
         // Inference multiplies once and splits the product (quantized weights cannot be split);
         // training splits the weight (see `forward_cols`).
         let qkv = match train {

@@ -283,17 +283,17 @@ fn address(t: &candle_core::Tensor) -> Result<u64> {
     use candle_core::cuda::cudarc::driver::DevicePtr;
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cuda(cs) = &*storage else {
-        candle_core::bail!("decode_attention: a cache buffer is not on the GPU")
+        candle_core::bail!("a tensor of {:?} is not on the GPU", layout.shape())
     };
     if !layout.is_contiguous() {
-        candle_core::bail!("decode_attention: a cache buffer is not contiguous")
+        candle_core::bail!("a tensor of {:?} is not contiguous", layout.shape())
     }
     let stream = cs.device().cuda_stream();
     let base = match t.dtype() {
         candle_core::DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
         candle_core::DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
         candle_core::DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
-        d => candle_core::bail!("decode_attention: cache buffers of {d:?}"),
+        d => candle_core::bail!("a tensor of {d:?}: expected f32, bf16 or f16"),
     };
     Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
 }
@@ -356,4 +356,202 @@ impl candle_core::CustomOp1 for DecodeAttention {
             d => candle_core::bail!("decode_attention: {d:?}"),
         }
     }
+}
+
+/// [`crate::ops::window_attention`]'s shape and dropout on the GPU.
+#[derive(Debug, Clone, Copy)]
+pub struct WindowAttentionArgs {
+    /// Windows, positions per window, heads, head size.
+    pub b: usize,
+    pub t: usize,
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    /// Dropout of the attention weights (0: none), keyed by `key`, `first` the index of this
+    /// call's first weight in the batch's `(B, nh, T, T)` probabilities.
+    pub p: f32,
+    pub key: u64,
+    pub first: u64,
+}
+
+/// Largest head the attention kernels take (a multiple of 4; see ops.cu's instances).
+pub const WINDOW_ATTENTION_MAX_HEAD: usize = 128;
+/// Warps per block of the attention kernels (`ATT_WARPS` in ops.cu).
+const ATTENTION_WARPS: u32 = 8;
+
+impl WindowAttentionArgs {
+    /// The kernels' instance for this head (name suffix) and the rows each warp takes: 4 for
+    /// heads of up to 64, else 1.
+    fn instance(&self) -> (&'static str, u32) {
+        if self.head_dim <= 64 {
+            ("_h64", 4)
+        } else {
+            ("_h128", 1)
+        }
+    }
+
+    fn config(&self) -> LaunchConfig {
+        let rows = ATTENTION_WARPS * self.instance().1;
+        LaunchConfig {
+            grid_dim: ((self.t as u32).div_ceil(rows), self.n_head as u32, self.b as u32),
+            block_dim: (32 * ATTENTION_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn kernel(&self, name: &str) -> String {
+        format!("{name}{}", self.instance().0)
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.head_dim == 0
+            || self.head_dim > WINDOW_ATTENTION_MAX_HEAD
+            || !self.head_dim.is_multiple_of(4)
+            || self.n_head > 65_535
+            || self.b > 65_535
+        {
+            candle_core::bail!(
+                "window-attention on CUDA: {} windows of {} heads of {} (at most {WINDOW_ATTENTION_MAX_HEAD} per head, a multiple of 4)",
+                self.b,
+                self.n_head,
+                self.head_dim
+            )
+        }
+        Ok(())
+    }
+
+    /// The kernels' shared arguments after the buffers: t, nh, hs, scale, p, 1 / (1 - p), key, first.
+    fn scalars(&self) -> (i32, i32, i32, f32, f32, f32) {
+        let keep_scale = if self.p > 0.0 { 1.0 / (1.0 - self.p) } else { 1.0 };
+        (
+            self.t as i32,
+            self.n_head as i32,
+            self.head_dim as i32,
+            self.scale,
+            self.p,
+            keep_scale,
+        )
+    }
+}
+
+/// Causal attention over whole windows: `qkv` `(B * T, 3C)` → `(B * T, C)`.
+pub fn window_attention(s: &CudaStorage, l: &Layout, a: &WindowAttentionArgs) -> Result<(CudaStorage, Shape)> {
+    a.check()?;
+    let dev = s.device();
+    let qkv = f32_view(s, l, "window-attention")?;
+    let c = a.n_head * a.head_dim;
+    let y = unsafe { dev.alloc::<f32>(a.b * a.t * c)? };
+    let (t, nh, hs, scale, p, keep_scale) = a.scalars();
+    launch!(dev, &a.kernel("window_attention_fwd"), a.config();
+        &qkv, &y, &t, &nh, &hs, &scale, &p, &keep_scale, &a.key, &a.first);
+    Ok(wrap(y, dev, Shape::from((a.b * a.t, c))))
+}
+
+/// The gradient of [`window_attention`]'s input from the input `qkv`, its output `y` and the
+/// output's gradient `dy`: `(B * T, 3C)`.
+pub fn window_attention_grad(
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    (s3, l3): (&CudaStorage, &Layout),
+    a: &WindowAttentionArgs,
+) -> Result<(CudaStorage, Shape)> {
+    a.check()?;
+    let dev = s1.device();
+    let qkv = f32_view(s1, l1, "window-attention-grad")?;
+    let (y, dy) = (
+        f32_view(s2, l2, "window-attention-grad")?,
+        f32_view(s3, l3, "window-attention-grad")?,
+    );
+    let rows = a.b * a.t;
+    let c = a.n_head * a.head_dim;
+    if qkv.len() != rows * 3 * c || y.len() != rows * c || dy.len() != rows * c {
+        candle_core::bail!(
+            "window-attention-grad: {} inputs, {} outputs and {} gradients for ({rows}, {c})",
+            qkv.len(),
+            y.len(),
+            dy.len()
+        )
+    }
+    // Every element of dqkv is written: q's columns by the first kernel, k's and v's by the second.
+    let dqkv = unsafe { dev.alloc::<f32>(rows * 3 * c)? };
+    let lse_d = unsafe { dev.alloc::<f32>(2 * a.b * a.n_head * a.t)? };
+    let (t, nh, hs, scale, p, keep_scale) = a.scalars();
+    launch!(dev, &a.kernel("window_attention_bwd_q"), a.config();
+        &qkv, &y, &dy, &dqkv, &lse_d, &t, &nh, &hs, &scale, &p, &keep_scale, &a.key, &a.first);
+    launch!(dev, &a.kernel("window_attention_bwd_kv"), a.config();
+        &qkv, &dy, &lse_d, &dqkv, &t, &nh, &hs, &scale, &p, &keep_scale, &a.key, &a.first);
+    Ok(wrap(dqkv, dev, Shape::from((rows, 3 * c))))
+}
+
+/// One parameter for [`clipped_adamw`]: its weights and moments `(2, n)` (contiguous f32 on the
+/// GPU, updated in place), its gradient, and whether weight decay applies to it.
+pub struct AdamWParam<'a> {
+    pub theta: &'a candle_core::Tensor,
+    pub moments: &'a candle_core::Tensor,
+    pub grad: &'a candle_core::Tensor,
+    pub decay: bool,
+}
+
+/// Elements per chunk of [`clipped_adamw`] (a block of each kernel).
+const CLIP_CHUNK: usize = 1 << 16;
+/// Columns of its table (`TABLE_COLS` in ops.cu).
+const TABLE_COLS: usize = 6;
+
+/// Clips the gradients to a global L2 norm of at most `max_norm` (0: no clipping) and applies one
+/// AdamW update (`step.decay` is the weight decay of the parameters that take it) to every
+/// parameter, in place, in three launches over all of them and with nothing read back: the
+/// host goes on queueing the next step while these run. One kernel per parameter and op (the
+/// way through candle's ops) was ~5 launches and allocations per parameter, and the norm's
+/// read-back stopped the host every step.
+pub fn clipped_adamw(params: &[AdamWParam<'_>], max_norm: f32, step: AdamWStep) -> Result<()> {
+    let Some(first) = params.first() else { return Ok(()) };
+    let candle_core::Device::Cuda(dev) = first.theta.device() else {
+        candle_core::bail!("clipped-adamw: the parameters are not on a CUDA device")
+    };
+    let mut table: Vec<u64> = Vec::new();
+    for p in params {
+        let n = p.theta.elem_count();
+        for t in [p.theta, p.moments, p.grad] {
+            if t.dtype() != candle_core::DType::F32 || !t.device().same_device(p.theta.device()) {
+                candle_core::bail!("clipped-adamw: a parameter, gradient or moment is not f32 on the GPU")
+            }
+        }
+        if p.grad.elem_count() != n || p.moments.elem_count() != 2 * n {
+            candle_core::bail!(
+                "clipped-adamw: {n} weights, {} gradients, {} moments",
+                p.grad.elem_count(),
+                p.moments.elem_count()
+            )
+        }
+        let (g, theta, m) = (address(p.grad)?, address(p.theta)?, address(p.moments)?);
+        let v = m + 4 * n as u64;
+        for start in (0..n).step_by(CLIP_CHUNK) {
+            let off = 4 * start as u64;
+            let len = CLIP_CHUNK.min(n - start) as u64;
+            table.extend([g + off, theta + off, m + off, v + off, len, u64::from(p.decay)]);
+        }
+    }
+    let chunks = table.len() / TABLE_COLS;
+    if chunks == 0 {
+        return Ok(());
+    }
+    let table = dev.clone_htod(&table)?;
+    let partial = unsafe { dev.alloc::<f32>(chunks)? };
+    let total = unsafe { dev.alloc::<f32>(1)? };
+    let per_chunk = LaunchConfig {
+        grid_dim: (chunks as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(dev, "grad_sumsq", per_chunk; &table, &partial);
+    let n_chunks = chunks as i32;
+    let one_block = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(dev, "sum_partials", one_block; &partial, &n_chunks, &total);
+    launch!(dev, "adamw_clipped", per_chunk; &table, &total, &max_norm,
+        &step.lr, &step.beta1, &step.beta2, &step.eps, &step.decay, &step.bias1, &step.bias2);
+    Ok(())
 }

@@ -12,7 +12,9 @@ pub fn parse_device(spec: &str) -> Result<Device> {
         "cpu" => return Ok(Device::Cpu),
         "auto" => {
             return Ok(if candle_core::utils::cuda_is_available() {
-                Device::new_cuda(0).unwrap_or(Device::Cpu)
+                Device::new_cuda(0)
+                    .inspect(without_event_tracking)
+                    .unwrap_or(Device::Cpu)
             } else {
                 Device::Cpu
             })
@@ -33,7 +35,26 @@ pub fn parse_device(spec: &str) -> Result<Device> {
              `cargo build --release --features cuda` (see the README), or use --device cpu"
         )));
     }
-    Device::new_cuda(ordinal).map_err(|e| Error::Device(format!("cuda:{ordinal}: {e}")))
+    let device = Device::new_cuda(ordinal).map_err(|e| Error::Device(format!("cuda:{ordinal}: {e}")))?;
+    without_event_tracking(&device);
+    Ok(device)
+}
+
+/// Stops cudarc creating two CUDA events for every buffer it allocates (and destroying them when
+/// it is freed): a few microseconds of driver calls per op, where a training step runs about a
+/// thousand. The events order a buffer's uses across streams, and candle's device does all its
+/// work on one stream, where cudarc never records or waits on them. `GPT_CUDA_EVENTS=1` keeps them.
+fn without_event_tracking(device: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        if std::env::var("GPT_CUDA_EVENTS").map_or(true, |v| v != "1") {
+            // SAFETY: nothing here creates a second stream (the events would order uses across
+            // streams); on one stream, cudarc neither records nor waits on them.
+            unsafe { cuda.disable_event_tracking() }
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
 }
 
 /// A short name for logs: `cpu` or `cuda:N`.

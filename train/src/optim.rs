@@ -282,6 +282,71 @@ impl AdamW {
         self.step_scaled(grads, lr, 1.0)
     }
 
+    /// One update with learning rate `lr` from the gradients clipped to a global L2 norm of at
+    /// most `max_norm` (0: no clipping), as gpt-train steps. On a CUDA GPU (f32, fused kernels on)
+    /// the norm, the clipping and the update of every parameter are three launches with nothing
+    /// read back ([`gpt::cuda_ops::clipped_adamw`]; `GPT_CUDA_ADAMW=0` turns that off, to
+    /// compare); elsewhere [`clip_factor`], then [`AdamW::step_scaled`].
+    pub fn step_clipped(&mut self, grads: &[Tensor], lr: f64, max_norm: f64) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if !self.params.is_empty()
+            && self
+                .params
+                .iter()
+                .all(|p| p.var.device().is_cuda() && gpt::ops::fused(p.var.as_tensor()))
+            && std::env::var("GPT_CUDA_ADAMW").map_or(true, |v| v != "0")
+        {
+            return self.step_clipped_on_gpu(grads, lr, max_norm);
+        }
+        let (_, grad_scale) = clip_factor(grads, max_norm)?;
+        self.step_scaled(grads, lr, grad_scale)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn step_clipped_on_gpu(&mut self, grads: &[Tensor], lr: f64, max_norm: f64) -> Result<()> {
+        if grads.len() != self.params.len() {
+            candle_core::bail!("{} gradients for {} parameters", grads.len(), self.params.len());
+        }
+        let grads = grads
+            .iter()
+            .map(|g| g.detach().contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(p) = self.params.iter().find(|p| !p.var.as_tensor().is_contiguous()) {
+            candle_core::bail!("parameter {}: not contiguous, so it cannot be updated in place", p.name);
+        }
+        let params: Vec<gpt::cuda_ops::AdamWParam> = self
+            .params
+            .iter()
+            .zip(&grads)
+            .map(|(p, grad)| gpt::cuda_ops::AdamWParam {
+                theta: p.var.as_tensor(),
+                moments: &p.moments,
+                grad,
+                decay: p.decay,
+            })
+            .collect();
+        let c = self.cfg;
+        let (bias1, bias2) = self.bias_corrections(self.steps + 1);
+        let step = gpt::cuda_ops::AdamWStep {
+            lr: lr as f32,
+            beta1: c.beta1 as f32,
+            beta2: c.beta2 as f32,
+            eps: c.eps as f32,
+            decay: c.weight_decay as f32,
+            bias1: bias1 as f32,
+            bias2: bias2 as f32,
+        };
+        gpt::cuda_ops::clipped_adamw(&params, max_norm as f32, step)?;
+        self.steps += 1; // only once the update is queued: a refused one leaves the count as it was
+        Ok(())
+    }
+
+    /// The bias corrections `1 - β1^t`, `1 - β2^t` of update `t` (counted from 1).
+    fn bias_corrections(&self, t: u64) -> (f64, f64) {
+        let t = t as i32;
+        (1.0 - self.cfg.beta1.powi(t), 1.0 - self.cfg.beta2.powi(t))
+    }
+
     /// One update with learning rate `lr` from the gradients times `grad_scale` (the clipping
     /// factor of [`clip_factor`]): on the CPU the moments and then the parameters are updated in
     /// place, with no copy of either (a GPT-2-small step's update touched 2 GB of fresh memory).
@@ -290,14 +355,13 @@ impl AdamW {
             candle_core::bail!("{} gradients for {} parameters", grads.len(), self.params.len());
         }
         self.steps += 1;
+        let (bias1, bias2) = self.bias_corrections(self.steps);
         let AdamWConfig {
             beta1,
             beta2,
             eps,
             weight_decay,
         } = self.cfg;
-        let bias1 = 1.0 - beta1.powi(self.steps as i32);
-        let bias2 = 1.0 - beta2.powi(self.steps as i32);
         for (p, g) in self.params.iter_mut().zip(grads) {
             let g = g.detach().flatten_all()?; // the moments must not hold on to any graph
             let theta = p.var.as_tensor().flatten_all()?;

@@ -176,7 +176,7 @@ pub fn accumulate_grads(
     let leaves: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
     let run_worker = |worker: usize| -> Result<(f64, Vec<Option<Tensor>>)> {
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
-        let mut total = 0.0;
+        let mut losses = Vec::new();
         for (x, y, weight, dropout) in pieces.iter().skip(worker).step_by(n_workers) {
             let piece_loss = || loss(model, x, y, Some(*dropout), objective.label_smoothing);
             // The piece's weight as the loss's upstream gradient: every gradient comes out
@@ -187,7 +187,7 @@ pub fn accumulate_grads(
             } else {
                 (piece_loss()?, None)
             };
-            total += weight * loss.to_scalar::<f32>()? as f64;
+            losses.push((*weight, loss.detach()));
             let grads: Vec<Option<Tensor>> = match tape {
                 Some(tape) => tape.backward(&loss, *weight as f32, &leaves)?,
                 None => {
@@ -200,6 +200,13 @@ pub fn accumulate_grads(
                     accumulate(slot, g)?;
                 }
             }
+        }
+        // Read once the backward passes are queued: on a GPU, reading a loss before its backward
+        // pass stops the host until the forward pass has run, and the GPU then waits for the
+        // host to queue the backward pass.
+        let mut total = 0.0;
+        for (weight, loss) in losses {
+            total += weight * loss.to_scalar::<f32>()? as f64;
         }
         Ok((total, acc))
     };

@@ -18,7 +18,7 @@ use crate::checkpoints::{self, Saved, TrainerState};
 use crate::config::{RunConfig, TrainArgs};
 use crate::data::{self, Dataset, Tokens};
 use crate::metrics::{Event, Metrics, Progress};
-use crate::optim::{clip_factor, AdamW, AdamWConfig};
+use crate::optim::{AdamW, AdamWConfig};
 use crate::schedule::Schedule;
 use crate::step::{accumulate_grads, in_threads, loss, Objective};
 
@@ -229,8 +229,7 @@ impl Trainer {
         if !train_loss.is_finite() {
             bail!("the training loss became {train_loss} at step {step}; try a lower --learning-rate");
         }
-        let (_, grad_scale) = clip_factor(&grads, run.grad_clip)?;
-        self.opt.step_scaled(&grads, lr, grad_scale)?;
+        self.opt.step_clipped(&grads, lr, run.grad_clip)?;
         self.state.step += 1;
         Ok(train_loss)
     }

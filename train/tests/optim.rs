@@ -119,6 +119,33 @@ fn clipping_bounds_the_global_norm_and_keeps_the_direction() -> anyhow::Result<(
     Ok(())
 }
 
+/// `step_clipped` (gpt-train's update) is clipping, then `step`, to the bit.
+#[test]
+fn a_clipped_step_is_clipping_then_a_step() -> anyhow::Result<()> {
+    let mut weights = Vec::new();
+    for fused in [true, false] {
+        let (model, vars) = model(3)?;
+        let plain: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
+        let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, 1)?], 1, Default::default())?;
+        let norm = global_norm(&grads)?;
+        let mut opt = AdamW::new(vars.clone(), ADAMW)?;
+        for _ in 0..2 {
+            if fused {
+                opt.step_clipped(&grads, 1e-3, norm / 3.0)?;
+            } else {
+                let mut clipped = grads.clone();
+                clip_grad_norm(&mut clipped, norm / 3.0)?;
+                opt.step(&clipped, 1e-3)?;
+            }
+        }
+        weights.push(plain.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>());
+    }
+    for (a, b) in weights[0].iter().zip(&weights[1]) {
+        assert_eq!(max_abs_diff(a, b)?, 0.0);
+    }
+    Ok(())
+}
+
 #[test]
 fn weight_decay_spares_biases_and_layer_norms() -> anyhow::Result<()> {
     let (_, vars) = model(5)?;

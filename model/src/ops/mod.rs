@@ -135,8 +135,9 @@ pub fn window_attention(
     key: u64,
     first_row: usize,
 ) -> Result<Tensor> {
-    if !qkv.device().is_cpu() || qkv.dtype() != DType::F32 {
-        candle_core::bail!("window-attention: qkv must be f32 on the CPU")
+    let head_dim = qkv.dims().last().map_or(0, |w| w / 3 / n_head.max(1));
+    if !window_attention_runs_on(qkv, head_dim) {
+        candle_core::bail!("window-attention: qkv must be f32 on the CPU, or on a CUDA GPU with heads of at most 128 (a multiple of 4)")
     }
     let dropout = (p > 0.0).then_some(Dropout {
         key,
@@ -153,6 +154,34 @@ pub fn window_attention(
             simd,
         },
     )
+}
+
+/// Whether [`window_attention`] runs on `x`'s device and dtype with heads of `head_dim`: f32 on
+/// the CPU, or with the `cuda` feature f32 on a CUDA GPU with heads of at most 128 (a multiple
+/// of 4), unless
+/// `GPT_CUDA_FUSED=0` or `GPT_CUDA_ATTENTION=0` is set.
+pub fn window_attention_runs_on(x: &Tensor, head_dim: usize) -> bool {
+    if x.dtype() != DType::F32 {
+        return false;
+    }
+    if x.device().is_cpu() {
+        return true;
+    }
+    #[cfg(feature = "cuda")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON.get_or_init(|| std::env::var("GPT_CUDA_ATTENTION").map_or(true, |v| v != "0"));
+        x.device().is_cuda()
+            && cuda_fused()
+            && on
+            && head_dim <= crate::cuda_ops::WINDOW_ATTENTION_MAX_HEAD
+            && head_dim.is_multiple_of(4)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = head_dim;
+        false
+    }
 }
 
 /// `x + dropout(h)` (the residual add of a dropped-out branch) as one node, `h`'s masks those of

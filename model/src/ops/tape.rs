@@ -163,6 +163,9 @@ pub(crate) fn first_rows(table: &Tensor, len: usize) -> Result<Tensor> {
 
 /// Rows `ids` (1-D) of `table`, on the tape while one records.
 pub(crate) fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    if OneHotGradEmbedding::applies(table, ids)? {
+        return table.apply_op2(ids, OneHotGradEmbedding);
+    }
     let out = table.embedding(ids)?;
     push(|| Entry::Embedding {
         table: table.clone(),
@@ -170,6 +173,64 @@ pub(crate) fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
         out: out.clone(),
     });
     Ok(out)
+}
+
+/// `table.embedding(ids)` on a CUDA GPU in f32 (training), with its gradient taken as the
+/// product of the ids' one-hot matrix `(N, V)`, transposed, with the rows' gradient: candle's
+/// gradient (`index_add`) gives one thread to each column and walks every id in it, 7.8 ms of a
+/// 50 ms step at nanoGPT's shakespeare-char shape on an H200 (ncu), where the product takes
+/// microseconds and is as deterministic. Only while the one-hot matrix is small (`V · N` up to
+/// 2^26 values: a character-level vocabulary); GPT-2's 50257 tokens keep candle's.
+struct OneHotGradEmbedding;
+
+impl OneHotGradEmbedding {
+    fn applies(table: &Tensor, ids: &Tensor) -> Result<bool> {
+        Ok(table.device().is_cuda()
+            && table.dtype() == candle_core::DType::F32
+            && ids.dtype() == candle_core::DType::U32
+            && table.rank() == 2
+            && ids.rank() == 1
+            && table.dim(0)? * ids.elem_count() <= 1 << 26)
+    }
+}
+
+impl CustomOp2 for OneHotGradEmbedding {
+    fn name(&self) -> &'static str {
+        "embedding-one-hot-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("embedding-one-hot-grad runs on CUDA only")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        table: &candle_core::CudaStorage,
+        table_l: &candle_core::Layout,
+        ids: &candle_core::CudaStorage,
+        ids_l: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (_, c) = table_l.shape().dims2()?;
+        let rows = table.index_select(ids, table_l, ids_l, 0)?;
+        Ok((rows, candle_core::Shape::from((ids_l.shape().elem_count(), c))))
+    }
+
+    fn bwd(&self, table: &Tensor, ids: &Tensor, _: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (v, c) = table.dims2()?;
+        let n = ids.elem_count();
+        let vocab = Tensor::arange(0u32, v as u32, ids.device())?.reshape((1, v))?;
+        let one_hot = ids.reshape((n, 1))?.broadcast_eq(&vocab)?.to_dtype(table.dtype())?; // (N, V)
+        let d_table = one_hot.t()?.matmul(&grad.reshape((n, c))?.contiguous()?)?; // (V, C)
+        Ok((Some(d_table), None))
+    }
 }
 
 impl Tape {

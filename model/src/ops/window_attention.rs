@@ -726,10 +726,74 @@ impl CustomOp1 for WindowAttention {
         Ok((CpuStorage::F32(forward(self, d, qkv)), Shape::from((d.b * d.t, d.c))))
     }
 
-    fn bwd(&self, qkv: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(
-            qkv.apply_op2_no_bwd(&dy.contiguous()?, &WindowAttentionGrad(*self))?,
-        ))
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, layout: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda_ops::window_attention(s, layout, &self.gpu_args(layout)?)
+    }
+
+    fn bwd(&self, qkv: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let dy = dy.contiguous()?;
+        Ok(Some(if qkv.device().is_cuda() {
+            // The GPU's kernels take D_i = dy_i · y_i from the output rather than summing
+            // P_ij (dy_i · v_j) over the row (they never hold a whole row).
+            qkv.apply_op3_no_bwd(&y.contiguous()?, &dy, &WindowAttentionGradGpu(*self))?
+        } else {
+            qkv.apply_op2_no_bwd(&dy, &WindowAttentionGrad(*self))?
+        }))
+    }
+}
+
+impl WindowAttention {
+    #[cfg(feature = "cuda")]
+    fn gpu_args(&self, layout: &Layout) -> Result<crate::cuda_ops::WindowAttentionArgs> {
+        let d = Dims::of(layout, self.t, self.n_head)?;
+        let (p, key, first) = self.dropout.map_or((0.0, 0, 0), |drop| (drop.p, drop.key, drop.first));
+        Ok(crate::cuda_ops::WindowAttentionArgs {
+            b: d.b,
+            t: d.t,
+            n_head: d.nh,
+            head_dim: d.hs,
+            scale: self.scale,
+            p,
+            key,
+            first,
+        })
+    }
+}
+
+/// [`WindowAttentionGrad`] on the GPU, from the input, the output and the output's gradient.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct WindowAttentionGradGpu(WindowAttention);
+
+impl candle_core::CustomOp3 for WindowAttentionGradGpu {
+    fn name(&self) -> &'static str {
+        "window-attention-grad-gpu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("window-attention-grad-gpu runs on CUDA only")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let args = self.0.gpu_args(l1)?;
+        crate::cuda_ops::window_attention_grad((s1, l1), (s2, l2), (s3, l3), &args)
     }
 }
 
