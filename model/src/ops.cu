@@ -52,12 +52,16 @@ __device__ __forceinline__ unsigned long long splitmix_mix(unsigned long long z)
     return z ^ (z >> 31);
 }
 
+// The uniform in [0, 1) of element `index` of the masks keyed by `key`.
+__device__ __forceinline__ float counter_uniform(unsigned long long key, unsigned long long index) {
+    unsigned long long z = key + (index + 1ULL) * 0x9E3779B97F4A7C15ULL;
+    return (float)(splitmix_mix(z) >> 40) * (1.0f / 16777216.0f);
+}
+
 extern "C" __global__ void dropout_fwd(const float* x, float* y, size_t n, unsigned long long key,
                                        unsigned long long first, float p, float scale) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned long long z = key + (first + i + 1ULL) * 0x9E3779B97F4A7C15ULL;
-        float u = (float)(splitmix_mix(z) >> 40) * (1.0f / 16777216.0f);
-        y[i] = u >= p ? x[i] * scale : 0.0f;
+        y[i] = counter_uniform(key, first + i) >= p ? x[i] * scale : 0.0f;
     }
 }
 
@@ -320,9 +324,7 @@ extern "C" __global__ void adamw_clipped(const unsigned long long* table, const 
 __device__ __forceinline__ float drop_factor(unsigned long long key, unsigned long long index, float p,
                                              float keep_scale) {
     if (p <= 0.0f) return 1.0f;
-    unsigned long long z = key + (index + 1ULL) * 0x9E3779B97F4A7C15ULL;
-    float u = (float)(splitmix_mix(z) >> 40) * (1.0f / 16777216.0f);
-    return u >= p ? keep_scale : 0.0f;
+    return counter_uniform(key, index) >= p ? keep_scale : 0.0f;
 }
 
 // Rows [t0, t0 + n) (those below t) of columns [col, col + hs) of the rows at `base` (row stride

@@ -294,7 +294,7 @@ impl AdamW {
                 .params
                 .iter()
                 .all(|p| p.var.device().is_cuda() && gpt::ops::fused(p.var.as_tensor()))
-            && std::env::var("GPT_CUDA_ADAMW").map_or(true, |v| v != "0")
+            && gpu_update_on()
         {
             return self.step_clipped_on_gpu(grads, lr, max_norm);
         }
@@ -438,6 +438,13 @@ impl AdamW {
         self.steps = steps;
         Ok(())
     }
+}
+
+/// `GPT_CUDA_ADAMW` is not `0`: [`AdamW::step_clipped`]'s kernels on a GPU (read once).
+#[cfg(feature = "cuda")]
+fn gpu_update_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("GPT_CUDA_ADAMW").map_or(true, |v| v != "0"))
 }
 
 /// Global L2 norm of all gradients together.

@@ -158,8 +158,7 @@ pub fn window_attention(
 
 /// Whether [`window_attention`] runs on `x`'s device and dtype with heads of `head_dim`: f32 on
 /// the CPU, or with the `cuda` feature f32 on a CUDA GPU with heads of at most 128 (a multiple
-/// of 4), unless
-/// `GPT_CUDA_FUSED=0` or `GPT_CUDA_ATTENTION=0` is set.
+/// of 4), unless `GPT_CUDA_FUSED=0` or `GPT_CUDA_ATTENTION=0` is set.
 pub fn window_attention_runs_on(x: &Tensor, head_dim: usize) -> bool {
     if x.dtype() != DType::F32 {
         return false;
