@@ -22,18 +22,23 @@ compared carry the same load:
 
 Per minute it records the server's resident memory (`/proc/PID/status`) with the bytes its
 prefix cache and KV-buffer pool hold (`/metrics`), and time to first token
-and inter-token latency (p50, p99) of the streams that started in that minute. At the end it
+and inter-token latency (p50, p99) of the streams that started in that minute, with the CPU time
+of the machine (busy, and stolen by the hypervisor), the server and this client, and the tokens
+the server processed per CPU-second (the machine's speed, as the server sees it). At the end it
 reads `/metrics` and compares it with its own counts: completion and chat requests by status,
 generated tokens of the requests that ended normally, and streams dropped. The report (JSON) has
 `pass` and the reason of each check; the exit status is 0 when every check passes.
 
 Pass: no 5xx; resident memory after warm-up (the first minute, and until the prefix cache is at
 its bound) grows by at most 5%; p50 and p99
-of each minute within 20% (or 5 ms) of the first minute's; the counters equal exactly.
+of each minute within 20% (or 5 ms) of the first minute's; the counters equal exactly. Reported
+beside them, not a check: each latency's trend, the median minute of the run's last third over
+that of its first.
 """
 import argparse
 import http.client
 import json
+import os
 import random
 import re
 import socket
@@ -46,6 +51,8 @@ import urllib.parse
 # The events the server's engine generates ahead of a stream's handler before it pauses the
 # sequence (`STREAM_BUFFER` in server/src/engine/channel.rs).
 STREAM_BUFFER = 64
+
+LATENCIES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 
 PARAGRAPH = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
@@ -223,16 +230,51 @@ def metrics(url):
 
 
 def memory_sample(args, start, now):
-    """(minute, RSS KiB, prefix cache KiB, KV pool KiB, heap allocated KiB, heap free KiB): the
-    server's memory, its two bounded caches, whose filling is warm-up, and the C heap's live and
-    free bytes (a leak grows the first, fragmentation the second)."""
+    """(minute, RSS KiB, prefix cache KiB, KV pool KiB, heap allocated KiB, heap free KiB, tokens):
+    the server's memory, its two bounded caches, whose filling is warm-up, the C heap's live and
+    free bytes (a leak grows the first, fragmentation the second), and the prompt and generated
+    tokens it has processed so far (its work, for the work per CPU-second of each minute)."""
     try:
         m = metrics(args.url)
     except OSError:
         m = {}
     return (round((now - start) / 60, 2), server_rss_kib(args.pid),
             int(m.get("gpt_prefix_cache_bytes", 0) // 1024), int(m.get("gpt_kv_pool_bytes", 0) // 1024),
-            int(m.get("gpt_heap_allocated_bytes", 0) // 1024), int(m.get("gpt_heap_free_bytes", 0) // 1024))
+            int(m.get("gpt_heap_allocated_bytes", 0) // 1024), int(m.get("gpt_heap_free_bytes", 0) // 1024),
+            int(m.get("gpt_prompt_tokens_total", 0) + m.get("gpt_generated_tokens_total", 0)))
+
+
+def cpu_sample(pid):
+    """(the machine's jiffies: busy, steal, all; the server's CPU seconds; this client's): per minute,
+    whether a slow minute was the machine's (steal: time the hypervisor gave to other guests) or
+    the processes' own."""
+    with open("/proc/stat") as f:
+        jiffies = [int(x) for x in f.readline().split()[1:]]
+    idle, steal = jiffies[3] + jiffies[4], jiffies[7] if len(jiffies) > 7 else 0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        server = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        server = 0.0
+    client = sum(os.times()[:2])
+    return (sum(jiffies) - idle - steal, steal, sum(jiffies), server, client)
+
+
+def cpu_rows(samples, memory):
+    """Per minute from consecutive `cpu_sample`s and `memory_sample`s: the machine's busy and steal
+    shares of its CPU time, the server's and this client's CPU seconds, and the tokens the server
+    processed per CPU-second (with the same requests every minute, a minute where that falls
+    while the server's CPU time does not is a slower machine, or a server doing more per token)."""
+    rows = {}
+    for m, (a, b) in enumerate(zip(samples, samples[1:])):
+        total = max(1, b[2] - a[2])
+        cpu_s = b[3] - a[3]
+        rows[m] = {"machine_busy": round((b[0] - a[0]) / total, 3), "steal": round((b[1] - a[1]) / total, 3),
+                   "server_cpu_s": round(cpu_s, 1), "client_cpu_s": round(b[4] - a[4], 1)}
+        if m + 1 < len(memory):
+            rows[m]["tokens_per_cpu_s"] = round((memory[m + 1][6] - memory[m][6]) / max(cpu_s, 1e-3), 1)
+    return rows
 
 
 def memory_check(rss):
@@ -304,6 +346,19 @@ def calibrate(args, prefix_pool):
             "requests": {f"{r} {s}": n for (r, s), n in sorted(stats.status.items())}}
 
 
+def latency_trend(per_minute):
+    """For each latency, the median of the per-minute values over the last third of the run
+    over their median over the first third (from minute 1): a drift shows as a ratio away from 1,
+    where one minute's p99 (a few of its slowest streams) moves by tens of percent either way.
+    Reported beside the per-minute check, not instead of it. Empty for runs under 6 minutes."""
+    rows = [r for r in per_minute[1:] if all(r.get(k) is not None for k in LATENCIES)]
+    third = len(rows) // 3
+    if third < 2:
+        return {}
+    return {k: round(statistics.median(r[k] for r in rows[-third:]) / statistics.median(r[k] for r in rows[:third]), 3)
+            for k in LATENCIES}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("url")
@@ -345,7 +400,7 @@ def main():
     before = metrics(args.url)
     start = time.monotonic()
     end = start + args.minutes * 60
-    threads, rss = [], []
+    threads, rss, cpu = [], [], []
     next_sample = start
     # The requests and their arrival times: one minute's, sent again every minute (`replay`), or
     # drawn afresh for the whole run (`poisson`).
@@ -359,6 +414,7 @@ def main():
             break
         while (now := time.monotonic()) < at:
             if now >= next_sample:
+                cpu.append(cpu_sample(args.pid))
                 rss.append(memory_sample(args, start, now))
                 next_sample += 60
             time.sleep(max(0.0, min(at, next_sample) - time.monotonic()))
@@ -370,6 +426,7 @@ def main():
         threads = [t for t in threads if t.is_alive()]
     for t in threads:
         t.join(timeout=600)
+    cpu.append(cpu_sample(args.pid))
     rss.append(memory_sample(args, start, time.monotonic()))
     time.sleep(1.0)  # the server's last counters
     after = metrics(args.url)
@@ -385,8 +442,9 @@ def main():
     minutes = sorted(set(stats.ttft) | set(stats.itl))
     first = minutes[0] if minutes else 0
     per_minute = []
+    machine = cpu_rows(cpu, rss)
     for m in minutes:
-        row = {"minute": m}
+        row = {"minute": m, **machine.get(m, {})}
         for name, table in (("ttft", stats.ttft), ("itl", stats.itl)):
             for q in (0.5, 0.99):
                 row[f"{name}_p{int(q * 100)}"] = quantile(table.get(m, []), q)
@@ -394,13 +452,14 @@ def main():
     # The last minute may be partial (few samples): compared only when it has a tenth of the first's.
     base = per_minute[0] if per_minute else {}
     for row in per_minute[1:]:
-        for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+        for key in LATENCIES:
             a, b = base.get(key), row.get(key)
             if a is None or b is None:
                 continue
             if abs(b - a) > max(0.2 * a, 0.005):
                 drift.append(f"minute {row['minute']} {key} {b * 1000:.1f} ms vs {a * 1000:.1f} ms")
     checks["latency steady"] = (not drift, "; ".join(drift[:10]) or "every minute within 20% of the first")
+    trend = latency_trend(per_minute)
     served = {status: sum(n for (r, s), n in stats.status.items() if s == status and r in ("completions", "chat"))
               for status in {s for (_, s) in stats.status}}
     mismatched = []
@@ -427,9 +486,10 @@ def main():
         "dropped_streams": stats.dropped,
         "completion_tokens": stats.completion_tokens,
         "memory_kib": [{"minute": m, "rss": r, "prefix_cache": p, "kv_pool": k, "heap_allocated": a,
-                        "heap_free": f} for m, r, p, k, a, f in rss],
+                        "heap_free": f, "tokens": t} for m, r, p, k, a, f, t in rss],
         "per_minute": per_minute,
         "overall": overall,
+        "latency_trend": trend,
         "checks": {name: {"pass": ok, "detail": detail} for name, (ok, detail) in checks.items()},
         "pass": all(ok for ok, _ in checks.values()),
     }
@@ -439,6 +499,9 @@ def main():
             f.write(text)
     for name, (ok, detail) in checks.items():
         print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
+    if trend:
+        print("latency trend (the median minute of the last third / of the first):",
+              ", ".join(f"{k} {v:.2f}" for k, v in trend.items()))
     gate = [g.strip() for g in args.gate.split(",")] if args.gate else list(checks)
     unknown = [g for g in gate if g not in checks]
     if unknown:
