@@ -95,9 +95,9 @@ pub fn tune_cpu_allocator() {
 /// `MALLOC_MMAP_THRESHOLD_` to choose another threshold.
 ///
 /// One heap (arena) for all threads: glibc gives threads arenas of their own (up to 8 per core),
-/// and each kept the free blocks of its own bursts: the default model's soak held 34-46 MiB free
-/// inside the heap and grew 6.3% over 15 minutes; with one arena 9-11 MiB and 2.7%, 27 MiB less
-/// resident, at the same saturation (`BENCHMARKS.md`, "Soak"). Small blocks still come from each
+/// and each kept the free blocks of its own bursts: the default model's 30-minute soak held
+/// 34-48 MiB free inside the heap and grew 7.4%; with one arena 8.5-13 MiB and 3.1%, 26 MiB less
+/// resident (`BENCHMARKS.md`, "Soak"). Small blocks still come from each
 /// thread's cache without the arena's lock. Set `MALLOC_ARENA_MAX` to choose another count.
 pub fn tune_cpu_allocator_for_serving() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]

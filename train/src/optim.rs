@@ -444,7 +444,7 @@ impl AdamW {
 #[cfg(feature = "cuda")]
 fn gpu_update_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("GPT_CUDA_ADAMW").map_or(true, |v| v != "0"))
+    gpt::ops::switch_on(&ON, "GPT_CUDA_ADAMW")
 }
 
 /// Global L2 norm of all gradients together.

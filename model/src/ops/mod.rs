@@ -90,7 +90,13 @@ pub fn fused(x: &Tensor) -> bool {
 /// `GPT_CPU_FUSED` is not `0`.
 pub fn cpu_fused() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("GPT_CPU_FUSED").map_or(true, |v| v != "0"))
+    switch_on(&ON, "GPT_CPU_FUSED")
+}
+
+/// Whether the on/off switch `var` (the `GPT_CPU_*` and `GPT_CUDA_*` variables) is on: anything
+/// but `0`, or unset. Read once into `cell`, a static of the caller's, as it is asked per op.
+pub fn switch_on(cell: &'static std::sync::OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
 }
 
 /// Dropout of `x` with probability `p`, the mask drawn from the counter-based generator keyed by
@@ -169,10 +175,9 @@ pub fn window_attention_runs_on(x: &Tensor, head_dim: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *ON.get_or_init(|| std::env::var("GPT_CUDA_ATTENTION").map_or(true, |v| v != "0"));
         x.device().is_cuda()
             && cuda_fused()
-            && on
+            && switch_on(&ON, "GPT_CUDA_ATTENTION")
             && head_dim <= crate::cuda_ops::WINDOW_ATTENTION_MAX_HEAD
             && head_dim.is_multiple_of(4)
     }
@@ -205,7 +210,7 @@ pub fn add_dropout(x: &Tensor, h: &Tensor, p: f32, key: u64, first_row: usize) -
 /// `GPT_CUDA_FUSED` is not `0`.
 pub fn cuda_fused() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("GPT_CUDA_FUSED").map_or(true, |v| v != "0"))
+    switch_on(&ON, "GPT_CUDA_FUSED")
 }
 
 /// GELU (tanh approximation), differentiable; fused on the CPU in f32.

@@ -77,7 +77,7 @@ impl Entry {
 /// Whether the environment leaves the tape on (`GPT_CPU_TAPE` is not `0`).
 pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("GPT_CPU_TAPE").map_or(true, |v| v != "0"))
+    super::switch_on(&ON, "GPT_CPU_TAPE")
 }
 
 /// A recorded forward pass (see the module's documentation).
