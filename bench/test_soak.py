@@ -1,0 +1,88 @@
+"""The soak's latency rule (bench/soak.py) on made-up runs: what it passes and what it fails.
+
+    python3 -m unittest discover -s bench -p 'test_*.py'
+"""
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import soak  # noqa: E402
+
+
+def run(ttft_p99, ttft_p50=0.02, itl_p50=0.005, itl_p99=0.1):
+    """Per-minute rows with the given TTFT p99 each minute (the other latencies constant unless
+    given as lists)."""
+    pick = lambda v, m: v[m] if isinstance(v, list) else v  # noqa: E731
+    return [{"minute": m, "ttft_p50": pick(ttft_p50, m), "ttft_p99": v, "itl_p50": pick(itl_p50, m),
+             "itl_p99": pick(itl_p99, m)} for m, v in enumerate(ttft_p99)]
+
+
+# A stationary run as the 30-minute soaks measure one: a minute's TTFT p99 moves 0.4-1.1 s with
+# the bursts in it, with no direction.
+NOISY = [0.73, 0.97, 0.93, 0.43, 0.71, 0.89, 1.13, 0.52, 0.80, 0.66, 1.05, 0.47, 0.95, 0.61, 0.74,
+         0.88, 0.42, 1.09, 0.69, 0.78, 0.58, 0.99, 0.83, 0.45, 1.02, 0.64, 0.91, 0.72, 0.55, 0.86]
+
+
+class LatencyRule(unittest.TestCase):
+    def test_a_noisy_run_without_direction_is_steady(self):
+        rows = run(NOISY)
+        ok, detail = soak.steady(soak.latency_drift(rows))
+        self.assertTrue(ok, detail)
+        # where most of its minutes are more than 20% from the first one
+        within, total = map(int, soak.minutes_vs_first(rows)["ttft_p99"].split(" of "))
+        self.assertEqual(total, 29)
+        self.assertLess(within, total / 2)
+
+    def test_a_slow_climb_fails_and_names_the_latency(self):
+        # The same noise on a latency that grows by 2% a minute (+58% by the end).
+        rows = run([v * (1 + 0.02 * m) for m, v in enumerate(NOISY)])
+        ok, detail = soak.steady(soak.latency_drift(rows))
+        self.assertFalse(ok)
+        self.assertIn("ttft_p99", detail)
+        self.assertNotIn("itl_p50", detail)
+
+    def test_a_step_in_the_middle_fails(self):
+        # 30% slower from minute 15 on, as after a leak that starts to swap or a cache that stops
+        # hitting.
+        rows = run(NOISY, itl_p50=[0.02 if m < 15 else 0.026 for m in range(30)])
+        ok, detail = soak.steady(soak.latency_drift(rows))
+        self.assertFalse(ok)
+        self.assertIn("itl_p50", detail)
+
+    def test_getting_faster_by_more_than_a_fifth_is_a_drift_too(self):
+        rows = run([v * (1 - 0.015 * m) for m, v in enumerate(NOISY)])
+        ok, detail = soak.steady(soak.latency_drift(rows))
+        self.assertFalse(ok, detail)
+
+    def test_a_few_milliseconds_are_within_the_floor(self):
+        # ITL p50 from 3 ms to 4.5 ms: +50%, but within 5 ms.
+        rows = run(NOISY, itl_p50=[0.003 + 0.0015 * m / 29 for m in range(30)])
+        ok, detail = soak.steady(soak.latency_drift(rows))
+        self.assertTrue(ok, detail)
+
+    def test_the_first_minute_is_warm_up(self):
+        # A first minute far from the rest (an empty queue) does not set the reference.
+        rows = run([0.1] + NOISY[1:])
+        ok, detail = soak.steady(soak.latency_drift(rows))
+        self.assertTrue(ok, detail)
+
+    def test_a_short_run_is_not_judged(self):
+        self.assertIsNone(soak.steady(soak.latency_drift(run(NOISY[:6]))))
+        self.assertIsNotNone(soak.steady(soak.latency_drift(run(NOISY[:7]))))
+
+
+class StealCorrelation(unittest.TestCase):
+    def test_latency_that_follows_the_stolen_cpu_correlates(self):
+        steal = [0.02, 0.01, 0.05, 0.0, 0.03, 0.01, 0.04, 0.02]
+        rows = [{"minute": m, "steal": s, "ttft_p50": 0.01 + s, "ttft_p99": 0.5 - s, "itl_p50": 0.005,
+                 "itl_p99": [0.1, 0.3, 0.2, 0.1, 0.3, 0.2, 0.1, 0.3][m]} for m, s in enumerate(steal)]
+        got = soak.steal_vs_latency(rows)
+        self.assertEqual(got["ttft_p50"], 1.0)
+        self.assertEqual(got["ttft_p99"], -1.0)
+        self.assertIsNone(got["itl_p50"], "a constant latency has no correlation")
+        self.assertLess(abs(got["itl_p99"]), 0.5)
+
+
+if __name__ == "__main__":
+    unittest.main()
