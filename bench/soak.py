@@ -350,11 +350,16 @@ def calibrate(args, prefix_pool):
             "requests": {f"{r} {s}": n for (r, s), n in sorted(stats.status.items())}}
 
 
+def close(a, b):
+    """The latency rule's tolerance: `b` within 20% of `a`, or within 5 ms."""
+    return abs(b - a) <= max(0.2 * a, 0.005)
+
+
 def latency_drift(per_minute):
     """Each latency's drift over the run: its per-minute values' median over the run's first third
     and over its last third (minute 0, the warm-up, left out), and their ratio. A drift is judged
-    on thirds, not on single minutes: a minute's p99 is the third-slowest of a few hundred
-    streams, and at 80% of saturation one burst of arrivals moves it by tens of percent either way
+    on thirds, not on single minutes: a minute's p99 is a few of its slowest streams, and at 80%
+    of saturation one burst of arrivals moves it by tens of percent either way
     (BENCHMARKS.md, "Soak"), where a server that slows as it runs moves every minute after some
     point. Empty for runs under 7 minutes (two minutes a third)."""
     rows = [r for r in per_minute[1:] if all(r.get(k) is not None for k in LATENCIES)]
@@ -375,14 +380,15 @@ def steady(drift):
     if not drift:
         return None
     moved = [f"{k} {d['last_third'] * 1000:.1f} ms vs {d['first_third'] * 1000:.1f} ms ({d['ratio']}x)"
-             for k, d in drift.items() if abs(d["last_third"] - d["first_third"]) > max(0.2 * d["first_third"], 0.005)]
+             for k, d in drift.items() if not close(d["first_third"], d["last_third"])]
     return (not moved, "; ".join(moved) or "the last third of the run within 20% of the first, each latency: "
             + ", ".join(f"{k} {d['ratio']}x" for k, d in drift.items()))
 
 
 def rank_correlation(xs, ys):
     """Spearman's rank correlation of two equally long lists (tied values given their mean rank),
-    or None for fewer than 5 pairs or a constant list."""
+    or None for fewer than 5 pairs or a constant list. (`statistics.correlation(method="ranked")`
+    is Python 3.12's; CI's Python is 3.11.)"""
     if len(xs) < 5:
         return None
 
@@ -403,7 +409,7 @@ def rank_correlation(xs, ys):
     ma, mb = statistics.mean(a), statistics.mean(b)
     cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
     var = sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)
-    if len(set(xs)) < 2 or len(set(ys)) < 2 or not var:
+    if not var:  # a constant list: all its ranks tie
         return None
     return round(cov / var ** 0.5, 2)
 
@@ -424,7 +430,7 @@ def minutes_vs_first(per_minute):
     out = {}
     for k in LATENCIES:
         pairs = [(base.get(k), r.get(k)) for r in rows if base.get(k) is not None and r.get(k) is not None]
-        within = sum(1 for a, b in pairs if abs(b - a) <= max(0.2 * a, 0.005))
+        within = sum(1 for a, b in pairs if close(a, b))
         out[k] = f"{within} of {len(pairs)}"
     return out
 
@@ -519,6 +525,7 @@ def main():
         per_minute.append(row)
     drift = latency_drift(per_minute)
     judged = steady(drift)
+    vs_first, vs_steal = minutes_vs_first(per_minute), steal_vs_latency(per_minute)
     if judged is not None:
         checks["latency steady"] = judged
     served = {status: sum(n for (r, s), n in stats.status.items() if s == status and r in ("completions", "chat"))
@@ -551,8 +558,8 @@ def main():
         "per_minute": per_minute,
         "overall": overall,
         "latency_drift": drift,
-        "minutes_vs_first": minutes_vs_first(per_minute),
-        "steal_vs_latency": steal_vs_latency(per_minute),
+        "minutes_vs_first": vs_first,
+        "steal_vs_latency": vs_steal,
         "checks": {name: {"pass": ok, "detail": detail} for name, (ok, detail) in checks.items()},
         "pass": all(ok for ok, _ in checks.values()),
     }
@@ -565,9 +572,9 @@ def main():
     if judged is None:
         print("latency steady: not judged, the run is too short (under 7 minutes)")
     print("minutes within 20% of the first (reported, not a check):",
-          ", ".join(f"{k} {v}" for k, v in minutes_vs_first(per_minute).items()))
+          ", ".join(f"{k} {v}" for k, v in vs_first.items()))
     print("rank correlation of a minute's stolen CPU with its latency (reported, not a check):",
-          ", ".join(f"{k} {v}" for k, v in steal_vs_latency(per_minute).items()))
+          ", ".join(f"{k} {v}" for k, v in vs_steal.items()))
     gate = [g.strip() for g in args.gate.split(",")] if args.gate else list(checks)
     unknown = [g for g in gate if g not in checks]
     if unknown:
