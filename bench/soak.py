@@ -3,7 +3,8 @@
     python3 bench/soak.py URL --minutes 30 --rate 4 --pid SERVER_PID [--model NAME] [--out report.json]
 
 Standard library only (a thread per request in flight, `http.client`), so it runs wherever
-Python does. Requests arrive as a Poisson process at `--rate` per second, drawn from this mix;
+Python does. Requests arrive as a Poisson process at `--rate` per second (`--spacing even`:
+evenly spaced), drawn from this mix;
 by default (`--arrivals replay`) one minute of them is drawn and sent again every minute, the same
 requests (sampling seeds included) at the same offsets, so that the minutes whose latencies are
 compared carry the same load:
@@ -23,8 +24,10 @@ compared carry the same load:
 Per minute it records the server's resident memory (`/proc/PID/status`) with the bytes its
 prefix cache and KV-buffer pool hold (`/metrics`), and time to first token
 and inter-token latency (p50, p99) of the streams that started in that minute, with the CPU time
-of the machine (busy, and stolen by the hypervisor), the server and this client, and the tokens
-the server processed per CPU-second (the machine's speed, as the server sees it). At the end it
+of the machine (busy, and stolen by the hypervisor), the server and this client, the server's
+page faults, the tokens the server processed per CPU-second, and the CPU time a fixed piece of
+work took in this client (`work_ms`, median of one a second: the machine's speed, which on a
+shared host moves with the other guests' load even where nothing is stolen). At the end it
 reads `/metrics` and compares it with its own counts: completion and chat requests by status,
 generated tokens of the requests that ended normally, and streams dropped. The report (JSON) has
 `pass` and the reason of each check; the exit status is 0 when every check passes.
@@ -36,8 +39,9 @@ against their median over its first third, the first minute (warm-up) left out (
 and more); the counters equal exactly. Reported beside them, not a check: how many minutes' values
 are within 20% of the first minute's (a minute's p99 is a few streams: it moves by tens of
 percent with the bursts in that minute, in either direction, where a drift moves the run), and
-the rank correlation over the minutes between each latency and the CPU time the hypervisor stole
-(the machine's part in those moves).
+the rank correlation over the minutes between each latency and the CPU time the hypervisor stole,
+and `work_ms` (the machine's part in those moves). `bench/soak_probe.py` tells the server's drift
+from the machine's: the soaked server against a fresh one, measured at the same time.
 """
 import argparse
 import http.client
@@ -173,6 +177,17 @@ def received(resp, sock):
     return buffered + queued
 
 
+def prefixes(url):
+    """The shared prefixes of the mix: up to half the served model's context (in characters, at
+    most as many tokens), so that prefix, prompt and output fit a small model's context too.
+    (Roman numerals: a character-level vocabulary from Shakespeare has few digits.)"""
+    conn = connection(url)
+    conn.request("GET", "/v1/models")
+    context = json.loads(conn.getresponse().read())["data"][0]["max_model_len"]
+    conn.close()
+    return [(f"Scene {n}.\n" + PARAGRAPH * 2)[: context // 2] for n in ("I", "II", "III", "IV")]
+
+
 def pick(rng, prefix_pool):
     """One request of the mix: (path, body, stream, drop)."""
     x = rng.random()
@@ -249,9 +264,9 @@ def memory_sample(args, start, now):
 
 
 def cpu_sample(pid):
-    """(the machine's jiffies: busy, steal, all; the server's CPU seconds; this client's): per minute,
-    whether a slow minute was the machine's (steal: time the hypervisor gave to other guests) or
-    the processes' own."""
+    """(the machine's jiffies: busy, steal, all; the server's CPU seconds; this client's; the
+    server's minor page faults): per minute, whether a slow minute was the machine's (steal: time
+    the hypervisor gave to other guests) or the processes' own (faults: memory it touched anew)."""
     with open("/proc/stat") as f:
         jiffies = [int(x) for x in f.readline().split()[1:]]
     idle, steal = jiffies[3] + jiffies[4], jiffies[7] if len(jiffies) > 7 else 0
@@ -259,10 +274,25 @@ def cpu_sample(pid):
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         server = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        faults = int(fields[7])
     except OSError:
-        server = 0.0
+        server, faults = 0.0, 0
     client = sum(os.times()[:2])
-    return (sum(jiffies) - idle - steal, steal, sum(jiffies), server, client)
+    return (sum(jiffies) - idle - steal, steal, sum(jiffies), server, client, faults)
+
+
+def work_ms(samples, stop, start):
+    """Until `stop` is set, once a second: the CPU time (of this thread: time spent waiting for a
+    core, stolen or not, is not counted) that a fixed piece of Python work takes, into
+    `samples[minute]`, in ms. It is the machine's speed as a program sees it: a core shared with a
+    busy hyperthread sibling, or caches and memory shared with other guests, make the same work
+    take longer, which the steal figure does not show."""
+    while not stop.wait(1.0):
+        t = time.thread_time()
+        x = 0
+        for i in range(100_000):
+            x += i * i
+        samples.setdefault(int((time.monotonic() - start) // 60), []).append((time.thread_time() - t) * 1000)
 
 
 def cpu_rows(samples, memory):
@@ -275,7 +305,8 @@ def cpu_rows(samples, memory):
         total = max(1, b[2] - a[2])
         cpu_s = b[3] - a[3]
         rows[m] = {"machine_busy": round((b[0] - a[0]) / total, 3), "steal": round((b[1] - a[1]) / total, 3),
-                   "server_cpu_s": round(cpu_s, 1), "client_cpu_s": round(b[4] - a[4], 1)}
+                   "server_cpu_s": round(cpu_s, 1), "client_cpu_s": round(b[4] - a[4], 1),
+                   "server_faults": b[5] - a[5]}
         if m + 1 < len(memory):
             rows[m]["tokens_per_cpu_s"] = round((memory[m + 1][6] - memory[m][6]) / max(cpu_s, 1e-3), 1)
     return rows
@@ -307,12 +338,14 @@ def quantile(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def arrivals(rng, rate, prefix_pool, seconds):
-    """A Poisson process of `rate` per second over `seconds`: [(offset s, request of the mix)]."""
-    out, t = [], rng.expovariate(rate)
+def arrivals(rng, rate, prefix_pool, seconds, spacing="poisson"):
+    """`rate` arrivals per second over `seconds`, as a Poisson process or evenly spaced:
+    [(offset s, request of the mix)]."""
+    gap = (lambda: rng.expovariate(rate)) if spacing == "poisson" else (lambda: 1.0 / rate)
+    out, t = [], gap()
     while t < seconds:
         out.append((t, pick(rng, prefix_pool)))
-        t += rng.expovariate(rate)
+        t += gap()
     return out or [(0.0, pick(rng, prefix_pool))]
 
 
@@ -414,12 +447,13 @@ def rank_correlation(xs, ys):
     return round(cov / var ** 0.5, 2)
 
 
-def steal_vs_latency(per_minute):
+def machine_vs_latency(per_minute, key):
     """Reported, not a check: for each latency, the rank correlation over the minutes (after the
-    first) between the CPU time the hypervisor stole from the machine and the latency: how much
-    of the minutes' differences the machine explains."""
-    rows = [r for r in per_minute[1:] if r.get("steal") is not None]
-    return {k: rank_correlation([r["steal"] for r in rows if r.get(k) is not None],
+    first) between a measure of the machine, `key` of the per-minute rows (`steal`: the CPU time
+    the hypervisor took; `work_ms`: how long a fixed piece of work took), and the latency: how
+    much of the minutes' differences the machine explains."""
+    rows = [r for r in per_minute[1:] if r.get(key) is not None]
+    return {k: rank_correlation([r[key] for r in rows if r.get(k) is not None],
                                 [r[k] for r in rows if r.get(k) is not None]) for k in LATENCIES}
 
 
@@ -443,6 +477,8 @@ def main():
                     help="replay: one minute of Poisson arrivals from the mix, the same requests at the same "
                          "offsets every minute, so that minutes differ only by the server and the machine "
                          "(default); poisson: drawn afresh for the whole run")
+    ap.add_argument("--spacing", choices=("poisson", "even"), default="poisson",
+                    help="the arrivals' times: a Poisson process (default) or evenly spaced")
     ap.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson arrivals)")
     ap.add_argument("--pid", type=int, required=True, help="the server's process id, for its memory")
     ap.add_argument("--model", default=None)
@@ -461,14 +497,7 @@ def main():
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
-    # Shared prefixes of up to half the context (in characters, at most as many tokens), so that
-    # prefix, prompt and output fit a small model's context too.
-    conn = connection(args.url)
-    conn.request("GET", "/v1/models")
-    context = json.loads(conn.getresponse().read())["data"][0]["max_model_len"]
-    conn.close()
-    # (Roman numerals: a character-level vocabulary from Shakespeare has few digits.)
-    prefix_pool = [(f"Scene {n}.\n" + PARAGRAPH * 2)[: context // 2] for n in ("I", "II", "III", "IV")]
+    prefix_pool = prefixes(args.url)
     if args.calibrate:
         print(json.dumps(calibrate(args, prefix_pool)))
         return
@@ -476,12 +505,14 @@ def main():
     before = metrics(args.url)
     start = time.monotonic()
     end = start + args.minutes * 60
-    threads, rss, cpu = [], [], []
+    threads, rss, cpu, work = [], [], [], {}
     next_sample = start
+    stop = threading.Event()
+    threading.Thread(target=work_ms, args=(work, stop, start), daemon=True).start()
     # The requests and their arrival times: one minute's, sent again every minute (`replay`), or
     # drawn afresh for the whole run (`poisson`).
     period = 60.0 if args.arrivals == "replay" else args.minutes * 60
-    plan = arrivals(rng, args.rate, prefix_pool, period)
+    plan = arrivals(rng, args.rate, prefix_pool, period, args.spacing)
     for k in range(len(plan) * int(args.minutes * 60 / period + 1)):
         cycle, i = divmod(k, len(plan))
         offset, (path, body, stream, drop) = plan[i]
@@ -502,6 +533,7 @@ def main():
         threads = [t for t in threads if t.is_alive()]
     for t in threads:
         t.join(timeout=600)
+    stop.set()
     cpu.append(cpu_sample(args.pid))
     rss.append(memory_sample(args, start, time.monotonic()))
     time.sleep(1.0)  # the server's last counters
@@ -519,13 +551,16 @@ def main():
     machine = cpu_rows(cpu, rss)
     for m in minutes:
         row = {"minute": m, **machine.get(m, {})}
+        if work.get(m):
+            row["work_ms"] = round(statistics.median(work[m]), 2)
         for name, table in (("ttft", stats.ttft), ("itl", stats.itl)):
             for q in (0.5, 0.99):
                 row[f"{name}_p{int(q * 100)}"] = quantile(table.get(m, []), q)
         per_minute.append(row)
     drift = latency_drift(per_minute)
     judged = steady(drift)
-    vs_first, vs_steal = minutes_vs_first(per_minute), steal_vs_latency(per_minute)
+    vs_first = minutes_vs_first(per_minute)
+    vs_machine = {key: machine_vs_latency(per_minute, key) for key in ("steal", "work_ms")}
     if judged is not None:
         checks["latency steady"] = judged
     served = {status: sum(n for (r, s), n in stats.status.items() if s == status and r in ("completions", "chat"))
@@ -559,7 +594,7 @@ def main():
         "overall": overall,
         "latency_drift": drift,
         "minutes_vs_first": vs_first,
-        "steal_vs_latency": vs_steal,
+        "machine_vs_latency": vs_machine,
         "checks": {name: {"pass": ok, "detail": detail} for name, (ok, detail) in checks.items()},
         "pass": all(ok for ok, _ in checks.values()),
     }
@@ -573,8 +608,9 @@ def main():
         print("latency steady: not judged, the run is too short (under 7 minutes)")
     print("minutes within 20% of the first (reported, not a check):",
           ", ".join(f"{k} {v}" for k, v in vs_first.items()))
-    print("rank correlation of a minute's stolen CPU with its latency (reported, not a check):",
-          ", ".join(f"{k} {v}" for k, v in vs_steal.items()))
+    for key, what in (("steal", "stolen CPU"), ("work_ms", "time for a fixed piece of work")):
+        print(f"rank correlation of a minute's {what} with its latency (reported, not a check):",
+              ", ".join(f"{k} {v}" for k, v in vs_machine[key].items()))
     gate = [g.strip() for g in args.gate.split(",")] if args.gate else list(checks)
     unknown = [g for g in gate if g not in checks]
     if unknown:

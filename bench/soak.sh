@@ -6,11 +6,13 @@
 # (default: weights/; the prefix cache small enough that the run fills it to its bound)
 # For a GPT-2-small-shaped checkpoint: python bench/make_random_gpt2.py DIR, then bash
 # bench/soak.sh DIR. CI runs MINUTES=3 CALIBRATE_SECS=30 GATE="no 5xx,counters agree"
-# PROBE_ROUNDS=0 on the default model (GATE: the checks that decide the exit status; all by
-# default). After the soak, PROBE_ROUNDS (default 2) rounds of PROBE_MINUTES (default 1) of the
-# same load against a fresh server started beside the soaked one, then against the soaked one
-# (bench/soak_probe.py): whether the soaked process is slower than a new one measured at the same
-# time, which tells the server's drift from the machine's. The soak's status is the script's.
+# PROBE_MINUTES=0 on the default model (GATE: the checks that decide the exit status; all by
+# default). After the soak, the drift probe (bench/soak_probe.py, PROBE_MINUTES, default 3): two
+# fresh servers are started beside the soaked one and warmed with a minute of the load; the
+# load is sent to the two fresh ones in alternating windows (the comparison's own noise: two
+# servers of the same age), then to the soaked one and a fresh one: whether the soaked process
+# is slower than a new one measured at the same time, which tells the server's drift from the
+# machine's. The soak's status is the script's; the probe's verdicts go to probe.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 checkpoint=${1:-weights}
@@ -40,24 +42,29 @@ echo "saturation ${rate} requests/s; soaking ${minutes} min at ${soak_rate} requ
 status=0
 python3 bench/soak.py "$url" --pid $server --model soak --rate "$soak_rate" --minutes "$minutes" \
   --out "$out/report.json" ${GATE:+--gate "$GATE"} || status=$?
-rounds=${PROBE_ROUNDS:-2}
-if [ "$rounds" -gt 0 ]; then
-  fresh_port=$((port + 1))
+probe_minutes=${PROBE_MINUTES:-3}
+if [ "$probe_minutes" -gt 0 ]; then
+  fresh_port=$((port + 1)) twin_port=$((port + 2))
   serve "$fresh_port" "$out/fresh-server.log"
   fresh=$!
-  trap 'kill $server $fresh 2>/dev/null || true' EXIT
+  serve "$twin_port" "$out/twin-server.log"
+  twin=$!
+  trap 'kill $server $fresh $twin 2>/dev/null || true' EXIT
   wait_healthy "$fresh_port"
-  probe() { # URL PID SEED OUT: one probe run; its own checks are not the point here
-    python3 bench/soak.py "$1" --pid "$2" --model soak --rate "$soak_rate" --minutes "${PROBE_MINUTES:-1}" \
-      --seed "$3" --out "$4" > /dev/null || true
-  }
-  probe "http://127.0.0.1:$fresh_port" $fresh 1000 "$out/probe-warmup.json" # fills its prefix cache
-  reports=()
-  for r in $(seq "$rounds"); do # the same requests to each, in a round
-    probe "http://127.0.0.1:$fresh_port" $fresh $((1000 + r)) "$out/probe-fresh-$r.json"
-    probe "$url" $server $((1000 + r)) "$out/probe-soaked-$r.json"
-    reports+=("$out/probe-fresh-$r.json" "$out/probe-soaked-$r.json")
+  wait_healthy "$twin_port"
+  for p in "$fresh_port $fresh" "$twin_port $twin"; do # a minute of the load fills each one's prefix cache
+    set -- $p
+    python3 bench/soak.py "http://127.0.0.1:$1" --pid "$2" --model soak --rate "$soak_rate" --minutes 1 \
+      --seed 1000 --out "$out/probe-warmup-$1.json" > /dev/null || true
   done
-  python3 bench/soak_probe.py "${reports[@]}" | tee "$out/probe.txt" || true
+  probe() { # SOAKED FRESH NAME LABELS
+    python3 bench/soak_probe.py "$1" "$2" --model soak --rate "$soak_rate" --minutes "$probe_minutes" \
+      --labels "$4" --out "$out/$3.json" | tee -a "$out/probe.txt" || true
+  }
+  : > "$out/probe.txt"
+  echo "two fresh servers (the probe's noise):" | tee -a "$out/probe.txt"
+  probe "http://127.0.0.1:$twin_port" "http://127.0.0.1:$fresh_port" probe-fresh-vs-fresh fresh2,fresh
+  echo "the soaked server vs a fresh one:" | tee -a "$out/probe.txt"
+  probe "$url" "http://127.0.0.1:$fresh_port" probe-soaked-vs-fresh soaked,fresh
 fi
 exit $status

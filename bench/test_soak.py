@@ -1,13 +1,16 @@
-"""The soak's latency rule (bench/soak.py) on made-up runs: what it passes and what it fails.
+"""The soak's latency rule (bench/soak.py) on made-up runs: what it passes and what it fails; and
+how the drift probe (bench/soak_probe.py) shares the load between the two servers and judges them.
 
     python3 -m unittest discover -s bench -p 'test_*.py'
 """
 import os
+import random
 import sys
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import soak  # noqa: E402
+import soak_probe  # noqa: E402
 
 
 def run(ttft_p99, ttft_p50=0.02, itl_p50=0.005, itl_p99=0.1):
@@ -77,11 +80,45 @@ class StealCorrelation(unittest.TestCase):
         steal = [0.02, 0.01, 0.05, 0.0, 0.03, 0.01, 0.04, 0.02]
         rows = [{"minute": m, "steal": s, "ttft_p50": 0.01 + s, "ttft_p99": 0.5 - s, "itl_p50": 0.005,
                  "itl_p99": [0.1, 0.3, 0.2, 0.1, 0.3, 0.2, 0.1, 0.3][m]} for m, s in enumerate(steal)]
-        got = soak.steal_vs_latency(rows)
+        got = soak.machine_vs_latency(rows, "steal")
         self.assertEqual(got["ttft_p50"], 1.0)
         self.assertEqual(got["ttft_p99"], -1.0)
         self.assertIsNone(got["itl_p50"], "a constant latency has no correlation")
         self.assertLess(abs(got["itl_p99"]), 0.5)
+
+
+class Probe(unittest.TestCase):
+    def test_each_server_gets_every_request_of_the_minute_once_a_minute(self):
+        plan = soak.arrivals(random.Random(3), 30.0, ["Scene I.\n"], 60.0)
+        cut = soak_probe.windows(plan, 10.0)
+        self.assertEqual(len(cut), 6)
+        self.assertEqual([a for w in cut for a in w], plan, "every arrival, in order, once")
+        for w, chunk in enumerate(cut):
+            self.assertTrue(all(w * 10.0 <= offset < (w + 1) * 10.0 for offset, _ in chunk))
+        self.assertEqual(len(soak_probe.windows(plan, 25.0)), 3, "a last, shorter window")
+        for cycle in range(4):
+            firsts = [soak_probe.order(cycle, w)[0] for w in range(6)]
+            self.assertEqual(sorted(firsts), [0, 0, 0, 1, 1, 1], "each server first in half the windows")
+            for w in range(6):
+                self.assertEqual(sorted(soak_probe.order(cycle, w)), [0, 1])
+                self.assertNotEqual(soak_probe.order(cycle, w), soak_probe.order(cycle + 1, w),
+                                    "the order of a window flips from one minute to the next")
+
+    def test_judged_each_latency_within_20_percent_or_5_ms(self):
+        fresh = {"ttft_p50": 0.020, "ttft_p99": 0.600, "itl_p50": 0.006, "itl_p99": 0.090}
+        ok = {"ttft_p50": 0.024, "ttft_p99": 0.500, "itl_p50": 0.010, "itl_p99": 0.107}
+        ratios, passed, detail = soak_probe.compare(ok, fresh)
+        self.assertTrue(passed, detail)
+        self.assertEqual(ratios["ttft_p50"]["ratio"], 1.2)
+        slow = dict(ok, ttft_p99=0.800)
+        _, passed, detail = soak_probe.compare(slow, fresh)
+        self.assertFalse(passed)
+        self.assertIn("ttft_p99", detail)
+        _, passed, _ = soak_probe.compare(dict(ok, ttft_p99=0.400), fresh)
+        self.assertFalse(passed, "faster by more than 20% is a drift too")
+        _, passed, detail = soak_probe.compare(dict(ok, itl_p99=None), fresh)
+        self.assertFalse(passed, "a server that streamed nothing")
+        self.assertIn("no streams", detail)
 
 
 if __name__ == "__main__":
