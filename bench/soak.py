@@ -338,6 +338,16 @@ def quantile(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def overall(stats):
+    """Each latency (TTFT and ITL, p50 and p99) over every stream of the run."""
+    out = {}
+    for name, table in (("ttft", stats.ttft), ("itl", stats.itl)):
+        values = [v for m in table.values() for v in m]
+        for q in (0.5, 0.99):
+            out[f"{name}_p{int(q * 100)}"] = quantile(values, q)
+    return out
+
+
 def arrivals(rng, rate, prefix_pool, seconds, spacing="poisson"):
     """`rate` arrivals per second over `seconds`, as a Poisson process or evenly spaced:
     [(offset s, request of the mix)]."""
@@ -479,7 +489,7 @@ def main():
                          "(default); poisson: drawn afresh for the whole run")
     ap.add_argument("--spacing", choices=("poisson", "even"), default="poisson",
                     help="the arrivals' times: a Poisson process (default) or evenly spaced")
-    ap.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson arrivals)")
+    ap.add_argument("--rate", type=float, default=4.0, help="requests per second")
     ap.add_argument("--pid", type=int, required=True, help="the server's process id, for its memory")
     ap.add_argument("--model", default=None)
     ap.add_argument("--seed", type=int, default=1)
@@ -508,7 +518,8 @@ def main():
     threads, rss, cpu, work = [], [], [], {}
     next_sample = start
     stop = threading.Event()
-    threading.Thread(target=work_ms, args=(work, stop, start), daemon=True).start()
+    worker = threading.Thread(target=work_ms, args=(work, stop, start), daemon=True)
+    worker.start()
     # The requests and their arrival times: one minute's, sent again every minute (`replay`), or
     # drawn afresh for the whole run (`poisson`).
     period = 60.0 if args.arrivals == "replay" else args.minutes * 60
@@ -534,6 +545,7 @@ def main():
     for t in threads:
         t.join(timeout=600)
     stop.set()
+    worker.join()
     cpu.append(cpu_sample(args.pid))
     rss.append(memory_sample(args, start, time.monotonic()))
     time.sleep(1.0)  # the server's last counters
@@ -577,11 +589,6 @@ def main():
     if got_dropped != stats.dropped:
         mismatched.append(f"cancelled: server {got_dropped:.0f}, client {stats.dropped}")
     checks["counters agree"] = (not mismatched, "; ".join(mismatched) or "requests, tokens, cancellations equal")
-    overall = {}
-    for name, table in (("ttft", stats.ttft), ("itl", stats.itl)):
-        values = [v for m in table.values() for v in m]
-        for q in (0.5, 0.99):
-            overall[f"{name}_p{int(q * 100)}"] = quantile(values, q)
     report = {
         "minutes": args.minutes,
         "rate": args.rate,
@@ -591,7 +598,7 @@ def main():
         "memory_kib": [{"minute": m, "rss": r, "prefix_cache": p, "kv_pool": k, "heap_allocated": a,
                         "heap_free": f, "tokens": t} for m, r, p, k, a, f, t in rss],
         "per_minute": per_minute,
-        "overall": overall,
+        "overall": overall(stats),
         "latency_drift": drift,
         "minutes_vs_first": vs_first,
         "machine_vs_latency": vs_machine,

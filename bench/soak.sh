@@ -4,7 +4,7 @@
 # to target/soak/.
 #   [MINUTES=30] [CALIBRATE_SECS=60] [PREFIX_CACHE_MIB=16] bash bench/soak.sh [CHECKPOINT]
 # (default: weights/; the prefix cache small enough that the run fills it to its bound)
-# For a GPT-2-small-shaped checkpoint: python bench/make_random_gpt2.py DIR, then bash
+# For a GPT-2-small-shaped checkpoint: python bench/make_random_gpt2.py TOKENIZER_JSON DIR, then bash
 # bench/soak.sh DIR. CI runs MINUTES=3 CALIBRATE_SECS=30 GATE="no 5xx,counters agree"
 # PROBE_MINUTES=0 on the default model (GATE: the checks that decide the exit status; all by
 # default). After the soak, the drift probe (bench/soak_probe.py, PROBE_MINUTES, default 3): two
@@ -52,11 +52,12 @@ if [ "$probe_minutes" -gt 0 ]; then
   trap 'kill $server $fresh $twin 2>/dev/null || true' EXIT
   wait_healthy "$fresh_port"
   wait_healthy "$twin_port"
-  for p in "$fresh_port $fresh" "$twin_port $twin"; do # a minute of the load fills each one's prefix cache
-    set -- $p
+  warm() { # PORT PID: a minute of the load fills its prefix cache
     python3 bench/soak.py "http://127.0.0.1:$1" --pid "$2" --model soak --rate "$soak_rate" --minutes 1 \
       --seed 1000 --out "$out/probe-warmup-$1.json" > /dev/null || true
-  done
+  }
+  warm "$fresh_port" $fresh
+  warm "$twin_port" $twin
   probe() { # SOAKED FRESH NAME LABELS
     python3 bench/soak_probe.py "$1" "$2" --model soak --rate "$soak_rate" --minutes "$probe_minutes" \
       --labels "$4" --out "$out/$3.json" | tee -a "$out/probe.txt" || true

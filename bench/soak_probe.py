@@ -63,15 +63,6 @@ def compare(soaked, fresh):
     return out, not moved, detail
 
 
-def latencies(stats):
-    out = {}
-    for name, table in (("ttft", stats.ttft), ("itl", stats.itl)):
-        values = [v for m in table.values() for v in m]
-        for q in (0.5, 0.99):
-            out[f"{name}_p{int(q * 100)}"] = soak.quantile(values, q)
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("soaked")
@@ -110,7 +101,7 @@ def main():
                     threads.append(t)
                 for t in threads:  # drained before the other server's turn: one loaded at a time
                     t.join(timeout=600)
-    soaked, fresh = latencies(stats[0]), latencies(stats[1])
+    soaked, fresh = soak.overall(stats[0]), soak.overall(stats[1])
     ratios, ok, detail = compare(soaked, fresh)
     fivexx = [sum(n for (_, status), n in s.status.items() if status >= 500) + len(s.errors) for s in stats]
     report = {"minutes": args.minutes, "rate": args.rate, "window_s": args.window, "latency": ratios,
