@@ -8,11 +8,12 @@
 # bench/soak.sh DIR. CI runs MINUTES=3 CALIBRATE_SECS=30 GATE="no 5xx,counters agree"
 # PROBE_MINUTES=0 on the default model (GATE: the checks that decide the exit status; all by
 # default). After the soak, the drift probe (bench/soak_probe.py, PROBE_MINUTES, default 3): two
-# fresh servers are started beside the soaked one and warmed with a minute of the load; the
-# load is sent to the two fresh ones in alternating windows (the comparison's own noise: two
-# servers of the same age), then to the soaked one and a fresh one: whether the soaked process
-# is slower than a new one measured at the same time, which tells the server's drift from the
-# machine's. The soak's status is the script's; the probe's verdicts go to probe.txt.
+# fresh servers are started beside the soaked one and warmed with a minute of the load each;
+# the load is sent in alternating windows to the soaked one and a fresh one (whether the soaked
+# process is slower than a new one measured at the same time, which tells the server's drift
+# from the machine's), then to the two fresh ones (the comparison's own noise: two servers of
+# the same age), then to the soaked one, idle meanwhile, and the other fresh one (its age
+# against its idle minutes). The soak's status is the script's; the verdicts go to probe.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 checkpoint=${1:-weights}
@@ -63,9 +64,11 @@ if [ "$probe_minutes" -gt 0 ]; then
       --labels "$4" --out "$out/$3.json" | tee -a "$out/probe.txt" || true
   }
   : > "$out/probe.txt"
-  echo "two fresh servers (the probe's noise):" | tee -a "$out/probe.txt"
-  probe "http://127.0.0.1:$twin_port" "http://127.0.0.1:$fresh_port" probe-fresh-vs-fresh fresh2,fresh
-  echo "the soaked server vs a fresh one:" | tee -a "$out/probe.txt"
+  echo "the soaked server vs a fresh one, right after the soak:" | tee -a "$out/probe.txt"
   probe "$url" "http://127.0.0.1:$fresh_port" probe-soaked-vs-fresh soaked,fresh
+  echo "two fresh servers (the probe's noise; the soaked one idle meanwhile):" | tee -a "$out/probe.txt"
+  probe "http://127.0.0.1:$twin_port" "http://127.0.0.1:$fresh_port" probe-fresh-vs-fresh fresh2,fresh
+  echo "the soaked server vs a fresh one again, after that idle time:" | tee -a "$out/probe.txt"
+  probe "$url" "http://127.0.0.1:$twin_port" probe-soaked-after-idle soaked,fresh2
 fi
 exit $status

@@ -19,7 +19,7 @@ the soak's.
 For each of TTFT and inter-token latency, p50 and p99 over the streams each server served:
 soaked / fresh; pass (exit status 0) when each is within 20% (or 5 ms) and neither server
 answered a 5xx. Two servers of the same age measured this way (both fresh: `bench/soak.sh` does
-this first) show the comparison's own noise. Standard library only, as `bench/soak.py`, whose
+this between two probes of the soaked one) show the comparison's own noise. Standard library only, as `bench/soak.py`, whose
 requests it sends.
 """
 import argparse
