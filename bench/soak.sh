@@ -7,18 +7,21 @@
 # For a GPT-2-small-shaped checkpoint: python bench/make_random_gpt2.py TOKENIZER_JSON DIR, then bash
 # bench/soak.sh DIR. CI runs MINUTES=3 CALIBRATE_SECS=30 GATE="no 5xx,counters agree"
 # PROBE_MINUTES=0 on the default model (GATE: the checks that decide the exit status; all by
-# default). After the soak, the drift probe (bench/soak_probe.py, PROBE_MINUTES, default 3): two
-# fresh servers are started beside the soaked one and warmed with a minute of the load each;
-# the load is sent in alternating windows to the soaked one and a fresh one (whether the soaked
-# process is slower than a new one measured at the same time, which tells the server's drift
-# from the machine's), then to the two fresh ones (the comparison's own noise: two servers of
-# the same age), then to the soaked one, idle meanwhile, and the other fresh one (its age
-# against its idle minutes). The soak's status is the script's; the verdicts go to probe.txt.
+# default). The drift probe (bench/soak_probe.py, PROBE_MINUTES, default 3) compares servers of
+# different histories, each pair measured at the same time under the same load: a server
+# started with the soaked one and left idle through the soak (the idle one), and two fresh
+# servers started after it, each of the three warmed with a minute of the load. The load is
+# sent in alternating windows to the soaked server and a fresh one (whether the soaked process
+# is slower than a new one, which tells the server's drift from the machine's), to the idle one
+# and the same fresh one (whether a difference comes from the load served or from the process's
+# age alone), then to the two fresh ones (the comparison's own noise). The soak's status is the
+# script's; the verdicts go to probe.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 checkpoint=${1:-weights}
 minutes=${MINUTES:-30}
 calibrate=${CALIBRATE_SECS:-60}
+probe_minutes=${PROBE_MINUTES:-3}
 name=$(basename "$checkpoint")
 out=target/soak/$name
 mkdir -p "$out"
@@ -31,10 +34,18 @@ wait_healthy() {
   for _ in $(seq 300); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && break; sleep 0.2; done
 }
 port=${PORT:-18190}
+fresh_port=$((port + 1)) twin_port=$((port + 2)) idle_port=$((port + 3))
 serve "$port" "$out/server.log"
 server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
+pids=$server
+trap 'kill $pids 2>/dev/null || true' EXIT
 wait_healthy "$port"
+if [ "$probe_minutes" -gt 0 ]; then
+  serve "$idle_port" "$out/idle-server.log"
+  idle=$!
+  pids="$pids $idle"
+  wait_healthy "$idle_port"
+fi
 url=http://127.0.0.1:$port
 rate=$(python3 bench/soak.py "$url" --pid $server --model soak --calibrate \
   --minutes "$(python3 -c "print($calibrate / 60)")" | python3 -c "import json,sys; print(json.load(sys.stdin)['saturation_rps'])")
@@ -43,14 +54,12 @@ echo "saturation ${rate} requests/s; soaking ${minutes} min at ${soak_rate} requ
 status=0
 python3 bench/soak.py "$url" --pid $server --model soak --rate "$soak_rate" --minutes "$minutes" \
   --out "$out/report.json" ${GATE:+--gate "$GATE"} || status=$?
-probe_minutes=${PROBE_MINUTES:-3}
 if [ "$probe_minutes" -gt 0 ]; then
-  fresh_port=$((port + 1)) twin_port=$((port + 2))
   serve "$fresh_port" "$out/fresh-server.log"
   fresh=$!
   serve "$twin_port" "$out/twin-server.log"
   twin=$!
-  trap 'kill $server $fresh $twin 2>/dev/null || true' EXIT
+  pids="$pids $fresh $twin"
   wait_healthy "$fresh_port"
   wait_healthy "$twin_port"
   warm() { # PORT PID: a minute of the load fills its prefix cache
@@ -59,16 +68,17 @@ if [ "$probe_minutes" -gt 0 ]; then
   }
   warm "$fresh_port" $fresh
   warm "$twin_port" $twin
-  probe() { # SOAKED FRESH NAME LABELS
+  warm "$idle_port" $idle
+  probe() { # FIRST SECOND NAME LABELS
     python3 bench/soak_probe.py "$1" "$2" --model soak --rate "$soak_rate" --minutes "$probe_minutes" \
       --labels "$4" --out "$out/$3.json" | tee -a "$out/probe.txt" || true
   }
   : > "$out/probe.txt"
-  echo "the soaked server vs a fresh one, right after the soak:" | tee -a "$out/probe.txt"
+  echo "the soaked server vs a fresh one:" | tee -a "$out/probe.txt"
   probe "$url" "http://127.0.0.1:$fresh_port" probe-soaked-vs-fresh soaked,fresh
-  echo "two fresh servers (the probe's noise; the soaked one idle meanwhile):" | tee -a "$out/probe.txt"
+  echo "the idle server (started with the soaked one) vs the same fresh one:" | tee -a "$out/probe.txt"
+  probe "http://127.0.0.1:$idle_port" "http://127.0.0.1:$fresh_port" probe-idle-vs-fresh idle,fresh
+  echo "two fresh servers (the probe's noise):" | tee -a "$out/probe.txt"
   probe "http://127.0.0.1:$twin_port" "http://127.0.0.1:$fresh_port" probe-fresh-vs-fresh fresh2,fresh
-  echo "the soaked server vs a fresh one again, after that idle time:" | tee -a "$out/probe.txt"
-  probe "$url" "http://127.0.0.1:$twin_port" probe-soaked-after-idle soaked,fresh2
 fi
 exit $status
