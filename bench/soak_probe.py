@@ -17,7 +17,10 @@ falls on both alike. Each window starts on an idle server, so its latencies run 
 the soak's.
 
 For each of TTFT and inter-token latency, p50 and p99 over the streams each server served:
-soaked / fresh; pass (exit status 0) when each is within 20% (or 5 ms) and neither server
+soaked / fresh; reported beside them, not judged, each server's CPU time per token it processed
+(prompt and generated, from `/metrics`; the process found by the port it listens on, or
+`--pids`), which the queue does not move: whether a slower server does more work or the same
+work more slowly; pass (exit status 0) when each is within 20% (or 5 ms) and neither server
 answered a 5xx. Two servers of the same age measured this way (both fresh: `bench/soak.sh` does
 this between two probes of the soaked one) show the comparison's own noise. Standard library only, as `bench/soak.py`, whose
 requests it sends.
@@ -25,10 +28,12 @@ requests it sends.
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import threading
 import time
+import urllib.parse
 
 import soak
 
@@ -45,6 +50,49 @@ def order(cycle, w):
     """Which server gets window `w` of minute `cycle` first: (0, 1) or (1, 0), alternating from one
     window to the next and from one minute to the next."""
     return (0, 1) if (cycle + w) % 2 == 0 else (1, 0)
+
+
+def listening_pid(url):
+    """The pid of the process listening on `url`'s port (Linux: the listening sockets of
+    /proc/net/tcp and tcp6, then the process holding one), or None."""
+    port = urllib.parse.urlsplit(url).port
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                for line in list(f)[1:]:
+                    cols = line.split()
+                    if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        sockets.add(f"socket:[{cols[9]}]")
+        except OSError:
+            continue
+    for pid in filter(str.isdigit, os.listdir("/proc")) if sockets else ():
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def work(url, pid):
+    """(the server's CPU seconds, the tokens it has processed: prompt and generated), or None
+    without its pid or its /metrics."""
+    if pid is None:
+        return None
+    try:
+        m = soak.metrics(url)
+    except OSError:
+        return None
+    return soak.cpu_sample(pid)[3], m.get("gpt_prompt_tokens_total", 0) + m.get("gpt_generated_tokens_total", 0)
+
+
+def cpu_per_token(before, after):
+    """{cpu_s, tokens, cpu_ms_per_1k_tokens} between two `work` readings, or None."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    cpu, tokens = after[0] - before[0], after[1] - before[1]
+    return {"cpu_s": round(cpu, 2), "tokens": int(tokens), "cpu_ms_per_1k_tokens": round(1e6 * cpu / tokens, 1)}
 
 
 def compare(soaked, fresh):
@@ -77,6 +125,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=None)
     ap.add_argument("--labels", default="soaked,fresh", help="the two servers' names in the printout")
+    ap.add_argument("--pids", default=None,
+                    help="the two servers' pids, comma-separated (default: the processes listening on their ports)")
     args = ap.parse_args()
     labels = args.labels.split(",")
     if len(labels) != 2:
@@ -86,7 +136,11 @@ def main():
     if not 1 <= args.window <= 60:
         sys.exit(f"--window {args.window}: between 1 and 60 seconds")
     urls = (args.soaked, args.fresh)
+    pids = [int(p) for p in args.pids.split(",")] if args.pids else [listening_pid(u) for u in urls]
+    if len(pids) != 2:
+        sys.exit(f"--pids {args.pids!r}: two pids, comma-separated")
     stats = (soak.Stats(), soak.Stats())
+    before = [work(u, p) for u, p in zip(urls, pids)]
     plan = soak.arrivals(random.Random(args.seed), args.rate, soak.prefixes(args.soaked), 60.0, args.spacing)
     for cycle in range(args.minutes):
         for w, chunk in enumerate(windows(plan, args.window)):
@@ -101,13 +155,15 @@ def main():
                     threads.append(t)
                 for t in threads:  # drained before the other server's turn: one loaded at a time
                     t.join(timeout=600)
+    cpu = [cpu_per_token(b, work(u, p)) for b, u, p in zip(before, urls, pids)]
     soaked, fresh = soak.overall(stats[0]), soak.overall(stats[1])
     ratios, ok, detail = compare(soaked, fresh)
     fivexx = [sum(n for (_, status), n in s.status.items() if status >= 500) + len(s.errors) for s in stats]
     report = {"minutes": args.minutes, "rate": args.rate, "window_s": args.window, "latency": ratios,
               "requests": [{f"{r} {s}": n for (r, s), n in sorted(st.status.items())} for st in stats],
               "5xx_or_client_errors": {"soaked": fivexx[0], "fresh": fivexx[1]},
-              "errors": [st.errors[:5] for st in stats]}
+              "errors": [st.errors[:5] for st in stats],
+              "cpu": {"soaked": cpu[0], "fresh": cpu[1]}}
     ok = ok and not any(fivexx)
     report["pass"] = ok
     if args.out:
@@ -115,6 +171,10 @@ def main():
             json.dump(report, f, indent=1)
     for k, d in ratios.items():
         print(f"{k}: {labels[0]} {d['soaked'] * 1000:.1f} ms, {labels[1]} {d['fresh'] * 1000:.1f} ms, {d['ratio']}x")
+    if all(cpu):
+        a, b = (c["cpu_ms_per_1k_tokens"] for c in cpu)
+        print(f"server CPU per 1000 tokens processed: {labels[0]} {a} ms ({cpu[0]['tokens']} tokens), "
+              f"{labels[1]} {b} ms ({cpu[1]['tokens']} tokens), {round(a / b, 3)}x")
     print(f"{'PASS' if ok else 'FAIL'} {labels[0]} vs {labels[1]}: {detail}; 5xx or client errors: "
           f"{labels[0]} {fivexx[0]}, {labels[1]} {fivexx[1]}")
     sys.exit(0 if ok else 1)

@@ -120,6 +120,23 @@ class Probe(unittest.TestCase):
         self.assertFalse(passed, "a server that streamed nothing")
         self.assertIn("no streams", detail)
 
+    def test_cpu_per_token_between_two_readings(self):
+        self.assertEqual(soak_probe.cpu_per_token((10.0, 1000), (13.0, 3000)),
+                         {"cpu_s": 3.0, "tokens": 2000, "cpu_ms_per_1k_tokens": 1500.0})
+        self.assertIsNone(soak_probe.cpu_per_token(None, (13.0, 3000)), "a server not found")
+        self.assertIsNone(soak_probe.cpu_per_token((10.0, 1000), (11.0, 1000)), "no tokens processed")
+
+    def test_the_process_listening_on_a_port_is_found(self):
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            if not os.path.exists("/proc/net/tcp"):
+                self.skipTest("no /proc/net/tcp")
+            self.assertEqual(soak_probe.listening_pid(f"http://127.0.0.1:{port}"), os.getpid())
+        self.assertIsNone(soak_probe.listening_pid(f"http://127.0.0.1:{port}"), "nobody listens now")
+
 
 if __name__ == "__main__":
     unittest.main()
