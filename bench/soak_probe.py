@@ -22,8 +22,8 @@ soaked / fresh; reported beside them, not judged, each server's CPU time per tok
 `--pids`), which the queue does not move: whether a slower server does more work or the same
 work more slowly; pass (exit status 0) when each is within 20% (or 5 ms) and neither server
 answered a 5xx. Two servers of the same age measured this way (both fresh: `bench/soak.sh` does
-this between two probes of the soaked one) show the comparison's own noise. Standard library only, as `bench/soak.py`, whose
-requests it sends.
+this after the soaked and idle ones) show the comparison's own noise. Standard library only,
+as `bench/soak.py`, whose requests it sends.
 """
 import argparse
 import json
