@@ -5,6 +5,7 @@ how the drift probe (bench/soak_probe.py) shares the load between the two server
 """
 import os
 import random
+import socket
 import sys
 import unittest
 
@@ -127,7 +128,6 @@ class Probe(unittest.TestCase):
         self.assertIsNone(soak_probe.cpu_per_token((10.0, 1000), (11.0, 1000)), "no tokens processed")
 
     def test_the_process_listening_on_a_port_is_found(self):
-        import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             s.listen()
