@@ -31,6 +31,9 @@ pub struct Metrics {
     heap_free_bytes: IntGauge,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
+    /// Wall time of each engine step (one batch's forward pass and sampling): with the token
+    /// counters, how fast the server works apart from how long requests queue.
+    pub step_duration: Histogram,
 }
 
 impl Metrics {
@@ -84,6 +87,15 @@ impl Metrics {
             )
             .buckets(latency_buckets),
         )?;
+        let step_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "gpt_step_duration_seconds",
+                "Wall time of one engine step: a batch's forward pass and sampling",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ]),
+        )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(prompt_tokens.clone()))?;
         registry.register(Box::new(generated_tokens.clone()))?;
@@ -102,6 +114,7 @@ impl Metrics {
         registry.register(Box::new(heap_free_bytes.clone()))?;
         registry.register(Box::new(time_to_first_token.clone()))?;
         registry.register(Box::new(inter_token_latency.clone()))?;
+        registry.register(Box::new(step_duration.clone()))?;
         Ok(Self {
             registry,
             requests,
@@ -122,6 +135,7 @@ impl Metrics {
             heap_free_bytes,
             time_to_first_token,
             inter_token_latency,
+            step_duration,
         })
     }
 

@@ -270,6 +270,14 @@ async fn health_models_metrics_and_openapi() -> anyhow::Result<()> {
     ] {
         assert!(metrics.contains(line), "metrics lack {line:?}:\n{metrics}");
     }
+    // Three tokens of one request: a prefill step and two decode steps, each timed.
+    let value = |name: &str| -> f64 {
+        (metrics.lines())
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    assert_eq!(value("gpt_step_duration_seconds_count"), 3.0, "{metrics}");
+    assert!(value("gpt_step_duration_seconds_sum") > 0.0, "{metrics}");
 
     let spec: Value = get("/openapi.json").await?.json().await?;
     assert!(spec["paths"]["/v1/completions"]["post"].is_object());

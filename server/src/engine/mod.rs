@@ -599,7 +599,10 @@ impl Worker {
                         ))
                     })
                     .collect(),
-                None => self.runner.step(&mut inputs),
+                None => {
+                    let _timer = self.metrics.step_duration.start_timer();
+                    self.runner.step(&mut inputs)
+                }
             }
         };
         let all_failed = !outputs.is_empty() && outputs.iter().all(|o| o.is_err());
