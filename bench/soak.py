@@ -249,10 +249,11 @@ def metrics(url):
 
 
 def memory_sample(args, start, now):
-    """(minute, RSS KiB, prefix cache KiB, KV pool KiB, heap allocated KiB, heap free KiB, tokens):
-    the server's memory, its two bounded caches, whose filling is warm-up, the C heap's live and
-    free bytes (a leak grows the first, fragmentation the second), and the prompt and generated
-    tokens it has processed so far (its work, for the work per CPU-second of each minute)."""
+    """(minute, RSS KiB, prefix cache KiB, KV pool KiB, heap allocated KiB, heap free KiB, tokens,
+    step seconds): the server's memory, its two bounded caches, whose filling is warm-up, the C
+    heap's live and free bytes (a leak grows the first, fragmentation the second), the prompt and
+    generated tokens it has processed so far (its work, for the work per CPU-second of each
+    minute), and the wall time its engine has spent in steps (`gpt_step_duration_seconds`)."""
     try:
         m = metrics(args.url)
     except OSError:
@@ -260,7 +261,8 @@ def memory_sample(args, start, now):
     return (round((now - start) / 60, 2), server_rss_kib(args.pid),
             int(m.get("gpt_prefix_cache_bytes", 0) // 1024), int(m.get("gpt_kv_pool_bytes", 0) // 1024),
             int(m.get("gpt_heap_allocated_bytes", 0) // 1024), int(m.get("gpt_heap_free_bytes", 0) // 1024),
-            int(m.get("gpt_prompt_tokens_total", 0) + m.get("gpt_generated_tokens_total", 0)))
+            int(m.get("gpt_prompt_tokens_total", 0) + m.get("gpt_generated_tokens_total", 0)),
+            m.get("gpt_step_duration_seconds_sum", 0.0))
 
 
 def cpu_sample(pid):
@@ -297,9 +299,13 @@ def work_ms(samples, stop, start):
 
 def cpu_rows(samples, memory):
     """Per minute from consecutive `cpu_sample`s and `memory_sample`s: the machine's busy and steal
-    shares of its CPU time, the server's and this client's CPU seconds, and the tokens the server
+    shares of its CPU time, the server's and this client's CPU seconds, the tokens the server
     processed per CPU-second (with the same requests every minute, a minute where that falls
-    while the server's CPU time does not is a slower machine, or a server doing more per token)."""
+    while the server's CPU time does not is a slower machine, or a server doing more per token),
+    and the wall time of its engine's steps per 1000 tokens processed and as a share of the
+    minute. The CPU figure moves little: the server's threads spin between steps for the time it
+    does not compute, so its CPU time is about the same each minute whatever its speed. The step
+    time is the server's speed without the queue: how long its steps took for the same work."""
     rows = {}
     for m, (a, b) in enumerate(zip(samples, samples[1:])):
         total = max(1, b[2] - a[2])
@@ -308,7 +314,12 @@ def cpu_rows(samples, memory):
                    "server_cpu_s": round(cpu_s, 1), "client_cpu_s": round(b[4] - a[4], 1),
                    "server_faults": b[5] - a[5]}
         if m + 1 < len(memory):
-            rows[m]["tokens_per_cpu_s"] = round((memory[m + 1][6] - memory[m][6]) / max(cpu_s, 1e-3), 1)
+            tokens = memory[m + 1][6] - memory[m][6]
+            step_s = memory[m + 1][7] - memory[m][7]
+            rows[m]["tokens_per_cpu_s"] = round(tokens / max(cpu_s, 1e-3), 1)
+            rows[m]["engine_busy"] = round(step_s / max(1e-3, 60 * (memory[m + 1][0] - memory[m][0])), 3)
+            if tokens > 0:
+                rows[m]["step_ms_per_1k_tokens"] = round(1e6 * step_s / tokens, 1)
     return rows
 
 
@@ -398,19 +409,20 @@ def close(a, b):
     return abs(b - a) <= max(0.2 * a, 0.005)
 
 
-def latency_drift(per_minute):
+def latency_drift(per_minute, keys=LATENCIES):
     """Each latency's drift over the run: its per-minute values' median over the run's first third
     and over its last third (minute 0, the warm-up, left out), and their ratio. A drift is judged
     on thirds, not on single minutes: a minute's p99 is a few of its slowest streams, and at 80%
     of saturation one burst of arrivals moves it by tens of percent either way
     (BENCHMARKS.md, "Soak"), where a server that slows as it runs moves every minute after some
-    point. Empty for runs under 7 minutes (two minutes a third)."""
-    rows = [r for r in per_minute[1:] if all(r.get(k) is not None for k in LATENCIES)]
+    point. Empty for runs under 7 minutes (two minutes a third). `keys`: other per-minute figures
+    judged the same way (the step time per token)."""
+    rows = [r for r in per_minute[1:] if all(r.get(k) is not None for k in keys)]
     third = len(rows) // 3
     if third < 2:
         return {}
     out = {}
-    for k in LATENCIES:
+    for k in keys:
         first = statistics.median(r[k] for r in rows[:third])
         last = statistics.median(r[k] for r in rows[-third:])
         out[k] = {"first_third": first, "last_third": last, "ratio": round(last / first, 3) if first else None}
@@ -426,6 +438,21 @@ def steady(drift):
              for k, d in drift.items() if not close(d["first_third"], d["last_third"])]
     return (not moved, "; ".join(moved) or "the last third of the run within 20% of the first, each latency: "
             + ", ".join(f"{k} {d['ratio']}x" for k, d in drift.items()))
+
+
+def speed_steady(per_minute):
+    """The server's own speed over the run: the wall time of its steps per 1000 tokens, the
+    median of its last third against its first (`latency_drift`'s thirds), within 10% either
+    way. The queue, which turns a few percent of machine speed into tens of percent of latency
+    at 80% of saturation, is not in it; a server that slows as it runs (more work per token, or
+    the same work done more slowly) is. (pass, detail), or None when the run is too short or the
+    server has no step metric."""
+    drift = latency_drift(per_minute, keys=("step_ms_per_1k_tokens",)).get("step_ms_per_1k_tokens")
+    if not drift or not drift["first_third"]:
+        return None
+    ok = abs(drift["ratio"] - 1) <= 0.1
+    return (ok, f"step time per 1000 tokens {drift['last_third']:.1f} ms in the last third vs "
+            f"{drift['first_third']:.1f} ms in the first ({drift['ratio']}x)")
 
 
 def rank_correlation(xs, ys):
@@ -575,6 +602,9 @@ def main():
     vs_machine = {key: machine_vs_latency(per_minute, key) for key in ("steal", "work_ms")}
     if judged is not None:
         checks["latency steady"] = judged
+    speed = speed_steady(per_minute)
+    if speed is not None:
+        checks["speed steady"] = speed
     served = {status: sum(n for (r, s), n in stats.status.items() if s == status and r in ("completions", "chat"))
               for status in {s for (_, s) in stats.status}}
     mismatched = []
@@ -596,7 +626,7 @@ def main():
         "dropped_streams": stats.dropped,
         "completion_tokens": stats.completion_tokens,
         "memory_kib": [{"minute": m, "rss": r, "prefix_cache": p, "kv_pool": k, "heap_allocated": a,
-                        "heap_free": f, "tokens": t} for m, r, p, k, a, f, t in rss],
+                        "heap_free": f, "tokens": t, "step_s": round(st, 3)} for m, r, p, k, a, f, t, st in rss],
         "per_minute": per_minute,
         "overall": overall(stats),
         "latency_drift": drift,

@@ -17,10 +17,11 @@ falls on both alike. Each window starts on an idle server, so its latencies run 
 the soak's.
 
 For each of TTFT and inter-token latency, p50 and p99 over the streams each server served:
-soaked / fresh; reported beside them, not judged, each server's CPU time per token it processed
-(prompt and generated, from `/metrics`; the process found by the port it listens on, or
-`--pids`), which the queue does not move: whether a slower server does more work or the same
-work more slowly; pass (exit status 0) when each is within 20% (or 5 ms) and neither server
+soaked / fresh; reported beside them, not judged, each server's engine step time (wall, from
+`gpt_step_duration_seconds`) and CPU time (the process found by the port it listens on, or
+`--pids`) per token it processed (prompt and generated, from `/metrics`), which the queue does
+not move: whether a slower server is slower at the same work. (The CPU figure hides some of it:
+the server's threads spin between steps, so a faster one spins for longer.) Pass (exit status 0) when each is within 20% (or 5 ms) and neither server
 answered a 5xx. Two servers of the same age measured this way (both fresh: `bench/soak.sh` does
 this after the soaked and idle ones) show the comparison's own noise. Standard library only,
 as `bench/soak.py`, whose requests it sends.
@@ -76,23 +77,28 @@ def listening_pid(url):
 
 
 def work(url, pid):
-    """(the server's CPU seconds, the tokens it has processed: prompt and generated), or None
-    without its pid or its /metrics."""
-    if pid is None:
-        return None
+    """(the server's CPU seconds, or None without its pid; the tokens it has processed: prompt and
+    generated; the wall time its engine has spent in steps), or None without its /metrics."""
     try:
         m = soak.metrics(url)
     except OSError:
         return None
-    return soak.cpu_sample(pid)[3], m.get("gpt_prompt_tokens_total", 0) + m.get("gpt_generated_tokens_total", 0)
+    cpu = soak.cpu_sample(pid)[3] if pid is not None else None
+    return (cpu, m.get("gpt_prompt_tokens_total", 0) + m.get("gpt_generated_tokens_total", 0),
+            m.get("gpt_step_duration_seconds_sum", 0.0))
 
 
-def cpu_per_token(before, after):
-    """{cpu_s, tokens, cpu_ms_per_1k_tokens} between two `work` readings, or None."""
+def per_token(before, after):
+    """Between two `work` readings: {tokens, cpu_s, cpu_ms_per_1k_tokens, step_s,
+    step_ms_per_1k_tokens} (the CPU figures None without the pid), or None."""
     if before is None or after is None or after[1] <= before[1]:
         return None
-    cpu, tokens = after[0] - before[0], after[1] - before[1]
-    return {"cpu_s": round(cpu, 2), "tokens": int(tokens), "cpu_ms_per_1k_tokens": round(1e6 * cpu / tokens, 1)}
+    tokens, step = after[1] - before[1], after[2] - before[2]
+    cpu = after[0] - before[0] if after[0] is not None and before[0] is not None else None
+    return {"tokens": int(tokens),
+            "cpu_s": round(cpu, 2) if cpu is not None else None,
+            "cpu_ms_per_1k_tokens": round(1e6 * cpu / tokens, 1) if cpu is not None else None,
+            "step_s": round(step, 3), "step_ms_per_1k_tokens": round(1e6 * step / tokens, 1)}
 
 
 def compare(soaked, fresh):
@@ -155,7 +161,7 @@ def main():
                     threads.append(t)
                 for t in threads:  # drained before the other server's turn: one loaded at a time
                     t.join(timeout=600)
-    cpu = [cpu_per_token(b, work(u, p)) for b, u, p in zip(before, urls, pids)]
+    cpu = [per_token(b, work(u, p)) for b, u, p in zip(before, urls, pids)]
     soaked, fresh = soak.overall(stats[0]), soak.overall(stats[1])
     ratios, ok, detail = compare(soaked, fresh)
     fivexx = [sum(n for (_, status), n in s.status.items() if status >= 500) + len(s.errors) for s in stats]
@@ -171,10 +177,11 @@ def main():
             json.dump(report, f, indent=1)
     for k, d in ratios.items():
         print(f"{k}: {labels[0]} {d['soaked'] * 1000:.1f} ms, {labels[1]} {d['fresh'] * 1000:.1f} ms, {d['ratio']}x")
-    if all(cpu):
-        a, b = (c["cpu_ms_per_1k_tokens"] for c in cpu)
-        print(f"server CPU per 1000 tokens processed: {labels[0]} {a} ms ({cpu[0]['tokens']} tokens), "
-              f"{labels[1]} {b} ms ({cpu[1]['tokens']} tokens), {round(a / b, 3)}x")
+    for key, what in (("step_ms_per_1k_tokens", "engine step time"), ("cpu_ms_per_1k_tokens", "server CPU")):
+        if all(c and c[key] for c in cpu):
+            a, b = (c[key] for c in cpu)
+            print(f"{what} per 1000 tokens processed: {labels[0]} {a} ms ({cpu[0]['tokens']} tokens), "
+                  f"{labels[1]} {b} ms ({cpu[1]['tokens']} tokens), {round(a / b, 3)}x")
     print(f"{'PASS' if ok else 'FAIL'} {labels[0]} vs {labels[1]}: {detail}; 5xx or client errors: "
           f"{labels[0]} {fivexx[0]}, {labels[1]} {fivexx[1]}")
     sys.exit(0 if ok else 1)

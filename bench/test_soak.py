@@ -76,6 +76,33 @@ class LatencyRule(unittest.TestCase):
         self.assertIsNotNone(soak.steady(soak.latency_drift(run(NOISY[:7]))))
 
 
+class SpeedRule(unittest.TestCase):
+    def minutes(self, step_ms):
+        return [{"minute": m, "step_ms_per_1k_tokens": v} for m, v in enumerate(step_ms)]
+
+    def test_a_server_that_slows_by_a_sixth_fails(self):
+        # the machine's minute-to-minute noise, then 15% more step time per token from minute 15
+        noise = [1 + 0.04 * ((m * 7) % 5 - 2) / 2 for m in range(30)]
+        ok, detail = soak.speed_steady(self.minutes([3.0 * n * (1.15 if m >= 15 else 1) for m, n in enumerate(noise)]))
+        self.assertFalse(ok)
+        self.assertIn("1.15x", detail)
+        ok, detail = soak.speed_steady(self.minutes([3.0 * n for n in noise]))
+        self.assertTrue(ok, detail)
+
+    def test_not_judged_when_short_or_without_the_metric(self):
+        self.assertIsNone(soak.speed_steady(self.minutes([3.0] * 6)))
+        self.assertIsNone(soak.speed_steady([{"minute": m} for m in range(30)]))
+
+    def test_the_step_time_per_token_of_a_minute(self):
+        # (minute, rss, prefix, pool, heap, free, tokens, step seconds) at minutes 0 and 1
+        memory = [(0.0, 1, 0, 0, 0, 0, 1000, 2.0), (1.0, 1, 0, 0, 0, 0, 31000, 32.0)]
+        cpu = [(0, 0, 100, 0.0, 0.0, 0), (90, 1, 200, 50.0, 1.0, 0)]
+        row = soak.cpu_rows(cpu, memory)[0]
+        self.assertEqual(row["step_ms_per_1k_tokens"], 1000.0)
+        self.assertEqual(row["engine_busy"], 0.5)
+        self.assertEqual(row["tokens_per_cpu_s"], 600.0)
+
+
 class StealCorrelation(unittest.TestCase):
     def test_latency_that_follows_the_stolen_cpu_correlates(self):
         steal = [0.02, 0.01, 0.05, 0.0, 0.03, 0.01, 0.04, 0.02]
@@ -121,11 +148,14 @@ class Probe(unittest.TestCase):
         self.assertFalse(passed, "a server that streamed nothing")
         self.assertIn("no streams", detail)
 
-    def test_cpu_per_token_between_two_readings(self):
-        self.assertEqual(soak_probe.cpu_per_token((10.0, 1000), (13.0, 3000)),
-                         {"cpu_s": 3.0, "tokens": 2000, "cpu_ms_per_1k_tokens": 1500.0})
-        self.assertIsNone(soak_probe.cpu_per_token(None, (13.0, 3000)), "a server not found")
-        self.assertIsNone(soak_probe.cpu_per_token((10.0, 1000), (11.0, 1000)), "no tokens processed")
+    def test_work_per_token_between_two_readings(self):
+        self.assertEqual(soak_probe.per_token((10.0, 1000, 1.5), (13.0, 3000, 2.5)),
+                         {"tokens": 2000, "cpu_s": 3.0, "cpu_ms_per_1k_tokens": 1500.0,
+                          "step_s": 1.0, "step_ms_per_1k_tokens": 500.0})
+        self.assertEqual(soak_probe.per_token((None, 1000, 1.5), (None, 3000, 2.5))["cpu_ms_per_1k_tokens"], None,
+                         "a process not found: the step time alone")
+        self.assertIsNone(soak_probe.per_token(None, (13.0, 3000, 2.5)), "a server not answering")
+        self.assertIsNone(soak_probe.per_token((10.0, 1000, 1.5), (11.0, 1000, 1.5)), "no tokens processed")
 
     def test_the_process_listening_on_a_port_is_found(self):
         with socket.socket() as s:
