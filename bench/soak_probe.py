@@ -20,8 +20,12 @@ For each of TTFT and inter-token latency, p50 and p99 over the streams each serv
 soaked / fresh; reported beside them, not judged, each server's engine step time (wall, from
 `gpt_step_duration_seconds`) and CPU time (the process found by the port it listens on, or
 `--pids`) per token it processed (prompt and generated, from `/metrics`), which the queue does
-not move: whether a slower server is slower at the same work. (The CPU figure hides some of it:
-the server's threads spin between steps, so a faster one spins for longer.) Pass (exit status 0) when each is within 20% (or 5 ms) and neither server
+not move: whether a slower server is slower at the same work. Both understate a difference:
+the server's threads spin between steps, so a faster one spins for longer, and a slower one
+batches more sequences per step, each step doing more tokens for its time. So, last, each
+server's saturated throughput: the same list of requests (about 10 s of work) sent by 32 clients
+in a closed loop, to one server and then the other, `--saturated-rounds` times each: time
+soaked / fresh, neither amplified by a queue nor flattened by batching. Pass (exit status 0) when each is within 20% (or 5 ms) and neither server
 answered a 5xx. Two servers of the same age measured this way (both fresh: `bench/soak.sh` does
 this after the soaked and idle ones) show the comparison's own noise. Standard library only,
 as `bench/soak.py`, whose requests it sends.
@@ -101,6 +105,29 @@ def per_token(before, after):
             "step_s": round(step, 3), "step_ms_per_1k_tokens": round(1e6 * step / tokens, 1)}
 
 
+def saturated(url, work, model, concurrency):
+    """Seconds `concurrency` clients take to send `work` (the same list of requests each time, a
+    closed loop: each client sends its next request when its last one has ended) to `url`, and
+    the 5xx or client errors among them."""
+    stats, queue, lock = soak.Stats(), list(reversed(work)), threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                path, body, stream, drop = queue.pop()
+            soak.request(url, path, body, model, stats, 0, stream, drop)
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return time.monotonic() - start, len(stats.errors)  # each 5xx and each client failure
+
+
 def compare(soaked, fresh):
     """soaked / fresh for each latency, with the check: ({latency: {...}}, pass, detail)."""
     out, moved = {}, []
@@ -131,6 +158,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=None)
     ap.add_argument("--labels", default="soaked,fresh", help="the two servers' names in the printout")
+    ap.add_argument("--saturated-rounds", type=int, default=3,
+                    help="rounds of the same requests sent to each server in turn by 32 clients in a "
+                         "closed loop, for its throughput (default 3; 0: none)")
     ap.add_argument("--pids", default=None,
                     help="the two servers' pids, comma-separated (default: the processes listening on their ports)")
     args = ap.parse_args()
@@ -162,14 +192,29 @@ def main():
                 for t in threads:  # drained before the other server's turn: one loaded at a time
                     t.join(timeout=600)
     cpu = [per_token(b, work(u, p)) for b, u, p in zip(before, urls, pids)]
+    # Throughput: about 10 s of a saturated server's work (the rate is 80% of its saturation).
+    rng, pool = random.Random(args.seed + 1), soak.prefixes(args.soaked)
+    batch = [soak.pick(rng, pool) for _ in range(max(32, round(args.rate / 0.8 * 10)))]
+    elapsed, failed = [0.0, 0.0], [0, 0]
+    for r in range(args.saturated_rounds):
+        for i in order(r, 0):
+            seconds, bad = saturated(urls[i], batch, args.model, 32)
+            elapsed[i] += seconds
+            failed[i] += bad
     soaked, fresh = soak.overall(stats[0]), soak.overall(stats[1])
     ratios, ok, detail = compare(soaked, fresh)
-    fivexx = [sum(n for (_, status), n in s.status.items() if status >= 500) + len(s.errors) for s in stats]
+    fivexx = [len(s.errors) + f for s, f in zip(stats, failed)]  # `soak.request` lists each 5xx there
+    throughput = None
+    if args.saturated_rounds and all(elapsed):
+        rps = [round(len(batch) * args.saturated_rounds / e, 2) for e in elapsed]
+        throughput = {"requests": len(batch), "rounds": args.saturated_rounds, "concurrency": 32,
+                      "seconds": [round(e, 2) for e in elapsed], "requests_per_s": rps,
+                      "time_ratio": round(elapsed[0] / elapsed[1], 3)}
     report = {"minutes": args.minutes, "rate": args.rate, "window_s": args.window, "latency": ratios,
               "requests": [{f"{r} {s}": n for (r, s), n in sorted(st.status.items())} for st in stats],
               "5xx_or_client_errors": {"soaked": fivexx[0], "fresh": fivexx[1]},
               "errors": [st.errors[:5] for st in stats],
-              "cpu": {"soaked": cpu[0], "fresh": cpu[1]}}
+              "cpu": {"soaked": cpu[0], "fresh": cpu[1]}, "saturated": throughput}
     ok = ok and not any(fivexx)
     report["pass"] = ok
     if args.out:
@@ -182,6 +227,10 @@ def main():
             a, b = (c[key] for c in cpu)
             print(f"{what} per 1000 tokens processed: {labels[0]} {a} ms ({cpu[0]['tokens']} tokens), "
                   f"{labels[1]} {b} ms ({cpu[1]['tokens']} tokens), {round(a / b, 3)}x")
+    if throughput:
+        print(f"saturated, the same {len(batch)} requests from 32 clients, {args.saturated_rounds} times each: "
+              f"{labels[0]} {throughput['requests_per_s'][0]} requests/s, {labels[1]} "
+              f"{throughput['requests_per_s'][1]} requests/s; time {throughput['time_ratio']}x")
     print(f"{'PASS' if ok else 'FAIL'} {labels[0]} vs {labels[1]}: {detail}; 5xx or client errors: "
           f"{labels[0]} {fivexx[0]}, {labels[1]} {fivexx[1]}")
     sys.exit(0 if ok else 1)

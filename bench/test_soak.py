@@ -5,8 +5,11 @@ how the drift probe (bench/soak_probe.py) shares the load between the two server
 """
 import os
 import random
+import http.server
+import json
 import socket
 import sys
+import threading
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -166,6 +169,42 @@ class Probe(unittest.TestCase):
                 self.skipTest("no /proc/net/tcp")
             self.assertEqual(soak_probe.listening_pid(f"http://127.0.0.1:{port}"), os.getpid())
         self.assertIsNone(soak_probe.listening_pid(f"http://127.0.0.1:{port}"), "nobody listens now")
+
+    def test_saturated_sends_each_request_once_with_many_clients_at_once(self):
+        seen, lock, at_once = [], threading.Lock(), [0, 0]  # [now, most]
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                with lock:
+                    seen.append(body["prompt"])
+                    at_once[0] += 1
+                    at_once[1] = max(at_once)
+                threading.Event().wait(0.02)
+                with lock:
+                    at_once[0] -= 1
+                fail = body["prompt"] == "p7"
+                out = json.dumps({"error": "x"} if fail else {"usage": {"completion_tokens": 1}}).encode()
+                self.send_response(500 if fail else 200)
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            work = [("/v1/completions", {"prompt": f"p{i}", "max_tokens": 1}, False, False) for i in range(40)]
+            seconds, bad = soak_probe.saturated(f"http://127.0.0.1:{server.server_address[1]}", work, None, 8)
+        finally:
+            server.shutdown()
+        self.assertEqual(sorted(seen), sorted(f"p{i}" for i in range(40)), "every request, once")
+        self.assertEqual(bad, 1, "the one 500")
+        self.assertGreater(at_once[1], 1, "clients in parallel")
+        self.assertLessEqual(at_once[1], 8, "no more than the clients")
+        self.assertGreater(seconds, 0.02 * 40 / 8 * 0.9)
 
 
 if __name__ == "__main__":
