@@ -440,19 +440,16 @@ def steady(drift):
             + ", ".join(f"{k} {d['ratio']}x" for k, d in drift.items()))
 
 
-def speed_steady(per_minute):
-    """The server's own speed over the run: the wall time of its steps per 1000 tokens, the
-    median of its last third against its first (`latency_drift`'s thirds), within 10% either
-    way. The queue, which turns a few percent of machine speed into tens of percent of latency
-    at 80% of saturation, is not in it; a server that slows as it runs (more work per token, or
-    the same work done more slowly) is. (pass, detail), or None when the run is too short or the
-    server has no step metric."""
+def step_time_drift(per_minute):
+    """Reported, not a check: the wall time of the engine's steps per 1000 tokens, the median of
+    the run's last third against its first (`latency_drift`'s thirds), {first_third, last_third,
+    ratio}, or None when the run is too short or the server has no step metric. The queue is not
+    in it, but it understates a slowdown: at 80% of saturation the engine steps for 90-95% of each
+    minute, and a slower server takes more sequences into each step, so the same tokens cost it
+    at most the rest of the minute more (1 / busy share) before its queue grows. It tells a
+    server doing much more work per token; the probe's saturated throughput tells a few percent."""
     drift = latency_drift(per_minute, keys=("step_ms_per_1k_tokens",)).get("step_ms_per_1k_tokens")
-    if not drift or not drift["first_third"]:
-        return None
-    ok = abs(drift["ratio"] - 1) <= 0.1
-    return (ok, f"step time per 1000 tokens {drift['last_third']:.1f} ms in the last third vs "
-            f"{drift['first_third']:.1f} ms in the first ({drift['ratio']}x)")
+    return drift if drift and drift["first_third"] else None
 
 
 def rank_correlation(xs, ys):
@@ -602,9 +599,7 @@ def main():
     vs_machine = {key: machine_vs_latency(per_minute, key) for key in ("steal", "work_ms")}
     if judged is not None:
         checks["latency steady"] = judged
-    speed = speed_steady(per_minute)
-    if speed is not None:
-        checks["speed steady"] = speed
+    step_drift = step_time_drift(per_minute)
     served = {status: sum(n for (r, s), n in stats.status.items() if s == status and r in ("completions", "chat"))
               for status in {s for (_, s) in stats.status}}
     mismatched = []
@@ -630,6 +625,7 @@ def main():
         "per_minute": per_minute,
         "overall": overall(stats),
         "latency_drift": drift,
+        "step_time_drift": step_drift,
         "minutes_vs_first": vs_first,
         "machine_vs_latency": vs_machine,
         "checks": {name: {"pass": ok, "detail": detail} for name, (ok, detail) in checks.items()},
@@ -643,6 +639,9 @@ def main():
         print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
     if judged is None:
         print("latency steady: not judged, the run is too short (under 7 minutes)")
+    if step_drift:
+        print(f"engine step time per 1000 tokens (reported, not a check): {step_drift['last_third']:.1f} ms in "
+              f"the last third vs {step_drift['first_third']:.1f} ms in the first ({step_drift['ratio']}x)")
     print("minutes within 20% of the first (reported, not a check):",
           ", ".join(f"{k} {v}" for k, v in vs_first.items()))
     for key, what in (("steal", "stolen CPU"), ("work_ms", "time for a fixed piece of work")):
