@@ -25,10 +25,11 @@ the server's threads spin between steps, so a faster one spins for longer, and a
 batches more sequences per step, each step doing more tokens for its time. So, last, each
 server's saturated throughput: the same list of requests (about 10 s of work) sent by 32 clients
 in a closed loop, to one server and then the other, `--saturated-rounds` times each: time
-soaked / fresh, neither amplified by a queue nor flattened by batching. Pass (exit status 0) when each is within 20% (or 5 ms) and neither server
-answered a 5xx. Two servers of the same age measured this way (both fresh: `bench/soak.sh` does
-this after the soaked and idle ones) show the comparison's own noise. Standard library only,
-as `bench/soak.py`, whose requests it sends.
+soaked / fresh, neither amplified by a queue nor flattened by batching. Pass (exit status 0)
+when each latency is within 20% (or 5 ms) and neither server answered a 5xx. Two servers of
+the same age measured this way (both fresh: `bench/soak.sh` does this after the soaked and idle
+ones) show the comparison's own noise. Standard library only, as `bench/soak.py`, whose
+requests it sends.
 """
 import argparse
 import json
@@ -177,7 +178,8 @@ def main():
         sys.exit(f"--pids {args.pids!r}: two pids, comma-separated")
     stats = (soak.Stats(), soak.Stats())
     before = [work(u, p) for u, p in zip(urls, pids)]
-    plan = soak.arrivals(random.Random(args.seed), args.rate, soak.prefixes(args.soaked), 60.0, args.spacing)
+    pool = soak.prefixes(args.soaked)
+    plan = soak.arrivals(random.Random(args.seed), args.rate, pool, 60.0, args.spacing)
     for cycle in range(args.minutes):
         for w, chunk in enumerate(windows(plan, args.window)):
             for i in order(cycle, w):
@@ -191,9 +193,9 @@ def main():
                     threads.append(t)
                 for t in threads:  # drained before the other server's turn: one loaded at a time
                     t.join(timeout=600)
-    cpu = [per_token(b, work(u, p)) for b, u, p in zip(before, urls, pids)]
+    used = [per_token(b, work(u, p)) for b, u, p in zip(before, urls, pids)]
     # Throughput: about 10 s of a saturated server's work (the rate is 80% of its saturation).
-    rng, pool = random.Random(args.seed + 1), soak.prefixes(args.soaked)
+    rng = random.Random(args.seed + 1)
     batch = [soak.pick(rng, pool) for _ in range(max(32, round(args.rate / 0.8 * 10)))]
     elapsed, failed = [0.0, 0.0], [0, 0]
     for r in range(args.saturated_rounds):
@@ -214,7 +216,7 @@ def main():
               "requests": [{f"{r} {s}": n for (r, s), n in sorted(st.status.items())} for st in stats],
               "5xx_or_client_errors": {"soaked": fivexx[0], "fresh": fivexx[1]},
               "errors": [st.errors[:5] for st in stats],
-              "cpu": {"soaked": cpu[0], "fresh": cpu[1]}, "saturated": throughput}
+              "per_token": {"soaked": used[0], "fresh": used[1]}, "saturated": throughput}
     ok = ok and not any(fivexx)
     report["pass"] = ok
     if args.out:
@@ -223,10 +225,10 @@ def main():
     for k, d in ratios.items():
         print(f"{k}: {labels[0]} {d['soaked'] * 1000:.1f} ms, {labels[1]} {d['fresh'] * 1000:.1f} ms, {d['ratio']}x")
     for key, what in (("step_ms_per_1k_tokens", "engine step time"), ("cpu_ms_per_1k_tokens", "server CPU")):
-        if all(c and c[key] for c in cpu):
-            a, b = (c[key] for c in cpu)
-            print(f"{what} per 1000 tokens processed: {labels[0]} {a} ms ({cpu[0]['tokens']} tokens), "
-                  f"{labels[1]} {b} ms ({cpu[1]['tokens']} tokens), {round(a / b, 3)}x")
+        if all(u and u[key] for u in used):
+            a, b = (u[key] for u in used)
+            print(f"{what} per 1000 tokens processed: {labels[0]} {a} ms ({used[0]['tokens']} tokens), "
+                  f"{labels[1]} {b} ms ({used[1]['tokens']} tokens), {round(a / b, 3)}x")
     if throughput:
         print(f"saturated, the same {len(batch)} requests from 32 clients, {args.saturated_rounds} times each: "
               f"{labels[0]} {throughput['requests_per_s'][0]} requests/s, {labels[1]} "

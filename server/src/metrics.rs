@@ -85,16 +85,14 @@ impl Metrics {
                 "gpt_inter_token_latency_seconds",
                 "Between consecutive tokens of a sequence",
             )
-            .buckets(latency_buckets),
+            .buckets(latency_buckets.clone()),
         )?;
         let step_duration = Histogram::with_opts(
             HistogramOpts::new(
                 "gpt_step_duration_seconds",
                 "Wall time of one engine step: a batch's forward pass and sampling",
             )
-            .buckets(vec![
-                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-            ]),
+            .buckets(latency_buckets),
         )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(prompt_tokens.clone()))?;
