@@ -10,11 +10,10 @@ minute and 7.1 ms in another, and at 80% of saturation the queue turns such move
 2.6x apart. So the soaked server is compared with a server at its start, a fresh process, on the
 same machine at the same time. The soak's load (its replayed minute of requests, at its rate) is
 cut into windows of `--window` seconds; each window is sent to one server, then, once that
-server has finished it, to the other, the first server alternating from window to window and
-from minute to minute. Both servers get the same requests at the same offsets, never at once
-(the idle one's threads sleep), and a change of the machine's speed slower than a window or two
-falls on both alike. Each window starts on an idle server, so its latencies run a little below
-the soak's.
+server has finished it, to the other, the two strictly alternating (`schedule`). Both servers
+get the same requests at the same offsets, never at once (the idle one's threads sleep), and a
+change of the machine's speed slower than a window or two falls on both alike. Each window starts on an idle server, so its latencies run a little below
+the soak's. The first window is sent to each server once before any is measured (warm-up).
 
 For each of TTFT and inter-token latency, p50 and p99 over the streams each server served:
 soaked / fresh; reported beside them, not judged, each server's engine step time (wall, from
@@ -52,10 +51,14 @@ def windows(plan, window):
     return out
 
 
-def order(cycle, w):
-    """Which server gets window `w` of minute `cycle` first: (0, 1) or (1, 0), alternating from one
-    window to the next and from one minute to the next."""
-    return (0, 1) if (cycle + w) % 2 == 0 else (1, 0)
+def schedule(minutes, n):
+    """The order the windows are sent in: [(server, minute, window)], the two servers strictly
+    alternating, each window to server 0 and then to server 1. So each of a server's runs follows
+    one run of the other's, and both have as many. (An order that alternated which server went
+    first from window to window gave one server a run of one window where the other had two back
+    to back, and one run more: the server named first came out slower in 7 of 8 one-minute pairs,
+    BENCHMARKS.md, "Soak".)"""
+    return [(i, m, w) for m in range(minutes) for w in range(n) for i in (0, 1)]
 
 
 def listening_pid(url):
@@ -176,30 +179,39 @@ def main():
     pids = [int(p) for p in args.pids.split(",")] if args.pids else [listening_pid(u) for u in urls]
     if len(pids) != 2:
         sys.exit(f"--pids {args.pids!r}: two pids, comma-separated")
-    stats = (soak.Stats(), soak.Stats())
-    before = [work(u, p) for u, p in zip(urls, pids)]
     pool = soak.prefixes(args.soaked)
     plan = soak.arrivals(random.Random(args.seed), args.rate, pool, 60.0, args.spacing)
-    for cycle in range(args.minutes):
-        for w, chunk in enumerate(windows(plan, args.window)):
-            for i in order(cycle, w):
-                start = time.monotonic() - w * args.window
-                threads = []
-                for offset, (path, body, stream, drop) in chunk:
-                    time.sleep(max(0.0, start + offset - time.monotonic()))
-                    t = threading.Thread(target=soak.request, daemon=True,
-                                         args=(urls[i], path, body, args.model, stats[i], 0, stream, drop))
-                    t.start()
-                    threads.append(t)
-                for t in threads:  # drained before the other server's turn: one loaded at a time
-                    t.join(timeout=600)
+    cut = windows(plan, args.window)
+
+    def send(i, w, chunk, stats):
+        """Window `w`'s arrivals to server `i`, at their offsets; returns once it has served them
+        all, so that one server is loaded at a time."""
+        start = time.monotonic() - w * args.window
+        threads = []
+        for offset, (path, body, stream, drop) in chunk:
+            time.sleep(max(0.0, start + offset - time.monotonic()))
+            t = threading.Thread(target=soak.request, daemon=True,
+                                 args=(urls[i], path, body, args.model, stats, 0, stream, drop))
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join(timeout=600)
+
+    # Warm-up, not counted: the first window to each server, so that the first measured window
+    # carries neither the client's own start nor whatever a server idled into before the probe.
+    for i in (0, 1):
+        send(i, 0, cut[0], soak.Stats())
+    stats = (soak.Stats(), soak.Stats())
+    before = [work(u, p) for u, p in zip(urls, pids)]
+    for i, _, w in schedule(args.minutes, len(cut)):
+        send(i, w, cut[w], stats[i])
     used = [per_token(b, work(u, p)) for b, u, p in zip(before, urls, pids)]
     # Throughput: about 10 s of a saturated server's work (the rate is 80% of its saturation).
     rng = random.Random(args.seed + 1)
     batch = [soak.pick(rng, pool) for _ in range(max(32, round(args.rate / 0.8 * 10)))]
     elapsed, failed = [0.0, 0.0], [0, 0]
     for r in range(args.saturated_rounds):
-        for i in order(r, 0):
+        for i in (0, 1):
             seconds, bad = saturated(urls[i], batch, args.model, 32)
             elapsed[i] += seconds
             failed[i] += bad

@@ -125,13 +125,16 @@ class Probe(unittest.TestCase):
         for w, chunk in enumerate(cut):
             self.assertTrue(all(w * 10.0 <= offset < (w + 1) * 10.0 for offset, _ in chunk))
         self.assertEqual(len(soak_probe.windows(plan, 25.0)), 3, "a last, shorter window")
-        for cycle in range(4):
-            firsts = [soak_probe.order(cycle, w)[0] for w in range(6)]
-            self.assertEqual(sorted(firsts), [0, 0, 0, 1, 1, 1], "each server first in half the windows")
-            for w in range(6):
-                self.assertEqual(sorted(soak_probe.order(cycle, w)), [0, 1])
-                self.assertNotEqual(soak_probe.order(cycle, w), soak_probe.order(cycle + 1, w),
-                                    "the order of a window flips from one minute to the next")
+        order = soak_probe.schedule(3, 6)
+        self.assertEqual(len(order), 36)
+        for i in (0, 1):
+            self.assertEqual(sorted((m, w) for s, m, w in order if s == i),
+                             [(m, w) for m in range(3) for w in range(6)], "every window of every minute, once")
+        self.assertTrue(all(a[0] != b[0] for a, b in zip(order, order[1:])),
+                        "no server runs twice in a row: each run follows one of the other's")
+        for k, (i, m, w) in enumerate(order):
+            if i == 1:
+                self.assertEqual(order[k - 1], (0, m, w), "the same window, to server 0 and then to server 1")
 
     def test_judged_each_latency_within_20_percent_or_5_ms(self):
         fresh = {"ttft_p50": 0.020, "ttft_p99": 0.600, "itl_p50": 0.006, "itl_p99": 0.090}
