@@ -12,8 +12,9 @@ same machine at the same time. The soak's load (its replayed minute of requests,
 cut into windows of `--window` seconds; each window is sent to one server, then, once that
 server has finished it, to the other, the two strictly alternating (`schedule`). Both servers
 get the same requests at the same offsets, never at once (the idle one's threads sleep), and a
-change of the machine's speed slower than a window or two falls on both alike. Each window starts on an idle server, so its latencies run a little below
-the soak's. The first window is sent to each server once before any is measured (warm-up).
+change of the machine's speed slower than a window or two falls on both alike. Each window
+starts on an idle server, so its latencies run a little below the soak's. The first window is
+sent to each server once before any is measured (warm-up).
 
 For each of TTFT and inter-token latency, p50 and p99 over the streams each server served:
 soaked / fresh; reported beside them, not judged, each server's engine step time (wall, from
@@ -183,12 +184,12 @@ def main():
     plan = soak.arrivals(random.Random(args.seed), args.rate, pool, 60.0, args.spacing)
     cut = windows(plan, args.window)
 
-    def send(i, w, chunk, stats):
+    def send(i, w, stats):
         """Window `w`'s arrivals to server `i`, at their offsets; returns once it has served them
         all, so that one server is loaded at a time."""
         start = time.monotonic() - w * args.window
         threads = []
-        for offset, (path, body, stream, drop) in chunk:
+        for offset, (path, body, stream, drop) in cut[w]:
             time.sleep(max(0.0, start + offset - time.monotonic()))
             t = threading.Thread(target=soak.request, daemon=True,
                                  args=(urls[i], path, body, args.model, stats, 0, stream, drop))
@@ -200,11 +201,11 @@ def main():
     # Warm-up, not counted: the first window to each server, so that the first measured window
     # carries neither the client's own start nor whatever a server idled into before the probe.
     for i in (0, 1):
-        send(i, 0, cut[0], soak.Stats())
+        send(i, 0, soak.Stats())
     stats = (soak.Stats(), soak.Stats())
     before = [work(u, p) for u, p in zip(urls, pids)]
     for i, _, w in schedule(args.minutes, len(cut)):
-        send(i, w, cut[w], stats[i])
+        send(i, w, stats[i])
     used = [per_token(b, work(u, p)) for b, u, p in zip(before, urls, pids)]
     # Throughput: about 10 s of a saturated server's work (the rate is 80% of its saturation).
     rng = random.Random(args.seed + 1)
