@@ -29,6 +29,8 @@ pub struct Metrics {
     /// The C heap's live and free bytes, read at each scrape (`gpt::device::heap_usage`).
     heap_allocated_bytes: IntGauge,
     heap_free_bytes: IntGauge,
+    /// Times the engine handed the heap's free pages back to the OS after a burst.
+    pub heap_trims: IntCounter,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
     /// Wall time of each engine step (one batch's forward pass and sampling): with the token
@@ -73,6 +75,10 @@ impl Metrics {
             "gpt_heap_free_bytes",
             "C heap bytes freed but kept by the allocator (fragmentation)",
         )?;
+        let heap_trims = IntCounter::new(
+            "gpt_heap_trims_total",
+            "Times the engine handed the C heap's free pages back to the OS after a burst",
+        )?;
         let latency_buckets = vec![
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ];
@@ -110,6 +116,7 @@ impl Metrics {
         registry.register(Box::new(kv_pool_bytes.clone()))?;
         registry.register(Box::new(heap_allocated_bytes.clone()))?;
         registry.register(Box::new(heap_free_bytes.clone()))?;
+        registry.register(Box::new(heap_trims.clone()))?;
         registry.register(Box::new(time_to_first_token.clone()))?;
         registry.register(Box::new(inter_token_latency.clone()))?;
         registry.register(Box::new(step_duration.clone()))?;
@@ -131,6 +138,7 @@ impl Metrics {
             kv_pool_bytes,
             heap_allocated_bytes,
             heap_free_bytes,
+            heap_trims,
             time_to_first_token,
             inter_token_latency,
             step_duration,

@@ -1,5 +1,5 @@
 //! The completions API over a real socket: greedy and sampled generation, streaming, stop
-//! strings, logprobs, echo, n, concurrency and cancellation.
+//! strings, logprobs, echo, n, concurrency and cancellation, and the heap trimmed after a burst.
 
 mod common;
 
@@ -231,5 +231,77 @@ async fn a_client_that_disconnects_is_dropped_and_others_finish() -> anyhow::Res
         metric(&text, "gpt_generated_tokens_total ") < 1000.0,
         "the long generation was cut short"
     );
+    Ok(())
+}
+
+/// The value of an unlabelled metric.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn the_heap_is_trimmed_once_idle_after_a_burst_past_the_batch_and_not_otherwise() -> anyhow::Result<()> {
+    let slow = common::slow_checkpoint()?;
+    let server = std::sync::Arc::new(
+        start(
+            slow.path(),
+            common::ServerConfig {
+                max_batch_size: 1,
+                ..config()
+            },
+        )
+        .await?,
+    );
+    let short = json!({"prompt": PROMPT, "max_tokens": 2, "temperature": 0});
+    // One request at a time never queues more than a batch holds: no trim.
+    for _ in 0..3 {
+        assert_eq!(server.post(short.clone()).await?.0, 200);
+    }
+    assert_eq!(metric(&server.metrics().await?, "gpt_heap_trims_total"), 0.0);
+
+    // A burst: one request runs (the batch holds one) while three wait behind it.
+    let url = format!("{}/v1/completions", server.url);
+    let long = json!({"prompt": "x", "max_tokens": 100, "temperature": 0, "stream": true});
+    let mut first = server.client.post(&url).json(&long).send().await?;
+    assert!(first.chunk().await?.is_some());
+    let burst: Vec<_> = (0..3)
+        .map(|_| {
+            let (server, body) = (server.clone(), short.clone());
+            tokio::spawn(async move { server.post(body).await })
+        })
+        .collect();
+    let mut queued = 0.0;
+    for _ in 0..500 {
+        queued = metric(&server.metrics().await?, "gpt_queue_depth");
+        if queued == 3.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(queued, 3.0, "the burst queued behind the running request");
+    // Not while the burst is served: only once the engine is idle.
+    assert_eq!(metric(&server.metrics().await?, "gpt_heap_trims_total"), 0.0);
+    while first.chunk().await?.is_some() {}
+    for h in burst {
+        assert_eq!(h.await??.0, 200);
+    }
+    let mut trims = 0.0;
+    for _ in 0..200 {
+        trims = metric(&server.metrics().await?, "gpt_heap_trims_total");
+        if trims > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(trims, 1.0, "one trim once the burst was served");
+
+    // Back to one at a time: no further trim.
+    for _ in 0..3 {
+        assert_eq!(server.post(short.clone()).await?.0, 200);
+    }
+    assert_eq!(metric(&server.metrics().await?, "gpt_heap_trims_total"), 1.0);
     Ok(())
 }
