@@ -29,7 +29,8 @@ page faults, the tokens the server processed per CPU-second, and the CPU time a 
 work took in this client (`work_ms`, median of one a second: the machine's speed, which on a
 shared host moves with the other guests' load even where nothing is stolen). At the end it
 reads `/metrics` and compares it with its own counts: completion and chat requests by status,
-generated tokens of the requests that ended normally, and streams dropped. The report (JSON) has
+generated tokens of the requests that ended normally, and streams dropped (read again until they
+agree, for at most 30 s: the server counts a dropped stream a step or two after its client went). The report (JSON) has
 `pass` and the reason of each check; the exit status is 0 when every check passes.
 
 Pass: no 5xx; resident memory after warm-up (the first minute, and until the prefix cache is at
@@ -572,11 +573,36 @@ def main():
     worker.join()
     cpu.append(cpu_sample(args.pid))
     rss.append(memory_sample(args, start, time.monotonic()))
-    time.sleep(1.0)  # the server's last counters
-    after = metrics(args.url)
+    served = {status: sum(n for (r, s), n in stats.status.items() if s == status and r in ("completions", "chat"))
+              for status in {s for (_, s) in stats.status}}
 
-    def delta(name):
-        return after.get(name, 0.0) - before.get(name, 0.0)
+    def mismatches(after):
+        """The server's counters since the start against the client's own counts."""
+        def delta(name):
+            return after.get(name, 0.0) - before.get(name, 0.0)
+        out = []
+        for status, n in served.items():
+            got = delta(f'gpt_requests_total{{status="{status}"}}')
+            if got != n:
+                out.append(f"status {status}: server {got:.0f}, client {n}")
+        got_tokens = delta("gpt_completion_tokens_total")
+        if got_tokens != stats.completion_tokens:
+            out.append(f"completion tokens: server {got_tokens:.0f}, client {stats.completion_tokens}")
+        got_dropped = delta("gpt_cancelled_total")
+        if got_dropped != stats.dropped:
+            out.append(f"cancelled: server {got_dropped:.0f}, client {stats.dropped}")
+        return out
+
+    # The server counts a dropped stream once its engine sees the connection gone, a step or two
+    # after the client closed it: the counters are read until they agree, for at most 30 s (a
+    # count still missing then is a failure), and the wait is reported.
+    waited = time.monotonic()
+    while True:
+        time.sleep(0.5)
+        mismatched = mismatches(metrics(args.url))
+        if not mismatched or time.monotonic() - waited > 30:
+            break
+    waited = round(time.monotonic() - waited, 1)
 
     checks = {}
     fivexx = sum(n for (route, status), n in stats.status.items() if status >= 500)
@@ -600,20 +626,8 @@ def main():
     if judged is not None:
         checks["latency steady"] = judged
     step_drift = step_time_drift(per_minute)
-    served = {status: sum(n for (r, s), n in stats.status.items() if s == status and r in ("completions", "chat"))
-              for status in {s for (_, s) in stats.status}}
-    mismatched = []
-    for status, n in served.items():
-        got = delta(f'gpt_requests_total{{status="{status}"}}')
-        if got != n:
-            mismatched.append(f"status {status}: server {got:.0f}, client {n}")
-    got_tokens = delta("gpt_completion_tokens_total")
-    if got_tokens != stats.completion_tokens:
-        mismatched.append(f"completion tokens: server {got_tokens:.0f}, client {stats.completion_tokens}")
-    got_dropped = delta("gpt_cancelled_total")
-    if got_dropped != stats.dropped:
-        mismatched.append(f"cancelled: server {got_dropped:.0f}, client {stats.dropped}")
-    checks["counters agree"] = (not mismatched, "; ".join(mismatched) or "requests, tokens, cancellations equal")
+    checks["counters agree"] = (not mismatched, "; ".join(mismatched) + f" after {waited} s" if mismatched else
+                                f"requests, tokens, cancellations equal ({waited} s after the last response)")
     report = {
         "minutes": args.minutes,
         "rate": args.rate,
