@@ -30,8 +30,9 @@ work took in this client (`work_ms`, median of one a second: the machine's speed
 shared host moves with the other guests' load even where nothing is stolen). At the end it
 reads `/metrics` and compares it with its own counts: completion and chat requests by status,
 generated tokens of the requests that ended normally, and streams dropped (read again until they
-agree, for at most 30 s: the server counts a dropped stream a step or two after its client went). The report (JSON) has
-`pass` and the reason of each check; the exit status is 0 when every check passes.
+agree, for at most 30 s: the server counts a dropped stream a step or two after its client went).
+The report (JSON) has `pass` and the reason of each check; the exit status is 0 when every check
+passes.
 
 Pass: no 5xx; resident memory after warm-up (the first minute, and until the prefix cache is at
 its bound) grows by at most 5%; no latency drifting by more than 20% (or 5 ms) either way: for

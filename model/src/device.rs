@@ -122,16 +122,14 @@ pub fn tune_cpu_allocator_for_serving() {
 /// Hands the C heap's free pages back to the OS: glibc's `malloc_trim`, which releases whole
 /// free pages inside the heap as well as at its top (the automatic trim, `M_TRIM_THRESHOLD`,
 /// only shrinks the top, which a live block above the free ones pins). For a server after a
-/// burst: its requests' blocks, freed between longer-lived ones, stay resident otherwise. Returns
-/// whether any memory was released; `false` on other C libraries.
-pub fn trim_heap() -> bool {
+/// burst: its requests' blocks, freed between longer-lived ones, stay resident otherwise. Does
+/// nothing on other C libraries.
+pub fn trim_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: malloc_trim only releases free memory; it takes the arenas' locks itself.
-        unsafe { libc::malloc_trim(0) == 1 }
+    // SAFETY: malloc_trim only releases free memory; it takes the arenas' locks itself.
+    unsafe {
+        libc::malloc_trim(0);
     }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    false
 }
 
 /// The C heap's bytes: `allocated` to live blocks (mapped ones included), `free` inside the
