@@ -14,8 +14,10 @@
 # sent in alternating windows to the soaked server and a fresh one (whether the soaked process
 # is slower than a new one, which tells the server's drift from the machine's), to the idle one
 # and the same fresh one (whether a difference comes from the load served or from the process's
-# age alone), then to the two fresh ones (the comparison's own noise). The soak's status is the
-# script's; the verdicts go to probe.txt.
+# age alone), then to the two fresh ones (the comparison's own noise); their verdicts go to
+# probe.txt. The script's status is the soak's, or with the probe bench/soak_verdict.py's (the
+# soak's checks, a latency drift of its thirds judged the machine's when the soaked server is within
+# 20% of the fresh one), written to verdict.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 checkpoint=${1:-weights}
@@ -25,6 +27,7 @@ probe_minutes=${PROBE_MINUTES:-3}
 name=$(basename "$checkpoint")
 out=target/soak/$name
 mkdir -p "$out"
+rm -f "$out"/report.json "$out"/probe*.json "$out"/probe.txt "$out"/verdict.json # none of an earlier run
 cargo build -q --release --locked -p gpt-server
 serve() { # PORT LOG: a server in the background, its pid in $!; then wait_healthy PORT
   ./target/release/gpt-server --checkpoint "$checkpoint" --model-name soak --port "$1" --device cpu \
@@ -80,5 +83,12 @@ if [ "$probe_minutes" -gt 0 ]; then
   probe "http://127.0.0.1:$idle_port" "http://127.0.0.1:$fresh_port" probe-idle-vs-fresh idle,fresh
   echo "two fresh servers (the probe's noise):" | tee -a "$out/probe.txt"
   probe "http://127.0.0.1:$twin_port" "http://127.0.0.1:$fresh_port" probe-fresh-vs-fresh fresh2,fresh
+  # The soak's checks read with the probe's answer: a latency drift of the thirds that the soaked
+  # server does not show against a fresh one at the same time is the machine's.
+  echo "the verdict (bench/soak_verdict.py):"
+  verdict=("$out/report.json")
+  [ -f "$out/probe-soaked-vs-fresh.json" ] && verdict+=("$out/probe-soaked-vs-fresh.json")
+  status=0
+  python3 bench/soak_verdict.py "${verdict[@]}" ${GATE:+--gate "$GATE"} --out "$out/verdict.json" || status=$?
 fi
 exit $status

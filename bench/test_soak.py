@@ -15,6 +15,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import soak  # noqa: E402
 import soak_probe  # noqa: E402
+import soak_verdict  # noqa: E402
 
 
 def run(ttft_p99, ttft_p50=0.02, itl_p50=0.005, itl_p99=0.1):
@@ -114,6 +115,46 @@ class StealCorrelation(unittest.TestCase):
         self.assertEqual(got["ttft_p99"], -1.0)
         self.assertIsNone(got["itl_p50"], "a constant latency has no correlation")
         self.assertLess(abs(got["itl_p99"]), 0.5)
+
+
+class Verdict(unittest.TestCase):
+    """The soak's checks read with the probe's answer (bench/soak_verdict.py)."""
+
+    @staticmethod
+    def report(latency_ok, **others):
+        checks = {"no 5xx": {"pass": True, "detail": "0 5xx"},
+                  "latency steady": {"pass": latency_ok, "detail": "ttft_p50 14.0 ms vs 19.7 ms (0.71x)"}}
+        checks.update({k: {"pass": v, "detail": k} for k, v in others.items()})
+        return {"checks": checks}
+
+    @staticmethod
+    def probe(ratio, errors=0):
+        fresh = {"ttft_p50": 0.020, "ttft_p99": 0.600, "itl_p50": 0.006, "itl_p99": 0.090}
+        soaked = {k: v * ratio for k, v in fresh.items()}
+        ratios, ok, _ = soak_probe.compare(soaked, fresh)
+        return {"latency": ratios, "pass": ok and not errors, "5xx_or_client_errors": {"soaked": errors, "fresh": 0}}
+
+    def test_a_drift_of_the_thirds_the_soaked_server_does_not_show_against_a_fresh_one_is_the_machines(self):
+        checks = soak_verdict.verdict(self.report(False), self.probe(1.05))
+        self.assertTrue(checks["latency steady"][0], checks["latency steady"][1])
+        self.assertIn("the machine's", checks["latency steady"][1])
+        self.assertIn("0.71x", checks["latency steady"][1], "the thirds' figures stay in the detail")
+
+    def test_a_soaked_server_slower_than_a_fresh_one_fails(self):
+        for probe in (self.probe(1.3), self.probe(0.7), self.probe(1.0, errors=2)):
+            passed, detail = soak_verdict.verdict(self.report(False), probe)["latency steady"]
+            self.assertFalse(passed, detail)
+
+    def test_without_a_probe_the_thirds_decide(self):
+        self.assertFalse(soak_verdict.verdict(self.report(False))["latency steady"][0])
+        self.assertTrue(soak_verdict.verdict(self.report(True))["latency steady"][0])
+
+    def test_the_probe_judges_latency_alone(self):
+        checks = soak_verdict.verdict(self.report(False, **{"counters agree": False}), self.probe(1.0))
+        self.assertFalse(checks["counters agree"][0], "a miscount is not the machine's")
+        self.assertTrue(checks["no 5xx"][0])
+        checks = soak_verdict.verdict(self.report(True), self.probe(1.5))
+        self.assertTrue(checks["latency steady"][0], "the thirds passed: the probe is reported, not judged")
 
 
 class Probe(unittest.TestCase):
