@@ -16,8 +16,8 @@
 # and the same fresh one (whether a difference comes from the load served or from the process's
 # age alone), then to the two fresh ones (the comparison's own noise); their verdicts go to
 # probe.txt. The script's status is the soak's, or with the probe bench/soak_verdict.py's (the
-# soak's checks, a latency drift of its thirds judged the machine's when the soaked server is within
-# 20% of the fresh one), written to verdict.json.
+# soak's checks, a latency drift of its thirds judged the machine's when the soaked server is as
+# fast as the fresh one: saturated throughput within 10%, ITL p50 within 20%), in verdict.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 checkpoint=${1:-weights}
@@ -83,8 +83,8 @@ if [ "$probe_minutes" -gt 0 ]; then
   probe "http://127.0.0.1:$idle_port" "http://127.0.0.1:$fresh_port" probe-idle-vs-fresh idle,fresh
   echo "two fresh servers (the probe's noise):" | tee -a "$out/probe.txt"
   probe "http://127.0.0.1:$twin_port" "http://127.0.0.1:$fresh_port" probe-fresh-vs-fresh fresh2,fresh
-  # The soak's checks read with the probe's answer: a latency drift of the thirds that the soaked
-  # server does not show against a fresh one at the same time is the machine's.
+  # The soak's checks read with the probe's answer: a latency drift of the thirds, with the soaked
+  # server as fast as a fresh one at the same time, is the machine's.
   echo "the verdict (bench/soak_verdict.py):"
   verdict=("$out/report.json")
   [ -f "$out/probe-soaked-vs-fresh.json" ] && verdict+=("$out/probe-soaked-vs-fresh.json")

@@ -11,10 +11,13 @@ minute of requests came 26-29% faster in TTFT at the end of a run than at its st
 piece of work in the load generator sped up by 8% (BENCHMARKS.md, "Soak"): at 80% of saturation
 the queue turns a few percent of the machine's speed into tens of percent of latency. So when the
 thirds moved by more than 20%, the probe decides whose the move was: the soaked server and a
-fresh one, given the same windows of the same requests in turn on the same machine, within 20%
-(or 5 ms) of each other on every latency and neither answering a 5xx, and the move was the
-machine's, not a drift of the server; otherwise it was the server's, or cannot be told from it,
-and the check fails. Without a probe, the thirds decide alone.
+fresh one, given the same windows of the same requests in turn on the same machine, and then the
+same saturating load. The move was the machine's, not a drift of the server, when the soaked
+server's saturated throughput is within 10% of the fresh one's, its inter-token latency (p50)
+within 20%, and neither answered a 5xx; otherwise it was the server's, or cannot be told from
+it, and the check fails. The probe's TTFT and p99s do not decide: they carry the queue's bursts
+in a few minutes of windows (TTFT p99 0.40x between two fresh servers; 0.56x between a soaked and
+a fresh one whose saturated throughput was 1% apart; BENCHMARKS.md, "Soak"). Without a probe, the thirds decide alone.
 
 Exit status 0 when every gated check (`--gate`, comma-separated; default all) passes.
 """
@@ -25,21 +28,33 @@ import sys
 LATENCY = "latency steady"
 
 
+def as_fast_as_fresh(probe):
+    """(pass, detail): the probe's soaked server as fast as a fresh one at the same time, by its
+    saturated throughput (within 10%) and its ITL p50 (within 20%), with no 5xx."""
+    latency = probe.get("latency", {})
+    itl = latency.get("itl_p50", {}).get("ratio")
+    saturated = (probe.get("saturated") or {}).get("time_ratio")
+    errors = probe.get("5xx_or_client_errors", {})
+    ok = (itl is not None and saturated is not None and 1 / 1.2 <= itl <= 1.2
+          and 1 / 1.1 <= saturated <= 1.1 and not any(errors.values()))
+    ratios = ", ".join(f"{k} {d['ratio']}x" for k, d in latency.items())
+    return ok, (f"saturated time {saturated}x, ITL p50 {itl}x (TTFT and p99s, reported: {ratios}); "
+                f"5xx or client errors {errors}")
+
+
 def verdict(report, probe=None):
     """{check: (pass, detail)}: the report's checks, "latency steady" read with the probe (None:
     no probe ran) when the thirds failed it."""
     checks = {name: (c["pass"], c["detail"]) for name, c in report["checks"].items()}
     if LATENCY in checks and not checks[LATENCY][0] and probe is not None:
         thirds = checks[LATENCY][1]
-        ratios = ", ".join(f"{k} {d['ratio']}x" for k, d in probe.get("latency", {}).items())
-        if probe.get("pass"):
-            checks[LATENCY] = (True, f"the thirds moved ({thirds}), but the soaked server against a fresh one at "
-                                     f"the same time under the same load is within 20% ({ratios}): the machine's "
-                                     f"move, not the server's")
+        ok, detail = as_fast_as_fresh(probe)
+        if ok:
+            checks[LATENCY] = (True, f"the thirds moved ({thirds}), but the soaked server is as fast as a fresh "
+                                     f"one at the same time ({detail}): the machine's move, not the server's")
         else:
-            errors = probe.get("5xx_or_client_errors", {})
-            checks[LATENCY] = (False, f"the thirds moved ({thirds}), and the soaked server against a fresh one at "
-                                      f"the same time is not within 20% ({ratios}; 5xx or client errors {errors})")
+            checks[LATENCY] = (False, f"the thirds moved ({thirds}), and the soaked server is not as fast as a "
+                                      f"fresh one at the same time ({detail})")
     return checks
 
 
@@ -76,8 +91,7 @@ def main():
     for name, (passed, detail) in checks.items():
         print(f"{'PASS' if passed else 'FAIL'} {name}: {detail}")
     if probe is not None and report["checks"].get(LATENCY, {}).get("pass"):
-        print("the soaked server against a fresh one (reported, the thirds passed): "
-              + ", ".join(f"{k} {d['ratio']}x" for k, d in probe.get("latency", {}).items()))
+        print(f"the soaked server against a fresh one (reported, the thirds passed): {as_fast_as_fresh(probe)[1]}")
     sys.exit(0 if ok else 1)
 
 

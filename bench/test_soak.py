@@ -128,20 +128,25 @@ class Verdict(unittest.TestCase):
         return {"checks": checks}
 
     @staticmethod
-    def probe(ratio, errors=0):
+    def probe(ratio, errors=0, saturated=1.0, ttft_p99=1.0):
         fresh = {"ttft_p50": 0.020, "ttft_p99": 0.600, "itl_p50": 0.006, "itl_p99": 0.090}
         soaked = {k: v * ratio for k, v in fresh.items()}
+        soaked["ttft_p99"] *= ttft_p99
         ratios, ok, _ = soak_probe.compare(soaked, fresh)
-        return {"latency": ratios, "pass": ok and not errors, "5xx_or_client_errors": {"soaked": errors, "fresh": 0}}
+        return {"latency": ratios, "pass": ok and not errors, "5xx_or_client_errors": {"soaked": errors, "fresh": 0},
+                "saturated": {"time_ratio": saturated}}
 
     def test_a_drift_of_the_thirds_the_soaked_server_does_not_show_against_a_fresh_one_is_the_machines(self):
         checks = soak_verdict.verdict(self.report(False), self.probe(1.05))
         self.assertTrue(checks["latency steady"][0], checks["latency steady"][1])
         self.assertIn("the machine's", checks["latency steady"][1])
         self.assertIn("0.71x", checks["latency steady"][1], "the thirds' figures stay in the detail")
+        checks = soak_verdict.verdict(self.report(False), self.probe(1.05, saturated=1.08, ttft_p99=0.56))
+        self.assertTrue(checks["latency steady"][0], "the probe's TTFT p99 is its noise, not judged")
 
     def test_a_soaked_server_slower_than_a_fresh_one_fails(self):
-        for probe in (self.probe(1.3), self.probe(0.7), self.probe(1.0, errors=2)):
+        for probe in (self.probe(1.3), self.probe(0.7), self.probe(1.0, errors=2), self.probe(1.0, saturated=1.15),
+                      self.probe(1.0, saturated=0.85), {"latency": {}, "saturated": None}):
             passed, detail = soak_verdict.verdict(self.report(False), probe)["latency steady"]
             self.assertFalse(passed, detail)
 
