@@ -411,6 +411,16 @@ def close(a, b):
     return abs(b - a) <= max(0.2 * a, 0.005)
 
 
+def gated(checks, gate):
+    """(names, pass): the checks `--gate` names (comma-separated; None: all of them) and whether
+    each passes; exits naming any it does not know. `checks`: {name: (pass, detail)}."""
+    names = [g.strip() for g in gate.split(",")] if gate else list(checks)
+    unknown = [g for g in names if g not in checks]
+    if unknown:
+        sys.exit(f"--gate: no check named {unknown}; the checks are {list(checks)}")
+    return names, all(checks[g][0] for g in names)
+
+
 def latency_drift(per_minute, keys=LATENCIES):
     """Each latency's drift over the run: its per-minute values' median over the run's first third
     and over its last third (minute 0, the warm-up, left out), and their ratio. A drift is judged
@@ -662,11 +672,8 @@ def main():
     for key, what in (("steal", "stolen CPU"), ("work_ms", "time for a fixed piece of work")):
         print(f"rank correlation of a minute's {what} with its latency (reported, not a check):",
               ", ".join(f"{k} {v}" for k, v in vs_machine[key].items()))
-    gate = [g.strip() for g in args.gate.split(",")] if args.gate else list(checks)
-    unknown = [g for g in gate if g not in checks]
-    if unknown:
-        sys.exit(f"--gate: no check named {unknown}; the checks are {list(checks)}")
-    sys.exit(0 if all(checks[g][0] for g in gate) else 1)
+    _, ok = gated(checks, args.gate)
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,16 @@ server's saturated throughput is within 10% of the fresh one's, its inter-token 
 within 20%, and neither answered a 5xx; otherwise it was the server's, or cannot be told from
 it, and the check fails. The probe's TTFT and p99s do not decide: they carry the queue's bursts
 in a few minutes of windows (TTFT p99 0.40x between two fresh servers; 0.56x between a soaked and
-a fresh one whose saturated throughput was 1% apart; BENCHMARKS.md, "Soak"). Without a probe, the thirds decide alone.
+a fresh one whose saturated throughput was 1% apart; BENCHMARKS.md, "Soak"). Without a probe,
+the thirds decide alone.
 
 Exit status 0 when every gated check (`--gate`, comma-separated; default all) passes.
 """
 import argparse
 import json
 import sys
+
+import soak
 
 LATENCY = "latency steady"
 
@@ -79,11 +82,7 @@ def main():
     if not isinstance(report.get("checks"), dict):
         sys.exit(f"{args.report}: no \"checks\" (not a bench/soak.py report)")
     checks = verdict(report, probe)
-    gate = [g.strip() for g in args.gate.split(",")] if args.gate else list(checks)
-    unknown = [g for g in gate if g not in checks]
-    if unknown:
-        sys.exit(f"--gate: no check named {unknown}; the checks are {list(checks)}")
-    ok = all(checks[g][0] for g in gate)
+    gate, ok = soak.gated(checks, args.gate)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"checks": {n: {"pass": p, "detail": d} for n, (p, d) in checks.items()},
