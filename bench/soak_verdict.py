@@ -50,15 +50,21 @@ def verdict(report, probe=None):
     no probe ran) when the thirds failed it."""
     checks = {name: (c["pass"], c["detail"]) for name, c in report["checks"].items()}
     if LATENCY in checks and not checks[LATENCY][0] and probe is not None:
-        thirds = checks[LATENCY][1]
         ok, detail = as_fast_as_fresh(probe)
-        if ok:
-            checks[LATENCY] = (True, f"the thirds moved ({thirds}), but the soaked server is as fast as a fresh "
-                                     f"one at the same time ({detail}): the machine's move, not the server's")
-        else:
-            checks[LATENCY] = (False, f"the thirds moved ({thirds}), and the soaked server is not as fast as a "
-                                      f"fresh one at the same time ({detail})")
+        how, whose = ("but the soaked server is", ": the machine's move, not the server's") if ok else \
+            ("and the soaked server is not", "")
+        checks[LATENCY] = (ok, f"the thirds moved ({checks[LATENCY][1]}), {how} as fast as a fresh one at the "
+                               f"same time ({detail}){whose}")
     return checks
+
+
+def load(path):
+    """The JSON at `path`; exits naming the file when it cannot be read."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"{path}: {e}")
 
 
 def main():
@@ -68,17 +74,8 @@ def main():
     ap.add_argument("--gate", default=None, help="comma-separated checks that decide the exit status (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    loaded = []
-    for path in (args.report, args.probe):
-        if path is None:
-            loaded.append(None)
-            continue
-        try:
-            with open(path) as f:
-                loaded.append(json.load(f))
-        except (OSError, ValueError) as e:
-            sys.exit(f"{path}: {e}")
-    report, probe = loaded
+    report = load(args.report)
+    probe = load(args.probe) if args.probe else None
     if not isinstance(report.get("checks"), dict):
         sys.exit(f"{args.report}: no \"checks\" (not a bench/soak.py report)")
     checks = verdict(report, probe)
