@@ -59,12 +59,15 @@ def verdict(report, probe=None):
 
 
 def load(path):
-    """The JSON at `path`; exits naming the file when it cannot be read."""
+    """The JSON object at `path`; exits naming the file when it cannot be read or is not an object."""
     try:
         with open(path) as f:
-            return json.load(f)
+            loaded = json.load(f)
     except (OSError, ValueError) as e:
         sys.exit(f"{path}: {e}")
+    if not isinstance(loaded, dict):
+        sys.exit(f"{path}: not a JSON object (a bench/soak.py or bench/soak_probe.py report)")
+    return loaded
 
 
 def main():

@@ -9,6 +9,7 @@ import http.server
 import json
 import socket
 import sys
+import tempfile
 import threading
 import unittest
 
@@ -160,6 +161,15 @@ class Verdict(unittest.TestCase):
         self.assertTrue(checks["no 5xx"][0])
         checks = soak_verdict.verdict(self.report(True), self.probe(1.5))
         self.assertTrue(checks["latency steady"][0], "the thirds passed: the probe is reported, not judged")
+
+    def test_a_file_that_is_not_a_json_object_is_refused_by_name(self):
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            f.write("[1]")
+            f.flush()
+            with self.assertRaises(SystemExit) as e:
+                soak_verdict.load(f.name)
+            self.assertIn(f.name, str(e.exception))
+            self.assertIn("not a JSON object", str(e.exception))
 
 
 class Probe(unittest.TestCase):
