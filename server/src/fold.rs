@@ -8,9 +8,9 @@
 use std::sync::Arc;
 
 use crate::api::{Choice, LogProbs, PromptLogprob, PromptLogprobs, Usage};
+use crate::engine::ValidRequest;
 use crate::engine::{Event, FinishReason, StopReason, TokenLogprob};
 use crate::error::ApiError;
-use crate::validation::ValidRequest;
 
 /// New content for one choice.
 #[derive(Debug, Clone)]
@@ -343,7 +343,7 @@ fn append_logprobs(lp: &mut LogProbs, more: LogProbs) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::validation::ValidPrompt;
+    use crate::engine::ValidPrompt;
 
     fn request(prompts: usize, n: usize, best_of: usize, logprobs: Option<usize>) -> Arc<ValidRequest> {
         Arc::new(ValidRequest {

@@ -2,8 +2,9 @@
 //!
 //! Request flow: `app` (the router and its middleware) → `state::ModelRequest` (the body parsed,
 //! the model checked) → a handler in `routes` → `validation` (raw request → valid one, tokenised
-//! off the async runtime) → `engine` (model thread, continuous batching) → events → `fold` and
-//! `respond` (JSON or SSE chunks, with `stream`'s incremental detokenisation and stop strings).
+//! off the async runtime, into the engine's `ValidRequest`) → `engine` (model thread, continuous
+//! batching, incremental detokenisation and stop strings) → events → `fold` and `respond` (JSON or
+//! SSE chunks).
 
 pub mod api;
 pub mod app;
@@ -17,7 +18,6 @@ pub mod respond;
 pub mod routes;
 pub mod serve;
 pub mod state;
-pub mod stream;
 pub mod validation;
 
 use std::path::{Path, PathBuf};

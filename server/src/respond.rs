@@ -11,10 +11,10 @@ use serde::Serialize;
 
 use crate::api::{Choice, Usage};
 use crate::engine::EventSource;
+use crate::engine::ValidRequest;
 use crate::error::ApiError;
 use crate::fold::{merge, Delta, Fold};
 use crate::metrics::Metrics;
-use crate::validation::ValidRequest;
 
 /// Waits for every choice: the whole choices and the usage.
 pub async fn collect(

@@ -6,6 +6,7 @@
 use gpt::{SamplingParams, Tokenizer};
 
 use crate::api::{CompletionRequest, Prompt, Stop};
+use crate::engine::{ValidPrompt, ValidRequest};
 use crate::error::ApiError;
 
 /// The request parameters' names, as clients send them and errors and the OpenAPI document name
@@ -219,71 +220,6 @@ fn float(param: &str, v: Option<f64>, default: f64) -> Result<f64, ApiError> {
         .find(|r| r.param == param)
         .ok_or_else(|| ApiError::Internal(format!("no range for {param}")))?
         .check(v, default)
-}
-
-/// One prompt: its token ids, and its text (as given, or decoded from the ids).
-#[derive(Debug, Clone)]
-pub struct ValidPrompt {
-    pub ids: Vec<u32>,
-    pub text: String,
-}
-
-#[derive(Debug, Clone)]
-pub struct ValidRequest {
-    pub prompts: Vec<ValidPrompt>,
-    pub max_tokens: usize,
-    /// Tokens generated before the end-of-text token, a stop token or a stop string may end a
-    /// choice.
-    pub min_tokens: usize,
-    /// For candidate i of a prompt the seed is `sampling.seed + i`.
-    pub sampling: SamplingParams,
-    pub stop: Vec<String>,
-    pub stop_token_ids: Vec<u32>,
-    pub ignore_eos: bool,
-    /// Choices returned per prompt.
-    pub n: usize,
-    /// Candidates generated per prompt (>= n); the n with the highest cumulative logprob are
-    /// returned.
-    pub best_of: usize,
-    pub logprobs: Option<usize>,
-    /// vLLM's `prompt_logprobs`: each prompt token's log-probability and rank, with this many
-    /// most likely tokens at its position (not with `stream`).
-    pub prompt_logprobs: Option<usize>,
-    pub echo: bool,
-    pub stream: bool,
-    pub include_usage: bool,
-    /// Every chunk of the stream carries the usage so far (`continuous_usage_stats`).
-    pub continuous_usage: bool,
-    /// Beam search instead of sampling: `best_of` beams, scored with this length penalty.
-    pub beam_search: Option<f32>,
-    /// The stop string that ends a choice stays in its text.
-    pub include_stop_str: bool,
-    pub skip_special_tokens: bool,
-    /// Sample only among these ids (sorted, no duplicates).
-    pub allowed_token_ids: Option<Vec<u32>>,
-    /// Logprobs' tokens as `token_id:<id>`.
-    pub tokens_as_ids: bool,
-    /// The client's id for the request (the response's id is made from it).
-    pub request_id: Option<String>,
-    /// Prefix-cache entries are shared only with requests of the same salt.
-    pub cache_salt: Option<String>,
-}
-
-impl ValidRequest {
-    /// Top-N wanted at each prompt position from the prefill: for `echo` with `logprobs`, for
-    /// `prompt_logprobs`, or the larger of the two.
-    pub fn prompt_top_k(&self) -> Option<usize> {
-        let echoed = self.logprobs.filter(|_| self.echo);
-        match (echoed, self.prompt_logprobs) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        }
-    }
-
-    /// The engine tells the handler about the prompt once it is prefilled.
-    pub fn sends_prompt(&self) -> bool {
-        self.echo || self.prompt_logprobs.is_some()
-    }
 }
 
 /// Tokenises and checks one prompt; `at` names it in errors (`prompt`, `prompt[3]`).

@@ -21,7 +21,7 @@ use gpt::{Config, Gpt};
 use gpt_train::init::seeded_var_builder;
 use gpt_train::optim::{AdamW, AdamWConfig};
 use gpt_train::step::{accumulate_grads, Parallelism};
-use gpt_train::train::{cpu_threads, use_shard_parallelism};
+use gpt_train::step::{cpu_threads, use_shard_parallelism};
 
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);

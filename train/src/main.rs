@@ -268,7 +268,7 @@ fn tokenizer(args: TokenizerArgs) -> Result<()> {
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
-    gpt_train::train::use_shard_parallelism();
+    gpt_train::step::use_shard_parallelism();
     let stop = Arc::new(AtomicBool::new(false));
     // Set by a second Ctrl-C: the run ends with 130 even when the save it waited for was the last
     // thing the run had to do (the main thread may then finish before the handler exits).

@@ -86,7 +86,7 @@ impl FusedUpdate {
             return;
         }
         let threads = if n >= 1 << 20 {
-            crate::train::cpu_threads(None)
+            crate::step::cpu_threads(None)
         } else {
             1
         };

@@ -65,6 +65,21 @@ pub fn loss(model: &Gpt, x: &Tensor, y: &Tensor, train: Option<Dropout>, eps: f3
     Ok(model.loss(x, y, train, eps)?)
 }
 
+/// Threads for CPU training: `--threads`, else every core this process may use.
+pub fn cpu_threads(requested: Option<usize>) -> usize {
+    requested
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Makes candle's own CPU thread pools single-threaded until a run sizes them
+/// ([`Parallelism::use_cpu_threads`]). Must run before candle's first operation.
+pub fn use_shard_parallelism() {
+    for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
+        std::env::set_var(var, "1");
+    }
+}
+
 /// Runs `work(0) .. work(n - 1)` on `n` scoped threads (inline when `n` is 1) and returns their
 /// results in worker order, or the first error.
 pub fn in_threads<T: Send>(n: usize, work: impl Fn(usize) -> Result<T> + Sync) -> Result<Vec<T>> {

@@ -20,7 +20,7 @@ use crate::data::{self, Dataset, Tokens};
 use crate::metrics::{Event, Metrics, Progress};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::schedule::Schedule;
-use crate::step::{accumulate_grads, in_threads, loss, Objective};
+use crate::step::{accumulate_grads, cpu_threads, in_threads, loss, Objective};
 
 /// Random streams of `data::batch_rng`: training micro-batches use their index; evaluation
 /// batches use these offsets, so evaluating never shifts the training batches.
@@ -482,21 +482,6 @@ fn check_writable(out: &Path) -> Result<()> {
     std::fs::write(&probe, b"").with_context(|| format!("--out {}: directory is not writable", out.display()))?;
     let _ = std::fs::remove_file(probe);
     Ok(())
-}
-
-/// Threads for CPU training: `--threads`, else every core this process may use.
-pub fn cpu_threads(requested: Option<usize>) -> usize {
-    requested
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
-/// Makes candle's own CPU thread pools single-threaded until a run sizes them
-/// ([`crate::step::Parallelism::use_cpu_threads`]). Must run before candle's first operation.
-pub fn use_shard_parallelism() {
-    for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
-        std::env::set_var(var, "1");
-    }
 }
 
 fn opt_config(run: &RunConfig) -> AdamWConfig {

@@ -14,10 +14,10 @@ use super::channel::EventSink;
 use super::runner::{StepInput, StepOutput};
 use super::sequence::{prompt_logprobs, ModelInfo, Status};
 
+use super::Detokenizer;
+use super::ValidRequest;
 use super::{end_unstarted, Event, FinishReason, StopReason, TokenLogprob};
 use crate::metrics::Metrics;
-use crate::stream::Detokenizer;
-use crate::validation::ValidRequest;
 
 pub struct BeamGroup {
     pub request: Arc<ValidRequest>,

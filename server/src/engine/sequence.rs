@@ -10,10 +10,10 @@ use gpt::{KvCache, Sampler, Tokenizer};
 
 use super::channel::EventSink;
 use super::runner::{top_k, PositionLogprob, StepInput};
+use super::ValidRequest;
+use super::{Detokenizer, TextStream};
 use super::{Event, FinishReason, StopReason, TokenLogprob};
 use crate::metrics::Metrics;
-use crate::stream::{Detokenizer, TextStream};
-use crate::validation::ValidRequest;
 use gpt::ops::log_sum_exp;
 
 /// What every sequence needs to know of the model.

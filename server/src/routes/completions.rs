@@ -11,11 +11,12 @@ use futures_util::stream::Stream;
 
 use crate::api::*;
 use crate::engine::EventSource;
+use crate::engine::ValidRequest;
 use crate::error::ApiError;
 use crate::fold::Delta;
 use crate::respond::{collect, stream_response};
 use crate::state::{blocking, AppState, ModelRequest};
-use crate::validation::{validate, ValidRequest};
+use crate::validation::validate;
 
 #[utoipa::path(
     post,
