@@ -93,13 +93,13 @@ fn randn(shape: &[usize], std: f32) -> Tensor {
 
 #[test]
 fn fused_kernels_match_the_cpu_forward_and_backward() {
-    assert!(gpt::ops::cuda_fused(), "GPT_CUDA_FUSED=0 is set: nothing to compare");
+    assert!(gpt_kernels::cuda_fused(), "GPT_CUDA_FUSED=0 is set: nothing to compare");
     for shape in [vec![7, 33], vec![4, 256, 1536]] {
-        assert_same_both_ways("gelu", &[randn(&shape, 2.0)], |t| gpt::ops::gelu(&t[0]));
+        assert_same_both_ways("gelu", &[randn(&shape, 2.0)], |t| gpt_kernels::gelu(&t[0]));
     }
     for (x, b) in [(vec![3, 5, 8], vec![5, 8]), (vec![16, 256, 384], vec![384])] {
         assert_same_both_ways("add_tiled", &[randn(&x, 1.0), randn(&b, 1.0)], |t| {
-            gpt::ops::add_tiled(&t[0], &t[1])
+            gpt_kernels::add_tiled(&t[0], &t[1])
         });
     }
     for c in [8, 384, 770] {
@@ -109,18 +109,18 @@ fn fused_kernels_match_the_cpu_forward_and_backward() {
             randn(&[c], 0.5),
         ];
         assert_same_both_ways("layer_norm", &inputs, |t| {
-            gpt::ops::layer_norm(&t[0], &t[1], &t[2], 1e-5)
+            gpt_kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5)
         });
     }
     for (t_q, t_k) in [(5, 5), (3, 8), (1, 4), (256, 256), (1, 300), (40, 1100)] {
         assert_same_both_ways("causal_softmax", &[randn(&[2, 3, t_q, t_k], 3.0)], |t| {
-            gpt::ops::causal_softmax(&t[0], true)
+            gpt_kernels::causal_softmax(&t[0], true)
         });
     }
     // Dropout draws the same masks on both devices (counter-based, keyed), also from a later row.
     for (shape, first_row) in [(vec![7, 33], 0), (vec![16, 256, 384], 5)] {
         assert_same_both_ways("dropout", &[randn(&shape, 1.0)], |t| {
-            gpt::ops::dropout(&t[0], 0.2, 0xDEAD_BEEF, first_row)
+            gpt_kernels::dropout(&t[0], 0.2, 0xDEAD_BEEF, first_row)
         });
     }
 }
@@ -130,8 +130,8 @@ fn fused_kernels_match_the_cpu_forward_and_backward() {
 /// window of the batch (masks counted in the whole batch's weights, as the CPU counts them).
 #[test]
 fn fused_kernels_window_attention_matches_the_cpu_forward_and_backward() {
-    assert!(gpt::ops::cuda_fused(), "GPT_CUDA_FUSED=0 is set: nothing to compare");
-    let simd = gpt::ops::Simd::detect();
+    assert!(gpt_kernels::cuda_fused(), "GPT_CUDA_FUSED=0 is set: nothing to compare");
+    let simd = gpt_kernels::Simd::detect();
     for (b, t, nh, hs, p, first_row) in [
         (2, 45, 3, 32, 0.0, 0),
         (3, 70, 2, 64, 0.2, 1),
@@ -144,7 +144,7 @@ fn fused_kernels_window_attention_matches_the_cpu_forward_and_backward() {
         assert_same_both_ways(
             &format!("window_attention {b}x{t}, {nh} heads of {hs}, p {p}"),
             &[qkv],
-            |x| gpt::ops::window_attention(simd, &x[0], t, nh, scale, p, 0xC0FFEE, first_row),
+            |x| gpt_kernels::window_attention(simd, &x[0], t, nh, scale, p, 0xC0FFEE, first_row),
         );
     }
 }
@@ -289,7 +289,7 @@ fn eval_perplexity_matches_the_cpu_within_1e_3() {
 }
 
 /// Decode steps of sequences of different lengths in one batch (on CUDA: one launch appends and
-/// attends for all of them, `gpt::cuda_ops::decode_attention`) give the CPU's logits.
+/// attends for all of them, `gpt_kernels::cuda::decode_attention`) give the CPU's logits.
 #[test]
 fn batched_decode_of_sequences_of_different_lengths_matches_the_cpu() {
     let dir = repo("tests/fixtures/tiny-gpt2");

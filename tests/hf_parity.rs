@@ -232,7 +232,7 @@ impl GradFixture {
         let loss = self.model.loss(&self.x, &self.y, train, eps)?;
         let mut grads = loss.backward()?;
         let candle = leaves.iter().map(|t| grads.remove(t)).collect();
-        let (tape_loss, tape) = gpt::ops::tape::record(|| self.model.loss(&self.x, &self.y, train, eps))?;
+        let (tape_loss, tape) = gpt_kernels::tape::record(|| self.model.loss(&self.x, &self.y, train, eps))?;
         let on_tape = tape.backward(&tape_loss, 1.0, &leaves)?;
         Ok(vec![
             ("candle's backward", loss.to_scalar::<f32>()?, candle),

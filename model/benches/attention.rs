@@ -1,4 +1,4 @@
-//! Causal attention of a step's new tokens against their KV caches (`gpt::ops::cached_attention`,
+//! Causal attention of a step's new tokens against their KV caches (`gpt_kernels::cached_attention`,
 //! GPT-2 small's 12 heads of 64), against candle's ops on the same operands (`q k^T`, mask,
 //! softmax, `· v`), side by side in one run: a prompt of `T` tokens prefilled at once, and a
 //! decode step of 16 sequences with `T` cached positions each. Prints one JSON line per case:
@@ -9,7 +9,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, D};
-use gpt::ops::{cached_attention, CachedKv};
+use gpt_kernels::{cached_attention, CachedKv};
 
 const N_HEAD: usize = 12;
 const HS: usize = 64;

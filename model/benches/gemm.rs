@@ -1,5 +1,5 @@
 //! Prefill's and batched decode's product in isolation: `rows x in` activations times
-//! a weight stored `(out, in)`, in GFLOPS, for this project's packed kernel (`gpt::ops::PackedMatrix`, each
+//! a weight stored `(out, in)`, in GFLOPS, for this project's packed kernel (`gpt_kernels::PackedMatrix`, each
 //! weight format) and candle's f32 matmul on the same operands, side by side in one run. Weights are small enough to stay
 //! in cache: this measures arithmetic, where `gemv` measures memory. Prints one JSON line per
 //! shape and weight dtype.
@@ -9,8 +9,8 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use gpt::ops::PackedMatrix;
 use gpt::WeightFormat;
+use gpt_kernels::PackedMatrix;
 
 fn main() -> anyhow::Result<()> {
     gpt::device::fix_cpu_thread_count();

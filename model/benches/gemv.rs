@@ -11,8 +11,8 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use gpt::ops::PackedMatrix;
 use gpt::WeightFormat;
+use gpt_kernels::PackedMatrix;
 
 /// `out[r] = w[r, :] . x` for this thread's rows, 8 independent accumulators so LLVM vectorises.
 fn dot_rows(w: &[f32], x: &[f32], out: &mut [f32]) {
@@ -104,7 +104,7 @@ fn main() -> anyhow::Result<()> {
         let wts = (0..copies)
             .map(|c| Tensor::from_slice(&w[c * size..(c + 1) * size], (d_out, d_in), &Device::Cpu))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        // This project's packed kernel (gpt::ops::PackedMatrix) on the same weights in each format.
+        // This project's packed kernel (gpt_kernels::PackedMatrix) on the same weights in each format.
         for format in WeightFormat::ALL {
             let ws = wts
                 .iter()

@@ -9,8 +9,8 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use gpt::ops::PackedMatrix;
 use gpt::WeightFormat;
+use gpt_kernels::PackedMatrix;
 
 fn main() -> anyhow::Result<()> {
     gpt::device::fix_cpu_thread_count();

@@ -13,8 +13,8 @@
 
 mod common;
 
-use gpt::ops::bf16_dot::{Bf16Dot, Bf16Panels, Bf16Rows};
-use gpt::ops::Operand;
+use gpt_kernels::train::bf16::{Bf16Dot, Bf16Panels, Bf16Rows};
+use gpt_kernels::Operand;
 
 fn values(len: usize, seed: usize, scale: f32) -> Vec<f32> {
     (0..len).map(|i| ((i * seed % 1000) as f32 - 500.0) * scale).collect()
@@ -66,7 +66,7 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             })?;
             let f32_whole = common::median_secs(repeats, || {
-                gpt::ops::product(a, b, gpt::ops::Autocast::Off)?;
+                gpt_kernels::product(a, b, gpt_kernels::Autocast::Off)?;
                 Ok(())
             })?;
             for (t, s) in total.iter_mut().zip([pack_a, pack_b, multiply, f32_whole]) {

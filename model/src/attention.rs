@@ -332,7 +332,7 @@ impl LayerKv {
         c: usize,
         row0: usize,
         t: usize,
-    ) -> candle_core::Result<crate::ops::CachedKv> {
+    ) -> candle_core::Result<gpt_kernels::CachedKv> {
         let (n_head, head_dim) = self.kind().map(|(n, d, ..)| (n, d)).unwrap_or_default();
         if self.len + t > self.room() || n_head * head_dim != c || qkv.len() < (row0 + t) * 3 * c {
             candle_core::bail!(
@@ -343,7 +343,7 @@ impl LayerKv {
         }
         let write = |k: &Tensor, v: &Tensor, row0: usize, rows: usize, at: usize| {
             for (buffer, col0) in [(k, c), (v, 2 * c)] {
-                buffer.inplace_op1(&crate::ops::WriteRows {
+                buffer.inplace_op1(&gpt_kernels::WriteRows {
                     src: qkv,
                     ld: 3 * c,
                     col0,
@@ -365,14 +365,14 @@ impl LayerKv {
         }
         self.len += t;
         Ok(match &self.store {
-            Store::Blocks(blocks) => crate::ops::CachedKv {
+            Store::Blocks(blocks) => gpt_kernels::CachedKv {
                 keys: blocks.iter().map(|(k, _)| k.clone()).collect(),
                 values: blocks.iter().map(|(_, v)| v.clone()).collect(),
                 len: self.len,
             },
             _ => {
                 let (k, v) = self.held()?;
-                crate::ops::CachedKv {
+                gpt_kernels::CachedKv {
                     keys: vec![k],
                     values: vec![v],
                     len: self.len,
@@ -446,7 +446,7 @@ impl LayerKv {
 /// Whether caches of `dtype` on `device` are held in blocks (see [`LayerKv`]): where the fused
 /// CPU attention reads them, the same condition as `ops::fused` on the CPU.
 fn in_blocks(dtype: candle_core::DType, device: &candle_core::Device) -> bool {
-    device.is_cpu() && dtype == candle_core::DType::F32 && crate::ops::cpu_fused()
+    device.is_cpu() && dtype == candle_core::DType::F32 && gpt_kernels::cpu_fused()
 }
 
 /// A pair of `(n_head, room, head_dim)` buffers: from the pool, or new.
@@ -674,12 +674,12 @@ impl CausalSelfAttention {
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
         let (b_sz, seq_len, n_embd) = x.dims3()?;
-        if crate::ops::fused(x) && x.device().is_cpu() {
+        if gpt_kernels::fused(x) && x.device().is_cpu() {
             let rows = x.reshape((b_sz * seq_len, n_embd))?;
             let y = self.forward_rows(&rows, seq_len, train, record)?;
             return dropout(y, self.resid_pdrop, train.map(|d| d.site(1)))?.reshape((b_sz, seq_len, n_embd));
         }
-        if crate::ops::fused(x) && crate::ops::window_attention_runs_on(x, self.head_dim) {
+        if gpt_kernels::fused(x) && gpt_kernels::window_attention_runs_on(x, self.head_dim) {
             // f32 on a CUDA GPU: the same op (its kernels in ops.cu), one product for q, k and v;
             // the residual dropout over (B, T, C) as below (its masks count whole windows).
             let rows = x.reshape((b_sz * seq_len, n_embd))?;
@@ -707,7 +707,7 @@ impl CausalSelfAttention {
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let att = (matmul(&q, &k.t()?, self.autocast)? * self.scale())?; // (B, nh, T, T)
-        let att = crate::ops::causal_softmax(&att, train.is_some())?; // upper triangle masked to 0
+        let att = gpt_kernels::causal_softmax(&att, train.is_some())?; // upper triangle masked to 0
         if let Some(record) = record {
             record.push(att.clone());
         }
@@ -739,14 +739,14 @@ impl CausalSelfAttention {
                     .contiguous()
             };
             let att = (heads(0)?.matmul(&heads(1)?.t()?)? * self.scale())?;
-            record.push(crate::ops::causal_softmax(&att, false)?); // (B, nh, T, T)
+            record.push(gpt_kernels::causal_softmax(&att, false)?); // (B, nh, T, T)
         }
         let (p, d) = match train {
             Some(d) if self.attn_pdrop > 0.0 => (self.attn_pdrop, d.site(0)),
             _ => (0.0, Dropout { key: 0, first_row: 0 }),
         };
-        let y = crate::ops::window_attention(
-            crate::ops::Simd::detect(),
+        let y = gpt_kernels::window_attention(
+            gpt_kernels::Simd::detect(),
             &qkv,
             seq_len,
             self.n_head,
@@ -773,7 +773,7 @@ impl CausalSelfAttention {
     ) -> candle_core::Result<Tensor> {
         let (_n_rows, n_embd) = x.dims2()?;
         let qkv = self.c_attn.forward(x)?; // (N, 3C): one matmul for every sequence
-        if crate::ops::fused(&qkv) && qkv.device().is_cpu() {
+        if gpt_kernels::fused(&qkv) && qkv.device().is_cpu() {
             // On the CPU in f32: the new keys and values go straight from `qkv` into the caches,
             // and one fused op attends for every sequence at once (ops/attention.rs).
             let qkv = qkv.contiguous()?;
@@ -782,7 +782,7 @@ impl CausalSelfAttention {
                 let candle_core::Storage::Cpu(cpu) = &*storage else {
                     candle_core::bail!("forward_packed: qkv is not on the CPU")
                 };
-                let rows = crate::ops::f32_slice(cpu, layout, "forward_packed")?;
+                let rows = gpt_kernels::f32_slice(cpu, layout, "forward_packed")?;
                 let mut start = 0;
                 let mut kv = Vec::with_capacity(lens.len());
                 for (&len, cache) in lens.iter().zip(caches.iter_mut()) {
@@ -792,7 +792,7 @@ impl CausalSelfAttention {
                 }
                 kv
             };
-            let y = crate::ops::cached_attention(&qkv, lens, &kv, self.n_head, self.scale() as f32)?; // (N, C)
+            let y = gpt_kernels::cached_attention(&qkv, lens, &kv, self.n_head, self.scale() as f32)?; // (N, C)
             return self.c_proj.forward(&y);
         }
         #[cfg(feature = "cuda")]
@@ -813,7 +813,7 @@ impl CausalSelfAttention {
             let (k, v) = cache.append(&heads(1)?, &heads(2)?)?; // (nh, offset + t, hs)
             let q = heads(0)?;
             let att = (q.matmul(&k.t()?)? * self.scale())?; // (nh, t, offset + t)
-            let att = crate::ops::causal_softmax(&att, false)?; // new token i sees keys ..= offset + i
+            let att = gpt_kernels::causal_softmax(&att, false)?; // new token i sees keys ..= offset + i
             let y = att.matmul(&v.contiguous()?)?; // (nh, t, hs)
             outputs.push(y.transpose(0, 1)?.reshape((len, n_embd))?); // (t, C)
         }
@@ -824,7 +824,7 @@ impl CausalSelfAttention {
 impl CausalSelfAttention {
     /// A decode step (one new token for every sequence) on CUDA with whole-buffer caches: the
     /// appends and the attention of all sequences in one kernel launch
-    /// ([`crate::cuda_ops::decode_attention`]). `None` (nothing changed but room reserved) where
+    /// ([`gpt_kernels::cuda::decode_attention`]). `None` (nothing changed but room reserved) where
     /// that does not apply, or with `GPT_CUDA_FUSED=0`.
     #[cfg(feature = "cuda")]
     fn decode_on_gpu(
@@ -833,19 +833,19 @@ impl CausalSelfAttention {
         lens: &[usize],
         caches: &mut [&mut LayerKv],
     ) -> candle_core::Result<Option<Tensor>> {
-        if !qkv.device().is_cuda() || !crate::ops::cuda_fused() || lens.iter().any(|&t| t != 1) {
+        if !qkv.device().is_cuda() || !gpt_kernels::cuda_fused() || lens.iter().any(|&t| t != 1) {
             return Ok(None);
         }
         let mut buffers = Vec::with_capacity(caches.len());
         for cache in caches.iter_mut() {
             match cache.whole_with_room(1, self.n_head, self.head_dim, qkv.dtype(), qkv.device())? {
-                Some((k, v)) if self.head_dim + cache.len < crate::cuda_ops::DECODE_SHARED_FLOATS => {
+                Some((k, v)) if self.head_dim + cache.len < gpt_kernels::cuda::DECODE_SHARED_FLOATS => {
                     buffers.push((k, v, cache.len, cache.room()))
                 }
                 _ => return Ok(None),
             }
         }
-        let y = crate::cuda_ops::decode_attention(
+        let y = gpt_kernels::cuda::decode_attention(
             &qkv.contiguous()?,
             &buffers,
             self.n_head,

@@ -16,8 +16,8 @@ use crate::error::{Error, Result};
 use crate::files::write_atomic;
 use crate::gpt::Gpt;
 use crate::hub::{self, HubId, RepoKind};
-use crate::ops::WeightFormat;
 use crate::tokenizer::Tokenizer;
+use gpt_kernels::WeightFormat;
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";

@@ -74,6 +74,12 @@ pub enum Error {
     Candle(#[from] candle_core::Error),
 }
 
+impl From<gpt_kernels::ParseError> for Error {
+    fn from(e: gpt_kernels::ParseError) -> Self {
+        Error::InvalidConfig(e.0)
+    }
+}
+
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         let path = path.into();

@@ -20,8 +20,8 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::gpt::Gpt;
 use crate::layers::Weight;
-use crate::ops::PackedMatrix;
-use crate::ops::WeightFormat;
+use gpt_kernels::PackedMatrix;
+use gpt_kernels::WeightFormat;
 
 pub const GGUF_FILE: &str = "model.gguf";
 

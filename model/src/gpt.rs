@@ -11,7 +11,7 @@ use crate::attention::{CausalSelfAttention, KvCache};
 use crate::config::{Activation, Config, PositionEmbedding};
 use crate::error::{Error, Result};
 use crate::layers::{dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, Weight};
-use crate::ops::{MatmulPrecision, WeightFormat};
+use gpt_kernels::{MatmulPrecision, WeightFormat};
 
 #[derive(Debug, Clone)]
 struct Mlp {
@@ -94,7 +94,7 @@ impl Block {
         // The residual dropouts (sites 1 and 2), keyed as in `forward_t`; on rows, the masks
         // count elements from the shard's first window's first row.
         let add = |x: &Tensor, h: &Tensor, p: f32, site: u64| match train {
-            Some(d) => crate::ops::add_dropout(x, h, p, d.site(site).key, d.first_row * seq_len),
+            Some(d) => gpt_kernels::add_dropout(x, h, p, d.site(site).key, d.first_row * seq_len),
             None => x + h,
         };
         let h = self
@@ -201,15 +201,15 @@ impl Gpt {
         self.wpe.dtype()
     }
 
-    /// Whether [`Gpt::loss`]'s backward pass can run on a tape ([`crate::ops::tape::record`],
-    /// then [`crate::ops::tape::Tape::backward`]) instead of candle's `backward`: the fused CPU
+    /// Whether [`Gpt::loss`]'s backward pass can run on a tape ([`gpt_kernels::tape::record`],
+    /// then [`gpt_kernels::tape::Tape::backward`]) instead of candle's `backward`: the fused CPU
     /// path in f32 (dense weights), with GPT-2's GELU. Elsewhere the forward pass runs candle ops
     /// that the tape does not record (the tape's backward pass would refuse them).
     /// `GPT_CPU_TAPE=0` in the environment turns it off, to compare.
     pub fn trains_on_tape(&self) -> bool {
-        crate::ops::tape::enabled()
+        gpt_kernels::tape::enabled()
             && self.device().is_cpu()
-            && crate::ops::fused(&self.wpe)
+            && gpt_kernels::fused(&self.wpe)
             && self.cfg.activation_function == Activation::GeluNew
             && matches!(&self.wte, Weight::Dense(w) if w.dtype() == DType::F32)
     }
@@ -266,11 +266,11 @@ impl Gpt {
             });
         }
         let tok = self.wte.rows(&idx.flatten_all()?, self.dtype())?; // (B*T, C)
-        let pos = crate::ops::tape::first_rows(&self.wpe, seq_len)?; // (T, C)
-        if tok.device().is_cpu() && crate::ops::fused(&tok) {
+        let pos = gpt_kernels::tape::first_rows(&self.wpe, seq_len)?; // (T, C)
+        if tok.device().is_cpu() && gpt_kernels::fused(&tok) {
             // f32 on the CPU: the residual stream as rows (`Block::forward_rows`); the
             // embeddings' masks count elements from the shard's first window.
-            let x = crate::ops::add_tiled(&tok, &pos)?;
+            let x = gpt_kernels::add_tiled(&tok, &pos)?;
             let mut x = dropout(
                 x,
                 self.cfg.embd_pdrop,
@@ -288,7 +288,7 @@ impl Gpt {
         // (B, T, C). Dropout sites: the embeddings 0, block i's layer key i + 1.
         let tok = tok.reshape((b_sz, seq_len, self.cfg.n_embd))?;
         let mut x = dropout(
-            crate::ops::add_tiled(&tok, &pos)?,
+            gpt_kernels::add_tiled(&tok, &pos)?,
             self.cfg.embd_pdrop,
             train.map(|d| d.site(0)),
         )?;
@@ -301,9 +301,9 @@ impl Gpt {
     }
 
     /// Mean next-token cross-entropy of `(B, T)` windows `idx` against `targets` `(B, T)` (u32),
-    /// with label smoothing `eps` (see [`crate::ops::cross_entropy`]); `train` as in
+    /// with label smoothing `eps` (see [`gpt_kernels::cross_entropy`]); `train` as in
     /// [`Gpt::forward_t`], and then differentiable. On the CPU in f32 the LM head and the loss are
-    /// one op that never holds the whole logits ([`crate::ops::lm_head_loss`]); elsewhere the
+    /// one op that never holds the whole logits ([`gpt_kernels::lm_head_loss`]); elsewhere the
     /// logits, then the cross-entropy.
     pub fn loss(&self, idx: &Tensor, targets: &Tensor, train: Option<Dropout>, eps: f32) -> Result<Tensor> {
         let hidden = self.forward_hidden(idx, train, None)?; // (B*T, C)
@@ -311,11 +311,11 @@ impl Gpt {
         match &self.wte {
             Weight::Dense(w)
                 if hidden.device().is_cpu()
-                    && crate::ops::fused(&hidden)
+                    && gpt_kernels::fused(&hidden)
                     && w.dtype() == DType::F32
                     && targets.dtype() == DType::U32 =>
             {
-                Ok(crate::ops::lm_head_loss(
+                Ok(gpt_kernels::lm_head_loss(
                     &hidden,
                     w,
                     &targets,
@@ -326,7 +326,7 @@ impl Gpt {
             }
             _ => {
                 let logits = self.wte.forward(&hidden, self.autocast)?.to_dtype(DType::F32)?; // (B*T, V)
-                Ok(crate::ops::cross_entropy(&logits, &targets, eps)?)
+                Ok(gpt_kernels::cross_entropy(&logits, &targets, eps)?)
             }
         }
     }
@@ -485,7 +485,7 @@ impl Gpt {
     }
 
     /// The model as inference holds it: on the CPU with f32 activations, every weight matrix
-    /// (the linear layers and the tied LM head) packed for [`crate::ops::PackedMatrix`]'s kernel
+    /// (the linear layers and the tied LM head) packed for [`gpt_kernels::PackedMatrix`]'s kernel
     /// in f32; elsewhere each linear layer's weight in contiguous `(out, in)` memory (GPT-2
     /// checkpoints store `(in, out)`). For loaded models only: training keeps its variables as
     /// created.
@@ -509,7 +509,7 @@ impl Gpt {
     /// The model with its weight matrices (every linear layer and the tied LM head, which is also
     /// the token embedding) held in `format` for inference; see [`WeightFormat`]. Biases,
     /// LayerNorms and the position table stay as they are, and so do activations: on the CPU
-    /// in f32, with every format packed for [`crate::ops::PackedMatrix`] (half-precision weights
+    /// in f32, with every format packed for [`gpt_kernels::PackedMatrix`] (half-precision weights
     /// widened and quantized blocks scaled in registers). Quantized formats need rows whose
     /// length is a multiple of the format's block (32 for q8_0 and q4_0), and run on the CPU.
     pub fn with_weight_format(mut self, format: WeightFormat) -> Result<Self> {

@@ -7,9 +7,9 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, LayerNorm, VarBuilder};
 
 use crate::config::Config;
-use crate::ops::{PackedMatrix, WeightFormat};
+use gpt_kernels::{PackedMatrix, WeightFormat};
 
-pub use crate::ops::Autocast;
+pub use gpt_kernels::Autocast;
 
 /// `a @ b`, under `autocast`; differentiable.
 pub fn matmul(a: &Tensor, b: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
@@ -70,7 +70,7 @@ impl Weight {
     /// Rows `ids` (1-D) of `W` in `dtype`: the token embedding of a tied LM head.
     pub fn rows(&self, ids: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
         match self {
-            Self::Dense(w) => crate::ops::tape::embedding(w, ids)?.to_dtype(dtype),
+            Self::Dense(w) => gpt_kernels::tape::embedding(w, ids)?.to_dtype(dtype),
             Self::Packed(p) => p.rows(&ids.to_vec1::<u32>()?)?.to_dtype(dtype),
         }
     }
@@ -108,8 +108,8 @@ impl Weight {
 fn matmul_wt(x: &Tensor, w: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
     // f32 on the CPU: the packed kernel or bf16 products, forward and backward
     // (`ops::linear_product`).
-    if x.device().is_cpu() && crate::ops::fused(x) && w.dtype() == DType::F32 && x.rank() == 2 {
-        return crate::ops::linear_product(x, w, autocast);
+    if x.device().is_cpu() && gpt_kernels::fused(x) && w.dtype() == DType::F32 && x.rank() == 2 {
+        return gpt_kernels::linear_product(x, w, autocast);
     }
     let w = if x.device().is_cpu() {
         w.clone()
@@ -144,7 +144,7 @@ pub struct Conv1D {
     pub(crate) bias: Tensor,   // (out,)
     pub(crate) autocast: Autocast,
     /// The `(in, out)` tensor as created (the variable, while training), of which `weight` is
-    /// the transposed view: the CPU's fused training product ([`crate::ops::affine`]) takes it
+    /// the transposed view: the CPU's fused training product ([`gpt_kernels::affine`]) takes it
     /// so that the gradient lands on the variable directly. `None` once `weight` is converted
     /// for inference ([`Conv1D::set_weight`]).
     pub(crate) in_out: Option<Tensor>,
@@ -229,9 +229,9 @@ fn linear_act(
     let y = match weight {
         Weight::Packed(p) => p.matmul_bias(&x, bias, gelu)?,
         Weight::Dense(_) => {
-            let y = crate::ops::add_tiled(&weight.forward(&x, autocast)?, bias)?; // (rows, out)
+            let y = gpt_kernels::add_tiled(&weight.forward(&x, autocast)?, bias)?; // (rows, out)
             if gelu {
-                crate::ops::gelu(&y)?
+                gpt_kernels::gelu(&y)?
             } else {
                 y
             }
@@ -260,22 +260,22 @@ impl Conv1D {
 }
 
 impl Conv1D {
-    /// `x @ W + b`, then GELU if `gelu`, as one fused node ([`crate::ops::affine`],
-    /// [`crate::ops::affine_gelu`]) where it applies: f32 on the CPU, 2-D `x` (the residual
+    /// `x @ W + b`, then GELU if `gelu`, as one fused node ([`gpt_kernels::affine`],
+    /// [`gpt_kernels::affine_gelu`]) where it applies: f32 on the CPU, 2-D `x` (the residual
     /// stream as rows), the `(in, out)` tensor at hand; products under the layer's autocast.
     fn fused_affine(&self, x: &Tensor, gelu: bool) -> Option<candle_core::Result<Tensor>> {
         match &self.in_out {
             Some(w)
                 if x.rank() == 2
                     && x.device().is_cpu()
-                    && crate::ops::fused(x)
+                    && gpt_kernels::fused(x)
                     && w.dtype() == DType::F32
                     && self.bias.dtype() == DType::F32 =>
             {
                 Some(if gelu {
-                    crate::ops::affine_gelu(x, w, &self.bias, self.autocast)
+                    gpt_kernels::affine_gelu(x, w, &self.bias, self.autocast)
                 } else {
-                    crate::ops::affine(x, w, &self.bias, self.autocast)
+                    gpt_kernels::affine(x, w, &self.bias, self.autocast)
                 })
             }
             _ => None,
@@ -296,7 +296,7 @@ impl Module for Conv1D {
 /// when training (the fused kernel has no backward pass).
 pub(crate) fn layer_norm(ln: &LayerNorm, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
     match (train, ln.bias()) {
-        (true, Some(bias)) => crate::ops::layer_norm(x, ln.weight(), bias, ln.eps() as f32),
+        (true, Some(bias)) => gpt_kernels::layer_norm(x, ln.weight(), bias, ln.eps() as f32),
         _ => ln.forward(&x.contiguous()?),
     }
 }
@@ -325,7 +325,7 @@ impl Dropout {
     /// The masks of one dropout site: sub-key `site` of this one.
     pub fn site(self, site: u64) -> Self {
         Self {
-            key: crate::rng::key(&[self.key, site]),
+            key: gpt_kernels::rng::key(&[self.key, site]),
             ..self
         }
     }
@@ -334,7 +334,7 @@ impl Dropout {
 /// Dropout while training (`train` is `Some`), and only when it drops anything.
 pub(crate) fn dropout(x: Tensor, p: f32, train: Option<Dropout>) -> candle_core::Result<Tensor> {
     match train {
-        Some(d) if p > 0.0 => crate::ops::dropout(&x, p, d.key, d.first_row),
+        Some(d) if p > 0.0 => gpt_kernels::dropout(&x, p, d.key, d.first_row),
         _ => Ok(x),
     }
 }

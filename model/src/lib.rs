@@ -3,14 +3,13 @@
 //! Data flow at inference: text → [`Tokenizer`] → token ids → [`Gpt::forward_step`] (with one
 //! [`KvCache`] per sequence) → logits. At training: token windows → [`Gpt::forward_t`] → logits →
 //! cross-entropy. Checkpoints are Hugging Face GPT-2 directories (`config.json`,
-//! `model.safetensors`, `tokenizer.json`), see [`checkpoint`].
+//! `model.safetensors`, `tokenizer.json`), see [`checkpoint`]. The kernels underneath (products,
+//! attention, element-wise ops, on the CPU and CUDA) are the `gpt-kernels` crate.
 
 pub mod attention;
 pub mod beam;
 pub mod checkpoint;
 pub mod config;
-#[cfg(feature = "cuda")]
-pub mod cuda_ops;
 pub mod device;
 pub mod error;
 pub mod files;
@@ -19,8 +18,6 @@ pub mod gguf;
 pub mod gpt;
 pub mod hub;
 pub mod layers;
-pub mod ops;
-pub mod rng;
 pub mod sampling;
 pub mod tokenizer;
 
@@ -31,7 +28,7 @@ pub use device::{device_name, parse_device};
 pub use error::{Error, Result};
 pub use generate::generate;
 pub use gpt::{Gpt, LogitsFor, SeqStep};
+pub use gpt_kernels::{MatmulPrecision, WeightFormat};
 pub use layers::{Autocast, Dropout, Weight};
-pub use ops::{MatmulPrecision, WeightFormat};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::Tokenizer;

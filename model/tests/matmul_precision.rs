@@ -9,8 +9,8 @@ mod common;
 
 use candle_core::{Device, Tensor, D};
 use common::{random_model, tokens};
-use gpt::ops::PackedMatrix;
 use gpt::{Config, LogitsFor, MatmulPrecision, SeqStep, WeightFormat};
+use gpt_kernels::PackedMatrix;
 
 fn amx() -> bool {
     let ok = MatmulPrecision::High.available();

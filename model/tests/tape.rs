@@ -1,4 +1,4 @@
-//! The tape's backward pass (`gpt::ops::tape`, what `gpt-train` runs on the CPU) against candle's
+//! The tape's backward pass (`gpt_kernels::tape`, what `gpt-train` runs on the CPU) against candle's
 //! `backward` over the same forward pass: every parameter's gradient equal, value for value, in
 //! shapes and settings that take each kind of entry (dropout at every site, the residual add
 //! without dropout, a position table longer than the windows, a fixed sinusoidal table,
@@ -25,7 +25,7 @@ fn both_ways(
     let loss = model.loss(x, y, Some(train), eps)?;
     let mut grads = (loss * weight as f64)?.backward()?;
     let candle = leaves.iter().map(|t| grads.remove(t)).collect();
-    let (loss, tape) = gpt::ops::tape::record(|| model.loss(x, y, Some(train), eps))?;
+    let (loss, tape) = gpt_kernels::tape::record(|| model.loss(x, y, Some(train), eps))?;
     let on_tape = tape.backward(&loss, weight, &leaves)?;
     Ok([candle, on_tape])
 }
@@ -116,10 +116,10 @@ fn an_op_outside_the_tape_is_refused() -> anyhow::Result<()> {
     )?;
     let b = varmap.get(8, "b", candle_nn::Init::Const(0.5), DType::F32, &dev)?;
     let x = Tensor::randn(0f32, 1.0, (4, 8), &dev)?;
-    let (y, tape) = gpt::ops::tape::record(|| -> candle_core::Result<Tensor> {
-        let h = gpt::ops::affine(&x, &w, &b, Autocast::Off)?.relu()?; // relu: not on the tape
+    let (y, tape) = gpt_kernels::tape::record(|| -> candle_core::Result<Tensor> {
+        let h = gpt_kernels::affine(&x, &w, &b, Autocast::Off)?.relu()?; // relu: not on the tape
         let targets = Tensor::new(&[1u32, 2, 3, 4], &dev)?;
-        gpt::ops::cross_entropy(&gpt::ops::affine(&h, &w, &b, Autocast::Off)?, &targets, 0.0)
+        gpt_kernels::cross_entropy(&gpt_kernels::affine(&h, &w, &b, Autocast::Off)?, &targets, 0.0)
     })?;
     let err = tape
         .backward(&y, 1.0, &[&w, &b])

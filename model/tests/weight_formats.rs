@@ -6,8 +6,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, D};
 use common::{batch, max_abs_diff, random_model, repo, shakespeare, tokens};
-use gpt::ops::{PackedMatrix, Simd};
 use gpt::{Config, Gpt, WeightFormat};
+use gpt_kernels::{PackedMatrix, Simd};
 
 /// The packed kernel in every format, on shapes that take many register tiles (1 to 12 rows and
 /// more, a partial last panel, one and several tasks), against candle's matmul on the same
@@ -66,8 +66,8 @@ fn packed_matmul_matches_candle_and_is_batch_invariant() -> anyhow::Result<()> {
                 }
                 // The fused bias and GELU give the bits of the separate ops.
                 let bias = Tensor::randn(0f32, 1.0, n, &Device::Cpu)?;
-                let with_bias = gpt::ops::add_tiled(&got, &bias)?;
-                for (gelu, expected) in [(false, with_bias.clone()), (true, gpt::ops::gelu(&with_bias)?)] {
+                let with_bias = gpt_kernels::add_tiled(&got, &bias)?;
+                for (gelu, expected) in [(false, with_bias.clone()), (true, gpt_kernels::gelu(&with_bias)?)] {
                     assert_eq!(
                         packed.matmul_bias(&x, &bias, gelu)?.to_vec2::<f32>()?,
                         expected.to_vec2::<f32>()?,

@@ -376,7 +376,7 @@ pub fn prepare(
         sources: prints(&found)?,
         val_data: val_found.as_deref().map(prints).transpose()?,
         val_fraction,
-        tokenizer_hash: gpt::rng::hash_bytes(tokenizer.inner().to_string(false).unwrap_or_default().as_bytes()),
+        tokenizer_hash: gpt_kernels::rng::hash_bytes(tokenizer.inner().to_string(false).unwrap_or_default().as_bytes()),
         width,
         text_field: reading.text_field.clone(),
     };
@@ -471,7 +471,7 @@ pub fn write_token_files(
 /// A generator for one batch, derived from (seed, step, stream): the batches of a step do not
 /// depend on anything that happened before it, so a resumed run draws the same ones.
 pub fn batch_rng(seed: u64, step: usize, stream: u64) -> rand_chacha::ChaCha12Rng {
-    rand_chacha::ChaCha12Rng::seed_from_u64(gpt::rng::key(&[seed, step as u64, stream]))
+    rand_chacha::ChaCha12Rng::seed_from_u64(gpt_kernels::rng::key(&[seed, step as u64, stream]))
 }
 
 /// `batch_size` random windows: inputs `(B, T)` and next-token targets `(B, T)`.

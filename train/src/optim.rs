@@ -72,7 +72,7 @@ impl FusedUpdate {
     /// on every core) and on this thread for the rest; compiled for the CPU's widest vectors.
     fn split(n: usize, work: impl Fn(std::ops::Range<usize>) + Sync) {
         let work = |range: std::ops::Range<usize>| {
-            gpt::ops::simd::vectorised(
+            gpt_kernels::simd::vectorised(
                 #[inline(always)]
                 || work(range),
             )
@@ -140,7 +140,7 @@ impl candle_core::InplaceOp2 for MomentsUpdate<'_> {
 
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
         let mv = f32_slice_mut(s1, l1, "adamw-moments")?;
-        let g = gpt::ops::f32_slice(s2, l2, "adamw-moments")?;
+        let g = gpt_kernels::f32_slice(s2, l2, "adamw-moments")?;
         let n = g.len();
         if mv.len() != 2 * n {
             candle_core::bail!("adamw-moments: {} moments for {n} gradients", mv.len())
@@ -176,7 +176,7 @@ impl candle_core::InplaceOp2 for ParamUpdate<'_> {
 
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
         let theta = f32_slice_mut(s1, l1, "adamw-param")?;
-        let mv = gpt::ops::f32_slice(s2, l2, "adamw-param")?;
+        let mv = gpt_kernels::f32_slice(s2, l2, "adamw-param")?;
         let n = theta.len();
         if mv.len() != 2 * n {
             candle_core::bail!("adamw-param: {} moments for {n} parameters", mv.len())
@@ -212,7 +212,7 @@ impl CustomOp3 for FusedUpdate {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let slice = |s, l| gpt::ops::f32_slice(s, l, "fused-adamw");
+        let slice = |s, l| gpt_kernels::f32_slice(s, l, "fused-adamw");
         let (theta, g, mv) = (slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
         let n = theta.len();
         let (m, v) = mv.split_at(n);
@@ -239,7 +239,7 @@ impl CustomOp3 for FusedUpdate {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let step = gpt::cuda_ops::AdamWStep {
+        let step = gpt_kernels::cuda::AdamWStep {
             lr: self.lr,
             beta1: self.beta1,
             beta2: self.beta2,
@@ -251,7 +251,7 @@ impl CustomOp3 for FusedUpdate {
         if self.grad_scale != 1.0 {
             candle_core::bail!("fused-adamw on CUDA: scale the gradients first (clip_grad_norm)")
         }
-        gpt::cuda_ops::adamw((s1, l1), (s2, l2), (s3, l3), step)
+        gpt_kernels::cuda::adamw((s1, l1), (s2, l2), (s3, l3), step)
     }
 }
 
@@ -285,7 +285,7 @@ impl AdamW {
     /// One update with learning rate `lr` from the gradients clipped to a global L2 norm of at
     /// most `max_norm` (0: no clipping), as gpt-train steps. On a CUDA GPU (f32, fused kernels on)
     /// the norm, the clipping and the update of every parameter are three launches with nothing
-    /// read back ([`gpt::cuda_ops::clipped_adamw`]; `GPT_CUDA_ADAMW=0` turns that off, to
+    /// read back ([`gpt_kernels::cuda::clipped_adamw`]; `GPT_CUDA_ADAMW=0` turns that off, to
     /// compare); elsewhere [`clip_factor`], then [`AdamW::step_scaled`].
     pub fn step_clipped(&mut self, grads: &[Tensor], lr: f64, max_norm: f64) -> Result<()> {
         #[cfg(feature = "cuda")]
@@ -293,7 +293,7 @@ impl AdamW {
             && self
                 .params
                 .iter()
-                .all(|p| p.var.device().is_cuda() && gpt::ops::fused(p.var.as_tensor()))
+                .all(|p| p.var.device().is_cuda() && gpt_kernels::fused(p.var.as_tensor()))
             && gpu_update_on()
         {
             return self.step_clipped_on_gpu(grads, lr, max_norm);
@@ -314,11 +314,11 @@ impl AdamW {
         if let Some(p) = self.params.iter().find(|p| !p.var.as_tensor().is_contiguous()) {
             candle_core::bail!("parameter {}: not contiguous, so it cannot be updated in place", p.name);
         }
-        let params: Vec<gpt::cuda_ops::AdamWParam> = self
+        let params: Vec<gpt_kernels::cuda::AdamWParam> = self
             .params
             .iter()
             .zip(&grads)
-            .map(|(p, grad)| gpt::cuda_ops::AdamWParam {
+            .map(|(p, grad)| gpt_kernels::cuda::AdamWParam {
                 theta: p.var.as_tensor(),
                 moments: &p.moments,
                 grad,
@@ -327,7 +327,7 @@ impl AdamW {
             .collect();
         let c = self.cfg;
         let (bias1, bias2) = self.bias_corrections(self.steps + 1);
-        let step = gpt::cuda_ops::AdamWStep {
+        let step = gpt_kernels::cuda::AdamWStep {
             lr: lr as f32,
             beta1: c.beta1 as f32,
             beta2: c.beta2 as f32,
@@ -336,7 +336,7 @@ impl AdamW {
             bias1: bias1 as f32,
             bias2: bias2 as f32,
         };
-        gpt::cuda_ops::clipped_adamw(&params, max_norm as f32, step)?;
+        gpt_kernels::cuda::clipped_adamw(&params, max_norm as f32, step)?;
         self.steps += 1; // only once the update is queued: a refused one leaves the count as it was
         Ok(())
     }
@@ -376,13 +376,13 @@ impl AdamW {
                 bias2: bias2 as f32,
                 grad_scale: grad_scale as f32,
             };
-            if gpt::ops::fused(&theta) && theta.device().is_cpu() {
+            if gpt_kernels::fused(&theta) && theta.device().is_cpu() {
                 p.moments.inplace_op2(&g.contiguous()?, &MomentsUpdate(&kernel))?;
                 theta.inplace_op2(&p.moments, &ParamUpdate(&kernel))?;
                 continue;
             }
             let g = if grad_scale == 1.0 { g } else { (g * grad_scale)? };
-            let (new_theta, moments) = if gpt::ops::fused(&theta) {
+            let (new_theta, moments) = if gpt_kernels::fused(&theta) {
                 let kernel = FusedUpdate {
                     grad_scale: 1.0,
                     ..kernel
@@ -444,7 +444,7 @@ impl AdamW {
 #[cfg(feature = "cuda")]
 fn gpu_update_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    gpt::ops::switch_on(&ON, "GPT_CUDA_ADAMW")
+    gpt_kernels::switch_on(&ON, "GPT_CUDA_ADAMW")
 }
 
 /// Global L2 norm of all gradients together.
@@ -452,7 +452,7 @@ pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
     if grads.is_empty() {
         return Ok(0.0);
     }
-    if grads.iter().all(|g| gpt::ops::fused(g) && g.device().is_cpu()) {
+    if grads.iter().all(|g| gpt_kernels::fused(g) && g.device().is_cpu()) {
         // On the CPU: each gradient's squares summed in one pass, in f64, without a tensor of
         // squares (GPT-2 small's would be 500 MB of fresh memory a step).
         let mut sum = 0f64;
@@ -479,7 +479,7 @@ impl candle_core::CustomOp1 for SumOfSquares {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = gpt::ops::f32_slice(s, l, "sum-of-squares")?;
+        let x = gpt_kernels::f32_slice(s, l, "sum-of-squares")?;
         // Eight partial sums, so that the loop vectorises; a fixed order, so it is repeatable.
         let mut parts = [0f64; 8];
         let mut chunks = x.chunks_exact(8);

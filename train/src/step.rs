@@ -107,7 +107,7 @@ pub fn in_threads<T: Send>(n: usize, work: impl Fn(usize) -> Result<T> + Sync) -
 fn accumulate(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
     let g = g.detach();
     *slot = Some(match slot.take() {
-        Some(a) if a.device().is_cpu() && gpt::ops::fused(&a) && a.is_contiguous() => {
+        Some(a) if a.device().is_cpu() && gpt_kernels::fused(&a) && a.is_contiguous() => {
             a.inplace_op2(&g.contiguous()?, &AddAssign)?;
             a
         }
@@ -143,7 +143,7 @@ impl candle_core::InplaceOp2 for AddAssign {
         if a.len() != b.len() {
             candle_core::bail!("add-assign: {} values and {}", a.len(), b.len())
         }
-        gpt::ops::simd::vectorised(
+        gpt_kernels::simd::vectorised(
             #[inline(always)]
             || a.iter_mut().zip(b).for_each(|(x, &y)| *x += y),
         );
@@ -160,7 +160,7 @@ impl candle_core::InplaceOp2 for AddAssign {
 /// every small matmul over them). Shard gradients are weighted by their share of the rows and
 /// summed in a fixed order, so the result does not depend on thread timing. Where the model
 /// allows ([`Gpt::trains_on_tape`]), each piece's backward pass runs on the tape its forward pass
-/// recorded ([`gpt::ops::tape`]) rather than candle's `backward`: the same gradients, without a
+/// recorded ([`gpt_kernels::tape`]) rather than candle's `backward`: the same gradients, without a
 /// zeroed buffer and an add for every edge of the graph.
 pub fn accumulate_grads(
     model: &Gpt,
@@ -179,7 +179,7 @@ pub fn accumulate_grads(
             let len = rows / n_shards + usize::from(s < rows % n_shards);
             let weight = len as f64 / rows as f64 / batches.len() as f64;
             let dropout = Dropout {
-                key: gpt::rng::key(&[objective.dropout_key, micro as u64]),
+                key: gpt_kernels::rng::key(&[objective.dropout_key, micro as u64]),
                 first_row: start,
             };
             pieces.push((x.narrow(0, start, len)?, y.narrow(0, start, len)?, weight, dropout));
@@ -197,7 +197,7 @@ pub fn accumulate_grads(
             // The piece's weight as the loss's upstream gradient: every gradient comes out
             // weighted (the fused LM head scales its own in place), and pieces only add.
             let (loss, tape) = if on_tape {
-                let (loss, tape) = gpt::ops::tape::record(piece_loss)?;
+                let (loss, tape) = gpt_kernels::tape::record(piece_loss)?;
                 (loss, Some(tape))
             } else {
                 (piece_loss()?, None)

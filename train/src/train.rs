@@ -223,7 +223,7 @@ impl Trainer {
             .collect::<Result<Vec<_>>>()?;
         let objective = Objective {
             label_smoothing: run.label_smoothing as f32,
-            dropout_key: gpt::rng::key(&[run.seed, step as u64]),
+            dropout_key: gpt_kernels::rng::key(&[run.seed, step as u64]),
         };
         let (train_loss, grads) = accumulate_grads(&self.model, &self.vars, &batches, self.shards, objective)?;
         if !train_loss.is_finite() {

@@ -6,8 +6,8 @@
 //! `(tokens, vocab)` logits matrix.
 
 use candle_core::Device;
-use gpt::ops::log_sum_exp;
 use gpt::{Gpt, KvCache, LogitsFor, SeqStep};
+use gpt_kernels::log_sum_exp;
 
 /// Rows of logits computed at once: 256 x GPT-2's 50257 x 4 bytes is 51 MB.
 const LM_HEAD_ROWS: usize = 256;
@@ -152,7 +152,7 @@ impl Runner {
             let candle_core::Storage::Cpu(storage) = &*storage else {
                 return Err(candle_core::Error::Msg("LM head: logits not on the host".into()).into());
             };
-            let logits = gpt::ops::f32_slice(storage, layout, "LM head")?;
+            let logits = gpt_kernels::f32_slice(storage, layout, "LM head")?;
             // Prompt positions' log-probabilities: a pass over the vocabulary each, independent,
             // so spread over candle's thread pool.
             let owners = &owners[start..start + rows];
@@ -199,7 +199,7 @@ pub fn rank(row: &[f32], id: usize) -> u32 {
 pub fn top_k(row: &[f32], k: usize, lse: f32) -> Vec<(u32, f32)> {
     if k == 1 {
         // The common case (lm-eval asks `logprobs: 1`): a vectorised argmax, the same pick.
-        return gpt::ops::argmax(row)
+        return gpt_kernels::argmax(row)
             .map(|i| vec![(i as u32, row[i] - lse)])
             .unwrap_or_default();
     }

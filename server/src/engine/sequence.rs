@@ -14,7 +14,7 @@ use super::ValidRequest;
 use super::{Detokenizer, TextStream};
 use super::{Event, FinishReason, StopReason, TokenLogprob};
 use crate::metrics::Metrics;
-use gpt::ops::log_sum_exp;
+use gpt_kernels::log_sum_exp;
 
 /// What every sequence needs to know of the model.
 #[derive(Debug, Clone, Copy)]

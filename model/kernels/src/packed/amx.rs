@@ -25,7 +25,7 @@ use std::mem::MaybeUninit;
 
 use super::WeightFormat;
 use super::{Epilogue, PackedMatrix, Simd, GROUP, LANES};
-use crate::ops::simd::{Kernel, Vec16};
+use crate::simd::{Kernel, Vec16};
 
 /// Positions along `k` per tile product: one 64-byte tile row of bf16.
 const KB: usize = 32;
@@ -114,7 +114,7 @@ impl AmxWeights {
     }
 }
 
-/// `y = x @ W^T` (then the epilogue) for `x` `(m, k)`, on the tiles; [`crate::ops::simd::amx::available`] must hold.
+/// `y = x @ W^T` (then the epilogue) for `x` `(m, k)`, on the tiles; [`crate::simd::amx::available`] must hold.
 /// Every element of `y` is written, so it may start uninitialised.
 /// With [`Tiles::Emulated`] the tile products are computed in plain Rust instead
 /// ([`emulated`]), on any CPU.
@@ -367,7 +367,7 @@ mod hardware {
     /// products skip the padding).
     ///
     /// # Safety
-    /// AMX available and permitted ([`crate::ops::simd::amx::available`]).
+    /// AMX available and permitted ([`crate::simd::amx::available`]).
     pub(super) unsafe fn configure(rows: usize) {
         let mut c = Config([0; 64]);
         c.0[0] = 1;

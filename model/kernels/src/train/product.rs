@@ -1,14 +1,14 @@
 //! Training's matrix products on the CPU, `a @ B^T` for operands read where they are (any
 //! layout: a transposed view is not copied first), in f32 on the packed kernel
-//! ([`PackedMatrix`]) or rounded to bf16 under autocast ([`super::bf16_dot`]).
+//! ([`PackedMatrix`]) or rounded to bf16 under autocast ([`crate::train::bf16`]).
 
 use std::mem::MaybeUninit;
 
 use candle_core::{CpuStorage, Layout, Result};
 
-use super::bf16_dot::{Bf16Dot, Bf16Panels, Bf16Rows};
-use super::packed::{matmul_rows_in_place, InPlace, PackedMatrix};
-use super::simd::Simd;
+use crate::packed::{matmul_rows_in_place, InPlace, PackedMatrix};
+use crate::simd::Simd;
+use crate::train::bf16::{Bf16Dot, Bf16Panels, Bf16Rows};
 
 /// The matrix products of training (projections, LM head; the attention's own products stay
 /// f32 on the CPU) in f32, or as `torch.autocast(dtype=torch.bfloat16)`: f32 operands rounded to
@@ -95,7 +95,7 @@ impl<'a> Operand<'a> {
     /// How the packed kernel reads the matrix where it is, if it can: unit stride along one
     /// dimension. A column-major matrix is read so at any size: a tile's reads go across its
     /// columns, a cache line each, which pays while they stay in a core's L2, and the product's
-    /// blocks of rows ([`super::parallel::ProductBlocks`]) keep them there (GPT-2 small's f32
+    /// blocks of rows ([`crate::parallel::ProductBlocks`]) keep them there (GPT-2 small's f32
     /// step 5% faster than with a row-major copy of those over 1 MiB: `dW = dY^T x`'s `dY^T`).
     fn in_place(&self) -> Option<InPlace<'a>> {
         let values = &self.data[self.offset.min(self.data.len())..];
@@ -144,7 +144,7 @@ impl<'a> Operand<'a> {
         const B: usize = 32;
         let cols = self.cols.max(1);
         // Blocks of B rows over the pool (the LM head's gradient copies 6.4M values a chunk).
-        let out = super::parallel::collect(
+        let out = crate::parallel::collect(
             len,
             B * cols,
             #[inline(always)]
@@ -415,7 +415,7 @@ mod tests {
                 };
                 let want: Vec<f32> = (0..rows).flat_map(|r| (0..cols).map(move |c| a.at(r, c))).collect();
                 assert_eq!(*a.row_major(), want[..], "{rows}x{cols} stride {stride:?}");
-                let serial = crate::ops::parallel::serially(|| a.row_major().into_owned());
+                let serial = crate::parallel::serially(|| a.row_major().into_owned());
                 assert_eq!(serial, want, "{rows}x{cols} stride {stride:?}, one thread");
             }
         }

@@ -5,7 +5,7 @@
 //! Cephes' `expf` polynomial, branch-free so that it compiles to SIMD). Each is plain Rust
 //! written in 16 lanes and compiled for the instruction set it runs on ([`Simd::run`]).
 
-use super::simd::{Kernel, Simd, Vec16};
+use crate::simd::{Kernel, Simd, Vec16};
 
 /// `log Σ exp(row)`, the normaliser of a log-softmax (`-inf` for an empty row; the maximum
 /// itself where it is not finite), on this CPU's widest instructions.

@@ -6,7 +6,8 @@
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{f32_slice, parallel};
+use crate::f32_slice;
+use crate::parallel;
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_A: f32 = 0.044_715;
@@ -14,7 +15,7 @@ const GELU_A: f32 = 0.044_715;
 /// tanh(x) as a 13/6 rational function on [-7.9053, 7.9053] (|error| < 1e-6; beyond that range
 /// tanh is ±1 in f32). The coefficients are the published minimax fit used by Eigen's float tanh.
 #[inline(always)]
-pub(super) fn fast_tanh(x: f32) -> f32 {
+pub(crate) fn fast_tanh(x: f32) -> f32 {
     let x = x.clamp(-7.905_311, 7.905_311);
     let x2 = x * x;
     let p = x2 * -2.760_768_5e-16 + 2.000_188e-13;
@@ -36,7 +37,7 @@ pub(crate) fn gelu_new(x: f32) -> f32 {
 }
 
 /// GELU, tanh approximation (GPT-2's `gelu_new`).
-pub(super) struct Gelu;
+pub(crate) struct Gelu;
 
 impl CustomOp1 for Gelu {
     fn name(&self) -> &'static str {
@@ -66,12 +67,12 @@ impl CustomOp1 for Gelu {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda_ops::gelu(s, l)
+        crate::cuda::gelu(s, l)
     }
 }
 
 /// grad · d gelu(x)/dx, in one pass.
-pub(super) struct GeluGrad;
+pub(crate) struct GeluGrad;
 
 impl CustomOp2 for GeluGrad {
     fn name(&self) -> &'static str {
@@ -100,6 +101,6 @@ impl CustomOp2 for GeluGrad {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda_ops::gelu_grad(s1, l1, s2, l2)
+        crate::cuda::gelu_grad(s1, l1, s2, l2)
     }
 }

@@ -1,7 +1,7 @@
 //! The fused ops against candle's own, forward and backward.
 
-use super::gelu::fast_tanh;
 use super::*;
+use crate::elementwise::gelu::fast_tanh;
 use candle_core::{Device, Var, D};
 
 #[path = "../../../tests/support.rs"]
@@ -113,7 +113,7 @@ fn dropout_drops_p_scales_the_rest_and_masks_the_gradient_alike() {
         assert!(*b == 0.0 || (b - a / (1.0 - p)).abs() < 1e-6);
     }
     // The fused op equals the host-made mask (the path of other devices and dtypes).
-    let op = super::Dropout { key: 42, first: 0, p };
+    let op = crate::elementwise::dropout::Dropout { key: 42, first: 0, p };
     assert_eq!(max_diff(&y, &(x.as_tensor() * op.mask(&x).unwrap()).unwrap()), 0.0);
     // Backward: the same mask on the gradient.
     let grads = (y * &g).unwrap().sum_all().unwrap().backward().unwrap();
@@ -128,7 +128,7 @@ fn dropout_drops_p_scales_the_rest_and_masks_the_gradient_alike() {
 /// tests/fixtures/label_smoothing.json, written by PyTorch (make_label_smoothing.py).
 #[test]
 fn label_smoothing_matches_pytorch_forward_and_backward() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/label_smoothing.json");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/label_smoothing.json");
     let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let rows: Vec<Vec<f32>> = serde_json::from_value(fixture["logits"].clone()).unwrap();
     let targets: Vec<u32> = serde_json::from_value(fixture["targets"].clone()).unwrap();
@@ -384,7 +384,7 @@ fn window_attention_matches_candles_composite() -> anyhow::Result<()> {
             };
             let att = (heads(0)?.matmul(&heads(1)?.t()?)? * scale as f64)?;
             let att = candle_nn::ops::softmax(&att.broadcast_add(&causal_mask(t, 0, DType::F32, dev)?)?, D::Minus1)?;
-            let drop = super::Dropout {
+            let drop = crate::elementwise::dropout::Dropout {
                 key,
                 first: (first_row * nh * t * t) as u64,
                 p,

@@ -77,7 +77,7 @@ impl Entry {
 /// Whether the environment leaves the tape on (`GPT_CPU_TAPE` is not `0`).
 pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    super::switch_on(&ON, "GPT_CPU_TAPE")
+    crate::switch_on(&ON, "GPT_CPU_TAPE")
 }
 
 /// A recorded forward pass (see the module's documentation).
@@ -155,14 +155,14 @@ pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// The first `len` rows of `table`, on the tape while one records.
-pub(crate) fn first_rows(table: &Tensor, len: usize) -> Result<Tensor> {
+pub fn first_rows(table: &Tensor, len: usize) -> Result<Tensor> {
     let out = table.narrow(0, 0, len)?;
     push(|| Entry::FirstRows(table.clone(), out.clone()));
     Ok(out)
 }
 
 /// Rows `ids` (1-D) of `table`, on the tape while one records.
-pub(crate) fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     if OneHotGradEmbedding::applies(table, ids)? {
         return table.apply_op2(ids, OneHotGradEmbedding);
     }

@@ -8,28 +8,29 @@
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{f32_slice, parallel};
+use crate::f32_slice;
+use crate::parallel;
 use crate::rng;
 
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Dropout {
-    pub(super) key: u64,
+pub(crate) struct Dropout {
+    pub(crate) key: u64,
     /// Index of this tensor's first element in the whole batch's.
-    pub(super) first: u64,
-    pub(super) p: f32,
+    pub(crate) first: u64,
+    pub(crate) p: f32,
 }
 
 impl Dropout {
-    pub(super) fn keeps(&self, i: u64) -> bool {
+    pub(crate) fn keeps(&self, i: u64) -> bool {
         rng::uniform(self.key, self.first + i) >= self.p
     }
 
-    pub(super) fn scale(&self) -> f32 {
+    pub(crate) fn scale(&self) -> f32 {
         1.0 / (1.0 - self.p)
     }
 
     /// The mask as a tensor of 0 and 1/(1-p), for devices and dtypes without the fused kernel.
-    pub(super) fn mask(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn mask(&self, x: &Tensor) -> Result<Tensor> {
         let scale = self.scale();
         let values: Vec<f32> = (0..x.elem_count() as u64)
             .map(|i| if self.keeps(i) { scale } else { 0.0 })
@@ -63,7 +64,7 @@ impl CustomOp1 for Dropout {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda_ops::dropout(s, l, self.key, self.first, self.p)
+        crate::cuda::dropout(s, l, self.key, self.first, self.p)
     }
 
     /// Linear with a fixed mask: the gradient goes through the same mask.
@@ -75,7 +76,7 @@ impl CustomOp1 for Dropout {
 /// `x + dropout(h)`: one node of the backward graph instead of two (each costs a zeroed
 /// gradient buffer and an add in candle's backward pass).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct AddDropout(pub(super) Dropout);
+pub(crate) struct AddDropout(pub(super) Dropout);
 
 impl CustomOp2 for AddDropout {
     fn name(&self) -> &'static str {

@@ -14,9 +14,9 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::cross_entropy::{row_loss, row_loss_and_grad, targets_of};
-use super::parallel;
-use super::product::{Autocast, Operand, Rhs};
+use crate::parallel;
+use crate::train::cross_entropy::{row_loss, row_loss_and_grad, targets_of};
+use crate::train::product::{Autocast, Operand, Rhs};
 
 /// Rows per chunk: the chunk's logits (`ROWS x V` f32, 103 MB at GPT-2's vocabulary) in place of
 /// the whole batch's. Each chunk adds its part of the head's gradient `(V, C)` (154 MB at GPT-2's
@@ -24,7 +24,7 @@ use super::product::{Autocast, Operand, Rhs};
 /// (4 x 256 tokens on 2 cores: 512 rows 8-12% faster than 128, f32 and bf16, the same peak RSS).
 const ROWS: usize = 512;
 
-/// Mean cross-entropy (label smoothing `eps`, as [`super::cross_entropy`]) of the logits
+/// Mean cross-entropy (label smoothing `eps`, as [`crate::train::cross_entropy`]) of the logits
 /// `hidden @ W^T` against `targets`, for `hidden` `(N, C)` and the head `W` `(V, C)` (any layout),
 /// f32 on the CPU, u32 targets, the products at `autocast`'s precision. Differentiable in
 /// `hidden` and `W` when `with_grad` (the gradients are taken in this pass; without it, the loss
@@ -45,7 +45,7 @@ pub fn lm_head_loss(
     };
     let (hidden, targets) = (hidden.contiguous()?, targets.contiguous()?);
     if with_grad {
-        super::tape::op3(&hidden, w, &targets, op)
+        crate::tape::op3(&hidden, w, &targets, op)
     } else {
         hidden.apply_op3_no_bwd(w, &targets, &op)
     }
@@ -79,7 +79,7 @@ impl CustomOp3 for HeadLoss {
         st: &CpuStorage,
         lt: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let h = super::f32_slice(sh, lh, "lm-head-loss")?;
+        let h = crate::f32_slice(sh, lh, "lm-head-loss")?;
         let (n, c) = lh.shape().dims2()?;
         let (vocab, cw) = lw.shape().dims2()?;
         let targets = targets_of(st, lt, vocab)?;

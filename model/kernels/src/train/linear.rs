@@ -1,6 +1,6 @@
 //! The products of training's linear layers on the CPU, with their backward: `y = x @ W^T`, then
 //! `dx = dy @ W` and `dW = dy^T @ x`, each as `a @ B^T` with both operands read where they are
-//! ([`super::product`]: f32 on the packed kernel, or bf16 under autocast); and [`affine`], GPT-2's
+//! ([`crate::train::product`]: f32 on the packed kernel, or bf16 under autocast); and [`affine`], GPT-2's
 //! `Conv1D` `x @ W + b` with `W` in the checkpoint's `(in, out)` layout, the bias and its gradient
 //! in the same op. (Weights change at every step, so they are packed at every product: one pass
 //! over `B` against `rows` passes of arithmetic.) candle's CPU matmul is the `gemm` crate's AVX2
@@ -11,9 +11,9 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Tensor};
 
-use super::gelu::{gelu_new, GeluGrad};
-use super::parallel;
-use super::product::{product, product_into, Autocast, Operand};
+use crate::elementwise::gelu::{gelu_new, GeluGrad};
+use crate::parallel;
+use crate::train::product::{product, product_into, Autocast, Operand};
 
 /// `a @ B^T` for `a` `(m, k)` and `B` `(n, k)`, f32 tensors on the CPU (any layout); not
 /// differentiable.
@@ -24,7 +24,7 @@ fn product_of(a: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
 /// `x @ W^T` for `x` `(m, k)` and `W` `(n, k)` (any layout, a transposed view included), f32
 /// on the CPU, at `autocast`'s precision; differentiable in both.
 pub fn linear_product(x: &Tensor, w: &Tensor, autocast: Autocast) -> Result<Tensor> {
-    super::tape::op2(x, w, Product { autocast })
+    crate::tape::op2(x, w, Product { autocast })
 }
 
 /// See [`linear_product`].
@@ -77,7 +77,7 @@ impl CustomOp2 for Product {
 /// a layer was three such nodes, and the weight's gradient reached the variable through a strided
 /// add. Here `dW` comes out in the variable's own layout.
 pub fn affine(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
-    super::tape::op3(&x.contiguous()?, w, &b.contiguous()?, Affine { autocast, gelu: None })
+    crate::tape::op3(&x.contiguous()?, w, &b.contiguous()?, Affine { autocast, gelu: None })
 }
 
 /// `gelu(x @ W + b)` (GPT-2's tanh form), as [`affine`] with the activation in the same node:
@@ -88,7 +88,7 @@ pub fn affine_gelu(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Re
         autocast,
         gelu: Some(OnceLock::new()),
     };
-    super::tape::op3(&x.contiguous()?, w, &b.contiguous()?, op)
+    crate::tape::op3(&x.contiguous()?, w, &b.contiguous()?, op)
 }
 
 /// See [`affine`] and [`affine_gelu`].
@@ -114,7 +114,7 @@ impl CustomOp3 for Affine {
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, w) = (Operand::of(sx, lx)?, Operand::of(sw, lw)?);
-        let b = super::f32_slice(sb, lb, "packed-affine")?;
+        let b = crate::f32_slice(sb, lb, "packed-affine")?;
         let (m, n) = (x.rows, w.cols);
         if x.cols != w.rows || b.len() != n {
             candle_core::bail!(
@@ -213,7 +213,7 @@ impl CustomOp2 for AffineGrads {
         // SAFETY: `product_into` wrote every one of the `k * n` values.
         unsafe { out.set_len(k * n) };
         out.extend_from_slice(&parallel::column_sums(
-            super::f32_slice(sd, ld, "packed-affine-grads")?,
+            crate::f32_slice(sd, ld, "packed-affine-grads")?,
             n,
         ));
         Ok((CpuStorage::F32(out), Shape::from((k + 1, n))))

@@ -4,11 +4,12 @@
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{f32_slice, parallel};
+use crate::f32_slice;
+use crate::parallel;
 
 /// LayerNorm over the last dimension, `(x - mean) / sqrt(var + eps) * gamma + beta`.
-pub(super) struct LayerNorm {
-    pub(super) eps: f32,
+pub(crate) struct LayerNorm {
+    pub(crate) eps: f32,
 }
 
 /// Partial sums of a row: lane `l` sums the values at `l`, `l + 16`, ...
@@ -123,15 +124,15 @@ impl CustomOp3 for LayerNorm {
         s3: &CudaStorage,
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        crate::cuda_ops::layer_norm((s1, l1), (s2, l2), (s3, l3), self.eps)
+        crate::cuda::layer_norm((s1, l1), (s2, l2), (s3, l3), self.eps)
     }
 }
 
 /// The three LayerNorm gradients in one pass, packed as rows of a `(rows + 2, C)` matrix: dx,
 /// then d gamma, then d beta. With x̂ the normalised row and ĝ = g ⊙ gamma:
 /// dx = rstd (ĝ − mean(ĝ) − x̂ mean(ĝ ⊙ x̂)), d gamma = Σ g ⊙ x̂, d beta = Σ g.
-pub(super) struct LayerNormGrad {
-    pub(super) eps: f32,
+pub(crate) struct LayerNormGrad {
+    pub(crate) eps: f32,
 }
 
 impl CustomOp3 for LayerNormGrad {
@@ -221,6 +222,6 @@ impl CustomOp3 for LayerNormGrad {
         s3: &CudaStorage,
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        crate::cuda_ops::layer_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps)
+        crate::cuda::layer_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps)
     }
 }

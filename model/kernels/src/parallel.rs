@@ -2,7 +2,7 @@
 //! run on), in chunks of a fixed size: which chunk a thread takes varies from run to run, but
 //! every output value is computed by one chunk alone, so the results do not depend on it (nor on
 //! the number of threads). Each chunk runs compiled for the CPU's widest vectors
-//! ([`super::simd::vectorised`]). Reductions over rows (a bias's or LayerNorm's gradient) are
+//! ([`crate::simd::vectorised`]). Reductions over rows (a bias's or LayerNorm's gradient) are
 //! split by columns for the same reason: each column is still summed row after row.
 //!
 //! When training runs one data-parallel shard per thread, the pool has no workers and these run
@@ -64,7 +64,7 @@ pub(crate) fn chunks_mut<T: Send>(out: &mut [T], grain: usize, f: impl Fn(usize,
     let (len, grain) = (out.len(), grain.max(1));
     let items = len.div_ceil(grain);
     let f = |start: usize, chunk: &mut [T]| {
-        super::simd::vectorised(
+        crate::simd::vectorised(
             #[inline(always)]
             || f(start, chunk),
         )

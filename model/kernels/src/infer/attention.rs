@@ -12,7 +12,7 @@
 
 use candle_core::{Device, Layout, Result, Storage, Tensor};
 
-use super::Simd;
+use crate::Simd;
 
 /// One sequence's keys and values for [`cached_attention`], `len` positions in order, in blocks:
 /// `(n_head, B, head_dim)` tensors of `B` positions each (the same `B` for every block; the last
@@ -113,7 +113,7 @@ impl<'a> Heads<'a> {
 /// Writes rows `row0..row0 + rows` of a `(N, ld)` f32 matrix, columns `col0..col0 + nh * hs`,
 /// into positions `at..at + rows` of an `(nh, room, hs)` buffer, head after head: a step's new
 /// keys or values into a sequence's cache, in place (`Tensor::inplace_op1`). CPU, f32.
-pub(crate) struct WriteRows<'a> {
+pub struct WriteRows<'a> {
     pub src: &'a [f32],
     pub ld: usize,
     pub col0: usize,
@@ -200,7 +200,7 @@ pub fn cached_attention_on(
     let Storage::Cpu(q_cpu) = &*q_storage else {
         candle_core::bail!("cached-attention: qkv is not on the CPU")
     };
-    let q = super::f32_slice(q_cpu, q_layout, "cached-attention")?;
+    let q = crate::f32_slice(q_cpu, q_layout, "cached-attention")?;
     fn guards(blocks: &[Tensor]) -> Vec<(candle_core::StorageRef<'_>, &Layout)> {
         blocks.iter().map(Tensor::storage_and_layout).collect()
     }
@@ -372,7 +372,7 @@ mod x86 {
     /// # Safety
     /// As [`Head::attend`]; `head.hs == 16 * CH`; the CPU must have AVX-512F.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn attend512<const CH: usize, const R: usize>(head: &Head, y: *mut f32) {
+    pub(crate) unsafe fn attend512<const CH: usize, const R: usize>(head: &Head, y: *mut f32) {
         let mut scores = vec![0f32; R * head.t];
         let mut i0 = 0;
         while i0 < head.len {
@@ -442,9 +442,9 @@ mod x86 {
             let mut inv = [0f32; R];
             for r in 0..R {
                 let row = &mut scores[r * t..r * t + n[r]];
-                let max = crate::ops::rows::max(row);
+                let max = crate::rows::max(row);
                 for s in row.iter_mut() {
-                    *s = crate::ops::rows::exp(*s - max);
+                    *s = crate::rows::exp(*s - max);
                 }
                 inv[r] = 1.0 / lanes_sum(row);
             }
@@ -558,7 +558,7 @@ mod x86 {
     /// # Safety
     /// As [`Head::attend`]; `head.hs == 8 * CH`; the CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend<const CH: usize>(head: &Head, y: *mut f32) {
+    pub(crate) unsafe fn attend<const CH: usize>(head: &Head, y: *mut f32) {
         let (hs, offset) = (head.hs, head.t - head.len);
         let mut scores = vec![0f32; head.t];
         // SAFETY: within this function's contract (its `# Safety`): `y` is `(N, C)` and this task's head columns of its rows are its own; the keys and values hold `t` positions.
@@ -588,7 +588,7 @@ mod x86 {
                 }
                 // Two loops: the exponentials vectorise alone (`f32::exp` is a libm call each).
                 for s in keys.iter_mut() {
-                    *s = crate::ops::rows::exp(*s - max);
+                    *s = crate::rows::exp(*s - max);
                 }
                 let total: f32 = keys.iter().sum();
                 let mut acc = [_mm256_setzero_ps(); CH];

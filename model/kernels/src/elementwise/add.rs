@@ -5,11 +5,12 @@
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{f32_slice, parallel};
+use crate::f32_slice;
+use crate::parallel;
 
 /// `x + b`, with `b` repeated over `x`: `b`'s shape is the trailing dimensions of `x` (a bias
 /// over rows, a position table over a batch). The gradient of `b` sums contiguous blocks.
-pub(super) struct AddTiled;
+pub(crate) struct AddTiled;
 
 impl CustomOp2 for AddTiled {
     fn name(&self) -> &'static str {
@@ -47,13 +48,13 @@ impl CustomOp2 for AddTiled {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda_ops::add_tiled(s1, l1, s2, l2)
+        crate::cuda::add_tiled(s1, l1, s2, l2)
     }
 }
 
 /// Sums the consecutive blocks of `shape`'s size: the gradient of the tiled operand.
-pub(super) struct TileSum {
-    pub(super) shape: Shape,
+pub(crate) struct TileSum {
+    pub(crate) shape: Shape,
 }
 
 impl CustomOp1 for TileSum {
@@ -69,6 +70,6 @@ impl CustomOp1 for TileSum {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda_ops::tile_sum(s, l, &self.shape)
+        crate::cuda::tile_sum(s, l, &self.shape)
     }
 }

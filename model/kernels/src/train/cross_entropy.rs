@@ -3,8 +3,8 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::f32_slice;
-use super::simd::Simd;
+use crate::f32_slice;
+use crate::simd::Simd;
 
 /// Mean cross-entropy of rows of logits `(N, V)` against target ids `(N)`, with label smoothing
 /// `eps` as PyTorch's `cross_entropy(label_smoothing=eps)`: the target distribution puts
@@ -12,8 +12,8 @@ use super::simd::Simd;
 /// `logsumexp(x) - (1 - eps) x[target] - eps mean(x)` (plain NLL at `eps = 0`). Two passes over
 /// the row and no `(N, V)` temporaries (candle's `cross_entropy` is log-softmax, gather and mean:
 /// seven full-size passes each way at GPT-2's 50257-word vocabulary).
-pub(super) struct CrossEntropy {
-    pub(super) eps: f32,
+pub(crate) struct CrossEntropy {
+    pub(crate) eps: f32,
 }
 
 impl CrossEntropy {
@@ -24,7 +24,7 @@ impl CrossEntropy {
 }
 
 /// The loss of one row of logits against its target, with label smoothing `eps`.
-pub(super) fn row_loss(row: &[f32], target: usize, eps: f32) -> f64 {
+pub(crate) fn row_loss(row: &[f32], target: usize, eps: f32) -> f64 {
     loss_of(row, target, eps, row_logsumexp(row))
 }
 
@@ -41,7 +41,7 @@ fn loss_of(row: &[f32], target: usize, eps: f32, (max, lse): (f32, f32)) -> f64 
 
 /// The loss of one row (as [`row_loss`]), and its gradient times `scale` written over the row
 /// (as [`CrossEntropyGrad`] computes it).
-pub(super) fn row_loss_and_grad(row: &mut [f32], target: usize, eps: f32, scale: f32) -> f64 {
+pub(crate) fn row_loss_and_grad(row: &mut [f32], target: usize, eps: f32, scale: f32) -> f64 {
     let (max, lse) = row_logsumexp(row);
     let loss = loss_of(row, target, eps, (max, lse));
     let shift = max + lse;
@@ -55,12 +55,12 @@ pub(super) fn row_loss_and_grad(row: &mut [f32], target: usize, eps: f32, scale:
 
 /// Row `r`'s max and log of the sum of exp(x - max).
 fn row_logsumexp(row: &[f32]) -> (f32, f32) {
-    let (max, sum) = super::rows::max_and_sum_exp(Simd::detect(), row);
+    let (max, sum) = crate::rows::max_and_sum_exp(Simd::detect(), row);
     (max, sum.ln())
 }
 
 /// The target ids of rows of `vocab` logits, each checked against the vocabulary.
-pub(super) fn targets_of<'a>(storage: &'a CpuStorage, layout: &Layout, vocab: usize) -> Result<&'a [u32]> {
+pub(crate) fn targets_of<'a>(storage: &'a CpuStorage, layout: &Layout, vocab: usize) -> Result<&'a [u32]> {
     let data = storage.as_slice::<u32>()?;
     let ids = match layout.contiguous_offsets() {
         Some((start, end)) => &data[start..end],
@@ -107,9 +107,9 @@ impl CustomOp2 for CrossEntropy {
 }
 
 /// d loss / d logits = scale * (softmax(x) - (1 - eps) onehot(target) - eps / V), per row.
-pub(super) struct CrossEntropyGrad {
-    pub(super) scale: f32,
-    pub(super) eps: f32,
+pub(crate) struct CrossEntropyGrad {
+    pub(crate) scale: f32,
+    pub(crate) eps: f32,
 }
 
 impl CustomOp2 for CrossEntropyGrad {

@@ -38,11 +38,11 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
-use super::simd::Simd;
+use crate::simd::Simd;
 pub use format::{MatmulPrecision, WeightFormat};
 
 /// Output columns per panel: one AVX-512 vector of f32.
-const LANES: usize = super::simd::LANES;
+const LANES: usize = crate::simd::LANES;
 /// Panels per task and per register tile.
 const GROUP: usize = 2;
 /// How far ahead of the kernel, in bytes, the first row tile asks for its panels' next lines.
@@ -161,8 +161,8 @@ impl PackedMatrix {
         // position by position, the panel's 16 rows: 16 sequential streams from a row-major
         // source, one contiguous run of 16 from a transposed one.
         let panel = (k * LANES).max(1);
-        let per_chunk = (crate::ops::parallel::GRAIN / panel).max(1);
-        crate::ops::parallel::chunks_mut(
+        let per_chunk = (crate::parallel::GRAIN / panel).max(1);
+        crate::parallel::chunks_mut(
             out,
             per_chunk * panel,
             #[inline(always)]
@@ -305,7 +305,7 @@ impl PackedMatrix {
                         self.format
                     )
                 }
-                if !super::simd::amx::available() {
+                if !crate::simd::amx::available() {
                     candle_core::bail!(
                         "matmul precision `high` runs on AMX tiles (Intel Sapphire Rapids or later, Linux 5.16 \
                          or later); this CPU or kernel has none"
@@ -644,7 +644,7 @@ impl CustomOp1 for PackedMatrix {
 
 impl PackedMatrix {
     fn forward_cpu(&self, storage: &CpuStorage, layout: &Layout, ep: Epilogue) -> Result<(CpuStorage, Shape)> {
-        let x = super::f32_slice(storage, layout, "packed-matmul")?;
+        let x = crate::f32_slice(storage, layout, "packed-matmul")?;
         let (m, k) = layout.shape().dims2()?;
         if k != self.k {
             candle_core::bail!(
@@ -673,7 +673,7 @@ impl CustomOp2 for WithEpilogue<'_> {
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, b: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
         let ep = Epilogue {
-            bias: Some(super::f32_slice(b, lb, "packed-matmul-bias")?),
+            bias: Some(crate::f32_slice(b, lb, "packed-matmul-bias")?),
             gelu: self.gelu,
         };
         self.w.forward_cpu(x, lx, ep)

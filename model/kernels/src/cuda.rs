@@ -358,7 +358,7 @@ impl candle_core::CustomOp1 for DecodeAttention {
     }
 }
 
-/// [`crate::ops::window_attention`]'s shape and dropout on the GPU.
+/// [`crate::window_attention`]'s shape and dropout on the GPU.
 #[derive(Debug, Clone, Copy)]
 pub struct WindowAttentionArgs {
     /// Windows, positions per window, heads, head size.

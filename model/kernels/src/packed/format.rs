@@ -63,11 +63,11 @@ impl std::fmt::Display for WeightFormat {
 }
 
 impl std::str::FromStr for WeightFormat {
-    type Err = crate::Error;
+    type Err = crate::ParseError;
 
-    fn from_str(s: &str) -> crate::Result<Self> {
+    fn from_str(s: &str) -> Result<Self, crate::ParseError> {
         Self::ALL.into_iter().find(|f| f.to_string() == s).ok_or_else(|| {
-            crate::Error::InvalidConfig(format!(
+            crate::ParseError(format!(
                 "unknown weight format `{s}`: expected f32, f16, bf16, q8_0 or q4_0"
             ))
         })
@@ -95,7 +95,7 @@ impl MatmulPrecision {
     pub fn available(self) -> bool {
         match self {
             Self::Highest => true,
-            Self::High => crate::ops::simd::amx::available(),
+            Self::High => crate::simd::amx::available(),
         }
     }
 }
@@ -110,13 +110,13 @@ impl std::fmt::Display for MatmulPrecision {
 }
 
 impl std::str::FromStr for MatmulPrecision {
-    type Err = crate::Error;
+    type Err = crate::ParseError;
 
-    fn from_str(s: &str) -> crate::Result<Self> {
+    fn from_str(s: &str) -> Result<Self, crate::ParseError> {
         match s {
             "highest" => Ok(Self::Highest),
             "high" => Ok(Self::High),
-            _ => Err(crate::Error::InvalidConfig(format!(
+            _ => Err(crate::ParseError(format!(
                 "unknown matmul precision `{s}`: expected highest or high"
             ))),
         }

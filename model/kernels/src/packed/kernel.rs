@@ -5,8 +5,8 @@ use std::mem::MaybeUninit;
 
 use super::WeightFormat;
 use super::{Epilogue, PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
-use crate::ops::parallel::ProductBlocks;
-use crate::ops::simd::{Kernel, Vec16};
+use crate::parallel::ProductBlocks;
+use crate::simd::{Kernel, Vec16};
 
 /// How one format's panel yields weight vectors: in blocks of `BLOCK` positions along `k`,
 /// `STEPS` loads per block, each giving `PER_STEP` vectors, in ascending positions (so that the
@@ -322,7 +322,7 @@ unsafe fn epilogue_any(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usiz
         for (v, &b) in out.iter_mut().zip(&bias[col0..]) {
             *v += b;
             if ep.gelu {
-                *v = crate::ops::gelu_new(*v);
+                *v = crate::elementwise::gelu::gelu_new(*v);
             }
         }
     }

@@ -23,7 +23,7 @@
 use std::mem::MaybeUninit;
 
 use super::{kernel, Epilogue, PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
-use crate::ops::simd::{Kernel, Vec16};
+use crate::simd::{Kernel, Vec16};
 
 /// Bytes of a q8_0 block in a panel: 16 columns x 32 codes, then 16 f16 scales.
 const BLOCK_BYTES: usize = LANES * BLOCK + 2 * LANES;

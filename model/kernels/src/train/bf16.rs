@@ -21,9 +21,9 @@
 
 use std::mem::MaybeUninit;
 
-use super::parallel::ProductBlocks;
-use super::product::Operand;
-use super::simd::{Kernel, Simd, Vec16};
+use crate::parallel::ProductBlocks;
+use crate::simd::{Kernel, Simd, Vec16};
+use crate::train::product::Operand;
 
 /// Output columns per panel.
 const LANES: usize = 16;
@@ -127,8 +127,8 @@ impl Bf16Rows {
         let out = &mut pairs.spare_capacity_mut()[..m * kp];
         // Blocks of whole 16-row groups over the pool, each packed as an operand of its own.
         let row = kp.max(1);
-        let rows = super::parallel::rows_per_chunk(row).next_multiple_of(LANES);
-        super::parallel::chunks_mut(
+        let rows = crate::parallel::rows_per_chunk(row).next_multiple_of(LANES);
+        crate::parallel::chunks_mut(
             out,
             rows * row,
             #[inline(always)]
@@ -285,8 +285,8 @@ impl Bf16Panels {
         let out = &mut pairs.spare_capacity_mut()[..len];
         // Panels over the pool, each run of them packed as an operand of its own.
         let panel = (kp * LANES).max(1);
-        let per_chunk = (super::parallel::GRAIN / panel).max(1);
-        super::parallel::chunks_mut(
+        let per_chunk = (crate::parallel::GRAIN / panel).max(1);
+        crate::parallel::chunks_mut(
             out,
             per_chunk * panel,
             #[inline(always)]
@@ -598,7 +598,7 @@ mod x86 {
     /// # Safety
     /// AVX512-BF16 available.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn pack_rows(a: Operand, out: &mut [MaybeUninit<u32>]) {
+    pub(crate) unsafe fn pack_rows(a: Operand, out: &mut [MaybeUninit<u32>]) {
         super::pack_rows::<Cvt>(a, out)
     }
 
@@ -607,7 +607,7 @@ mod x86 {
     /// # Safety
     /// AVX512-BF16 available.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn pack_panels(b: Operand, out: &mut [MaybeUninit<u32>]) {
+    pub(crate) unsafe fn pack_panels(b: Operand, out: &mut [MaybeUninit<u32>]) {
         super::pack_panels::<Cvt>(b, out)
     }
 
@@ -616,7 +616,7 @@ mod x86 {
     /// # Safety
     /// As [`Task::run`]; AVX512-BF16 available.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) unsafe fn tile_rows(a: *const u32, rows: usize, t: &Task, y: *mut f32) {
+    pub(crate) unsafe fn tile_rows(a: *const u32, rows: usize, t: &Task, y: *mut f32) {
         // SAFETY: the caller's contract, for the rows given.
         unsafe {
             match rows {

@@ -5,11 +5,11 @@
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::f32_slice;
+use crate::f32_slice;
 
 /// Softmax over the last dimension of attention scores `(.., T_q, T_k)`, with the causal mask
 /// built in: query i (at position T_k - T_q + i) sees keys 0..=T_k - T_q + i; the rest get 0.
-pub(super) struct CausalSoftmax;
+pub(crate) struct CausalSoftmax;
 
 impl CustomOp1 for CausalSoftmax {
     fn name(&self) -> &'static str {
@@ -45,12 +45,12 @@ impl CustomOp1 for CausalSoftmax {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda_ops::causal_softmax(s, l)
+        crate::cuda::causal_softmax(s, l)
     }
 }
 
 /// dx = y ⊙ (g − Σ g ⊙ y) per row, given the softmax output y and its gradient g.
-pub(super) struct SoftmaxGrad;
+pub(crate) struct SoftmaxGrad;
 
 impl CustomOp2 for SoftmaxGrad {
     fn name(&self) -> &'static str {
@@ -76,6 +76,6 @@ impl CustomOp2 for SoftmaxGrad {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda_ops::softmax_grad(s1, l1, s2, l2)
+        crate::cuda::softmax_grad(s1, l1, s2, l2)
     }
 }

@@ -14,14 +14,14 @@
 //! ([`gemm`]) over per-head copies laid out for it; each (sequence, head) is one task on
 //! candle's thread pool and computes in a fixed order, so results do not depend on the threads.
 //!
-//! Dropout of the attention weights uses the masks of [`super::dropout`], indexed as the
+//! Dropout of the attention weights uses the masks of [`crate::elementwise::dropout`], indexed as the
 //! `(B, nh, T, T)` probabilities' elements: the same masks as dropout applied to those
 //! probabilities, so this op and candle's composite agree under dropout too (tested).
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::dropout::Dropout;
-use super::simd::{Kernel, Simd, Vec16, LANES};
+use crate::elementwise::dropout::Dropout;
+use crate::simd::{Kernel, Simd, Vec16, LANES};
 
 /// Queries per block: a block's `(64, T)` scores are 64 KiB at T = 256, in L2 beside the
 /// head's keys and values.
@@ -31,15 +31,15 @@ const BLOCK: usize = 64;
 /// for `qkv` `(B * T, 3C)` (windows of `t` rows; queries, keys, values, head after head, as
 /// GPT-2's `c_attn` writes them); returns `(B * T, C)`.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct WindowAttention {
+pub(crate) struct WindowAttention {
     /// Positions per window (T).
-    pub(super) t: usize,
-    pub(super) n_head: usize,
-    pub(super) scale: f32,
+    pub(crate) t: usize,
+    pub(crate) n_head: usize,
+    pub(crate) scale: f32,
     /// Dropout of the attention weights; its `first` counts elements of the `(B, nh, T, T)`
     /// probabilities.
-    pub(super) dropout: Option<Dropout>,
-    pub(super) simd: Simd,
+    pub(crate) dropout: Option<Dropout>,
+    pub(crate) simd: Simd,
 }
 
 /// The shape of one call: `b` windows of `t` positions, `c = nh * hs` channels; `tp` and `hsp`
@@ -288,12 +288,12 @@ fn drop_mask(drop: Dropout, first: u64, mask: &mut [f32]) -> &[f32] {
 fn softmax_row(row: &mut [f32], len: usize, scale: f32) {
     let seen = &mut row[..len];
     seen.iter_mut().for_each(|s| *s *= scale);
-    let max = super::rows::max(seen);
+    let max = crate::rows::max(seen);
     let whole = len / LANES * LANES;
     let mut sums = [0f32; LANES];
     for chunk in row[..whole].chunks_exact_mut(LANES) {
         for (s, v) in sums.iter_mut().zip(chunk) {
-            *v = super::rows::exp(*v - max);
+            *v = crate::rows::exp(*v - max);
             *s += *v;
         }
     }
@@ -303,7 +303,7 @@ fn softmax_row(row: &mut [f32], len: usize, scale: f32) {
     let mut sum = 0f32;
     if whole < len {
         let tail = &mut row[whole..whole + LANES];
-        tail.iter_mut().for_each(|v| *v = super::rows::exp(*v - max));
+        tail.iter_mut().for_each(|v| *v = crate::rows::exp(*v - max));
         tail[..len - whole].iter().for_each(|v| sum += *v);
     }
     let inv = 1.0 / (sums.iter().sum::<f32>() + sum);
@@ -541,7 +541,7 @@ impl Workspace {
 /// `c = a @ b` (or `c += a @ b` when `accumulate`) for `a` `(m, k)`, `b` `(k, n)` with `n` a
 /// multiple of 16, and `c` `(m, n)`: register tiles of `R` rows by 32 columns (16 at the edge),
 /// each output one chain of multiply-adds over `k` in order. A small kernel of its own rather
-/// than the packed one ([`super::PackedMatrix`]): these operands are already in cache and laid
+/// than the packed one ([`crate::PackedMatrix`]): these operands are already in cache and laid
 /// out for it, and at these sizes (k of 32 to 256) packing them would cost as much as the
 /// products.
 ///
@@ -721,14 +721,14 @@ impl CustomOp1 for WindowAttention {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let qkv = super::f32_slice(storage, layout, "window-attention")?;
+        let qkv = crate::f32_slice(storage, layout, "window-attention")?;
         let d = Dims::of(layout, self.t, self.n_head)?;
         Ok((CpuStorage::F32(forward(self, d, qkv)), Shape::from((d.b * d.t, d.c))))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, layout: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        crate::cuda_ops::window_attention(s, layout, &self.gpu_args(layout)?)
+        crate::cuda::window_attention(s, layout, &self.gpu_args(layout)?)
     }
 
     fn bwd(&self, qkv: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
@@ -745,10 +745,10 @@ impl CustomOp1 for WindowAttention {
 
 impl WindowAttention {
     #[cfg(feature = "cuda")]
-    fn gpu_args(&self, layout: &Layout) -> Result<crate::cuda_ops::WindowAttentionArgs> {
+    fn gpu_args(&self, layout: &Layout) -> Result<crate::cuda::WindowAttentionArgs> {
         let d = Dims::of(layout, self.t, self.n_head)?;
         let (p, key, first) = self.dropout.map_or((0.0, 0, 0), |drop| (drop.p, drop.key, drop.first));
-        Ok(crate::cuda_ops::WindowAttentionArgs {
+        Ok(crate::cuda::WindowAttentionArgs {
             b: d.b,
             t: d.t,
             n_head: d.nh,
@@ -793,7 +793,7 @@ impl candle_core::CustomOp3 for WindowAttentionGradGpu {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let args = self.0.gpu_args(l1)?;
-        crate::cuda_ops::window_attention_grad((s1, l1), (s2, l2), (s3, l3), &args)
+        crate::cuda::window_attention_grad((s1, l1), (s2, l2), (s3, l3), &args)
     }
 }
 
@@ -806,8 +806,8 @@ impl CustomOp2 for WindowAttentionGrad {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let qkv = super::f32_slice(s1, l1, "window-attention-grad")?;
-        let dy = super::f32_slice(s2, l2, "window-attention-grad")?;
+        let qkv = crate::f32_slice(s1, l1, "window-attention-grad")?;
+        let dy = crate::f32_slice(s2, l2, "window-attention-grad")?;
         let d = Dims::of(l1, self.0.t, self.0.n_head)?;
         if l2.dims() != [d.b * d.t, d.c] {
             candle_core::bail!(
@@ -829,8 +829,8 @@ mod tests {
     /// rest one by one.
     fn reference(scores: &[f32], scale: f32) -> Vec<f32> {
         let x: Vec<f32> = scores.iter().map(|s| s * scale).collect();
-        let max = super::super::rows::max(&x);
-        let e: Vec<f32> = x.iter().map(|v| super::super::rows::exp(v - max)).collect();
+        let max = crate::rows::max(&x);
+        let e: Vec<f32> = x.iter().map(|v| crate::rows::exp(v - max)).collect();
         let whole = x.len() / LANES * LANES;
         let mut sums = [0f32; LANES];
         for (j, v) in e[..whole].iter().enumerate() {

@@ -1,0 +1,122 @@
+//! Element-wise and row-wise ops with their backward rules, used by training and inference
+//! alike: one file per op (`gelu`, `softmax`, `add`, `layer_norm`, `dropout`), and here the
+//! dispatch that picks them or candle's own ops.
+//!
+//! On the CPU, candle's GELU calls libm's scalar `tanhf` per element and its backward builds ten
+//! temporaries (two of them `powf`); the causal softmax is a mask tensor, an add and five ops
+//! each way; the gradients of broadcast adds (biases, the position table) and of the composite
+//! LayerNorm are reductions over leading dimensions, which candle walks element by element. In
+//! profiles of nanoGPT's CPU recipe these took most of each step. Here each is one pass forward
+//! and one backward; the tanh is a rational approximation that the compiler vectorises.
+
+pub mod add;
+pub mod dropout;
+pub mod gelu;
+pub mod layer_norm;
+pub mod softmax;
+
+use candle_core::{DType, Result, Tensor};
+
+use crate::{fused, tape};
+use add::AddTiled;
+use dropout::Dropout;
+use gelu::Gelu;
+use layer_norm::LayerNorm;
+use softmax::CausalSoftmax;
+
+/// Dropout of `x` with probability `p`, the mask drawn from the counter-based generator keyed by
+/// `key` for the rows of a batch starting at row `first_row` (see the `dropout` module);
+/// differentiable. Fused on the CPU and CUDA in f32, else a mask tensor made on the host.
+pub fn dropout(x: &Tensor, p: f32, key: u64, first_row: usize) -> Result<Tensor> {
+    let per_row = if x.rank() == 0 {
+        1
+    } else {
+        x.elem_count() / x.dim(0)?.max(1)
+    };
+    let op = Dropout {
+        key,
+        first: (first_row * per_row) as u64,
+        p,
+    };
+    if fused(x) {
+        tape::op1(&x.contiguous()?, op)
+    } else {
+        x.broadcast_mul(&op.mask(x)?)
+    }
+}
+
+/// `x + dropout(h)` (the residual add of a dropped-out branch) as one node, `h`'s masks those of
+/// [`dropout`] with the same arguments; without dropout (`p` 0), `x + h`. Differentiable; fused
+/// on the CPU in f32.
+pub fn add_dropout(x: &Tensor, h: &Tensor, p: f32, key: u64, first_row: usize) -> Result<Tensor> {
+    if p <= 0.0 {
+        return tape::add(x, h);
+    }
+    if !(fused(h) && h.device().is_cpu()) {
+        return x + dropout(h, p, key, first_row)?;
+    }
+    let per_row = h.elem_count() / h.dim(0)?.max(1);
+    let op = dropout::AddDropout(Dropout {
+        key,
+        first: (first_row * per_row) as u64,
+        p,
+    });
+    tape::op2(&x.contiguous()?, &h.contiguous()?, op)
+}
+
+/// GELU (tanh approximation), differentiable; fused on the CPU in f32.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if fused(x) {
+        tape::op1(&x.contiguous()?, Gelu)
+    } else {
+        x.gelu()
+    }
+}
+
+/// `x + b` with `b` broadcast over the leading dimensions of `x` (its shape is their trailing
+/// dimensions), differentiable; fused on the CPU in f32.
+pub fn add_tiled(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fused(x) && b.dtype() == DType::F32 {
+        tape::op2(&x.contiguous()?, &b.contiguous()?, AddTiled)
+    } else {
+        x.broadcast_add(b)
+    }
+}
+
+/// LayerNorm over the last dimension with weight `gamma` and bias `beta`, differentiable; fused
+/// on the CPU in f32, else candle-nn's composite.
+pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<Tensor> {
+    if fused(x) && gamma.dtype() == DType::F32 {
+        tape::op3(&x.contiguous()?, gamma, beta, LayerNorm { eps })
+    } else {
+        candle_nn::ops::layer_norm_slow(x, gamma, beta, eps)
+    }
+}
+
+/// Causal softmax of attention scores `(.., T_q, T_k)` (see [`CausalSoftmax`]), differentiable;
+/// fused on the CPU in f32, else an additive mask and candle's softmax.
+pub fn causal_softmax(att: &Tensor, differentiable: bool) -> Result<Tensor> {
+    if fused(att) {
+        return tape::op1(&att.contiguous()?, CausalSoftmax);
+    }
+    let (t_q, t_k) = (att.dim(candle_core::D::Minus2)?, att.dim(candle_core::D::Minus1)?);
+    // One new query (a decode step) sees every key: no mask to build and copy to the device.
+    let att = if t_q == 1 {
+        att.clone()
+    } else {
+        att.broadcast_add(&causal_mask(t_q, t_k - t_q, att.dtype(), att.device())?)?
+    };
+    if differentiable {
+        candle_nn::ops::softmax(&att, candle_core::D::Minus1)
+    } else {
+        candle_nn::ops::softmax_last_dim(&att)
+    }
+}
+
+/// Additive causal mask `(t_q, t_q + offset)` for queries at positions `offset..offset + t_q`: 0
+/// where key j <= the query's position, -inf above (candle-transformers' helper, unbatched).
+pub fn causal_mask(t_q: usize, offset: usize, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
+    candle_transformers::utils::build_additive_causal_mask(t_q, offset, None, device, dtype)?
+        .squeeze(0)?
+        .squeeze(0)
+}
