@@ -259,7 +259,7 @@ pub trait Forkable: Sized {
     fn take(&mut self) -> Self;
 }
 
-impl Forkable for crate::attention::KvCache {
+impl Forkable for crate::kv_cache::KvCache {
     fn fork_copy(&self) -> Result<Self> {
         Ok(self.fork()?)
     }

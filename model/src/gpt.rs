@@ -7,9 +7,10 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, LayerNorm, VarBuilder};
 
-use crate::attention::{CausalSelfAttention, KvCache};
+use crate::attention::CausalSelfAttention;
 use crate::config::{Activation, Config, PositionEmbedding};
 use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
 use crate::layers::{dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, Weight};
 use gpt_kernels::{MatmulPrecision, WeightFormat};
 
@@ -111,7 +112,7 @@ impl Block {
         &self,
         x: &Tensor,
         lens: &[usize],
-        caches: &mut [&mut crate::attention::LayerKv],
+        caches: &mut [&mut crate::kv_cache::LayerKv],
     ) -> candle_core::Result<Tensor> {
         let x = (x + self
             .attn
