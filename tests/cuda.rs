@@ -289,7 +289,7 @@ fn eval_perplexity_matches_the_cpu_within_1e_3() {
 }
 
 /// Decode steps of sequences of different lengths in one batch (on CUDA: one launch appends and
-/// attends for all of them, `gpt_kernels::cuda::decode_attention`) give the CPU's logits.
+/// attends for all of them, `gpt_kernels::infer::decode_attention`) give the CPU's logits.
 #[test]
 fn batched_decode_of_sequences_of_different_lengths_matches_the_cpu() {
     let dir = repo("tests/fixtures/tiny-gpt2");

@@ -6,6 +6,9 @@
 //! for an exact resume, and it decays every parameter; this one exposes its state and decays only
 //! 2-D weight matrices (not biases or LayerNorm parameters), as nanoGPT does.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 use std::collections::HashMap;
 
 use candle_core::{CpuStorage, CustomOp3, DType, IndexOp, Layout, Result, Shape, Tensor, Var};
@@ -239,7 +242,7 @@ impl CustomOp3 for FusedUpdate {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let step = gpt_kernels::cuda::AdamWStep {
+        let step = cuda::AdamWStep {
             lr: self.lr,
             beta1: self.beta1,
             beta2: self.beta2,
@@ -251,7 +254,7 @@ impl CustomOp3 for FusedUpdate {
         if self.grad_scale != 1.0 {
             candle_core::bail!("fused-adamw on CUDA: scale the gradients first (clip_grad_norm)")
         }
-        gpt_kernels::cuda::adamw((s1, l1), (s2, l2), (s3, l3), step)
+        cuda::adamw((s1, l1), (s2, l2), (s3, l3), step)
     }
 }
 
@@ -285,7 +288,7 @@ impl AdamW {
     /// One update with learning rate `lr` from the gradients clipped to a global L2 norm of at
     /// most `max_norm` (0: no clipping), as gpt-train steps. On a CUDA GPU (f32, fused kernels on)
     /// the norm, the clipping and the update of every parameter are three launches with nothing
-    /// read back ([`gpt_kernels::cuda::clipped_adamw`]; `GPT_CUDA_ADAMW=0` turns that off, to
+    /// read back ([`cuda::clipped_adamw`]; `GPT_CUDA_ADAMW=0` turns that off, to
     /// compare); elsewhere [`clip_factor`], then [`AdamW::step_scaled`].
     pub fn step_clipped(&mut self, grads: &[Tensor], lr: f64, max_norm: f64) -> Result<()> {
         #[cfg(feature = "cuda")]
@@ -314,11 +317,11 @@ impl AdamW {
         if let Some(p) = self.params.iter().find(|p| !p.var.as_tensor().is_contiguous()) {
             candle_core::bail!("parameter {}: not contiguous, so it cannot be updated in place", p.name);
         }
-        let params: Vec<gpt_kernels::cuda::AdamWParam> = self
+        let params: Vec<cuda::AdamWParam> = self
             .params
             .iter()
             .zip(&grads)
-            .map(|(p, grad)| gpt_kernels::cuda::AdamWParam {
+            .map(|(p, grad)| cuda::AdamWParam {
                 theta: p.var.as_tensor(),
                 moments: &p.moments,
                 grad,
@@ -327,7 +330,7 @@ impl AdamW {
             .collect();
         let c = self.cfg;
         let (bias1, bias2) = self.bias_corrections(self.steps + 1);
-        let step = gpt_kernels::cuda::AdamWStep {
+        let step = cuda::AdamWStep {
             lr: lr as f32,
             beta1: c.beta1 as f32,
             beta2: c.beta2 as f32,
@@ -336,7 +339,7 @@ impl AdamW {
             bias1: bias1 as f32,
             bias2: bias2 as f32,
         };
-        gpt_kernels::cuda::clipped_adamw(&params, max_norm as f32, step)?;
+        cuda::clipped_adamw(&params, max_norm as f32, step)?;
         self.steps += 1; // only once the update is queued: a refused one leaves the count as it was
         Ok(())
     }

@@ -48,7 +48,7 @@ impl CustomOp2 for AddTiled {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda::add_tiled(s1, l1, s2, l2)
+        cuda::add_tiled(s1, l1, s2, l2)
     }
 }
 
@@ -70,6 +70,83 @@ impl CustomOp1 for TileSum {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda::tile_sum(s, l, &self.shape)
+        cuda::tile_sum(s, l, &self.shape)
+    }
+}
+
+/// The CUDA launchers of this op's kernels (`add.cu`, beside this file).
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::{CudaStorage, Layout, Result, Shape};
+
+    use crate::cuda::{elementwise, f32_view, output, wrap};
+
+    const MODULE: crate::cuda::Module = crate::ptx_module!("add");
+
+    use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
+    use candle_core::CudaDevice;
+
+    pub fn add_tiled(s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = s1.device();
+        let (x, bias) = (f32_view(s1, l1, "add-tiled")?, f32_view(s2, l2, "add-tiled")?);
+        let (n, nb) = (x.len(), bias.len());
+        if nb == 0 || n % nb != 0 {
+            candle_core::bail!("add-tiled: {nb} values do not tile {n}");
+        }
+        let y = output(dev, n)?; // add_tiled writes each of the n elements
+        crate::launch!(dev, MODULE, "add_tiled", elementwise(n); &x, &bias, &y, &n, &nb);
+        Ok(wrap(y, dev, l1.shape().clone()))
+    }
+
+    /// Column sums of `a`, a `(rows, cols)` matrix, into `out[offset..offset + cols]`: partial
+    /// sums over chunks of rows, then their sum, in a fixed order (the same result every run).
+    pub(crate) fn column_sum(
+        dev: &CudaDevice,
+        a: &CudaView<'_, f32>,
+        rows: usize,
+        cols: usize,
+        out: &mut CudaSlice<f32>,
+        offset: usize,
+    ) -> Result<()> {
+        if a.len() < rows * cols || out.len() < offset + cols {
+            candle_core::bail!(
+                "column-sum: ({rows}, {cols}) from {} values into {} at {offset}",
+                a.len(),
+                out.len()
+            );
+        }
+        let col_blocks = (cols as u32).div_ceil(128);
+        // Enough chunks to fill the GPU, each long enough to amortise its launch. Chunk c covers
+        // rows [c * chunk, min(rows, (c + 1) * chunk)) and writes its own row of `partial`.
+        let chunks = rows.div_ceil(64).clamp(1, 256);
+        let chunk = rows.div_ceil(chunks);
+        let partial = output(dev, chunks * cols)?; // each chunk writes its row of cols sums
+        let cfg = LaunchConfig {
+            grid_dim: (col_blocks, chunks as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        crate::launch!(dev, MODULE, "column_sum", cfg; a, &partial, &0usize, &rows, &cols, &chunk);
+        // Then the partial rows as one chunk, into out[offset..offset + cols].
+        let cfg = LaunchConfig {
+            grid_dim: (col_blocks, 1, 1),
+            ..cfg
+        };
+        crate::launch!(dev, MODULE, "column_sum", cfg; &partial, &mut *out, &offset, &chunks, &cols, &chunks);
+        Ok(())
+    }
+
+    /// Sums the consecutive blocks of `shape`'s size (the gradient of a tiled operand).
+    pub fn tile_sum(s: &CudaStorage, l: &Layout, shape: &Shape) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device();
+        let g = f32_view(s, l, "tile-sum")?;
+        let cols = shape.elem_count();
+        if cols == 0 || g.len() % cols != 0 {
+            candle_core::bail!("tile-sum: blocks of {cols} do not tile {}", g.len());
+        }
+        let mut out = output(dev, cols)?; // column_sum writes the cols sums
+        column_sum(dev, &g, g.len() / cols, cols, &mut out, 0)?;
+        Ok(wrap(out, dev, shape.clone()))
     }
 }

@@ -64,7 +64,7 @@ impl CustomOp1 for Dropout {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda::dropout(s, l, self.key, self.first, self.p)
+        cuda::dropout(s, l, self.key, self.first, self.p)
     }
 
     /// Linear with a fixed mask: the gradient goes through the same mask.
@@ -104,5 +104,27 @@ impl CustomOp2 for AddDropout {
 
     fn bwd(&self, _x: &Tensor, _h: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         Ok((Some(dy.clone()), Some(dy.contiguous()?.apply_op1(self.0)?)))
+    }
+}
+
+/// The CUDA launchers of this op's kernels (`dropout.cu`, beside this file).
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::{CudaStorage, Layout, Result, Shape};
+
+    use crate::cuda::{elementwise, f32_view, output, wrap};
+
+    const MODULE: crate::cuda::Module = crate::ptx_module!("dropout");
+
+    /// Dropout of a contiguous f32 tensor: the mask from (key, first + i).
+    pub fn dropout(s: &CudaStorage, l: &Layout, key: u64, first: u64, p: f32) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device();
+        let x = f32_view(s, l, "dropout")?;
+        let n = x.len();
+        let y = output(dev, n)?; // dropout_fwd writes each of the n elements
+        let scale = 1.0 / (1.0 - p);
+        crate::launch!(dev, MODULE, "dropout_fwd", elementwise(n); &x, &y, &n, &key, &first, &p, &scale);
+        Ok(wrap(y, dev, l.shape().clone()))
     }
 }

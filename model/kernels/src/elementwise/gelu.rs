@@ -67,7 +67,7 @@ impl CustomOp1 for Gelu {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda::gelu(s, l)
+        cuda::gelu(s, l)
     }
 }
 
@@ -101,6 +101,38 @@ impl CustomOp2 for GeluGrad {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda::gelu_grad(s1, l1, s2, l2)
+        cuda::gelu_grad(s1, l1, s2, l2)
+    }
+}
+
+/// The CUDA launchers of this op's kernels (`gelu.cu`, beside this file).
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::{CudaStorage, Layout, Result, Shape};
+
+    use crate::cuda::{elementwise, f32_view, output, wrap};
+
+    const MODULE: crate::cuda::Module = crate::ptx_module!("gelu");
+
+    pub fn gelu(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device();
+        let x = f32_view(s, l, "gelu")?;
+        let n = x.len();
+        let y = output(dev, n)?; // gelu_fwd writes each of the n elements
+        crate::launch!(dev, MODULE, "gelu_fwd", elementwise(n); &x, &y, &n);
+        Ok(wrap(y, dev, l.shape().clone()))
+    }
+
+    pub fn gelu_grad(s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = s1.device();
+        let (x, g) = (f32_view(s1, l1, "gelu-grad")?, f32_view(s2, l2, "gelu-grad")?);
+        let n = x.len();
+        if g.len() != n {
+            candle_core::bail!("gelu-grad: {} gradients for {n} inputs", g.len());
+        }
+        let dx = output(dev, n)?; // gelu_bwd writes each of the n elements
+        crate::launch!(dev, MODULE, "gelu_bwd", elementwise(n); &x, &g, &dx, &n);
+        Ok(wrap(dx, dev, l1.shape().clone()))
     }
 }

@@ -124,7 +124,7 @@ impl CustomOp3 for LayerNorm {
         s3: &CudaStorage,
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        crate::cuda::layer_norm((s1, l1), (s2, l2), (s3, l3), self.eps)
+        cuda::layer_norm((s1, l1), (s2, l2), (s3, l3), self.eps)
     }
 }
 
@@ -222,6 +222,74 @@ impl CustomOp3 for LayerNormGrad {
         s3: &CudaStorage,
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        crate::cuda::layer_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps)
+        cuda::layer_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps)
+    }
+}
+
+/// The CUDA launchers of this op's kernels (`layer_norm.cu`, beside this file).
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::{CudaStorage, Layout, Result, Shape};
+
+    use crate::cuda::{f32_view, output, per_row, wrap};
+
+    const MODULE: crate::cuda::Module = crate::ptx_module!("layer_norm");
+
+    pub fn layer_norm(
+        (s1, l1): (&CudaStorage, &Layout),
+        (s2, l2): (&CudaStorage, &Layout),
+        (s3, l3): (&CudaStorage, &Layout),
+        eps: f32,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dev = s1.device();
+        let x = f32_view(s1, l1, "layer-norm")?;
+        let (gamma, beta) = (f32_view(s2, l2, "layer-norm")?, f32_view(s3, l3, "layer-norm")?);
+        if gamma.is_empty() || beta.len() != gamma.len() || x.len() % gamma.len() != 0 {
+            candle_core::bail!(
+                "layer-norm: {} inputs for {} weights and {} biases",
+                x.len(),
+                gamma.len(),
+                beta.len()
+            );
+        }
+        let c = gamma.len() as i32;
+        let rows = x.len() / gamma.len();
+        let y = output(dev, x.len())?; // one warp writes each row whole
+        crate::launch!(dev, MODULE, "layer_norm_fwd", per_row(rows); &x, &gamma, &beta, &y, &rows, &c, &eps);
+        Ok(wrap(y, dev, l1.shape().clone()))
+    }
+
+    /// dx, d gamma and d beta packed as the rows of a `(rows + 2, C)` matrix, as the CPU op.
+    pub fn layer_norm_grad(
+        (s1, l1): (&CudaStorage, &Layout),
+        (s2, l2): (&CudaStorage, &Layout),
+        (s3, l3): (&CudaStorage, &Layout),
+        eps: f32,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dev = s1.device();
+        let x = f32_view(s1, l1, "layer-norm-grad")?;
+        let (gamma, g) = (
+            f32_view(s2, l2, "layer-norm-grad")?,
+            f32_view(s3, l3, "layer-norm-grad")?,
+        );
+        let c = gamma.len();
+        if c == 0 || g.len() != x.len() || x.len() % c != 0 {
+            candle_core::bail!(
+                "layer-norm-grad: {} inputs, {} gradients, {c} weights",
+                x.len(),
+                g.len()
+            );
+        }
+        let rows = x.len() / c;
+        // layer_norm_bwd writes dx into the first rows * c values of out and g * x̂ into gx; the
+        // column sums below write the last two rows.
+        let mut out = output(dev, (rows + 2) * c)?;
+        let gx = output(dev, rows * c)?;
+        let c_i32 = c as i32;
+        crate::launch!(dev, MODULE, "layer_norm_bwd", per_row(rows); &x, &gamma, &g, &mut out, &gx, &rows, &c_i32, &eps);
+        crate::elementwise::add::cuda::column_sum(dev, &gx.slice(..), rows, c, &mut out, rows * c)?;
+        crate::elementwise::add::cuda::column_sum(dev, &g, rows, c, &mut out, (rows + 1) * c)?;
+        Ok(wrap(out, dev, Shape::from((rows + 2, c))))
     }
 }

@@ -45,7 +45,7 @@ impl CustomOp1 for CausalSoftmax {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda::causal_softmax(s, l)
+        cuda::causal_softmax(s, l)
     }
 }
 
@@ -76,6 +76,43 @@ impl CustomOp2 for SoftmaxGrad {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
-        crate::cuda::softmax_grad(s1, l1, s2, l2)
+        cuda::softmax_grad(s1, l1, s2, l2)
+    }
+}
+
+/// The CUDA launchers of this op's kernels (`softmax.cu`, beside this file).
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::{CudaStorage, Layout, Result, Shape};
+
+    use crate::cuda::{f32_view, output, per_row, wrap};
+
+    const MODULE: crate::cuda::Module = crate::ptx_module!("softmax");
+
+    pub fn causal_softmax(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device();
+        let x = f32_view(s, l, "causal-softmax")?;
+        let &[.., t_q, t_k] = l.dims() else {
+            candle_core::bail!("causal-softmax: scores of {:?} are not (.., T_q, T_k)", l.dims())
+        };
+        let (t_q, t_k) = (t_q as i32, t_k as i32);
+        let rows = x.len() / t_k.max(1) as usize;
+        let y = output(dev, x.len())?; // one warp writes each row whole
+        crate::launch!(dev, MODULE, "causal_softmax_fwd", per_row(rows); &x, &y, &rows, &t_q, &t_k);
+        Ok(wrap(y, dev, l.shape().clone()))
+    }
+
+    pub fn softmax_grad(s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = s1.device();
+        let (y, g) = (f32_view(s1, l1, "softmax-grad")?, f32_view(s2, l2, "softmax-grad")?);
+        if g.len() != y.len() {
+            candle_core::bail!("softmax-grad: {} gradients for {} outputs", g.len(), y.len());
+        }
+        let t_k = *l1.dims().last().unwrap_or(&1) as i32;
+        let rows = y.len() / t_k.max(1) as usize;
+        let dx = output(dev, y.len())?; // one warp writes each row whole
+        crate::launch!(dev, MODULE, "softmax_bwd", per_row(rows); &y, &g, &dx, &rows, &t_k);
+        Ok(wrap(dx, dev, l1.shape().clone()))
     }
 }

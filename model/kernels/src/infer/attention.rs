@@ -391,6 +391,10 @@ mod x86 {
     }
 
     /// Rows `i0..i0 + R` of [`attend512`]; `scores` holds `R` rows of `head.t`.
+    ///
+    /// # Safety
+    /// AVX-512F available; rows `i0..i0 + R` are the head's, and `y` holds their outputs (`R`
+    /// rows of the head's columns) with no other thread writing them.
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn group<const CH: usize, const R: usize>(head: &Head, i0: usize, scores: &mut [f32], y: *mut f32) {

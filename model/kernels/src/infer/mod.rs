@@ -4,3 +4,7 @@
 mod attention;
 
 pub use attention::{cached_attention, cached_attention_on, CachedKv, WriteRows};
+#[cfg(feature = "cuda")]
+pub mod decode_attention;
+#[cfg(feature = "cuda")]
+pub use decode_attention::{decode_attention, DECODE_SHARED_FLOATS};

@@ -23,8 +23,9 @@
 
 use std::mem::MaybeUninit;
 
+use super::epilogue::Epilogue;
 use super::WeightFormat;
-use super::{Epilogue, PackedMatrix, Simd, GROUP, LANES};
+use super::{PackedMatrix, Simd, GROUP, LANES};
 use crate::simd::{Kernel, Vec16};
 
 /// Positions along `k` per tile product: one 64-byte tile row of bf16.
@@ -221,7 +222,7 @@ pub(super) fn run(
                 }
             }
             // SAFETY: this task's columns of `y`, written above; AMX's CPUs all have AVX-512.
-            unsafe { super::kernel::epilogue(ep, Simd::detect(), y_at as *mut f32, m, n, col0, cols) };
+            unsafe { super::epilogue::epilogue(ep, Simd::detect(), y_at as *mut f32, m, n, col0, cols) };
         }
         if tiles == Tiles::Hardware {
             // SAFETY: as `configure`.
@@ -585,6 +586,8 @@ mod hardware {
 
 mod emulated;
 
+/// Off x86-64 nothing runs AMX (`simd::amx::available` is false), so these are never called;
+/// they exist for the code above to compile, with `hardware`'s contracts (none to uphold).
 #[cfg(not(target_arch = "x86_64"))]
 mod hardware {
     use super::Operands;

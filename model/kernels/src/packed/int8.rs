@@ -22,7 +22,8 @@
 
 use std::mem::MaybeUninit;
 
-use super::{kernel, Epilogue, PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
+use super::epilogue::Epilogue;
+use super::{PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
 use crate::simd::{Kernel, Vec16};
 
 /// Bytes of a q8_0 block in a panel: 16 columns x 32 codes, then 16 f16 scales.
@@ -156,7 +157,7 @@ pub(super) fn run(
             #[cfg(not(target_arch = "x86_64"))]
             simd.run(Portable(&t));
             // SAFETY: this task's columns, written above.
-            unsafe { kernel::epilogue(ep, simd, t.y, m, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
+            unsafe { super::epilogue::epilogue(ep, simd, t.y, m, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
         }
     });
 }
@@ -178,7 +179,7 @@ impl Kernel for Portable<'_, '_> {
                 if j * LANES >= cols {
                     break;
                 }
-                // SAFETY: panel `j` of this task holds `blocks` blocks (the caller's contract).
+                // SAFETY: panel `j` of this task holds `blocks` blocks (the `Task` that `run` built).
                 let panel =
                     unsafe { std::slice::from_raw_parts(t.panels.add(j * t.panel_bytes), blocks * BLOCK_BYTES) };
                 // SAFETY: row `i`'s columns of this task, its own.
@@ -186,7 +187,7 @@ impl Kernel for Portable<'_, '_> {
                 let lanes = (cols - j * LANES).min(LANES);
                 let mut acc = [0f32; LANES];
                 if t.accumulate {
-                    // SAFETY: as above; initialised when accumulating (the caller's contract).
+                    // SAFETY: as above; initialised when accumulating (`run`'s contract).
                     unsafe { std::ptr::copy_nonoverlapping(y, acc.as_mut_ptr(), lanes) };
                 }
                 for (b, block) in panel.chunks_exact(BLOCK_BYTES).enumerate() {
@@ -264,6 +265,9 @@ mod avx512_vnni {
 
     /// Rows `i0..i0 + R` times the task's two panels over blocks `b0..b1` of `k`, from the
     /// outputs in `y` if `accumulate`, from zero otherwise.
+    ///
+    /// # Safety
+    /// As [`task`]'s, with rows `i0..i0 + R` among the task's and `b0 <= b1 <=` its blocks.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
     unsafe fn rows_tile<const R: usize>(
@@ -344,6 +348,9 @@ mod avx512_vnni {
     }
 
     /// The first `cols` (up to 16) values at `p`, zeros after them.
+    ///
+    /// # Safety
+    /// AVX-512F available, and `p` holds `cols.min(16)` readable values.
     #[inline(always)]
     unsafe fn load_cols(p: *const f32, cols: usize) -> __m512 {
         // SAFETY: `p` holds `cols.min(16)` values (the caller's contract).

@@ -3,8 +3,9 @@
 
 use std::mem::MaybeUninit;
 
+use super::epilogue::{epilogue, Epilogue};
 use super::WeightFormat;
-use super::{Epilogue, PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
+use super::{PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
 use crate::parallel::ProductBlocks;
 use crate::simd::{Kernel, Vec16};
 
@@ -21,7 +22,15 @@ pub(super) trait Format {
     /// The position within its block of vector `h` of step `t`.
     fn pos(t: usize, h: usize) -> usize;
     /// The block's scales (quantized formats).
+    ///
+    /// # Safety
+    /// `block` points at one whole block of this format's panel (`BLOCK_BYTES` readable bytes),
+    /// and `V`'s instructions run on this CPU.
     unsafe fn scale<V: Vec16>(block: *const u8) -> V;
+    /// Step `t`'s vectors of the block (`PER_STEP` of the two are used).
+    ///
+    /// # Safety
+    /// As [`Format::scale`], and `t < STEPS`.
     unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2];
 }
 
@@ -44,12 +53,13 @@ macro_rules! dense_format {
             }
             #[inline(always)]
             unsafe fn scale<V: Vec16>(_: *const u8) -> V {
-                // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+                // SAFETY: `V::zero` reads no memory, and `V`'s instructions run here (the trait's contract).
                 unsafe { V::zero() }
             }
             #[inline(always)]
             unsafe fn weights<V: Vec16>(block: *const u8, _: usize, _: V) -> [V; 2] {
-                // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+                // SAFETY: `block` is one whole block of this format's panel (the trait's contract): its
+                // `LANES` weights.
                 unsafe { [V::$load(block), V::zero()] }
             }
         }
@@ -71,14 +81,16 @@ impl Format for Q4_0 {
     }
     #[inline(always)]
     unsafe fn scale<V: Vec16>(block: *const u8) -> V {
-        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+        // SAFETY: a q4_0 block ends with its lanes' `LANES` f16 scales, at this offset, inside the
+        // block the trait's contract names.
         unsafe { V::load_f16(block.add(LANES * BLOCK / 2)) }
     }
     #[inline(always)]
     unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2] {
         // (q - 8) * scale as q * scale - 8 * scale: one rounding of an exact value, so the
         // same weight, in one instruction fewer (`-8 * scale` is computed once per block).
-        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+        // SAFETY: `t < STEPS = BLOCK / 2`, so byte `t` of each lane's codes lies inside the block
+        // (the trait's contract).
         unsafe {
             let (lo, hi) = V::load_nibbles(block.add(t * LANES));
             let offset = V::mul(scale, V::set1(-8.0));
@@ -284,50 +296,6 @@ impl<F: Format, const XT: bool> Kernel for TaskKernel<'_, F, XT> {
     }
 }
 
-/// The epilogue (bias, then GELU) on columns `col0..col0 + cols` of `y` `(m, n)`, which a task
-/// has just written, on `simd`'s vectors (the GELU's rational tanh vectorises; at the baseline's
-/// 4 lanes a long prefill's MLP spent ~6% of its time here).
-///
-/// # Safety
-/// `y` holds `m * n` f32 and no other thread touches these columns meanwhile; `simd` available.
-pub(super) unsafe fn epilogue(ep: Epilogue, simd: Simd, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
-    /// The epilogue as a kernel of plain Rust that the instruction set's compilation vectorises.
-    struct EpilogueKernel<'a> {
-        ep: Epilogue<'a>,
-        y: *mut f32,
-        shape: (usize, usize, usize, usize),
-    }
-    impl Kernel for EpilogueKernel<'_> {
-        type Output = ();
-        #[inline(always)]
-        fn run<V: Vec16>(self) {
-            let (m, n, col0, cols) = self.shape;
-            // SAFETY: the caller's contract (the columns are its own).
-            unsafe { epilogue_any(self.ep, self.y, m, n, col0, cols) }
-        }
-    }
-    simd.run(EpilogueKernel {
-        ep,
-        y,
-        shape: (m, n, col0, cols),
-    })
-}
-
-#[inline(always)]
-unsafe fn epilogue_any(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
-    let Some(bias) = ep.bias else { return };
-    for i in 0..m {
-        // SAFETY: the caller's columns of row `i`, in bounds.
-        let out = unsafe { std::slice::from_raw_parts_mut(y.add(i * n + col0), cols) };
-        for (v, &b) in out.iter_mut().zip(&bias[col0..]) {
-            *v += b;
-            if ep.gelu {
-                *v = crate::elementwise::gelu::gelu_new(*v);
-            }
-        }
-    }
-}
-
 /// Positions along `k` per chunk when several row tiles share a task's panels: the two panels'
 /// f32 weights for a chunk (2 x 128 x 64 B = 16 KiB) stay in L1 while every tile passes over them.
 const CHUNK: usize = 128;
@@ -372,19 +340,19 @@ struct Tile {
 #[inline(always)]
 pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
     let cols = (t.n - t.col0).min(GROUP * LANES);
-    // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+    // SAFETY: `j < GROUP`: the task's panels are `GROUP` panels of `panel_bytes` each (`Task`).
     let panel = |j: usize| unsafe { t.panels.add(j * t.panel_bytes) };
     // Bytes of `F`'s panel holding positions `0..k`.
     let span = |k: usize| k / F::BLOCK * F::BLOCK_BYTES;
     let tile_at = |i0: usize, k0: usize| Tile {
-        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+        // SAFETY: `i0 < m` and `k0 < k` index the task's own rows of `x` (`Task`).
         x: unsafe { t.x.add(if XT { k0 * t.ldx + i0 } else { i0 * t.ldx + k0 }) },
         ldx: t.ldx,
         w: t.panels,
         panel_stride: t.panel_bytes,
         block_bytes: t.block_bytes,
         kc: t.k,
-        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+        // SAFETY: `i0 < m`: row `i0` of `y` `(m, n)`, from the task's first column (`Task`).
         y: unsafe { t.y.add(i0 * t.n + t.col0) },
         ldy: t.n,
         cols,
@@ -402,7 +370,8 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
         if strided {
             at.prefetch = 0;
         }
-        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+        // SAFETY: the task's `m <= V::ROWS` rows from row 0, and its two panels over the whole
+        // of `k`, as `Task` describes them; `V` runs here (this function's contract).
         unsafe { tile_rows::<F, V, XT>(&at, t.m) };
         return;
     }
@@ -418,7 +387,8 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
             let rows = height + usize::from(tile < taller);
             let mut at = tile_at(i0, 0);
             at.prefetch = if tile == 0 && !strided { PREFETCH } else { 0 };
-            // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+            // SAFETY: rows `i0..i0 + rows` of the task (`rows <= V::ROWS`, and the tiles' rows add
+            // up to `m`), its f32 panels read in place over the whole of `k`.
             unsafe { tile_rows::<F, V, XT>(&at, rows) };
             i0 += rows;
         }
@@ -433,7 +403,8 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
         // The first chunk, before any tile runs.
         for j in 0..GROUP {
             for line in 0..span(CHUNK.min(t.k)).div_ceil(64) {
-                // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+                // SAFETY: a prefetch reads nothing and never faults; the address is in the panel or
+                // (`wrapping_add`) just past it.
                 unsafe { V::prefetch(panel(j).wrapping_add(64 * line)) };
             }
         }
@@ -441,10 +412,11 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
     for k0 in (0..t.k).step_by(CHUNK) {
         let kc = CHUNK.min(t.k - k0);
         let (w, panel_stride) = if F::IN_PLACE {
-            // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+            // SAFETY: `k0 < k`: the chunk's first block in the task's f32 panels.
             (unsafe { t.panels.add(span(k0)) }, t.panel_bytes)
         } else {
-            // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+            // SAFETY: `scratch` holds `GROUP * CHUNK` vectors and `kc <= CHUNK`; positions
+            // `k0..k0 + kc` of both panels exist (`Task`).
             unsafe { widen::<F, V>(t, k0, kc, scratch) };
             (scratch as *const u8, CHUNK * LANES * 4)
         };
@@ -467,7 +439,8 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
             at.ahead = std::array::from_fn(|j| panel(j).wrapping_add(ahead + 64 * first));
             (at.prefetch, at.ahead_lines) = (0, last - first);
             // (Direct calls, not a function pointer: they inherit the caller's target features.)
-            // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+            // SAFETY: the tile's rows `i0..i0 + rows` of `x` and `y` as above; `w` is the chunk of
+            // the f32 panels or the widened scratch, `kc` positions of each, `panel_stride` apart.
             unsafe {
                 if F::IN_PLACE {
                     tile_rows::<F, V, XT>(&at, rows)
@@ -496,23 +469,29 @@ impl<F: Format> Format for Widened<F> {
     }
     #[inline(always)]
     unsafe fn scale<V: Vec16>(_: *const u8) -> V {
-        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+        // SAFETY: `V::zero` reads no memory, and `V`'s instructions run here (the trait's contract).
         unsafe { V::zero() }
     }
     #[inline(always)]
     unsafe fn weights<V: Vec16>(block: *const u8, t: usize, _: V) -> [V; 2] {
-        // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+        // SAFETY: `block` is a block of the widened scratch (the trait's contract): `STEPS`
+        // vectors of f32, and `t < STEPS`.
         unsafe { [V::load_f32(block.add(t * LANES * 4)), V::zero()] }
     }
 }
 
 /// Positions `k0..k0 + kc` of the task's two panels as f32, panel after panel, `CHUNK` positions
 /// apart.
+///
+/// # Safety
+/// The task's panels as [`Task`] describes them, `k0 + kc <= k`, `kc <= CHUNK`, and `out` holds
+/// `GROUP * CHUNK * LANES` f32; `V`'s instructions run on this CPU.
 #[inline(always)]
 unsafe fn widen<F: Format, V: Vec16>(t: &Task, k0: usize, kc: usize, out: *mut f32) {
     for j in 0..GROUP {
         for b in k0 / F::BLOCK..(k0 + kc) / F::BLOCK {
-            // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+            // SAFETY: block `b` (below `(k0 + kc) / BLOCK`) of panel `j < GROUP` exists (the
+            // caller's contract), and `out` holds `GROUP * CHUNK` vectors, `c < kc <= CHUNK`.
             unsafe {
                 let block = t.panels.add(j * t.panel_bytes + b * F::BLOCK_BYTES);
                 let scale = F::scale::<V>(block);
@@ -538,6 +517,12 @@ const MAX_ROWS: usize = 12;
 /// partial loads and stores were copies of a run-time length, calls to `memcpy` that kept its
 /// accumulators in memory, zeroed by a call to `memset` for every tile (1.5 KB each, ~17,000
 /// a step of nanoGPT's CPU recipe).
+///
+/// # Safety
+/// `rows <= V::ROWS`; `t.x` holds `rows` rows of `t.kc` positions (row stride or, with `XT`,
+/// column stride `t.ldx`), `t.w` two panels of `t.kc` positions `t.panel_stride` bytes apart,
+/// `t.y` `rows` rows of `t.cols` columns (`t.ldy` apart) that no other thread touches; `V`'s
+/// instructions run on this CPU.
 #[inline(always)]
 unsafe fn tile_rows<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: usize) {
     debug_assert!(rows <= MAX_ROWS && V::ROWS <= MAX_ROWS);
@@ -567,14 +552,18 @@ unsafe fn tile_rows<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: usize) 
         }
         return;
     }
-    // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+    // SAFETY: the tile's columns are whole vectors (32), as `tile_rows_whole` needs; the rest
+    // of the caller's contract passes on.
     unsafe { tile_rows_whole::<F, V, XT>(t, rows) }
 }
 
 /// [`tile_rows`] for a tile of whole vectors (32 columns).
+///
+/// # Safety
+/// As [`tile_rows`], with `t.cols` 32.
 #[inline(always)]
 unsafe fn tile_rows_whole<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: usize) {
-    // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+    // SAFETY: `rows` is one of `tile`'s instances (1 to 12); the caller's contract is `tile`'s.
     unsafe {
         match rows {
             12 => tile::<F, V, 12, XT>(t),
@@ -594,10 +583,15 @@ unsafe fn tile_rows_whole<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: u
 }
 
 /// `R` rows times two panels over the tile's positions.
+///
+/// # Safety
+/// As [`tile_rows_whole`], with `R` rows.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
 unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool>(t: &Tile) {
-    // SAFETY: within this function's contract (its `# Safety`): the task's rows of `x`, its panels and its columns of `y` are valid and its own.
+    // SAFETY: the caller's contract: `R` rows of `x` from `t.x` over `kc` positions, the two
+    // panels' blocks from `t.w`, `R` rows of 32 columns of `y`, and `V` runs here. Prefetches
+    // past a panel's end read nothing and never fault.
     unsafe {
         let mut acc = [[V::zero(); GROUP]; R];
         if t.accumulate {

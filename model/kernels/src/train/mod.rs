@@ -7,6 +7,7 @@ pub mod bf16;
 pub mod cross_entropy;
 pub mod head_loss;
 pub mod linear;
+pub mod operand;
 pub mod product;
 mod window_attention;
 
@@ -93,9 +94,9 @@ pub fn window_attention_runs_on(x: &Tensor, head_dim: usize) -> bool {
     {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         x.device().is_cuda()
-            && cuda_fused()
-            && switch_on(&ON, "GPT_CUDA_ATTENTION")
-            && head_dim <= crate::cuda::WINDOW_ATTENTION_MAX_HEAD
+            && crate::cuda_fused()
+            && crate::switch_on(&ON, "GPT_CUDA_ATTENTION")
+            && head_dim <= window_attention::cuda::WINDOW_ATTENTION_MAX_HEAD
             && head_dim.is_multiple_of(4)
     }
     #[cfg(not(feature = "cuda"))]
