@@ -27,7 +27,7 @@ fn gpu() -> Device {
     Device::new_cuda(0).expect("these tests need a CUDA GPU")
 }
 
-mod support;
+use gpt_test_support as support;
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     support::max_abs_diff(a, b).expect("tensors of one shape")

@@ -39,7 +39,7 @@ fn cases() -> anyhow::Result<Vec<Case>> {
         .collect()
 }
 
-mod support;
+use gpt_test_support as support;
 use support::max_abs_diff;
 
 fn check_logits(model: &gpt::Gpt, what: &str) -> anyhow::Result<()> {

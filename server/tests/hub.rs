@@ -1,4 +1,4 @@
-//! Models by Hugging Face Hub id, against a stand-in Hub (`tests/fake_hub.rs`) serving the tiny
+//! Models by Hugging Face Hub id, against a stand-in Hub (`tests/support/src/fake_hub.rs`) serving the tiny
 //! fixture repository: gpt-server downloads and serves it under its id; Python's
 //! `huggingface_hub.snapshot_download` fills a cache that gpt-server serves with
 //! `HF_HUB_OFFLINE=1`; a cache filled by gpt-rs loads in `transformers` with
@@ -10,8 +10,7 @@
 //! they print SKIPPED.
 
 mod common;
-#[path = "../../tests/fake_hub.rs"]
-mod fake_hub;
+use gpt_test_support::fake_hub;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;

@@ -5,14 +5,15 @@
 //! The kills follow the run's progress on disk rather than the clock, so that a loaded machine
 //! (a slow start, a slow step) changes when they land but not what they test.
 
-#[path = "../../tests/support.rs"]
-mod support;
+mod common;
+
+use gpt_test_support as support;
 
 use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_gpt-train");
+use common::BIN;
 const SAVE_EVERY: u64 = 5;
 /// How long the test hook sleeps after each of a save's three files, in the runs to be killed
 /// inside one.
@@ -60,29 +61,19 @@ fn a_run_killed_at_random_moments_resumes_every_time() -> anyhow::Result<()> {
     let corpus = dir.path().join("corpus.txt");
     std::fs::write(&corpus, text)?;
     let out = dir.path().join("run");
-    let (corpus, out_str) = (corpus.to_str().unwrap_or_default(), out.to_str().unwrap_or_default());
+    let corpus = corpus.to_str().unwrap_or_default();
     let save_every = SAVE_EVERY.to_string();
-    let args = [
-        "train",
-        "--data",
-        corpus,
-        "--out",
-        out_str,
-        "--preset",
-        "tiny",
-        "--block-size",
-        "32",
+    let settings = [
         "--batch-size",
         "4",
         "--eval-interval",
         &save_every,
         "--eval-iters",
         "1",
-        "--device",
-        "cpu",
         "--threads",
         "1",
     ];
+    let args = common::train_args(Path::new(corpus), &out, &settings);
     let mut x: u64 = 0x2545_F491_4F6C_DD1D; // a fixed sequence of delays
     let (mut newest, mut resumes, mut inside_saves) = (0u64, 0, 0);
     const KILLS: usize = 20;
@@ -90,7 +81,9 @@ fn a_run_killed_at_random_moments_resumes_every_time() -> anyhow::Result<()> {
         let resume = out.join("latest").exists();
         let mut cmd = Command::new(BIN);
         let in_save = kill % 2 == 0;
-        cmd.args(args).args(["--max-iters", "1000000"]).env("RUST_LOG", "error");
+        cmd.args(&args)
+            .args(["--max-iters", "1000000"])
+            .env("RUST_LOG", "error");
         if in_save {
             cmd.env("GPT_TRAIN_SAVE_DELAY_MS", SAVE_DELAY_MS.to_string());
         }

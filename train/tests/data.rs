@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use gpt::Tokenizer;
 use gpt_train::data;
 
-#[path = "../../tests/support.rs"]
-mod support;
+mod common;
+
+use gpt_test_support as support;
 
 fn shakespeare() -> anyhow::Result<String> {
     support::shakespeare(usize::MAX)
@@ -139,26 +140,20 @@ fn a_large_corpus_is_prepared_in_bounded_memory() -> anyhow::Result<()> {
     let size = std::fs::metadata(&corpus)?.len();
     let out = dir.path().join("run");
     let run = std::process::Command::new(env!("CARGO_BIN_EXE_gpt-train"))
-        .args([
-            "train",
-            "--data",
-            corpus.to_str().unwrap_or_default(),
-            "--out",
-            out.to_str().unwrap_or_default(),
-        ])
-        .args([
-            "--preset",
-            "tiny",
-            "--block-size",
-            "32",
-            "--batch-size",
-            "4",
-            "--max-iters",
-            "1",
-            "--eval-iters",
-            "1",
-        ])
-        .args(["--device", "cpu", "--threads", "1"])
+        .args(common::train_args(
+            &corpus,
+            &out,
+            &[
+                "--batch-size",
+                "4",
+                "--max-iters",
+                "1",
+                "--eval-iters",
+                "1",
+                "--threads",
+                "1",
+            ],
+        ))
         .env("RUST_LOG", "warn")
         .output()?;
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));

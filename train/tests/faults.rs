@@ -4,44 +4,36 @@
 //! an error naming the file, from the checksums in `trainer_state.json`), and a second Ctrl-C in
 //! the middle of a save (the save completes, then the run exits).
 
-#[path = "../../tests/support.rs"]
-mod support;
+mod common;
+
+use gpt_test_support as support;
 
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_gpt-train");
+use common::BIN;
 
-fn args<'a>(corpus: &'a str, out: &'a str, iters: &'a str) -> Vec<&'a str> {
-    vec![
-        "train",
-        "--data",
-        corpus,
-        "--out",
-        out,
-        "--preset",
-        "tiny",
-        "--block-size",
-        "32",
+/// A tiny run's arguments ([`common::train_args`]) saving every 4 steps, for `iters` steps.
+fn args(corpus: &str, out: &str, iters: &str) -> Vec<String> {
+    let settings = [
         "--batch-size",
         "4",
         "--eval-interval",
         "4",
         "--eval-iters",
         "1",
-        "--log-interval",
-        "1",
-        "--device",
-        "cpu",
         "--threads",
         "1",
-        "--max-iters",
-        iters,
-    ]
+    ];
+    common::train_args(
+        Path::new(corpus),
+        Path::new(out),
+        &[&settings[..], &["--max-iters", iters]].concat(),
+    )
 }
 
-fn run(args: &[&str]) -> anyhow::Result<Output> {
+fn run(args: &[String]) -> anyhow::Result<Output> {
     Ok(Command::new(BIN).args(args).env("RUST_LOG", "warn").output()?)
 }
 
@@ -99,7 +91,7 @@ fn damaged_checkpoint_files_are_errors_that_name_them() -> anyhow::Result<()> {
         }
         std::fs::write(&path, &bytes)?;
         let mut resume = args(&corpus, &out_str, "8");
-        resume.push("--resume");
+        resume.push("--resume".into());
         let result = run(&resume)?;
         assert!(
             !result.status.success(),
@@ -188,7 +180,7 @@ fn a_disk_that_fills_during_a_save_loses_nothing_and_the_run_resumes_exactly() -
     assert!(step < 12, "the run saved its last step on a full disk");
     grow_disk(&out, room * 4)?;
     let mut resume = args(&corpus, &out_str, "12");
-    resume.push("--resume");
+    resume.push("--resume".into());
     let resumed = run(&resume)?;
     assert!(resumed.status.success(), "{}", stderr(&resumed));
     let (want, got) = (losses(&whole)?, losses(&out)?);
@@ -255,8 +247,8 @@ fn a_second_ctrl_c_during_a_save_lets_it_finish() -> anyhow::Result<()> {
     let mut resume = args(&corpus, &out_str, "0");
     let end = (step + 2).to_string();
     let last = resume.len() - 1;
-    resume[last] = &end;
-    resume.push("--resume");
+    resume[last] = end.clone();
+    resume.push("--resume".into());
     let resumed = run(&resume)?;
     assert!(resumed.status.success(), "{}", stderr(&resumed));
     Ok(())

@@ -9,10 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-#[path = "../../tests/fake_hub.rs"]
-mod fake_hub;
-#[path = "../../tests/support.rs"]
-mod support;
+use gpt_test_support as support;
+use gpt_test_support::fake_hub;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpt-train");
 

@@ -20,8 +20,7 @@ fn batch(rows: usize, seq: usize, offset: u32) -> anyhow::Result<(Tensor, Tensor
     Ok((t.narrow(1, 0, seq)?, t.narrow(1, 1, seq)?))
 }
 
-#[path = "../../tests/support.rs"]
-mod support;
+use gpt_test_support as support;
 use support::max_abs_diff;
 
 const ADAMW: AdamWConfig = AdamWConfig {

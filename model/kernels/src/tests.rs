@@ -4,8 +4,7 @@ use super::*;
 use crate::elementwise::gelu::fast_tanh;
 use candle_core::{Device, Var, D};
 
-#[path = "../../../tests/support.rs"]
-mod support;
+use gpt_test_support as support;
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     support::max_abs_diff(a, b).expect("tensors of one shape")

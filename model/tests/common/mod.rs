@@ -17,8 +17,7 @@ pub fn random_model(cfg: &Config) -> anyhow::Result<(VarMap, Gpt)> {
     Ok((varmap, model))
 }
 
-#[path = "../../../tests/support.rs"]
-mod support;
+use gpt_test_support as support;
 #[allow(unused_imports)]
 pub use support::{max_abs_diff, repo, shakespeare};
 

@@ -1,7 +1,7 @@
-//! Helpers shared by the test suites of every crate, included with
-//! `#[path = "../../tests/support.rs"] mod support;` (each crate's manifest sits one level below
-//! the repository root).
-#![allow(dead_code)]
+//! Helpers shared by the test suites of every crate (a dev-dependency of each): the repository's
+//! files and corpus, tensor comparisons, and [`fake_hub`], a stand-in for the Hugging Face Hub.
+
+pub mod fake_hub;
 
 use std::path::{Path, PathBuf};
 
@@ -9,7 +9,8 @@ use candle_core::Tensor;
 
 /// `path` under the repository root.
 pub fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
+    // This crate sits at tests/support.
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(path)
 }
 
 /// The repository's copy of tinyshakespeare (`data/`).

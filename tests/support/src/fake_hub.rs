@@ -1,7 +1,6 @@
 //! A stand-in for the Hugging Face Hub's file endpoints, for tests: enough of them for the
 //! `hf-hub` crate and for Python's `huggingface_hub` (`snapshot_download`, `hf_hub_download`).
-//! Std only (a thread per connection, `Connection: close`), so any test crate can include it with
-//! `#[path = "../../tests/fake_hub.rs"] mod fake_hub;`.
+//! Std only (a thread per connection, `Connection: close`).
 //!
 //! Routes, as the Hub answers them:
 //! - `GET /api/{models,datasets}/REPO[/revision/REV]`: the repository's commit (`sha`) and files
@@ -13,7 +12,6 @@
 //!
 //! An unknown repository or revision is a 404 (`X-Error-Code: RepoNotFound` /
 //! `RevisionNotFound`); a gated repository without its token a 401 (`GatedRepo`).
-#![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -1,0 +1,100 @@
+//! What the trainer's test suites share: the binary, the settings of a tiny run, and reading a
+//! run's outputs. (Each suite uses some of it.)
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_gpt-train");
+
+pub fn write(dir: &Path, name: &str, content: impl AsRef<[u8]>) -> anyhow::Result<PathBuf> {
+    let path = dir.join(name);
+    std::fs::write(&path, content)?;
+    Ok(path)
+}
+
+pub fn gpt_train(args: &[&str]) -> anyhow::Result<Output> {
+    Ok(Command::new(BIN).args(args).env("RUST_LOG", "warn").output()?)
+}
+
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Small, fast settings.
+pub const TINY: &[&str] = &[
+    "--preset",
+    "tiny",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--learning-rate",
+    "3e-3",
+    "--warmup-iters",
+    "5",
+    "--eval-interval",
+    "10",
+    "--eval-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--device",
+    "cpu",
+    "--dropout",
+    "0",
+];
+
+/// `gpt-train train` with the TINY settings, of which `extra` overrides any flag it repeats.
+pub fn train(corpus: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<Output> {
+    let args = train_args(corpus, out, extra);
+    gpt_train(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// The arguments of `gpt-train train --data corpus --out out` with the [`TINY`] settings, of
+/// which `extra` overrides any flag it repeats.
+pub fn train_args(corpus: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "train",
+        "--data",
+        corpus.to_str().unwrap_or_default(),
+        "--out",
+        out.to_str().unwrap_or_default(),
+    ];
+    for pair in TINY.chunks(2) {
+        if !extra.contains(&pair[0]) {
+            args.extend_from_slice(pair);
+        }
+    }
+    args.extend_from_slice(extra);
+    args.into_iter().map(String::from).collect()
+}
+
+pub fn train_losses(out: &Path) -> anyhow::Result<Vec<(u64, f64)>> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    let mut losses = vec![];
+    for line in text.lines() {
+        let e: serde_json::Value = serde_json::from_str(line)?;
+        if e["event"] == "train" {
+            losses.push((
+                e["step"].as_u64().unwrap_or(0),
+                e["train_loss"].as_f64().unwrap_or(f64::NAN),
+            ));
+        }
+    }
+    Ok(losses)
+}
+
+/// The trainer state of the run's latest checkpoint.
+pub fn state(out: &Path) -> anyhow::Result<serde_json::Value> {
+    Ok(serde_json::from_str(&std::fs::read_to_string(
+        out.join("latest/trainer_state.json"),
+    )?)?)
+}
+
+/// Runs `gpt-train` expecting failure, and returns its stderr.
+pub fn fails(args: &[&str]) -> anyhow::Result<String> {
+    let out = gpt_train(args)?;
+    assert!(!out.status.success(), "expected failure: {args:?}");
+    Ok(stderr(&out))
+}
