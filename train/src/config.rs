@@ -35,7 +35,7 @@ pub struct TrainArgs {
     /// llm.c's when their header says so, else nanoGPT's), text, llmc (llm.c's token shards) or
     /// nanogpt (nanoGPT's uint16 train.bin / val.bin) [default: auto].
     #[arg(long, value_enum)]
-    pub data_format: Option<crate::token_files::DataFormat>,
+    pub data_format: Option<crate::data::token_files::DataFormat>,
     /// Validation text; by default the last --val-fraction of the training tokens.
     #[arg(long, conflicts_with = "val_fraction")]
     pub val_data: Option<PathBuf>,
@@ -187,7 +187,7 @@ pub struct RunConfig {
     #[serde(default = "default_text_field")]
     pub text_field: String,
     #[serde(default)]
-    pub data_format: crate::token_files::DataFormat,
+    pub data_format: crate::data::token_files::DataFormat,
     pub val_fraction: f64,
     pub tokenizer: String,
     pub device: String,

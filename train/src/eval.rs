@@ -1,4 +1,7 @@
-//! Perplexity of a checkpoint on a text, over the whole text with a strided sliding window (the
+//! Evaluation: the loss a training run estimates at each evaluation ([`estimate_loss`], as
+//! nanoGPT's), and the perplexity of a checkpoint on a text ([`perplexity`]).
+//!
+//! Perplexity is taken over the whole text with a strided sliding window (the
 //! method of the `transformers` perplexity guide): every token after the first is scored exactly
 //! once. The first window scores the first `block_size` tokens; each later window scores the next
 //! `stride`, reading the `block_size` tokens before its last one, so up to block_size − stride
@@ -11,6 +14,50 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use gpt::Gpt;
 use serde::Serialize;
+
+use crate::config::RunConfig;
+use crate::data::{self, Dataset, Tokens};
+use crate::step::{in_threads, loss};
+
+/// Random streams of `data::batch_rng`: training micro-batches use their index; evaluation
+/// batches use these offsets, so evaluating never shifts the training batches.
+const EVAL_TRAIN_STREAM: u64 = 1 << 32;
+const EVAL_VAL_STREAM: u64 = 2 << 32;
+
+/// Mean loss over `run.eval_iters` batches of each split, drawn for `step`, the batches spread
+/// over `threads` threads (summed in batch order, so the result does not depend on them).
+pub fn estimate_loss(
+    model: &Gpt,
+    data: &Dataset,
+    run: &RunConfig,
+    step: usize,
+    device: &Device,
+    threads: usize,
+) -> Result<(f64, f64)> {
+    let batch_loss = |tokens: &Tokens, stream: u64, i: usize| -> Result<f64> {
+        let mut rng = data::batch_rng(run.seed, step, stream + i as u64);
+        let (x, y) = data::get_batch(tokens, run.batch_size, run.block_size(), &mut rng, device)?;
+        Ok(loss(model, &x, &y, None, 0.0)?.to_scalar::<f32>()? as f64) // plain NLL, smoothing or not
+    };
+    let mean = |tokens: &Tokens, stream: u64| -> Result<f64> {
+        let threads = threads.clamp(1, run.eval_iters);
+        let losses = in_threads(threads, |t| -> Result<Vec<f64>> {
+            (t..run.eval_iters)
+                .step_by(threads)
+                .map(|i| batch_loss(tokens, stream, i))
+                .collect()
+        })?;
+        // Thread t holds batches t, t + threads, ...: put them back in batch order.
+        let mut ordered = vec![0.0; run.eval_iters];
+        for (t, thread_losses) in losses.into_iter().enumerate() {
+            for (k, l) in thread_losses.into_iter().enumerate() {
+                ordered[t + k * threads] = l;
+            }
+        }
+        Ok(ordered.iter().sum::<f64>() / run.eval_iters as f64)
+    };
+    Ok((mean(&data.train, EVAL_TRAIN_STREAM)?, mean(&data.val, EVAL_VAL_STREAM)?))
+}
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Perplexity {

@@ -10,7 +10,6 @@ pub mod init;
 pub mod metrics;
 pub mod optim;
 pub mod schedule;
-pub mod sources;
 pub mod step;
-pub mod token_files;
+pub mod tokenizer;
 pub mod train;

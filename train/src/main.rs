@@ -161,7 +161,7 @@ struct EvalArgs {
     text_field: String,
     /// How --data is read: auto, text, llmc or nanogpt (as `gpt-train train --data-format`).
     #[arg(long, value_enum, default_value = "auto")]
-    data_format: gpt_train::token_files::DataFormat,
+    data_format: gpt_train::data::token_files::DataFormat,
 }
 
 /// `gpt-train prepare`: token files for llm.c or nanoGPT (or for training here) from any --data.
@@ -178,7 +178,7 @@ struct PrepareArgs {
     /// llmc: llm.c's shards (a 256 x int32 header, then uint16 tokens; uint32 past 65536 tokens);
     /// nanogpt: nanoGPT's train.bin / val.bin (uint16) and, for a character vocabulary, meta.pkl.
     #[arg(long, value_enum)]
-    format: gpt_train::token_files::DataFormat,
+    format: gpt_train::data::token_files::DataFormat,
     /// Directory to write the token files and tokenizer.json into.
     #[arg(long)]
     out: PathBuf,
@@ -213,7 +213,7 @@ fn main() -> Result<()> {
 }
 
 fn prepare(args: PrepareArgs) -> Result<()> {
-    use gpt_train::token_files::DataFormat;
+    use gpt_train::data::token_files::DataFormat;
     if !matches!(args.format, DataFormat::Llmc | DataFormat::Nanogpt) {
         anyhow::bail!("--format: llmc or nanogpt");
     }
@@ -221,7 +221,7 @@ fn prepare(args: PrepareArgs) -> Result<()> {
         text_field: args.text_field.clone(),
         format: DataFormat::Text,
     };
-    let tokenizer = gpt_train::train::build_tokenizer(&args.tokenizer, &args.data, &reading, &args.out)?;
+    let tokenizer = gpt_train::tokenizer::build_tokenizer(&args.tokenizer, &args.data, &reading, &args.out)?;
     let written = gpt_train::data::write_token_files(
         &args.data,
         args.val_data.as_deref(),
@@ -257,9 +257,9 @@ fn tokenizer(args: TokenizerArgs) -> Result<()> {
     };
     let reading = gpt_train::data::Reading {
         text_field: args.text_field.clone(),
-        format: gpt_train::token_files::DataFormat::Text,
+        format: gpt_train::data::token_files::DataFormat::Text,
     };
-    let tok = gpt_train::train::build_tokenizer(&spec, &args.data, &reading, &args.out)?;
+    let tok = gpt_train::tokenizer::build_tokenizer(&spec, &args.data, &reading, &args.out)?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let path = args.out.join(gpt::checkpoint::TOKENIZER_FILE);
     tok.save(&path)?;

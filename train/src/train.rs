@@ -16,16 +16,11 @@ use gpt::{Gpt, Tokenizer};
 
 use crate::checkpoints::{self, Saved, TrainerState};
 use crate::config::{RunConfig, TrainArgs};
-use crate::data::{self, Dataset, Tokens};
+use crate::data::{self, Dataset};
 use crate::metrics::{Event, Metrics, Progress};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::schedule::Schedule;
-use crate::step::{accumulate_grads, cpu_threads, in_threads, loss, Objective};
-
-/// Random streams of `data::batch_rng`: training micro-batches use their index; evaluation
-/// batches use these offsets, so evaluating never shifts the training batches.
-const EVAL_TRAIN_STREAM: u64 = 1 << 32;
-const EVAL_VAL_STREAM: u64 = 2 << 32;
+use crate::step::{accumulate_grads, cpu_threads, Objective};
 
 /// The outcome of `train`.
 #[derive(Debug)]
@@ -261,7 +256,7 @@ impl Trainer {
     pub fn evaluate(&mut self) -> Result<()> {
         let step = self.state.step;
         let (train_loss, val_loss) =
-            estimate_loss(&self.model, &self.data, &self.run, step, &self.device, self.shards)?;
+            crate::eval::estimate_loss(&self.model, &self.data, &self.run, step, &self.device, self.shards)?;
         self.state.last_eval_step = Some(step);
         self.state.elapsed_s = self.elapsed();
         self.metrics.log(Event {
@@ -355,12 +350,12 @@ fn run_tokenizer(args: &TrainArgs, saved: Option<&Saved>, init_from: Option<&Pat
         ),
         (None, None) => {
             let spec = args.tokenizer.as_deref().unwrap_or("char");
-            return build_tokenizer(spec, &args.data, &args_reading(args, None), &args.out);
+            return crate::tokenizer::build_tokenizer(spec, &args.data, &args_reading(args, None), &args.out);
         }
     };
     let tok = checkpoint::load_tokenizer(&dir, usize::MAX)?;
     if let Some(spec) = &args.tokenizer {
-        let given = build_tokenizer(spec, &args.data, &args_reading(args, saved), &args.out)?;
+        let given = crate::tokenizer::build_tokenizer(spec, &args.data, &args_reading(args, saved), &args.out)?;
         if given.inner().to_string(false).ok() != tok.inner().to_string(false).ok() {
             bail!("--tokenizer {spec} differs from the tokenizer of {what}");
         }
@@ -389,89 +384,12 @@ fn load_weights(dir: &Path, vars: &[(String, Var)], device: &Device) -> Result<(
     Ok(())
 }
 
-/// Mean loss over `run.eval_iters` batches of each split, drawn for `step`, the batches spread
-/// over `threads` threads (summed in batch order, so the result does not depend on them).
-fn estimate_loss(
-    model: &Gpt,
-    data: &Dataset,
-    run: &RunConfig,
-    step: usize,
-    device: &Device,
-    threads: usize,
-) -> Result<(f64, f64)> {
-    let batch_loss = |tokens: &Tokens, stream: u64, i: usize| -> Result<f64> {
-        let mut rng = data::batch_rng(run.seed, step, stream + i as u64);
-        let (x, y) = data::get_batch(tokens, run.batch_size, run.block_size(), &mut rng, device)?;
-        Ok(loss(model, &x, &y, None, 0.0)?.to_scalar::<f32>()? as f64) // plain NLL, smoothing or not
-    };
-    let mean = |tokens: &Tokens, stream: u64| -> Result<f64> {
-        let threads = threads.clamp(1, run.eval_iters);
-        let losses = in_threads(threads, |t| -> Result<Vec<f64>> {
-            (t..run.eval_iters)
-                .step_by(threads)
-                .map(|i| batch_loss(tokens, stream, i))
-                .collect()
-        })?;
-        // Thread t holds batches t, t + threads, ...: put them back in batch order.
-        let mut ordered = vec![0.0; run.eval_iters];
-        for (t, thread_losses) in losses.into_iter().enumerate() {
-            for (k, l) in thread_losses.into_iter().enumerate() {
-                ordered[t + k * threads] = l;
-            }
-        }
-        Ok(ordered.iter().sum::<f64>() / run.eval_iters as f64)
-    };
-    Ok((mean(&data.train, EVAL_TRAIN_STREAM)?, mean(&data.val, EVAL_VAL_STREAM)?))
-}
-
-/// The tokenizer for a new run: `char`, `bpe:N`, or a path to a tokenizer.json (or to a
-/// directory holding one).
 /// How `--data` is read, from the flags, else the run being resumed, else the defaults.
 fn args_reading(args: &TrainArgs, saved: Option<&Saved>) -> data::Reading {
     let saved = saved.map(|s| s.state.run.reading()).unwrap_or_default();
     data::Reading {
         text_field: args.text_field.clone().unwrap_or(saved.text_field),
         format: args.data_format.unwrap_or(saved.format),
-    }
-}
-
-/// The tokenizer `spec` names: `char` or `bpe:N` trained on `data` (documents of JSON lines and
-/// parquet written as text under `scratch/tokens/` first), a tokenizer.json (or a directory
-/// holding one), or a Hub model's tokenizer.
-pub fn build_tokenizer(spec: &str, data: &[PathBuf], reading: &data::Reading, scratch: &Path) -> Result<Tokenizer> {
-    if spec == "char" || spec.starts_with("bpe:") {
-        if data.is_empty() {
-            bail!("no training data: pass --data FILE");
-        }
-        // Empty, non-UTF-8 and malformed files are named before tokenizer training.
-        let text = scratch.join("tokens").join("tokenizer-corpus");
-        let files = data::text_files(data, reading, &text)?;
-        let tok = match spec.strip_prefix("bpe:") {
-            None => Tokenizer::train_char(&files)?,
-            Some(n) => {
-                let n: usize = n
-                    .parse()
-                    .with_context(|| format!("--tokenizer {spec}: N must be a number"))?;
-                Tokenizer::train_bpe(&files, n)?
-            }
-        };
-        let _ = std::fs::remove_dir_all(&text);
-        return Ok(tok);
-    }
-    let path = PathBuf::from(spec);
-    if path.exists() {
-        let path = if path.is_dir() {
-            path.join(checkpoint::TOKENIZER_FILE)
-        } else {
-            path
-        };
-        return Ok(Tokenizer::from_file(&path)?);
-    }
-    match gpt::hub::HubId::parse(spec, gpt::hub::RepoKind::Model) {
-        Some(id) => Ok(checkpoint::fetch_tokenizer(&id).with_context(|| format!("--tokenizer {spec}"))?),
-        None => bail!(
-            "--tokenizer {spec}: expected char, bpe:N, the path of a tokenizer.json, or a Hub model id (not found)"
-        ),
     }
 }
 

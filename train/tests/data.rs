@@ -69,7 +69,7 @@ fn documents_from_files_and_directories_are_separated_by_end_of_text() -> anyhow
     std::fs::write(docs.join("notes.md"), "not a .txt file")?;
     let single = dir.path().join("single.txt");
     std::fs::write(&single, "A file named on its own.\n")?;
-    let found: Vec<_> = gpt_train::sources::sources(&[docs.clone(), single.clone()], Default::default())?
+    let found: Vec<_> = gpt_train::data::sources::sources(&[docs.clone(), single.clone()], Default::default())?
         .into_iter()
         .map(|s| s.path)
         .collect();
@@ -104,7 +104,7 @@ fn documents_from_files_and_directories_are_separated_by_end_of_text() -> anyhow
 
     let empty = dir.path().join("empty");
     std::fs::create_dir_all(&empty)?;
-    let err = gpt_train::sources::sources(&[empty], Default::default())
+    let err = gpt_train::data::sources::sources(&[empty], Default::default())
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();

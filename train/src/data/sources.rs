@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use gpt::hub::{HubId, RepoKind, Snapshot};
 
-use crate::token_files::{token_format, DataFormat};
+use super::token_files::{token_format, DataFormat};
 
 /// Bytes of a text file handed over at a time.
 pub const PIECE: usize = 64 << 10;
@@ -309,4 +309,21 @@ fn parquet(path: &Path, field: &str, mut f: impl FnMut(&str, bool) -> Result<()>
         bail!("{}: no rows with text in column `{field}`", path.display());
     }
     Ok(bytes)
+}
+
+/// How the text of `--data` is found in its documents.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reading {
+    /// JSON lines' field and parquet's column holding the text.
+    pub text_field: String,
+    pub format: DataFormat,
+}
+
+impl Default for Reading {
+    fn default() -> Self {
+        Self {
+            text_field: "text".into(),
+            format: DataFormat::Auto,
+        }
+    }
 }
