@@ -223,7 +223,7 @@ fn a_training_step_matches_the_cpu() {
 fn fixture_logits(ids: &[u32], dev: &Device) -> (Tensor, Tensor) {
     let (model, _) = gpt::load_dir(&repo("tests/fixtures/tiny-gpt2"), DType::F32, dev).unwrap();
     let whole = model
-        .forward(&Tensor::new(ids, dev).unwrap().unsqueeze(0).unwrap())
+        .forward(&Tensor::new(ids, dev).unwrap().unsqueeze(0).unwrap(), None)
         .unwrap()
         .squeeze(0)
         .unwrap();

@@ -45,7 +45,7 @@ use support::max_abs_diff;
 fn check_logits(model: &gpt::Gpt, what: &str) -> anyhow::Result<()> {
     for (i, case) in cases()?.iter().enumerate() {
         let idx = Tensor::new(vec![case.ids.clone()], &Device::Cpu)?;
-        let full = model.forward(&idx)?.squeeze(0)?;
+        let full = model.forward(&idx, None)?.squeeze(0)?;
         let diff = max_abs_diff(&full, &case.logits)?;
         assert!(
             diff < 1e-4,

@@ -220,16 +220,17 @@ impl Gpt {
         KvCache::new(&self.cfg)
     }
 
-    /// Logits for every position of `idx` `(B, T)` → `(B, T, V)`, no cache. `train` (`Some`
-    /// while training) switches on dropout, with masks from its key, and the differentiable paths;
-    /// use it when gradients are needed.
-    pub fn forward_t(&self, idx: &Tensor, train: Option<Dropout>) -> Result<Tensor> {
-        self.forward_recorded(idx, train, None)
+    /// The model over whole windows, no cache: logits `(B, T, V)` in f32 for every position of
+    /// `idx` `(B, T)`. `train` (`Some` while training) switches on dropout, with masks from its
+    /// key, and the differentiable paths. Training and evaluation go through [`Gpt::loss`],
+    /// which is this pass with the LM head and the cross-entropy fused.
+    pub fn forward(&self, idx: &Tensor, train: Option<Dropout>) -> Result<Tensor> {
+        Ok(self.forward_recorded(idx, train, None)?.to_dtype(DType::F32)?)
     }
 
-    /// Inference logits `(B, T, V)` in f32 and every layer's attention probabilities
-    /// `(B, n_head, T, T)` in f32 (each row sums to 1, zero above the diagonal), from the same
-    /// forward pass: what `transformers` returns with `output_attentions=True`.
+    /// [`Gpt::forward`] for inference, with every layer's attention probabilities
+    /// `(B, n_head, T, T)` in f32 (each row sums to 1, zero above the diagonal) from the same
+    /// pass: what `transformers` returns with `output_attentions=True`.
     pub fn forward_with_attentions(&self, idx: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
         let mut attentions = Vec::with_capacity(self.cfg.n_layer);
         let logits = self.forward_recorded(idx, None, Some(&mut attentions))?;
@@ -303,7 +304,7 @@ impl Gpt {
 
     /// Mean next-token cross-entropy of `(B, T)` windows `idx` against `targets` `(B, T)` (u32),
     /// with label smoothing `eps` (see [`gpt_kernels::cross_entropy`]); `train` as in
-    /// [`Gpt::forward_t`], and then differentiable. On the CPU in f32 the LM head and the loss are
+    /// [`Gpt::forward`], and then differentiable. On the CPU in f32 the LM head and the loss are
     /// one op that never holds the whole logits ([`gpt_kernels::lm_head_loss`]); elsewhere the
     /// logits, then the cross-entropy.
     pub fn loss(&self, idx: &Tensor, targets: &Tensor, train: Option<Dropout>, eps: f32) -> Result<Tensor> {
@@ -330,11 +331,6 @@ impl Gpt {
                 Ok(gpt_kernels::cross_entropy(&logits, &targets, eps)?)
             }
         }
-    }
-
-    /// Inference logits `(B, T, V)` in f32 for whole windows.
-    pub fn forward(&self, idx: &Tensor) -> Result<Tensor> {
-        Ok(self.forward_t(idx, None)?.to_dtype(DType::F32)?)
     }
 
     /// Checks one sequence's part in a step against the model's limits: no tokens, a token
@@ -464,7 +460,7 @@ impl Gpt {
         Ok(out)
     }
 
-    /// The model with the matrix products of `forward_t` under `autocast` (see [`Autocast`]).
+    /// The model with the matrix products of [`Gpt::forward`] and [`Gpt::loss`] under `autocast` (see [`Autocast`]).
     pub fn with_autocast(mut self, autocast: Autocast) -> Self {
         self.autocast = autocast;
         for block in &mut self.blocks {

@@ -1,8 +1,10 @@
 //! `gpt`: a GPT-2-style decoder-only transformer on candle.
 //!
-//! Data flow at inference: text → [`Tokenizer`] → token ids → [`Gpt::forward_step`] (with one
-//! [`KvCache`] per sequence) → logits. At training: token windows → [`Gpt::forward_t`] → logits →
-//! cross-entropy. Checkpoints are Hugging Face GPT-2 directories (`config.json`,
+//! The network's entry points are few: at inference, text → [`Tokenizer`] → token ids →
+//! [`Gpt::forward_step`] (a step of several sequences, each with its [`KvCache`]) → logits; at
+//! training and evaluation, token windows → [`Gpt::loss`] (the forward pass with the LM head and
+//! the cross-entropy fused; [`Gpt::forward`] gives the windows' logits). The rest is built on
+//! them. Checkpoints are Hugging Face GPT-2 directories (`config.json`,
 //! `model.safetensors`, `tokenizer.json`), see [`checkpoint`]. The kernels underneath (products,
 //! attention, element-wise ops, on the CPU and CUDA) are the `gpt-kernels` crate.
 

@@ -26,7 +26,7 @@ fn attentions_match_transformers_and_are_causal_distributions() -> anyhow::Resul
     let t = ids.len();
     assert_eq!(attentions.len(), model.config().n_layer);
     // The same logits as the plain forward pass.
-    let plain = model.forward(&input)?;
+    let plain = model.forward(&input, None)?;
     assert_eq!((logits - plain)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
 
     let ours = Tensor::stack(

@@ -53,7 +53,7 @@ fn save_then_load_is_bit_exact() -> anyhow::Result<()> {
         assert!(hf["eos_token"].is_null());
         let idx = batch(&[tokens(12, cfg.vocab_size, 9)])?;
         // The loaded model multiplies with the inference kernel (another summation order).
-        let diff = max_abs_diff(&model.forward(&idx)?, &loaded.forward(&idx)?)?;
+        let diff = max_abs_diff(&model.forward(&idx, None)?, &loaded.forward(&idx, None)?)?;
         assert!(diff < 1e-5, "{diff}");
         // No temporary files are left behind.
         let leftovers: Vec<_> = std::fs::read_dir(dir.path())?
@@ -84,7 +84,7 @@ fn bias_free_models_save_zero_biases_and_load_back() -> anyhow::Result<()> {
         }
     }
     let idx = batch(&[tokens(12, cfg.vocab_size, 9)])?;
-    let diff = max_abs_diff(&model.forward(&idx)?, &loaded.forward(&idx)?)?;
+    let diff = max_abs_diff(&model.forward(&idx, None)?, &loaded.forward(&idx, None)?)?;
     assert!(diff < 1e-5, "{diff}");
     Ok(())
 }

@@ -24,8 +24,8 @@ fn changing_later_tokens_leaves_earlier_logits_unchanged() -> anyhow::Result<()>
         for (i, id) in b.iter_mut().enumerate().skip(t + 1) {
             *id = (*id + 1 + i as u32) % cfg.vocab_size as u32;
         }
-        let la = model.forward(&batch(&[a])?)?;
-        let lb = model.forward(&batch(&[b])?)?;
+        let la = model.forward(&batch(&[a])?, None)?;
+        let lb = model.forward(&batch(&[b])?, None)?;
         let prefix = max_abs_diff(&la.i((.., ..=t, ..))?, &lb.i((.., ..=t, ..))?)?;
         assert_eq!(prefix, 0.0, "{pe:?}: logits at positions <= {t} changed");
         // The check has teeth: later positions do change.
@@ -44,7 +44,7 @@ fn prefill_then_decode_matches_full_forward() -> anyhow::Result<()> {
     };
     let (_vm, model) = random_model(&cfg)?;
     let ids = tokens(90, cfg.vocab_size, 7);
-    let full = model.forward(&batch(std::slice::from_ref(&ids))?)?.squeeze(0)?; // (T, V)
+    let full = model.forward(&batch(std::slice::from_ref(&ids))?, None)?.squeeze(0)?; // (T, V)
 
     let mut cache = model.new_cache();
     let prompt = 17;
@@ -93,7 +93,7 @@ fn forked_caches_continue_independently_and_truncate_undoes_steps() -> anyhow::R
     let lb = step(&mut second, &b)?;
     for (ids, logits) in [(&a, &la), (&b, &lb)] {
         let whole: Vec<u32> = prompt.iter().chain(ids.iter()).copied().collect();
-        let full = model.forward(&batch(&[whole])?)?.squeeze(0)?;
+        let full = model.forward(&batch(&[whole])?, None)?.squeeze(0)?;
         let diff = max_abs_diff(logits, &full.narrow(0, prompt.len(), ids.len())?)?;
         assert!(diff < 1e-4, "fork: diff {diff}");
     }
@@ -175,8 +175,8 @@ fn rows_are_chosen_per_sequence() -> anyhow::Result<()> {
     let hidden = model.forward_step_hidden(&mut steps, &[LogitsFor::Last, LogitsFor::All])?;
     let logits = model.logits(&hidden)?; // (1 + 9, V)
     assert_eq!(logits.dims(), [10, cfg.vocab_size]);
-    let full0 = model.forward(&batch(&[seqs[0].clone()])?)?.squeeze(0)?;
-    let full1 = model.forward(&batch(&[seqs[1].clone()])?)?.squeeze(0)?;
+    let full0 = model.forward(&batch(&[seqs[0].clone()])?, None)?.squeeze(0)?;
+    let full1 = model.forward(&batch(&[seqs[1].clone()])?, None)?.squeeze(0)?;
     assert!(max_abs_diff(&logits.i(0)?, &full0.i(5)?)? < 1e-4);
     assert!(max_abs_diff(&logits.narrow(0, 1, 9)?, &full1)? < 1e-4);
     Ok(())
@@ -215,7 +215,7 @@ fn sequences_of_different_lengths_step_together() -> anyhow::Result<()> {
     }
 
     for (s, seq) in seqs.iter().enumerate() {
-        let full = model.forward(&batch(std::slice::from_ref(seq))?)?.squeeze(0)?; // (T, V)
+        let full = model.forward(&batch(std::slice::from_ref(seq))?, None)?.squeeze(0)?; // (T, V)
         for (k, logits) in last.iter().enumerate() {
             let pos = prompt_lens[s] - 1 + k;
             let diff = max_abs_diff(&logits.i(s)?, &full.i(pos)?)?;
@@ -231,9 +231,9 @@ fn batched_windows_equal_one_at_a_time() -> anyhow::Result<()> {
     let cfg = cfg();
     let (_vm, model) = random_model(&cfg)?;
     let rows: Vec<Vec<u32>> = (0..3).map(|s| tokens(16, cfg.vocab_size, 100 + s)).collect();
-    let together = model.forward(&batch(&rows)?)?;
+    let together = model.forward(&batch(&rows)?, None)?;
     for (i, row) in rows.iter().enumerate() {
-        let alone = model.forward(&batch(std::slice::from_ref(row))?)?;
+        let alone = model.forward(&batch(std::slice::from_ref(row))?, None)?;
         assert!(max_abs_diff(&together.i(i)?, &alone.squeeze(0)?)? < 1e-5);
     }
     Ok(())
@@ -245,7 +245,7 @@ fn training_path_equals_inference_path_without_dropout() -> anyhow::Result<()> {
     let (_vm, model) = random_model(&cfg)?;
     let idx = batch(&[tokens(20, cfg.vocab_size, 3)])?;
     let train = Some(Dropout { key: 1, first_row: 0 });
-    let diff = max_abs_diff(&model.forward_t(&idx, train)?, &model.forward(&idx)?)?;
+    let diff = max_abs_diff(&model.forward(&idx, train)?, &model.forward(&idx, None)?)?;
     assert!(diff < 1e-4, "fused vs differentiable ops: {diff}");
     Ok(())
 }
@@ -262,19 +262,19 @@ fn dropout_masks_follow_their_key_and_rows_not_the_batch_split() -> anyhow::Resu
     let rows = [tokens(16, cfg.vocab_size, 4), tokens(16, cfg.vocab_size, 5)];
     let both = batch(&rows)?;
     let key = |key, first_row| Some(Dropout { key, first_row });
-    let a = model.forward_t(&both, key(7, 0))?;
+    let a = model.forward(&both, key(7, 0))?;
     assert_eq!(
-        max_abs_diff(&a, &model.forward_t(&both, key(7, 0))?)?,
+        max_abs_diff(&a, &model.forward(&both, key(7, 0))?)?,
         0.0,
         "same key, same masks"
     );
     assert!(
-        max_abs_diff(&a, &model.forward_t(&both, key(8, 0))?)? > 1e-3,
+        max_abs_diff(&a, &model.forward(&both, key(8, 0))?)? > 1e-3,
         "another key, other masks"
     );
-    assert!(max_abs_diff(&a, &model.forward(&both)?)? > 1e-3, "dropout is on");
+    assert!(max_abs_diff(&a, &model.forward(&both, None)?)? > 1e-3, "dropout is on");
     // The second row alone, as the second shard of the batch, draws the masks it had in the batch.
-    let second = model.forward_t(&batch(&rows[1..])?, key(7, 1))?;
+    let second = model.forward(&batch(&rows[1..])?, key(7, 1))?;
     assert!(max_abs_diff(&second.squeeze(0)?, &a.i(1)?)? < 1e-5);
     Ok(())
 }
@@ -285,7 +285,7 @@ fn going_past_the_context_is_an_error_and_leaves_the_cache_alone() -> anyhow::Re
     let (_vm, model) = random_model(&cfg)?;
     let too_long = batch(&[tokens(cfg.n_positions + 1, cfg.vocab_size, 1)])?;
     assert!(matches!(
-        model.forward(&too_long),
+        model.forward(&too_long, None),
         Err(Error::ContextOverflow { needed: 65, max: 64 })
     ));
 
@@ -357,7 +357,7 @@ fn half_precision_inference_stays_close_to_f32() -> anyhow::Result<()> {
     let tok = gpt::Tokenizer::train_char(&[write_corpus(dir.path())?])?;
     gpt::save_dir(dir.path(), &model, &tok, DType::F32)?;
     let ids = tokens(30, cfg.vocab_size, 5);
-    let reference = model.forward(&batch(std::slice::from_ref(&ids))?)?.squeeze(0)?;
+    let reference = model.forward(&batch(std::slice::from_ref(&ids))?, None)?.squeeze(0)?;
     // The error relative to the logits' scale, as the weights are random (each run draws new
     // ones): the largest and the root-mean-square difference. Over 40 random models on each of
     // the AVX-512, AVX2 and portable kernels the worst were 0.8% and 0.3% for f16 and 5.8% and
@@ -372,7 +372,7 @@ fn half_precision_inference_stays_close_to_f32() -> anyhow::Result<()> {
     for (dtype, max_tol, rms_tol) in [(DType::F16, 0.02, 0.008), (DType::BF16, 0.12, 0.05)] {
         let half = gpt::load_model(dir.path(), dtype, &candle_core::Device::Cpu)?;
         assert_eq!(half.dtype(), dtype);
-        let (max, rms) = relative(&half.forward(&batch(std::slice::from_ref(&ids))?)?.squeeze(0)?)?;
+        let (max, rms) = relative(&half.forward(&batch(std::slice::from_ref(&ids))?, None)?.squeeze(0)?)?;
         assert!(
             max < max_tol && rms < rms_tol,
             "{dtype:?}: relative difference max {max}, rms {rms}"

@@ -180,7 +180,7 @@ fn mean_nll(model: &Gpt, ids: &[u32], window: usize) -> anyhow::Result<f64> {
     for chunk in ids.chunks(window + 1).filter(|c| c.len() > 1) {
         let input = Tensor::new(&chunk[..chunk.len() - 1], &Device::Cpu)?.unsqueeze(0)?;
         let targets = Tensor::new(&chunk[1..], &Device::Cpu)?;
-        let log_p = candle_nn::ops::log_softmax(&model.forward(&input)?.squeeze(0)?, D::Minus1)?;
+        let log_p = candle_nn::ops::log_softmax(&model.forward(&input, None)?.squeeze(0)?, D::Minus1)?;
         let picked = log_p.gather(&targets.unsqueeze(1)?, 1)?;
         total -= picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
         count += chunk.len() - 1;
@@ -223,7 +223,7 @@ fn weight_formats_keep_the_default_models_perplexity() -> anyhow::Result<()> {
             }],
             gpt::LogitsFor::Last,
         )?;
-        let whole = model.forward(&Tensor::new(&ids[..40], &Device::Cpu)?.unsqueeze(0)?)?;
+        let whole = model.forward(&Tensor::new(&ids[..40], &Device::Cpu)?.unsqueeze(0)?, None)?;
         let diff = max_abs_diff(&step.squeeze(0)?, &whole.squeeze(0)?.get(39)?)?;
         // q8_0 quantizes every product's activations, where the two paths' attentions differ in
         // their last bits: a code can move by a step (measured 0.039 on logits up to 16.7).
@@ -252,8 +252,8 @@ fn quantized_checkpoints_load_back_exactly() -> anyhow::Result<()> {
         assert_eq!(loaded.weight_format(), Some(format));
         let in_memory = model.clone().with_weight_format(format)?;
         assert_eq!(
-            loaded.forward(&idx)?.flatten_all()?.to_vec1::<f32>()?,
-            in_memory.forward(&idx)?.flatten_all()?.to_vec1::<f32>()?,
+            loaded.forward(&idx, None)?.flatten_all()?.to_vec1::<f32>()?,
+            in_memory.forward(&idx, None)?.flatten_all()?.to_vec1::<f32>()?,
             "{format}"
         );
         // A damaged file is an error that names it.

@@ -130,7 +130,7 @@ pub fn perplexity(
                 .flat_map(|w| tokens[w.inputs.clone()].iter().copied())
                 .collect();
             let x = Tensor::from_vec(ids, (chunk.len(), len), &device)?;
-            let logits = model.forward_t(&x, None)?.to_dtype(DType::F32)?; // (b, len, V)
+            let logits = model.forward(&x, None)?; // (b, len, V), f32
             let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?; // (b, len, V)
             for (i, w) in chunk.iter().enumerate() {
                 // Input position j predicts token inputs.start + j + 1.
