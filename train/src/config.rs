@@ -27,8 +27,7 @@ pub struct TrainArgs {
     /// directory holding one), or a Hub model id whose tokenizer to use (e.g. `gpt2`).
     #[arg(long)]
     pub tokenizer: Option<String>,
-    /// The field of JSON lines, and the column of parquet files, that holds the text
-    /// [default: text].
+    /// The field of JSON lines, and the column of parquet files, that holds the text.
     #[arg(long)]
     pub text_field: Option<String>,
     /// How --data is read: auto (by file name: text, .jsonl, .parquet, and .bin token files,
@@ -39,11 +38,10 @@ pub struct TrainArgs {
     /// Validation text; by default the last --val-fraction of the training tokens.
     #[arg(long, conflicts_with = "val_fraction")]
     pub val_data: Option<PathBuf>,
-    /// Share of the training tokens held out for validation, from the end [default: 0.1].
+    /// Share of the training tokens held out for validation, from the end.
     #[arg(long)]
     pub val_fraction: Option<f64>,
-    /// auto (a CUDA GPU if this build has CUDA and one answers, else the CPU), cpu, cuda or
-    /// cuda:N [default: auto].
+    /// auto (a CUDA GPU if this build has CUDA and one answers, else the CPU), cpu, cuda or cuda:N.
     #[arg(long)]
     pub device: Option<String>,
     /// Continue the run checkpointed in --out, from its newest complete checkpoint.
@@ -54,7 +52,7 @@ pub struct TrainArgs {
     /// tokenizer, as nanoGPT's `init_from`; model flags must agree with it (--dropout may change).
     #[arg(long, conflicts_with = "resume")]
     pub init_from: Option<PathBuf>,
-    /// Complete checkpoints kept in OUT/checkpoints, the newest ones [default: 1].
+    /// Complete checkpoints kept in OUT/checkpoints, the newest ones.
     #[arg(long)]
     pub keep_last: Option<usize>,
     /// CPU threads; runs are reproducible for a given value (and --parallel) [default: all
@@ -68,7 +66,7 @@ pub struct TrainArgs {
     #[arg(long, value_enum)]
     pub parallel: Option<crate::step::Parallelism>,
     /// On a CUDA GPU, f32 matrix products in TF32 (tensor cores; PyTorch's `allow_tf32`, which
-    /// nanoGPT sets) [default: true].
+    /// nanoGPT sets).
     #[arg(long)]
     pub tf32: Option<bool>,
     /// Mixed precision, nanoGPT's `dtype`: bf16 multiplies matrices in bf16 (f32 parameters,
@@ -77,7 +75,7 @@ pub struct TrainArgs {
     pub dtype: Option<TrainDtype>,
 
     /// Model shape: tiny, shakespeare-char (nanoGPT's baby GPT) or gpt2 (GPT-2 small); the flags
-    /// below override it [default: shakespeare-char].
+    /// below override it.
     #[arg(long)]
     pub preset: Option<String>,
     /// Transformer blocks [default: the preset's; shakespeare-char 6].
@@ -105,19 +103,19 @@ pub struct TrainArgs {
     #[arg(long)]
     pub bias: Option<bool>,
 
-    /// Sequences per micro-batch [default: 64].
+    /// Sequences per micro-batch.
     #[arg(long)]
     pub batch_size: Option<usize>,
-    /// Optimisation steps in all [default: 5000].
+    /// Optimisation steps in all.
     #[arg(long)]
     pub max_iters: Option<usize>,
-    /// Peak learning rate, after warm-up [default: 0.001].
+    /// Peak learning rate, after warm-up.
     #[arg(long)]
     pub learning_rate: Option<f64>,
-    /// Learning rate at the end of the decay [default: 0.0001].
+    /// Learning rate at the end of the decay.
     #[arg(long)]
     pub min_lr: Option<f64>,
-    /// Steps of linear warm-up [default: 100].
+    /// Steps of linear warm-up.
     #[arg(long)]
     pub warmup_iters: Option<usize>,
     /// Step at which the cosine schedule reaches --min-lr [default: --max-iters].
@@ -126,37 +124,103 @@ pub struct TrainArgs {
     /// Learning-rate schedule [default: cosine].
     #[arg(long, value_enum)]
     pub lr_schedule: Option<ScheduleKind>,
-    /// AdamW's decoupled weight decay, on matrices only [default: 0.1].
+    /// AdamW's decoupled weight decay, on matrices only.
     #[arg(long)]
     pub weight_decay: Option<f64>,
-    /// AdamW's first-moment decay [default: 0.9].
+    /// AdamW's first-moment decay.
     #[arg(long)]
     pub beta1: Option<f64>,
-    /// AdamW's second-moment decay [default: 0.99].
+    /// AdamW's second-moment decay.
     #[arg(long)]
     pub beta2: Option<f64>,
-    /// Clip gradients to this global norm; 0 disables [default: 1].
+    /// Clip gradients to this global norm; 0 disables.
     #[arg(long)]
     pub grad_clip: Option<f64>,
-    /// Label smoothing ε of the training loss, as PyTorch's `cross_entropy(label_smoothing=ε)`
-    /// (the original transformer used 0.1); evaluation stays plain NLL [default: 0].
+    /// Label smoothing ε of the training loss, as PyTorch's `cross_entropy(label_smoothing=ε)` (the
+    /// original transformer used 0.1); evaluation stays plain NLL.
     #[arg(long)]
     pub label_smoothing: Option<f64>,
-    /// Micro-batches whose gradients are summed into each step [default: 1].
+    /// Micro-batches whose gradients are summed into each step.
     #[arg(long)]
     pub gradient_accumulation_steps: Option<usize>,
-    /// Steps between evaluations (each saves a checkpoint) [default: 250].
+    /// Steps between evaluations (each saves a checkpoint).
     #[arg(long)]
     pub eval_interval: Option<usize>,
-    /// Batches per split in each evaluation [default: 200].
+    /// Batches per split in each evaluation.
     #[arg(long)]
     pub eval_iters: Option<usize>,
-    /// Steps between lines in metrics.jsonl [default: 10].
+    /// Steps between lines in metrics.jsonl.
     #[arg(long)]
     pub log_interval: Option<usize>,
-    /// Seed of the initial weights, the batches and the dropout masks [default: 1337].
+    /// Seed of the initial weights, the batches and the dropout masks.
     #[arg(long)]
     pub seed: Option<u64>,
+}
+
+/// The defaults of a new run's settings, each written once: [`TrainArgs::resolve`] and the
+/// trainer apply them, and `--help` states them ([`with_stated_defaults`]). (The model's shape
+/// defaults to the preset's, in `gpt::Config::preset`.)
+pub mod defaults {
+    pub const TEXT_FIELD: &str = "text";
+    pub const VAL_FRACTION: f64 = 0.1;
+    pub const TOKENIZER: &str = "char";
+    pub const DEVICE: &str = "auto";
+    pub const KEEP_LAST: usize = 1;
+    pub const TF32: bool = true;
+    pub const PRESET: &str = "shakespeare-char";
+    pub const BATCH_SIZE: usize = 64;
+    pub const MAX_ITERS: usize = 5000;
+    pub const LEARNING_RATE: f64 = 1e-3;
+    pub const MIN_LR: f64 = 1e-4;
+    pub const WARMUP_ITERS: usize = 100;
+    pub const WEIGHT_DECAY: f64 = 0.1;
+    pub const BETA1: f64 = 0.9;
+    pub const BETA2: f64 = 0.99;
+    pub const GRAD_CLIP: f64 = 1.0;
+    pub const LABEL_SMOOTHING: f64 = 0.0;
+    pub const GRADIENT_ACCUMULATION_STEPS: usize = 1;
+    pub const EVAL_INTERVAL: usize = 250;
+    pub const EVAL_ITERS: usize = 200;
+    pub const LOG_INTERVAL: usize = 10;
+    pub const SEED: u64 = 1337;
+}
+
+/// `command` with each of [`defaults`] stated at the end of its flag's help in the `train`
+/// subcommand, as clap writes a default (`[default: 0.001]`).
+pub fn with_stated_defaults(command: clap::Command) -> clap::Command {
+    use defaults::*;
+    let stated: [(&str, String); 21] = [
+        ("text_field", TEXT_FIELD.to_string()),
+        ("val_fraction", VAL_FRACTION.to_string()),
+        ("device", DEVICE.to_string()),
+        ("keep_last", KEEP_LAST.to_string()),
+        ("tf32", TF32.to_string()),
+        ("preset", PRESET.to_string()),
+        ("batch_size", BATCH_SIZE.to_string()),
+        ("max_iters", MAX_ITERS.to_string()),
+        ("learning_rate", LEARNING_RATE.to_string()),
+        ("min_lr", MIN_LR.to_string()),
+        ("warmup_iters", WARMUP_ITERS.to_string()),
+        ("weight_decay", WEIGHT_DECAY.to_string()),
+        ("beta1", BETA1.to_string()),
+        ("beta2", BETA2.to_string()),
+        ("grad_clip", GRAD_CLIP.to_string()),
+        ("label_smoothing", LABEL_SMOOTHING.to_string()),
+        ("gradient_accumulation_steps", GRADIENT_ACCUMULATION_STEPS.to_string()),
+        ("eval_interval", EVAL_INTERVAL.to_string()),
+        ("eval_iters", EVAL_ITERS.to_string()),
+        ("log_interval", LOG_INTERVAL.to_string()),
+        ("seed", SEED.to_string()),
+    ];
+    command.mut_subcommand("train", |mut train| {
+        for (id, value) in stated {
+            train = train.mut_arg(id, |arg| {
+                let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+                arg.help(format!("{help} [default: {value}]"))
+            });
+        }
+        train
+    })
 }
 
 /// `--dtype`: the precision of training's matrix products.
@@ -217,7 +281,7 @@ pub struct RunConfig {
 }
 
 fn default_text_field() -> String {
-    "text".into()
+    defaults::TEXT_FIELD.into()
 }
 
 impl RunConfig {
@@ -309,7 +373,7 @@ impl TrainArgs {
             }
             return Ok(cfg);
         }
-        let mut cfg = Config::preset(self.preset.as_deref().unwrap_or("shakespeare-char"), Some(vocab_size))?;
+        let mut cfg = Config::preset(self.preset.as_deref().unwrap_or(defaults::PRESET), Some(vocab_size))?;
         cfg.n_layer = self.n_layer.unwrap_or(cfg.n_layer);
         cfg.n_head = self.n_head.unwrap_or(cfg.n_head);
         cfg.n_embd = self.n_embd.unwrap_or(cfg.n_embd);
@@ -349,33 +413,33 @@ impl TrainArgs {
             ([], None) => bail!("no training data: pass --data FILE"),
             (files, _) => files.to_vec(),
         };
-        let max_iters = pick!(max_iters, 5000);
+        let max_iters = pick!(max_iters, defaults::MAX_ITERS);
         let run = RunConfig {
             data,
             val_data: self.val_data.clone().or(saved.and_then(|s| s.val_data.clone())),
-            val_fraction: pick!(val_fraction, 0.1),
+            val_fraction: pick!(val_fraction, defaults::VAL_FRACTION),
             text_field: pick!(text_field, default_text_field()),
             data_format: pick!(data_format, Default::default()),
-            tokenizer: pick!(tokenizer, "char".to_string()),
-            device: pick!(device, "auto".to_string()),
-            batch_size: pick!(batch_size, 64),
+            tokenizer: pick!(tokenizer, defaults::TOKENIZER.to_string()),
+            device: pick!(device, defaults::DEVICE.to_string()),
+            batch_size: pick!(batch_size, defaults::BATCH_SIZE),
             max_iters,
-            learning_rate: pick!(learning_rate, 1e-3),
-            min_lr: pick!(min_lr, 1e-4),
-            warmup_iters: pick!(warmup_iters, 100),
+            learning_rate: pick!(learning_rate, defaults::LEARNING_RATE),
+            min_lr: pick!(min_lr, defaults::MIN_LR),
+            warmup_iters: pick!(warmup_iters, defaults::WARMUP_ITERS),
             lr_decay_iters: pick!(lr_decay_iters, max_iters),
             lr_schedule: pick!(lr_schedule, ScheduleKind::Cosine),
-            weight_decay: pick!(weight_decay, 0.1),
-            beta1: pick!(beta1, 0.9),
-            beta2: pick!(beta2, 0.99),
-            grad_clip: pick!(grad_clip, 1.0),
-            label_smoothing: pick!(label_smoothing, 0.0),
+            weight_decay: pick!(weight_decay, defaults::WEIGHT_DECAY),
+            beta1: pick!(beta1, defaults::BETA1),
+            beta2: pick!(beta2, defaults::BETA2),
+            grad_clip: pick!(grad_clip, defaults::GRAD_CLIP),
+            label_smoothing: pick!(label_smoothing, defaults::LABEL_SMOOTHING),
             init_from: self.init_from.clone().or(saved.and_then(|s| s.init_from.clone())),
-            gradient_accumulation_steps: pick!(gradient_accumulation_steps, 1),
-            eval_interval: pick!(eval_interval, 250),
-            eval_iters: pick!(eval_iters, 200),
-            log_interval: pick!(log_interval, 10),
-            seed: pick!(seed, 1337),
+            gradient_accumulation_steps: pick!(gradient_accumulation_steps, defaults::GRADIENT_ACCUMULATION_STEPS),
+            eval_interval: pick!(eval_interval, defaults::EVAL_INTERVAL),
+            eval_iters: pick!(eval_iters, defaults::EVAL_ITERS),
+            log_interval: pick!(log_interval, defaults::LOG_INTERVAL),
+            seed: pick!(seed, defaults::SEED),
             model,
         };
         run.validate()?;

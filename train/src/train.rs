@@ -94,7 +94,7 @@ impl Trainer {
             1
         };
         if device.is_cuda() {
-            candle_core::cuda::set_gemm_reduced_precision_f32(args.tf32.unwrap_or(true));
+            candle_core::cuda::set_gemm_reduced_precision_f32(args.tf32.unwrap_or(crate::config::defaults::TF32));
         }
         let varmap = VarMap::new();
         let model = Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?
@@ -134,7 +134,7 @@ impl Trainer {
             started: Instant::now(),
             elapsed_before: state.elapsed_s,
             interval_start: (Instant::now(), state.step),
-            keep_last: args.keep_last.unwrap_or(1),
+            keep_last: args.keep_last.unwrap_or(crate::config::defaults::KEEP_LAST),
             run,
             out,
             device,
