@@ -1,5 +1,9 @@
 //! With the `cuda` feature: compiles the optimizer's kernels (`src/optim/adamw.cu`) to PTX, as
-//! gpt-kernels compiles its own.
+//! gpt-kernels compiles its own. And tells the test suites what this machine can run, so that a
+//! test it cannot is reported as ignored, with the reason, rather than passing without having
+//! run: `cfg(gpt_test_root)` when the build runs as root (to mount a small tmpfs), and
+//! `cfg(gpt_test_numpy)` when `GPT_TEST_PYTHON` (CI's virtual environment) has NumPy; without
+//! `GPT_TEST_PYTHON` no Python is started.
 
 include!("../model/kernels/build_ptx.rs");
 
@@ -8,4 +12,23 @@ fn main() {
         &[PathBuf::from("src/optim/adamw.cu")],
         Path::new("../model/kernels/src/cuda"),
     );
+    println!("cargo::rerun-if-changed=build.rs");
+    println!("cargo::rerun-if-env-changed=GPT_TEST_PYTHON");
+    println!("cargo::rustc-check-cfg=cfg(gpt_test_root, gpt_test_numpy)");
+    let run = |program: &str, args: &[&str]| {
+        Command::new(program)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    if run("id", &["-u"]).as_deref() == Some("0") {
+        println!("cargo::rustc-cfg=gpt_test_root");
+    }
+    if let Ok(python) = std::env::var("GPT_TEST_PYTHON") {
+        if run(&python, &["-c", "import numpy"]).is_some() {
+            println!("cargo::rustc-cfg=gpt_test_numpy");
+        }
+    }
 }

@@ -6,8 +6,9 @@
 //! repository, a gated one, an unreachable Hub, offline without the files, a broken download) is
 //! an error naming the id, with nothing half-written into the cache.
 //!
-//! The Python checks need `huggingface_hub` and `transformers` (CI installs them); without them
-//! they print SKIPPED.
+//! The Python checks need `GPT_TEST_PYTHON`, a Python with `huggingface_hub`, `transformers` and
+//! `torch` (CI sets it to its virtual environment): the build script probes it, and where it is
+//! missing those tests are reported as ignored, with the reason.
 
 mod common;
 use gpt_test_support::fake_hub;
@@ -103,15 +104,20 @@ async fn serve_offline(hub: &fake_hub::FakeHub, cache_dir: &str) -> anyhow::Resu
     served
 }
 
+/// The Python the build script found the packages in (`GPT_TEST_PYTHON`).
 fn python() -> String {
     std::env::var("GPT_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
-fn python_has(module: &str) -> bool {
-    Command::new(python())
-        .args(["-c", &format!("import {module}")])
-        .output()
-        .is_ok_and(|o| o.status.success())
+/// gpt-server started on `org/tiny-gpt2` from `hub`, downloading into the Hub cache `cache_dir`:
+/// the model id it serves and its greedy text.
+async fn serve_from_hub(hub: &FakeHub, cache_dir: &str) -> anyhow::Result<(String, String)> {
+    let env = [("HF_ENDPOINT", hub.url.as_str()), ("HF_HUB_CACHE", cache_dir)];
+    let (mut child, base) = spawn("org/tiny-gpt2", &env).map_err(anyhow::Error::msg)?;
+    let served = models_and_completion(&base).await;
+    child.kill()?;
+    child.wait()?;
+    served
 }
 
 #[tokio::test]
@@ -119,11 +125,7 @@ async fn a_hub_id_is_downloaded_served_under_its_id_and_then_found_offline() -> 
     let hub = FakeHub::start(vec![tiny_repo("org/tiny-gpt2")]);
     let cache = tempfile::tempdir()?;
     let cache_dir = cache.path().to_str().unwrap_or_default();
-    let env = [("HF_ENDPOINT", hub.url.as_str()), ("HF_HUB_CACHE", cache_dir)];
-    let (mut child, base) = spawn("org/tiny-gpt2", &env).map_err(anyhow::Error::msg)?;
-    let (id, text) = models_and_completion(&base).await?;
-    child.kill()?;
-    child.wait()?;
+    let (id, text) = serve_from_hub(&hub, cache_dir).await?;
     assert_eq!(id, "org/tiny-gpt2");
     assert_eq!(text, fake_hub_reference()?);
     // The cache's layout is huggingface_hub's: the ref, the snapshot's links, the blobs.
@@ -138,12 +140,20 @@ async fn a_hub_id_is_downloaded_served_under_its_id_and_then_found_offline() -> 
     // Offline: no request reaches the Hub, and the same model is served.
     let (id, again) = serve_offline(&hub, cache_dir).await?;
     assert_eq!((id.as_str(), again.as_str()), ("org/tiny-gpt2", text.as_str()));
+    Ok(())
+}
 
-    // transformers reads the cache gpt-rs filled, offline.
-    if !(python_has("transformers") && python_has("torch")) {
-        println!("SKIPPED: transformers and torch are not installed for {}", python());
-        return Ok(());
-    }
+/// `transformers` reads the cache gpt-rs filled, offline, and writes the same greedy text.
+#[tokio::test]
+#[cfg_attr(
+    not(gpt_test_transformers),
+    ignore = "needs GPT_TEST_PYTHON, a Python with transformers and torch"
+)]
+async fn a_cache_filled_by_gpt_rs_loads_in_transformers_offline() -> anyhow::Result<()> {
+    let hub = FakeHub::start(vec![tiny_repo("org/tiny-gpt2")]);
+    let cache = tempfile::tempdir()?;
+    let cache_dir = cache.path().to_str().unwrap_or_default();
+    let (_, text) = serve_from_hub(&hub, cache_dir).await?;
     let script = r#"
 import sys, json, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -171,11 +181,11 @@ fn fake_hub_reference() -> anyhow::Result<String> {
 }
 
 #[tokio::test]
+#[cfg_attr(
+    not(gpt_test_hf_hub),
+    ignore = "needs GPT_TEST_PYTHON, a Python with huggingface_hub"
+)]
 async fn a_cache_filled_by_huggingface_hub_is_served_offline() -> anyhow::Result<()> {
-    if !python_has("huggingface_hub") {
-        println!("SKIPPED: huggingface_hub is not installed");
-        return Ok(());
-    }
     let hub = FakeHub::start(vec![tiny_repo("org/tiny-gpt2")]);
     let cache = tempfile::tempdir()?;
     let cache_dir = cache.path().to_str().unwrap_or_default();

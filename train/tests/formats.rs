@@ -170,46 +170,66 @@ fn an_llmc_shard_evaluates_to_the_perplexity_of_its_text() -> anyhow::Result<()>
     Ok(())
 }
 
-fn python_numpy() -> bool {
-    Command::new("python3")
-        .args(["-c", "import numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success())
+/// The Python with NumPy the build script found (`GPT_TEST_PYTHON`).
+fn python() -> String {
+    std::env::var("GPT_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
-#[test]
-fn prepared_token_files_read_back_with_numpy_and_train_here() -> anyhow::Result<()> {
-    let tmp = tempfile::tempdir()?;
+/// A corpus with its character tokenizer, its ids and the validation split's length, in `tmp`.
+struct Corpus {
+    text: PathBuf,
+    tok: gpt::Tokenizer,
+    ids: Vec<u32>,
+    n_val: usize,
+}
+
+fn corpus(tmp: &Path) -> anyhow::Result<Corpus> {
     let corpus = support::shakespeare(20_000)?;
-    let text = tmp.path().join("corpus.txt");
+    let text = tmp.join("corpus.txt");
     std::fs::write(&text, &corpus)?;
     let tok = gpt::Tokenizer::train_char(std::slice::from_ref(&text))?;
     let ids = tok.encode(&corpus)?;
     let n_val = (ids.len() as f64 * 0.1).round() as usize;
+    Ok(Corpus { text, tok, ids, n_val })
+}
+
+/// `gpt-train prepare --format format` on the corpus: the output directory and its train and
+/// val files.
+fn prepare(tmp: &Path, c: &Corpus, format: &str) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
+    let text = &c.text;
+    let out = tmp.join(format);
+    let result = gpt_train(
+        &[
+            "prepare",
+            "--format",
+            format,
+            "--tokenizer",
+            "char",
+            "--data",
+            text.to_str().unwrap_or_default(),
+            "--out",
+            out.to_str().unwrap_or_default(),
+        ],
+        &[],
+    )?;
+    assert!(result.status.success(), "{}", stderr(&result));
+    let (train, val) = match format {
+        "llmc" => (out.join("train_000000.bin"), out.join("val_000000.bin")),
+        _ => (out.join("train.bin"), out.join("val.bin")),
+    };
+    Ok((out, train, val))
+}
+
+#[test]
+#[cfg_attr(not(gpt_test_numpy), ignore = "needs GPT_TEST_PYTHON, a Python with NumPy")]
+fn prepared_token_files_read_back_with_numpy() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let c = corpus(tmp.path())?;
+    let (tok, ids, n_val) = (&c.tok, &c.ids, c.n_val);
     for format in ["llmc", "nanogpt"] {
-        let out = tmp.path().join(format);
-        let result = gpt_train(
-            &[
-                "prepare",
-                "--format",
-                format,
-                "--tokenizer",
-                "char",
-                "--data",
-                text.to_str().unwrap_or_default(),
-                "--out",
-                out.to_str().unwrap_or_default(),
-            ],
-            &[],
-        )?;
-        assert!(result.status.success(), "{}", stderr(&result));
-        let (train, val) = match format {
-            "llmc" => (out.join("train_000000.bin"), out.join("val_000000.bin")),
-            _ => (out.join("train.bin"), out.join("val.bin")),
-        };
+        let (out, train, val) = prepare(tmp.path(), &c, format)?;
         // What NumPy reads, in llm.c's layout (header, uint16) or nanoGPT's (uint16 only).
-        if python_numpy() {
-            let script = r#"
+        let script = r#"
 import sys, json, pickle, numpy as np
 fmt, train, val, meta = sys.argv[1:5]
 def read(path):
@@ -230,33 +250,41 @@ if fmt == "nanogpt":
     out["vocab_size"] = m["vocab_size"]
 print(json.dumps(out))
 "#;
-            let read = Command::new("python3")
-                .args(["-c", script, format])
-                .args([&train, &val, &out.join("meta.pkl")])
-                .output()?;
-            assert!(
-                read.status.success(),
-                "{format}: {}",
-                String::from_utf8_lossy(&read.stderr)
-            );
-            let read: serde_json::Value = serde_json::from_slice(&read.stdout)?;
-            let as_ids = |v: &serde_json::Value| -> Vec<u32> {
-                v.as_array()
-                    .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
-                    .unwrap_or_default()
-            };
-            assert_eq!(
-                as_ids(&read["train"]),
-                ids[..ids.len() - n_val].to_vec(),
-                "{format} train"
-            );
-            assert_eq!(as_ids(&read["val"]), ids[ids.len() - n_val..].to_vec(), "{format} val");
-            if format == "nanogpt" {
-                assert_eq!(read["vocab_size"], tok.vocab_size());
-            }
-        } else {
-            println!("SKIPPED the NumPy reading: numpy is not installed");
+        let read = Command::new(python())
+            .args(["-c", script, format])
+            .args([&train, &val, &out.join("meta.pkl")])
+            .output()?;
+        assert!(
+            read.status.success(),
+            "{format}: {}",
+            String::from_utf8_lossy(&read.stderr)
+        );
+        let read: serde_json::Value = serde_json::from_slice(&read.stdout)?;
+        let as_ids = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array()
+                .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
+                .unwrap_or_default()
+        };
+        assert_eq!(
+            as_ids(&read["train"]),
+            ids[..ids.len() - n_val].to_vec(),
+            "{format} train"
+        );
+        assert_eq!(as_ids(&read["val"]), ids[ids.len() - n_val..].to_vec(), "{format} val");
+        if format == "nanogpt" {
+            assert_eq!(read["vocab_size"], tok.vocab_size());
         }
+    }
+    Ok(())
+}
+
+#[test]
+fn prepared_token_files_train_here_as_their_text_does() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let c = corpus(tmp.path())?;
+    let text = &c.text;
+    for format in ["llmc", "nanogpt"] {
+        let (out, train, val) = prepare(tmp.path(), &c, format)?;
         // And they train here, with the tokenizer written beside them, as the text does.
         let run = tmp.path().join(format!("{format}-run"));
         let tokenizer = out.join("tokenizer.json");
