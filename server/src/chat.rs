@@ -178,20 +178,13 @@ pub fn echoed(req: &ChatCompletionRequest) -> Option<String> {
 
 /// The completion request that generates the assistant's turn for `req`, whose messages the
 /// template rendered to `prompt`. `max_tokens_cap` is the default length (generation also ends at
-/// the context).
+/// the context). Its own parameters were validated first ([`crate::validation::validate_chat`]).
 pub fn completion_request(
     mut req: ChatCompletionRequest,
     prompt: String,
     template_stop: &[String],
     max_tokens_cap: usize,
 ) -> Result<CompletionRequest, ApiError> {
-    // The older name is checked even where `max_completion_tokens` wins.
-    if let (Some(_), Some(v)) = (req.max_completion_tokens, req.max_tokens) {
-        if !(0..=max_tokens_cap as i64).contains(&v) {
-            let msg = format!("max_tokens must be between 0 and {max_tokens_cap}, got {v}");
-            return Err(ApiError::invalid("max_tokens", msg));
-        }
-    }
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (true, top) => Some(top.unwrap_or(0)),
         (false, Some(_)) => {

@@ -5,7 +5,7 @@
 
 use gpt::{SamplingParams, Tokenizer};
 
-use crate::api::{CompletionRequest, Prompt, Stop};
+use crate::api::{ChatCompletionRequest, CompletionRequest, Prompt, Stop};
 use crate::engine::{ValidPrompt, ValidRequest};
 use crate::error::ApiError;
 
@@ -331,6 +331,16 @@ fn prompts(
         }
     }
 }
+/// The checks of a chat request that its completion request cannot make: `max_tokens` is
+/// checked against its range even where `max_completion_tokens`, the newer name, wins. (The rest
+/// of a chat request is validated as the completion request it becomes, by [`validate`].)
+pub fn validate_chat(req: &ChatCompletionRequest, limits: &Limits) -> Result<(), ApiError> {
+    if let (Some(_), Some(max_tokens)) = (req.max_completion_tokens, req.max_tokens) {
+        limits.int(param::MAX_TOKENS, Some(max_tokens), 0)?;
+    }
+    Ok(())
+}
+
 
 pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) -> Result<ValidRequest, ApiError> {
     let beam_search = match req.use_beam_search.unwrap_or(false) {

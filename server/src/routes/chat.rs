@@ -13,7 +13,7 @@ use crate::error::ApiError;
 use crate::fold::Delta;
 use crate::respond::{collect, stream_response};
 use crate::state::{blocking, AppState, ModelRequest};
-use crate::validation::validate;
+use crate::validation::{validate, validate_chat};
 
 #[utoipa::path(
     post,
@@ -38,6 +38,7 @@ pub async fn chat_completions(
     let state2 = state.clone();
     // Rendering and tokenising are CPU work: off the async runtime.
     let valid = blocking(move || {
+        validate_chat(&request, &state2.limits)?;
         let own;
         let template = match request.chat_template.take() {
             Some(source) => {
