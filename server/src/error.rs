@@ -110,3 +110,32 @@ impl From<gpt::Error> for ApiError {
         }
     }
 }
+
+/// The error responses the endpoints document, each declared once here for the OpenAPI
+/// document (`responses(..., InvalidRequest, Unauthorized, ...)` in each route's `utoipa::path`);
+/// every body is an [`ErrorResponse`].
+pub mod responses {
+    use utoipa::IntoResponses;
+
+    use crate::api::ErrorResponse;
+
+    #[derive(IntoResponses)]
+    #[response(status = 400, description = "Invalid request")]
+    pub struct InvalidRequest(pub ErrorResponse);
+
+    #[derive(IntoResponses)]
+    #[response(status = 401, description = "Missing or wrong API key")]
+    pub struct Unauthorized(pub ErrorResponse);
+
+    #[derive(IntoResponses)]
+    #[response(status = 404, description = "Unknown model")]
+    pub struct UnknownModel(pub ErrorResponse);
+
+    #[derive(IntoResponses)]
+    #[response(status = 413, description = "Body too large")]
+    pub struct BodyTooLarge(pub ErrorResponse);
+
+    #[derive(IntoResponses)]
+    #[response(status = 503, description = "Queue full; see Retry-After")]
+    pub struct QueueFull(pub ErrorResponse);
+}

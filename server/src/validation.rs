@@ -341,7 +341,6 @@ pub fn validate_chat(req: &ChatCompletionRequest, limits: &Limits) -> Result<(),
     Ok(())
 }
 
-
 pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) -> Result<ValidRequest, ApiError> {
     let beam_search = match req.use_beam_search.unwrap_or(false) {
         true => Some(beam_search_settings(&req)? as f32),

@@ -8,7 +8,8 @@ use axum::extract::State;
 use axum::Json;
 use candle_core::{IndexOp, Tensor};
 
-use crate::api::{AttentionRequest, AttentionResponse, ErrorResponse, Prompt};
+use crate::api::{AttentionRequest, AttentionResponse, Prompt};
+use crate::error::responses::{BodyTooLarge, InvalidRequest, Unauthorized, UnknownModel};
 use crate::error::ApiError;
 use crate::state::{blocking, AppState, ModelRequest};
 
@@ -113,10 +114,10 @@ fn compute(state: &AppState, req: AttentionRequest) -> Result<AttentionResponse,
     request_body = AttentionRequest,
     responses(
         (status = 200, body = AttentionResponse),
-        (status = 400, description = "Invalid request, or a prompt over the length limit", body = ErrorResponse),
-        (status = 401, description = "Missing or wrong API key", body = ErrorResponse),
-        (status = 404, description = "Unknown model", body = ErrorResponse),
-        (status = 413, description = "Body too large", body = ErrorResponse),
+        InvalidRequest,
+        Unauthorized,
+        UnknownModel,
+        BodyTooLarge,
     )
 )]
 pub async fn attention(

@@ -9,6 +9,7 @@ use axum::Json;
 
 use crate::api::*;
 use crate::chat;
+use crate::error::responses::{BodyTooLarge, InvalidRequest, QueueFull, Unauthorized, UnknownModel};
 use crate::error::ApiError;
 use crate::fold::Delta;
 use crate::respond::{collect, stream_response};
@@ -22,11 +23,11 @@ use crate::validation::{validate, validate_chat};
     responses(
         (status = 200, description = "The chat completion, or with `stream: true` Server-Sent Events of `ChatCompletionChunk`s ending with `data: [DONE]`",
             content((ChatCompletion = "application/json"), (String = "text/event-stream"))),
-        (status = 400, description = "Invalid request", body = ErrorResponse),
-        (status = 401, description = "Missing or wrong API key", body = ErrorResponse),
-        (status = 404, description = "Unknown model", body = ErrorResponse),
-        (status = 413, description = "Body too large", body = ErrorResponse),
-        (status = 503, description = "Queue full; see Retry-After", body = ErrorResponse),
+        InvalidRequest,
+        Unauthorized,
+        UnknownModel,
+        BodyTooLarge,
+        QueueFull,
     )
 )]
 pub async fn chat_completions(

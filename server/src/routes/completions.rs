@@ -12,6 +12,7 @@ use futures_util::stream::Stream;
 use crate::api::*;
 use crate::engine::EventSource;
 use crate::engine::ValidRequest;
+use crate::error::responses::{BodyTooLarge, InvalidRequest, QueueFull, Unauthorized, UnknownModel};
 use crate::error::ApiError;
 use crate::fold::Delta;
 use crate::respond::{collect, stream_response};
@@ -25,11 +26,11 @@ use crate::validation::validate;
     responses(
         (status = 200, description = "The completion, or with `stream: true` Server-Sent Events of `Completion` chunks ending with `data: [DONE]`",
             content((Completion = "application/json"), (String = "text/event-stream"))),
-        (status = 400, description = "Invalid request", body = ErrorResponse),
-        (status = 401, description = "Missing or wrong API key", body = ErrorResponse),
-        (status = 404, description = "Unknown model", body = ErrorResponse),
-        (status = 413, description = "Body too large", body = ErrorResponse),
-        (status = 503, description = "Queue full; see Retry-After", body = ErrorResponse),
+        InvalidRequest,
+        Unauthorized,
+        UnknownModel,
+        BodyTooLarge,
+        QueueFull,
     )
 )]
 pub async fn completions(

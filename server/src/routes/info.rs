@@ -9,11 +9,12 @@ use axum::response::IntoResponse;
 use axum::Json;
 
 use crate::api::*;
+use crate::error::responses::Unauthorized;
 use crate::state::AppState;
 
 #[utoipa::path(get, path = "/v1/models", responses(
     (status = 200, body = ModelList),
-    (status = 401, description = "Missing or wrong API key", body = ErrorResponse),
+    Unauthorized,
 ))]
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
     Json(ModelList {

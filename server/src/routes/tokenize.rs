@@ -8,9 +8,8 @@ use axum::extract::State;
 use axum::Json;
 use gpt::tokenizer::END_OF_TEXT;
 
-use crate::api::{
-    DetokenizeRequest, DetokenizeResponse, ErrorResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo,
-};
+use crate::api::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo};
+use crate::error::responses::{BodyTooLarge, InvalidRequest, UnknownModel};
 use crate::error::ApiError;
 use crate::state::{blocking, AppState, ModelRequest};
 
@@ -20,9 +19,9 @@ use crate::state::{blocking, AppState, ModelRequest};
     request_body = TokenizeRequest,
     responses(
         (status = 200, body = TokenizeResponse),
-        (status = 400, description = "Invalid request", body = ErrorResponse),
-        (status = 404, description = "Unknown model", body = ErrorResponse),
-        (status = 413, description = "Body too large", body = ErrorResponse),
+        InvalidRequest,
+        UnknownModel,
+        BodyTooLarge,
     )
 )]
 pub async fn tokenize(
@@ -58,9 +57,9 @@ pub async fn tokenize(
     request_body = DetokenizeRequest,
     responses(
         (status = 200, body = DetokenizeResponse),
-        (status = 400, description = "Invalid request", body = ErrorResponse),
-        (status = 404, description = "Unknown model", body = ErrorResponse),
-        (status = 413, description = "Body too large", body = ErrorResponse),
+        InvalidRequest,
+        UnknownModel,
+        BodyTooLarge,
     )
 )]
 pub async fn detokenize(
