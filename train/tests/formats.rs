@@ -9,10 +9,12 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+
 use gpt_test_support as support;
 use gpt_test_support::fake_hub;
 
-const BIN: &str = env!("CARGO_BIN_EXE_gpt-train");
+use common::{stderr, BIN};
 
 fn docs() -> PathBuf {
     support::repo("tests/fixtures/docs")
@@ -27,34 +29,20 @@ fn gpt_train(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Output> {
     Ok(command.output()?)
 }
 
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 /// Six steps of a tiny model on `data` (with a character vocabulary), its training losses.
 fn train_losses(data: &[&str], out: &Path, env: &[(&str, &str)]) -> anyhow::Result<Vec<f64>> {
-    let mut args = vec!["train", "--out", out.to_str().unwrap_or_default(), "--data"];
-    args.extend_from_slice(data);
-    args.extend_from_slice(&[
-        "--preset",
-        "tiny",
-        "--block-size",
-        "32",
+    let settings = [
         "--batch-size",
         "4",
         "--max-iters",
         "6",
         "--eval-interval",
         "3",
-        "--eval-iters",
-        "2",
-        "--log-interval",
-        "1",
-        "--device",
-        "cpu",
         "--threads",
         "1",
-    ]);
+    ];
+    let args = common::train_args_on(data, out, &settings);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let result = gpt_train(&args, env)?;
     anyhow::ensure!(result.status.success(), "{}", stderr(&result));
     let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;

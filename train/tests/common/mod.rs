@@ -54,13 +54,13 @@ pub fn train(corpus: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<Output
 /// The arguments of `gpt-train train --data corpus --out out` with the [`TINY`] settings, of
 /// which `extra` overrides any flag it repeats.
 pub fn train_args(corpus: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args = vec![
-        "train",
-        "--data",
-        corpus.to_str().unwrap_or_default(),
-        "--out",
-        out.to_str().unwrap_or_default(),
-    ];
+    train_args_on(&[corpus.to_str().unwrap_or_default()], out, extra)
+}
+
+/// [`train_args`] on several sources of `--data`.
+pub fn train_args_on(data: &[&str], out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = vec!["train", "--out", out.to_str().unwrap_or_default(), "--data"];
+    args.extend_from_slice(data);
     for pair in TINY.chunks(2) {
         if !extra.contains(&pair[0]) {
             args.extend_from_slice(pair);
