@@ -104,11 +104,6 @@ async fn serve_offline(hub: &fake_hub::FakeHub, cache_dir: &str) -> anyhow::Resu
     served
 }
 
-/// The Python the build script found the packages in (`GPT_TEST_PYTHON`).
-fn python() -> String {
-    std::env::var("GPT_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
 /// gpt-server started on `org/tiny-gpt2` from `hub`, downloading into the Hub cache `cache_dir`:
 /// the model id it serves and its greedy text.
 async fn serve_from_hub(hub: &FakeHub, cache_dir: &str) -> anyhow::Result<(String, String)> {
@@ -164,7 +159,7 @@ with torch.no_grad():
     out = model.generate(ids, max_new_tokens=5, do_sample=False)
 print(json.dumps(tok.decode(out[0][ids.shape[1]:])))
 "#;
-    let out = Command::new(python())
+    let out = Command::new(gpt_test_support::python())
         .args(["-c", script, cache_dir])
         .env("HF_HUB_OFFLINE", "1")
         .env("HF_ENDPOINT", "http://127.0.0.1:9")
@@ -189,7 +184,7 @@ async fn a_cache_filled_by_huggingface_hub_is_served_offline() -> anyhow::Result
     let hub = FakeHub::start(vec![tiny_repo("org/tiny-gpt2")]);
     let cache = tempfile::tempdir()?;
     let cache_dir = cache.path().to_str().unwrap_or_default();
-    let out = Command::new(python())
+    let out = Command::new(gpt_test_support::python())
         .args([
             "-c",
             "import sys; from huggingface_hub import snapshot_download; print(snapshot_download('org/tiny-gpt2', \

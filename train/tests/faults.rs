@@ -248,9 +248,8 @@ fn a_second_ctrl_c_during_a_save_lets_it_finish() -> anyhow::Result<()> {
     assert_eq!(leftovers, 0, "a half-written checkpoint is left");
     let step = state["step"].as_u64().unwrap_or(0);
     let mut resume = args(&corpus, &out_str, "0");
-    let end = (step + 2).to_string();
     let last = resume.len() - 1;
-    resume[last] = end.clone();
+    resume[last] = (step + 2).to_string();
     resume.push("--resume".into());
     let resumed = run(&resume)?;
     assert!(resumed.status.success(), "{}", stderr(&resumed));

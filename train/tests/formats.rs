@@ -158,11 +158,6 @@ fn an_llmc_shard_evaluates_to_the_perplexity_of_its_text() -> anyhow::Result<()>
     Ok(())
 }
 
-/// The Python with NumPy the build script found (`GPT_TEST_PYTHON`).
-fn python() -> String {
-    std::env::var("GPT_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
 /// A corpus with its character tokenizer, its ids and the validation split's length, in `tmp`.
 struct Corpus {
     text: PathBuf,
@@ -238,7 +233,7 @@ if fmt == "nanogpt":
     out["vocab_size"] = m["vocab_size"]
 print(json.dumps(out))
 "#;
-        let read = Command::new(python())
+        let read = Command::new(support::python())
             .args(["-c", script, format])
             .args([&train, &val, &out.join("meta.pkl")])
             .output()?;

@@ -30,3 +30,9 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
     let b = b.to_device(a.device())?;
     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
 }
+
+/// The Python the tests that need its packages run (`GPT_TEST_PYTHON`, which the build scripts
+/// probe), else `python3`.
+pub fn python() -> String {
+    std::env::var("GPT_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
+}
