@@ -23,6 +23,15 @@ fn main() {
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
+    // The commit the binary is built from, which the ranks of a job compare (see
+    // distributed::agree::code_version).
+    let revision = run("git", &["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "no git revision".into());
+    println!("cargo::rustc-env=GPT_TRAIN_REVISION={revision}");
+    for watched in ["../.git/HEAD", "../.git/refs/heads", "../.git/packed-refs"] {
+        if Path::new(watched).exists() {
+            println!("cargo::rerun-if-changed={watched}");
+        }
+    }
     if run("id", &["-u"]).as_deref() == Some("0") {
         println!("cargo::rustc-cfg=gpt_test_root");
     }

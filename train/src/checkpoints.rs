@@ -43,6 +43,13 @@ pub struct TrainerState {
     /// before they were recorded: not checked.)
     #[serde(default)]
     pub checksums: std::collections::BTreeMap<String, String>,
+    /// The number of ranks that trained the run up to this step (1 before it was recorded).
+    #[serde(default = "one_rank")]
+    pub world_size: usize,
+}
+
+fn one_rank() -> usize {
+    1
 }
 
 impl TrainerState {
@@ -56,6 +63,7 @@ impl TrainerState {
             elapsed_s: 0.0,
             run: run.clone(),
             checksums: Default::default(),
+            world_size: 1,
         }
     }
 }

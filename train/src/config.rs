@@ -55,8 +55,13 @@ pub struct TrainArgs {
     /// Complete checkpoints kept in OUT/checkpoints, the newest ones.
     #[arg(long)]
     pub keep_last: Option<usize>,
-    /// CPU threads; runs are reproducible for a given value (and --parallel) [default: all
-    /// cores].
+    /// In a job of several ranks (`mpirun -np N`), compare every rank's parameters with rank 0's
+    /// every this many steps; 0: only at the start and at each evaluation, before its
+    /// checkpoint is saved.
+    #[arg(long, default_value_t = 0)]
+    pub check_replicas_every: usize,
+    /// CPU threads (per rank in a job of several); runs are reproducible for a given value (and
+    /// --parallel) [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
     /// How the CPU threads share a step: shards (each trains its own rows of the batch, with its

@@ -17,6 +17,7 @@ use serde::Serialize;
 
 use crate::config::RunConfig;
 use crate::data::{self, Dataset, Tokens};
+use crate::distributed::World;
 use crate::step::{in_threads, loss};
 
 /// Random streams of `data::batch_rng`: training micro-batches use their index; evaluation
@@ -25,7 +26,8 @@ const EVAL_TRAIN_STREAM: u64 = 1 << 32;
 const EVAL_VAL_STREAM: u64 = 2 << 32;
 
 /// Mean loss over `run.eval_iters` batches of each split, drawn for `step`, the batches spread
-/// over `threads` threads (summed in batch order, so the result does not depend on them).
+/// over the job's ranks (batch i on rank i mod N) and each rank's over `threads` threads, then
+/// summed in batch order: the result does not depend on either.
 pub fn estimate_loss(
     model: &Gpt,
     data: &Dataset,
@@ -33,6 +35,7 @@ pub fn estimate_loss(
     step: usize,
     device: &Device,
     threads: usize,
+    world: &World,
 ) -> Result<(f64, f64)> {
     let batch_loss = |tokens: &Tokens, stream: u64, i: usize| -> Result<f64> {
         let mut rng = data::batch_rng(run.seed, step, stream + i as u64);
@@ -40,20 +43,21 @@ pub fn estimate_loss(
         Ok(loss(model, &x, &y, None, 0.0)?.to_scalar::<f32>()? as f64) // plain NLL, smoothing or not
     };
     let mean = |tokens: &Tokens, stream: u64| -> Result<f64> {
-        let threads = threads.clamp(1, run.eval_iters);
-        let losses = in_threads(threads, |t| -> Result<Vec<f64>> {
-            (t..run.eval_iters)
+        let mine: Vec<usize> = (world.rank()..run.eval_iters).step_by(world.size()).collect();
+        let threads = threads.clamp(1, mine.len().max(1));
+        let losses = in_threads(threads, |t| -> Result<Vec<(usize, f64)>> {
+            mine.iter()
+                .skip(t)
                 .step_by(threads)
-                .map(|i| batch_loss(tokens, stream, i))
+                .map(|&i| Ok((i, batch_loss(tokens, stream, i)?)))
                 .collect()
         })?;
-        // Thread t holds batches t, t + threads, ...: put them back in batch order.
+        // Each batch's loss in its place, zero elsewhere: the sum over ranks puts every one back.
         let mut ordered = vec![0.0; run.eval_iters];
-        for (t, thread_losses) in losses.into_iter().enumerate() {
-            for (k, l) in thread_losses.into_iter().enumerate() {
-                ordered[t + k * threads] = l;
-            }
+        for (i, l) in losses.into_iter().flatten() {
+            ordered[i] = l;
         }
+        world.sum_f64(&mut ordered);
         Ok(ordered.iter().sum::<f64>() / run.eval_iters as f64)
     };
     Ok((mean(&data.train, EVAL_TRAIN_STREAM)?, mean(&data.val, EVAL_VAL_STREAM)?))

@@ -5,6 +5,7 @@ pub mod average;
 pub mod checkpoints;
 pub mod config;
 pub mod data;
+pub mod distributed;
 pub mod eval;
 pub mod init;
 pub mod metrics;

@@ -271,6 +271,8 @@ fn tokenizer(args: TokenizerArgs) -> Result<()> {
 
 fn train(args: &TrainArgs) -> Result<()> {
     gpt_train::step::use_shard_parallelism();
+    let world = gpt_train::distributed::World::init()?;
+    let root = world.is_root(); // only rank 0 of a job speaks
     let stop = Arc::new(AtomicBool::new(false));
     // Set by a second Ctrl-C: the run ends with 130 even when the save it waited for was the last
     // thing the run had to do (the main thread may then finish before the handler exits).
@@ -278,7 +280,9 @@ fn train(args: &TrainArgs) -> Result<()> {
     let flag = stop.clone();
     ctrlc::set_handler(move || {
         if !flag.swap(true, Ordering::SeqCst) {
-            eprintln!("stopping after this step (Ctrl-C again to quit without saving)");
+            if root {
+                eprintln!("stopping after this step (Ctrl-C again to quit without saving)");
+            }
             return;
         }
         QUIT.store(true, Ordering::SeqCst);
@@ -293,7 +297,11 @@ fn train(args: &TrainArgs) -> Result<()> {
         std::process::exit(130);
     })
     .context("installing the Ctrl-C handler")?;
-    let summary = gpt_train::train::train(args, &stop)?;
+    let summary = match gpt_train::train::train(args, &stop, &world) {
+        Ok(summary) => summary,
+        Err(e) if world.size() > 1 => end_job(world, e),
+        Err(e) => return Err(e),
+    };
     if QUIT.load(Ordering::SeqCst) {
         std::process::exit(130);
     }
@@ -301,6 +309,24 @@ fn train(args: &TrainArgs) -> Result<()> {
         bail!("no evaluation was run");
     }
     Ok(())
+}
+
+/// Ends a job of several ranks on this rank's error `e`. An error every rank reached alike (a
+/// [`JobError`](gpt_train::distributed::agree::JobError)) is printed once, by rank 0, and every
+/// rank exits; any other stops the whole job at once (MPI's abort), named by its rank, since the
+/// others would wait for this one forever.
+fn end_job(world: gpt_train::distributed::World, e: anyhow::Error) -> ! {
+    if e.downcast_ref::<gpt_train::distributed::agree::JobError>().is_some() {
+        if world.is_root() {
+            eprintln!("Error: {e:?}");
+        }
+        // The others wait until it is printed: the launcher ends the job at the first rank to exit.
+        world.barrier();
+        drop(world); // every rank is here: MPI finalises
+        std::process::exit(1);
+    }
+    eprintln!("Error: rank {} of {}: {e:?}", world.rank(), world.size());
+    world.abort(1)
 }
 
 fn export(args: ExportArgs) -> Result<()> {

@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Event {
     /// "train" (a logged step) or "eval".
     pub event: String,
@@ -24,6 +24,16 @@ pub struct Event {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens_per_sec: Option<f64>,
     pub elapsed_s: f64,
+    /// In a job of several ranks: its size; `tokens_per_sec` is then the whole job's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<usize>,
+    /// In a job of several ranks, each rank's seconds (in rank order) since the last logged step
+    /// spent summing gradients once all ranks were there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allreduce_s: Option<Vec<f64>>,
+    /// ... and waiting for the other ranks to get there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_s: Option<Vec<f64>>,
 }
 
 pub struct Metrics {
@@ -121,12 +131,21 @@ impl Metrics {
     }
 }
 
-/// A progress bar on a terminal, plain log lines elsewhere.
+/// A progress bar on a terminal, plain log lines elsewhere; nothing at all when hidden (ranks
+/// of a job other than rank 0).
 pub struct Progress {
     bar: Option<ProgressBar>,
+    hidden: bool,
 }
 
 impl Progress {
+    pub fn hidden() -> Self {
+        Self {
+            bar: None,
+            hidden: true,
+        }
+    }
+
     pub fn new(start: usize, total: usize) -> Self {
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(total as u64).with_position(start as u64);
@@ -136,17 +155,18 @@ impl Progress {
             bar.set_style(style);
             bar
         });
-        Self { bar }
+        Self { bar, hidden: false }
     }
 
-    pub fn step(&self, step: usize, loss: f64, lr: f64, tokens_per_sec: f64, log_line: bool) {
-        let msg = format!("loss {loss:.4} lr {lr:.2e} {:.1}k tok/s", tokens_per_sec / 1e3);
+    /// The step's figures, and `more` after them.
+    pub fn step(&self, step: usize, loss: f64, lr: f64, tokens_per_sec: f64, more: &str, log_line: bool) {
+        let msg = format!("loss {loss:.4} lr {lr:.2e} {:.1}k tok/s{more}", tokens_per_sec / 1e3);
         match &self.bar {
             Some(bar) => {
                 bar.set_position(step as u64);
                 bar.set_message(msg);
             }
-            None if log_line => eprintln!("step {step}: {msg}"),
+            None if log_line && !self.hidden => eprintln!("step {step}: {msg}"),
             None => {}
         }
     }
@@ -155,7 +175,8 @@ impl Progress {
     pub fn println(&self, line: &str) {
         match &self.bar {
             Some(bar) => bar.println(line),
-            None => eprintln!("{line}"),
+            None if !self.hidden => eprintln!("{line}"),
+            None => {}
         }
     }
 

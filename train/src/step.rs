@@ -1,7 +1,7 @@
 //! One optimisation step's loss and gradients: next-token cross-entropy over `(B, T)` windows,
 //! backward, and gradient accumulation over micro-batches, data-parallel over CPU threads.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle_core::{Tensor, Var};
 use gpt::{Dropout, Gpt};
 
@@ -10,8 +10,27 @@ use gpt::{Dropout, Gpt};
 pub struct Objective {
     /// Label smoothing ε of the cross-entropy (0: plain negative log-likelihood).
     pub label_smoothing: f32,
-    /// The step's dropout key: micro-batch m's masks are keyed by `(dropout_key, m)`.
+    /// The step's dropout key: micro-batch m's masks are keyed by `(dropout_key, m)` and the
+    /// row's place in the whole micro-batch, so they do not depend on how rows are shared out.
     pub dropout_key: u64,
+    /// The rows of each micro-batch this process trains.
+    pub share: RowShare,
+}
+
+/// Which of the equal blocks of every micro-batch's rows a rank of a data-parallel job trains
+/// (block `rank` of `ranks`); the gradients it returns are its block's part of the whole
+/// batch's mean, so summing them over the ranks gives the whole batch's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowShare {
+    pub rank: usize,
+    pub ranks: usize,
+}
+
+impl Default for RowShare {
+    /// Every row: a process training alone.
+    fn default() -> Self {
+        Self { rank: 0, ranks: 1 }
+    }
 }
 
 /// How the CPU's threads share a training step.
@@ -155,6 +174,9 @@ impl candle_core::InplaceOp2 for AddAssign {
 /// does (each micro-batch's loss divided by their count). Returns the mean loss and one gradient
 /// per variable (zeros for a variable the loss does not reach).
 ///
+/// In a data-parallel job (`objective.share`) only this rank's block of each micro-batch's rows
+/// is trained, and its shards are that block's.
+///
 /// With `shards` > 1 each micro-batch is split by rows across that many threads, each running
 /// forward and backward on its part (data parallelism: on a few CPU cores this beats spreading
 /// every small matmul over them). Shard gradients are weighted by their share of the rows and
@@ -171,12 +193,17 @@ pub fn accumulate_grads(
 ) -> Result<(f64, Vec<Tensor>)> {
     // Every (micro-batch, shard) piece with its weight in the mean.
     let mut pieces = Vec::new();
+    let RowShare { rank, ranks } = objective.share;
     for (micro, (x, y)) in batches.iter().enumerate() {
         let rows = x.dim(0)?;
-        let n_shards = shards.clamp(1, rows.max(1));
-        let mut start = 0;
+        if ranks == 0 || rank >= ranks || !rows.is_multiple_of(ranks) {
+            bail!("a batch of {rows} rows does not divide among {ranks} ranks");
+        }
+        let block = rows / ranks;
+        let n_shards = shards.clamp(1, block.max(1));
+        let mut start = rank * block;
         for s in 0..n_shards {
-            let len = rows / n_shards + usize::from(s < rows % n_shards);
+            let len = block / n_shards + usize::from(s < block % n_shards);
             let weight = len as f64 / rows as f64 / batches.len() as f64;
             let dropout = Dropout {
                 key: gpt_kernels::rng::key(&[objective.dropout_key, micro as u64]),

@@ -3,6 +3,10 @@
 //! holds the run; each concern is one of its methods: setting up or resuming ([`Trainer::new`]),
 //! one optimisation step ([`Trainer::step`]), evaluation ([`Trainer::evaluate`]), saving
 //! ([`Trainer::save`]) and logging ([`Trainer::log_step`]); [`Trainer::run`] is the loop.
+//!
+//! In a data-parallel job ([`World`] of several ranks) every rank runs this loop on its share of
+//! each batch's rows, the gradients summed across ranks before the update; rank 0 alone writes
+//! (checkpoints, metrics, the progress line), and the others only read `--out`.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,10 +21,11 @@ use gpt::{Gpt, Tokenizer};
 use crate::checkpoints::{self, Saved, TrainerState};
 use crate::config::{RunConfig, TrainArgs};
 use crate::data::{self, Dataset};
+use crate::distributed::{agree, World};
 use crate::metrics::{Event, Metrics, Progress};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::schedule::Schedule;
-use crate::step::{accumulate_grads, cpu_threads, Objective};
+use crate::step::{accumulate_grads, cpu_threads, Objective, RowShare};
 
 /// The outcome of `train`.
 #[derive(Debug)]
@@ -30,13 +35,17 @@ pub struct Summary {
     pub interrupted: bool,
 }
 
-/// Runs `gpt-train train`. `stop` is set by Ctrl-C / SIGTERM: the current step finishes, a
-/// checkpoint is saved, and the run returns with `interrupted`.
-pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
-    Trainer::new(args)?.run(stop)
+/// Runs `gpt-train train` as this process's part of `world`. `stop` is set by Ctrl-C / SIGTERM
+/// (on any rank): the current step finishes, a checkpoint is saved, and the run returns with
+/// `interrupted`.
+pub fn train(args: &TrainArgs, stop: &AtomicBool, world: &World) -> Result<Summary> {
+    Trainer::new(args, world)?.run(stop)
 }
 
-pub struct Trainer {
+pub struct Trainer<'w> {
+    world: &'w World,
+    /// Compare the ranks' parameters every this many steps (0: at evaluations only).
+    check_replicas_every: usize,
     run: RunConfig,
     out: PathBuf,
     keep_last: usize,
@@ -51,7 +60,8 @@ pub struct Trainer {
     vars: Vec<Var>,
     state: TrainerState,
     schedule: Schedule,
-    metrics: Metrics,
+    /// Rank 0's; the other ranks write none.
+    metrics: Option<Metrics>,
     progress: Progress,
     /// Wall time of this process's part of the run starts here; `state.elapsed_s` adds earlier parts.
     started: Instant,
@@ -60,13 +70,17 @@ pub struct Trainer {
     interval_start: (Instant, usize),
 }
 
-impl Trainer {
+impl<'w> Trainer<'w> {
     /// A new run, or with `--resume` the newest complete checkpoint in `--out`: the checkpoint to
-    /// continue, the tokenizer and settings, the data, the model and optimizer, in that order.
-    pub fn new(args: &TrainArgs) -> Result<Self> {
+    /// continue, the tokenizer and settings, the data, the model and optimizer, in that order;
+    /// in a job of several ranks, then the checks that they all run the same job.
+    pub fn new(args: &TrainArgs, world: &'w World) -> Result<Self> {
         let out = args.out.clone();
-        let saved = saved_run(args)?;
-        check_writable(&out)?;
+        let root = world.is_root();
+        let saved = saved_run(args, root)?;
+        if root {
+            check_writable(&out)?;
+        }
         let init_from = match args.init_from.as_deref().filter(|_| saved.is_none()) {
             Some(named) => Some(
                 checkpoint::resolve(&named.to_string_lossy())
@@ -75,7 +89,7 @@ impl Trainer {
             ),
             None => None,
         };
-        let tokenizer = run_tokenizer(args, saved.as_ref(), init_from.as_deref())?;
+        let tokenizer = run_tokenizer(args, saved.as_ref(), init_from.as_deref(), &scratch_dir(args, world))?;
         let init_config = init_from
             .as_deref()
             .map(|dir| gpt::Config::from_file(&dir.join(checkpoint::CONFIG_FILE)))
@@ -85,8 +99,25 @@ impl Trainer {
             saved.as_ref().map(|s| &s.state.run),
             init_config.as_ref(),
         )?;
-        let device = gpt::parse_device(&run.device)?;
+        if !run.batch_size.is_multiple_of(world.size()) {
+            return Err(agree::JobError(format!(
+                "--batch-size {} does not divide among {} ranks: each rank trains an equal share of every \
+                 batch's rows; use a multiple of {}",
+                run.batch_size,
+                world.size(),
+                world.size()
+            ))
+            .into());
+        }
+        let device = rank_device(&run.device, world)?;
+        // Rank 0 tokenises the data into OUT/tokens first; the others then read its cache.
+        if !root {
+            world.barrier();
+        }
         let data = prepare_data(&run, &tokenizer, &out)?;
+        if root {
+            world.barrier();
+        }
         let parallel = args.parallel.unwrap_or_default().resolve(&run.model);
         let shards = if device.is_cpu() {
             parallel.use_cpu_threads(cpu_threads(args.threads))
@@ -104,9 +135,17 @@ impl Trainer {
             load_weights(dir, &named, &device)?;
         }
         let mut opt = AdamW::new(named, opt_config(&run))?;
-        let state = match saved {
+        let mut state = match saved {
             Some(saved) => {
                 checkpoints::restore(&saved, &varmap, &mut opt, &device)?;
+                if saved.state.world_size != world.size() && root {
+                    tracing::info!(
+                        saved = saved.state.world_size,
+                        now = world.size(),
+                        "resuming on another number of ranks: the same batches, rows and dropout masks; \
+                         the gradients summed in another order"
+                    );
+                }
                 TrainerState {
                     run: run.clone(),
                     ..saved.state
@@ -114,9 +153,25 @@ impl Trainer {
             }
             None => TrainerState::start(&run),
         };
+        state.world_size = world.size();
+        let tokenizer_json = tokenizer
+            .inner()
+            .to_string(false)
+            .map_err(|e| anyhow::anyhow!("the tokenizer as JSON: {e}"))?;
+        let statement: agree::Statement = vec![
+            ("code", agree::code_version()),
+            ("flags", agree::flags()),
+            ("tokenizer", agree::text_hash(&tokenizer_json)),
+            ("training data", agree::data_fingerprint(&data.train)),
+            ("validation data", agree::data_fingerprint(&data.val)),
+            ("step", state.step.to_string()),
+        ];
+        agree::same_job(world, &statement)?;
+        agree::same_parameters(world, &opt.vars(), state.step)?;
         tracing::info!(
             parameters = model.num_parameters(),
             device = gpt::device_name(&device),
+            ranks = world.size(),
             threads = cpu_threads(args.threads),
             parallel = ?parallel,
             matmul = ?model.autocast(),
@@ -126,9 +181,21 @@ impl Trainer {
             step = state.step,
             "training"
         );
+        if !root {
+            // Only rank 0 reports; the others' errors still reach stderr.
+            tracing::debug!(rank = world.rank(), "training as a rank of the job");
+        }
         Ok(Self {
-            metrics: Metrics::open(&out, args.resume.then_some(state.step))?,
-            progress: Progress::new(state.step, run.max_iters),
+            metrics: root
+                .then(|| Metrics::open(&out, args.resume.then_some(state.step)))
+                .transpose()?,
+            progress: if root {
+                Progress::new(state.step, run.max_iters)
+            } else {
+                Progress::hidden()
+            },
+            world,
+            check_replicas_every: args.check_replicas_every,
             schedule: run.schedule(),
             vars: opt.vars(),
             started: Instant::now(),
@@ -157,22 +224,30 @@ impl Trainer {
         loop {
             let step = self.state.step;
             let at_end = step >= self.run.max_iters;
-            if (step.is_multiple_of(self.run.eval_interval) || at_end) && self.state.last_eval_step != Some(step) {
+            let check_now = self.check_replicas_every > 0 && step.is_multiple_of(self.check_replicas_every);
+            let eval_now =
+                (step.is_multiple_of(self.run.eval_interval) || at_end) && self.state.last_eval_step != Some(step);
+            if check_now || eval_now {
+                agree::same_parameters(self.world, &self.vars, step)?;
+            }
+            if eval_now {
                 self.evaluate()?;
                 self.save()?;
                 self.interval_start = (Instant::now(), step); // tokens/s measures training alone
+                self.world.take_comm_time(); // and so does the time in collectives
             }
             if at_end {
                 break;
             }
-            if stop.load(Ordering::SeqCst) {
+            // Every rank stops at the same step, however the signal reached them.
+            if self.world.any(stop.load(Ordering::SeqCst)) {
                 self.save()?;
                 self.progress.finish();
-                eprintln!(
+                self.progress.println(&format!(
                     "interrupted: checkpoint saved at step {step} in {}; continue with: gpt-train train --out {} --resume",
                     self.out.display(),
                     self.out.display()
-                );
+                ));
                 return Ok(self.summary(true));
             }
             let lr = self.schedule.lr(step);
@@ -180,7 +255,7 @@ impl Trainer {
             self.log_step(train_loss, lr)?;
         }
         self.progress.finish();
-        if let Some(best) = self.state.best_val_loss {
+        if let Some(best) = self.state.best_val_loss.filter(|_| self.world.is_root()) {
             println!(
                 "done: {} steps in {:.1}s; best val loss {best:.4} (perplexity {:.2}), saved in {}",
                 self.state.step,
@@ -219,8 +294,16 @@ impl Trainer {
         let objective = Objective {
             label_smoothing: run.label_smoothing as f32,
             dropout_key: gpt_kernels::rng::key(&[run.seed, step as u64]),
+            share: RowShare {
+                rank: self.world.rank(),
+                ranks: self.world.size(),
+            },
         };
-        let (train_loss, grads) = accumulate_grads(&self.model, &self.vars, &batches, self.shards, objective)?;
+        let (train_loss, mut grads) = accumulate_grads(&self.model, &self.vars, &batches, self.shards, objective)?;
+        self.world.sum_grads(&mut grads)?;
+        let mut train_loss = [train_loss];
+        self.world.sum_f64(&mut train_loss);
+        let [train_loss] = train_loss;
         if !train_loss.is_finite() {
             bail!("the training loss became {train_loss} at step {step}; try a lower --learning-rate");
         }
@@ -235,55 +318,94 @@ impl Trainer {
         let log_now = step.is_multiple_of(self.run.log_interval) || step == self.run.max_iters;
         let secs = self.interval_start.0.elapsed().as_secs_f64().max(1e-9);
         let tokens_per_sec = ((step - self.interval_start.1) * self.run.tokens_per_step()) as f64 / secs;
-        self.progress.step(step, train_loss, lr, tokens_per_sec, log_now);
-        if log_now {
-            self.metrics.log(Event {
-                event: "train".into(),
-                step,
-                train_loss: Some(train_loss),
-                val_loss: None,
-                val_ppl: None,
-                lr,
-                tokens_per_sec: Some(tokens_per_sec),
-                elapsed_s: self.elapsed(),
-            })?;
-            self.interval_start = (Instant::now(), step);
+        if !log_now {
+            self.progress.step(step, train_loss, lr, tokens_per_sec, "", false);
+            return Ok(());
         }
+        let mut event = Event {
+            event: "train".into(),
+            step,
+            train_loss: Some(train_loss),
+            lr,
+            tokens_per_sec: Some(tokens_per_sec),
+            elapsed_s: self.elapsed(),
+            ..Event::default()
+        };
+        let mut more = String::new();
+        if self.world.size() > 1 {
+            // Every rank's time in collectives over the interval, gathered at each logged step.
+            let time = self.world.take_comm_time();
+            let all = self.world.all_gather_f64(&[time.allreduce_s, time.wait_s]);
+            let (allreduce, wait): (Vec<f64>, Vec<f64>) = all.chunks(2).map(|c| (c[0], c[1])).unzip();
+            let share = |v: &[f64]| 100.0 * v.iter().copied().fold(0.0, f64::max) / secs;
+            more = format!(
+                " ({} ranks; allreduce {:.1}%, wait {:.1}%)",
+                self.world.size(),
+                share(&allreduce),
+                share(&wait)
+            );
+            event.ranks = Some(self.world.size());
+            event.allreduce_s = Some(allreduce);
+            event.wait_s = Some(wait);
+        }
+        self.progress.step(step, train_loss, lr, tokens_per_sec, &more, true);
+        if let Some(metrics) = &mut self.metrics {
+            metrics.log(event)?;
+        }
+        self.interval_start = (Instant::now(), step);
         Ok(())
     }
 
     /// Train and validation loss at this step: logged, plotted, and the best model kept.
     pub fn evaluate(&mut self) -> Result<()> {
         let step = self.state.step;
-        let (train_loss, val_loss) =
-            crate::eval::estimate_loss(&self.model, &self.data, &self.run, step, &self.device, self.shards)?;
+        let (train_loss, val_loss) = crate::eval::estimate_loss(
+            &self.model,
+            &self.data,
+            &self.run,
+            step,
+            &self.device,
+            self.shards,
+            self.world,
+        )?;
         self.state.last_eval_step = Some(step);
         self.state.elapsed_s = self.elapsed();
-        self.metrics.log(Event {
+        let is_best = self.state.best_val_loss.is_none_or(|best| val_loss < best);
+        if is_best {
+            self.state.best_val_loss = Some(val_loss);
+        }
+        let Some(metrics) = &mut self.metrics else {
+            return Ok(()); // a rank other than 0: it writes nothing
+        };
+        metrics.log(Event {
             event: "eval".into(),
             step,
             train_loss: Some(train_loss),
             val_loss: Some(val_loss),
             val_ppl: Some(val_loss.exp()),
             lr: self.schedule.lr(step.min(self.run.max_iters.saturating_sub(1))),
-            tokens_per_sec: None,
             elapsed_s: self.state.elapsed_s,
+            ..Event::default()
         })?;
-        self.metrics.plot(&self.out.join("loss.svg"))?;
+        metrics.plot(&self.out.join("loss.svg"))?;
         self.progress.println(&format!(
             "step {step}: train loss {train_loss:.4}, val loss {val_loss:.4}, val ppl {:.2}",
             val_loss.exp()
         ));
-        if self.state.best_val_loss.is_none_or(|best| val_loss < best) {
-            self.state.best_val_loss = Some(val_loss);
+        if is_best {
             checkpoints::save_best(&self.out, &self.model, &self.tokenizer, step)?;
         }
         Ok(())
     }
 
-    /// A checkpoint of the run as it is now.
-    pub fn save(&mut self) -> Result<PathBuf> {
+    /// A checkpoint of the run as it is now, written by rank 0 once every rank has reached this
+    /// step (`None` on the other ranks).
+    pub fn save(&mut self) -> Result<Option<PathBuf>> {
         self.state.elapsed_s = self.elapsed();
+        self.world.barrier();
+        if !self.world.is_root() {
+            return Ok(None);
+        }
         checkpoints::save(
             &self.out,
             &self.model,
@@ -292,14 +414,18 @@ impl Trainer {
             &self.state,
             self.keep_last,
         )
+        .map(Some)
     }
 }
 
 /// With `--resume`, the newest complete checkpoint in `--out` (an error if there is none);
-/// without, `None`, after checking that `--out` holds no run that this one would overwrite.
-fn saved_run(args: &TrainArgs) -> Result<Option<Saved>> {
+/// without, `None`, after checking that `--out` holds no run that this one would overwrite. Only
+/// rank 0 (`root`) cleans up what a crashed save left there; the other ranks only read.
+fn saved_run(args: &TrainArgs, root: bool) -> Result<Option<Saved>> {
     let out = &args.out;
-    checkpoints::clean_up(out)?;
+    if root {
+        checkpoints::clean_up(out)?;
+    }
     if args.resume {
         let saved = checkpoints::latest(out)?;
         return Ok(Some(saved.with_context(|| {
@@ -341,7 +467,12 @@ fn prepare_data(run: &RunConfig, tokenizer: &Tokenizer, out: &Path) -> Result<Da
 
 /// The tokenizer of a resumed run is its checkpoint's, of a fine-tuning run the `--init-from`
 /// checkpoint's (a `--tokenizer` given too must be the same); a new run builds its own.
-fn run_tokenizer(args: &TrainArgs, saved: Option<&Saved>, init_from: Option<&Path>) -> Result<Tokenizer> {
+fn run_tokenizer(
+    args: &TrainArgs,
+    saved: Option<&Saved>,
+    init_from: Option<&Path>,
+    scratch: &Path,
+) -> Result<Tokenizer> {
     let (dir, what) = match (saved, init_from) {
         (Some(saved), _) => (saved.dir.clone(), "the checkpoint being resumed".to_string()),
         (None, Some(dir)) => (
@@ -350,12 +481,12 @@ fn run_tokenizer(args: &TrainArgs, saved: Option<&Saved>, init_from: Option<&Pat
         ),
         (None, None) => {
             let spec = args.tokenizer.as_deref().unwrap_or("char");
-            return crate::tokenizer::build_tokenizer(spec, &args.data, &args_reading(args, None), &args.out);
+            return crate::tokenizer::build_tokenizer(spec, &args.data, &args_reading(args, None), scratch);
         }
     };
     let tok = checkpoint::load_tokenizer(&dir, usize::MAX)?;
     if let Some(spec) = &args.tokenizer {
-        let given = crate::tokenizer::build_tokenizer(spec, &args.data, &args_reading(args, saved), &args.out)?;
+        let given = crate::tokenizer::build_tokenizer(spec, &args.data, &args_reading(args, saved), scratch)?;
         if given.inner().to_string(false).ok() != tok.inner().to_string(false).ok() {
             bail!("--tokenizer {spec} differs from the tokenizer of {what}");
         }
@@ -391,6 +522,39 @@ fn args_reading(args: &TrainArgs, saved: Option<&Saved>) -> data::Reading {
         text_field: args.text_field.clone().unwrap_or(saved.text_field),
         format: args.data_format.unwrap_or(saved.format),
     }
+}
+
+/// Where this rank may write what it builds a tokenizer from: `--out` for rank 0, a directory of
+/// its own under the system's temporary directory for the others (which never write `--out`).
+fn scratch_dir(args: &TrainArgs, world: &World) -> PathBuf {
+    if world.is_root() {
+        return args.out.clone();
+    }
+    std::env::temp_dir().join(format!("gpt-train-rank{}-{}", world.rank(), std::process::id()))
+}
+
+/// The device this rank trains on: `--device` as given, except that in a job of several ranks
+/// `cuda` (or `auto` finding CUDA) means the GPU of this rank's place on its host, among those
+/// visible (one per rank, as `CUDA_VISIBLE_DEVICES` or the local rank gives them).
+fn rank_device(spec: &str, world: &World) -> Result<Device> {
+    let device = gpt::parse_device(spec)?;
+    if world.size() == 1 || !device.is_cuda() || spec.starts_with("cuda:") {
+        return Ok(device);
+    }
+    Ok(gpt::parse_device(&format!(
+        "cuda:{}",
+        world.local_rank() % gpu_count().max(1)
+    ))?)
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_count() -> usize {
+    candle_core::cuda_backend::cudarc::driver::CudaContext::device_count().map_or(1, |n| n.max(0) as usize)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_count() -> usize {
+    1
 }
 
 /// Fails unless `out` can be created and written, before any work is done.

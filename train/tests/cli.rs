@@ -394,3 +394,39 @@ fn bad_inputs_give_clear_errors_and_keep_what_was_saved() -> anyhow::Result<()> 
     assert!(err.contains("nowhere"), "{err}");
     Ok(())
 }
+
+/// Started as one of several ranks (the variables `mpirun` and `srun` set), a build without MPI
+/// refuses instead of training alone into the same `--out` as the others.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn a_build_without_mpi_started_as_one_of_several_ranks_refuses() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(20_000)?)?;
+    for (var, value) in [
+        ("OMPI_COMM_WORLD_SIZE", "2"),
+        ("PMI_SIZE", "4"),
+        ("SLURM_STEP_NUM_TASKS", "8"),
+    ] {
+        let out = dir.path().join(var);
+        let run = Command::new(BIN)
+            .args(common::train_args(&corpus, &out, &["--max-iters", "2"]))
+            .env(var, value)
+            .output()?;
+        assert!(!run.status.success(), "{var}={value}: trained anyway");
+        let log = stderr(&run);
+        assert!(
+            log.contains(&format!("one of {value} processes ({var}={value})")),
+            "{log}"
+        );
+        assert!(log.contains("--features mpi"), "{log}");
+        assert!(!out.join("checkpoints").exists());
+    }
+    // One rank of one is a process alone.
+    let out = dir.path().join("alone");
+    let run = Command::new(BIN)
+        .args(common::train_args(&corpus, &out, &["--max-iters", "2"]))
+        .env("OMPI_COMM_WORLD_SIZE", "1")
+        .output()?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    Ok(())
+}

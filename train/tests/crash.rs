@@ -13,16 +13,12 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use common::BIN;
+use common::{latest_step, wait_for, BIN};
+const MINUTE: Duration = Duration::from_secs(60);
 const SAVE_EVERY: u64 = 5;
 /// How long the test hook sleeps after each of a save's three files, in the runs to be killed
 /// inside one.
 const SAVE_DELAY_MS: u64 = 50;
-
-fn latest_step(out: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(out.join("latest/trainer_state.json")).ok()?;
-    serde_json::from_str::<serde_json::Value>(&text).ok()?["step"].as_u64()
-}
 
 /// Whether the run with process id `pid` has a save under way (its temporary directory).
 fn saving(out: &Path, pid: u32) -> bool {
@@ -35,22 +31,6 @@ fn saving(out: &Path, pid: u32) -> bool {
             })
         })
         .unwrap_or(false)
-}
-
-/// Polls `ready` until it holds; fails if the run exits or a minute goes by first.
-fn wait_for(child: &mut Child, what: &str, mut ready: impl FnMut() -> bool) -> anyhow::Result<()> {
-    let start = Instant::now();
-    while !ready() {
-        if let Some(status) = child.try_wait()? {
-            anyhow::bail!("the run ended by itself ({status}) before {what}");
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            child.kill()?;
-            anyhow::bail!("no {what} within 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    Ok(())
 }
 
 #[cfg(unix)]
@@ -102,13 +82,13 @@ fn a_run_killed_at_random_moments_resumes_every_time() -> anyhow::Result<()> {
         if in_save {
             // Inside a save: at most 40 ms after its temporary directory appears (a save lasts
             // at least three delays of 50 ms).
-            wait_for(&mut child, "save", || saving(&out, pid))?;
+            wait_for(&mut child, "save", MINUTE, || saving(&out, pid))?;
             std::thread::sleep(Duration::from_millis(x % 40));
         } else {
             // Anywhere in training (saves without the delay are short), once the run has saved a
             // step beyond the one it resumed.
             let from = latest_step(&out);
-            wait_for(&mut child, "new checkpoint", || latest_step(&out) > from)?;
+            wait_for(&mut child, "new checkpoint", MINUTE, || latest_step(&out) > from)?;
             std::thread::sleep(Duration::from_millis(x % 100));
         }
         Command::new("kill").args(["-KILL", &pid.to_string()]).status()?;

@@ -3,7 +3,8 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_gpt-train");
 
@@ -97,4 +98,27 @@ pub fn fails(args: &[&str]) -> anyhow::Result<String> {
     let out = gpt_train(args)?;
     assert!(!out.status.success(), "expected failure: {args:?}");
     Ok(stderr(&out))
+}
+
+/// The step of the run's newest checkpoint (`latest/`), if it has one.
+pub fn latest_step(out: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(out.join("latest/trainer_state.json")).ok()?;
+    serde_json::from_str::<serde_json::Value>(&text).ok()?["step"].as_u64()
+}
+
+/// Polls `ready` until it holds; fails (and kills the child) if the child exits or `limit` goes
+/// by first.
+pub fn wait_for(child: &mut Child, what: &str, limit: Duration, mut ready: impl FnMut() -> bool) -> anyhow::Result<()> {
+    let start = Instant::now();
+    while !ready() {
+        if let Some(status) = child.try_wait()? {
+            anyhow::bail!("the run ended by itself ({status}) before {what}");
+        }
+        if start.elapsed() > limit {
+            child.kill()?;
+            anyhow::bail!("no {what} within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
 }

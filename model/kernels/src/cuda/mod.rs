@@ -39,10 +39,11 @@ macro_rules! launch {
         let func = $dev.get_or_load_custom_func($name, module.name, module.ptx)?;
         let mut builder = func.builder();
         $( $crate::cuda::PushKernelArg::arg(&mut builder, $arg); )*
+        let cfg = $cfg;
         // SAFETY: every caller passes the arguments the kernel takes, in its order and types,
-        // and buffers that hold every element the kernel reads or writes under `$cfg` (each
+        // and buffers that hold every element the kernel reads or writes under `cfg` (each
         // launcher checks the lengths it derives the configuration from).
-        $crate::cuda::WrapErr::w(unsafe { builder.launch($cfg) })?;
+        $crate::cuda::WrapErr::w(unsafe { builder.launch(cfg) })?;
     }};
 }
 

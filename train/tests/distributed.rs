@@ -1,0 +1,379 @@
+//! Data-parallel training under `mpirun` (Open MPI): N ranks end with the weights of one process;
+//! checkpoints resume on another number of ranks; a killed rank, a SIGTERM, ranks started
+//! differently and a batch that does not divide are handled as a user expects. Built with
+//! `--features mpi` (`.ci/run` installs Open MPI); the default build has no MPI to test.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{stderr, train_args, BIN};
+use gpt_test_support as support;
+
+/// `mpirun` with what a test run needs: as root where the tests run as root, more ranks than
+/// cores allowed, and each rank's log level.
+fn mpirun() -> Command {
+    let mut cmd = Command::new("mpirun");
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("RUST_LOG", "warn")
+        .args(["-x", "RUST_LOG"]);
+    cmd
+}
+
+/// `gpt-train train` on `ranks` ranks with the tiny settings and `extra`.
+fn train_ranks(ranks: usize, corpus: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<Output> {
+    Ok(mpirun()
+        .args(["-np", &ranks.to_string(), BIN])
+        .args(train_args(corpus, out, extra))
+        .output()?)
+}
+
+fn ok(out: Output) -> anyhow::Result<Output> {
+    anyhow::ensure!(out.status.success(), "the run failed: {}", stderr(&out));
+    Ok(out)
+}
+
+/// Every tensor of a checkpoint's weights and optimizer state, by file and name, as raw bytes.
+fn tensors(checkpoint: &Path) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
+    let mut all = BTreeMap::new();
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let bytes = std::fs::read(checkpoint.join(file))?;
+        for (name, view) in safetensors::SafeTensors::deserialize(&bytes)?.tensors() {
+            all.insert(format!("{file}:{name}"), view.data().to_vec());
+        }
+    }
+    Ok(all)
+}
+
+fn floats(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+}
+
+/// The largest difference between two checkpoints' values (both must hold the same tensors).
+fn max_difference(a: &Path, b: &Path) -> anyhow::Result<f32> {
+    let (a, b) = (tensors(a)?, tensors(b)?);
+    anyhow::ensure!(a.keys().eq(b.keys()), "the checkpoints hold different tensors");
+    let mut max = 0f32;
+    for (name, x) in &a {
+        max = floats(x)
+            .zip(floats(&b[name]))
+            .fold(max, |m, (x, y)| m.max((x - y).abs()));
+    }
+    Ok(max)
+}
+
+fn step_dir(out: &Path, step: usize) -> PathBuf {
+    out.join(format!("checkpoints/step-{step:08}"))
+}
+
+/// What the tiny runs here share: dropout on (its masks must not depend on the ranks), two
+/// micro-batches per step, a checkpoint every 10 steps.
+const RUN: &[&str] = &[
+    "--dropout",
+    "0.1",
+    "--gradient-accumulation-steps",
+    "2",
+    "--keep-last",
+    "10",
+];
+
+fn args<'a>(more: &[&'a str]) -> Vec<&'a str> {
+    RUN.iter().copied().chain(more.iter().copied()).collect()
+}
+
+#[test]
+fn two_ranks_end_with_the_weights_of_one_process_with_two_shards_bit_for_bit() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    let more = args(&["--max-iters", "20", "--parallel", "shards"]);
+    ok(common::train(
+        &corpus,
+        &one,
+        &[more.as_slice(), &["--threads", "2"]].concat(),
+    )?)?;
+    let out = ok(train_ranks(
+        2,
+        &corpus,
+        &two,
+        &[more.as_slice(), &["--threads", "1"]].concat(),
+    )?)?;
+    for step in [10, 20] {
+        let (a, b) = (tensors(&step_dir(&one, step))?, tensors(&step_dir(&two, step))?);
+        assert_eq!(a.len(), b.len());
+        for (name, values) in &a {
+            assert!(
+                values == &b[name],
+                "step {step}: {name} differs between 1 process and 2 ranks"
+            );
+        }
+    }
+    assert_eq!(common::train_losses(&one)?, common::train_losses(&two)?);
+    assert_eq!(common::state(&two)?["world_size"], 2);
+    // Rank 0 alone reports: one final line, and the job's figures on the progress lines.
+    let log = stderr(&out);
+    assert_eq!(log.matches("done: 20 steps").count(), 0, "stdout, not stderr: {log}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).matches("done: 20 steps").count(),
+        1
+    );
+    let metrics = std::fs::read_to_string(two.join("metrics.jsonl"))?;
+    let logged: serde_json::Value = serde_json::from_str(metrics.lines().nth(1).unwrap_or_default())?;
+    assert_eq!(logged["ranks"], 2, "{logged}");
+    assert_eq!(logged["allreduce_s"].as_array().map(Vec::len), Some(2), "{logged}");
+    assert_eq!(logged["wait_s"].as_array().map(Vec::len), Some(2), "{logged}");
+    Ok(())
+}
+
+#[test]
+fn a_run_resumes_on_another_number_of_ranks() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let whole = dir.path().join("whole");
+    let run = dir.path().join("run");
+    let to = |n: &'static str| args(&["--max-iters", n, "--lr-decay-iters", "30", "--parallel", "shards"]);
+    ok(common::train(
+        &corpus,
+        &whole,
+        &[to("30").as_slice(), &["--threads", "2"]].concat(),
+    )?)?;
+    // 2 ranks to step 10, one process with two shards to 20: the same sums, bit for bit.
+    ok(train_ranks(
+        2,
+        &corpus,
+        &run,
+        &[to("10").as_slice(), &["--threads", "1"]].concat(),
+    )?)?;
+    ok(common::train(
+        &corpus,
+        &run,
+        &[to("20").as_slice(), &["--threads", "2", "--resume"]].concat(),
+    )?)?;
+    assert!(tensors(&step_dir(&whole, 20))? == tensors(&step_dir(&run, 20))?);
+    assert_eq!(common::state(&run)?["world_size"], 1);
+    // Then 4 ranks to 30: the gradients summed in another order, within float reassociation.
+    ok(train_ranks(
+        4,
+        &corpus,
+        &run,
+        &[to("30").as_slice(), &["--threads", "1", "--resume"]].concat(),
+    )?)?;
+    assert_eq!(common::state(&run)?["world_size"], 4);
+    let diff = max_difference(&step_dir(&whole, 30), &step_dir(&run, 30))?;
+    assert!(diff < 1e-4, "4 ranks drifted by {diff} from one process in 10 steps");
+    Ok(())
+}
+
+/// The process ids of the ranks of the run writing to `out`, by rank.
+fn ranks_of(out: &Path) -> BTreeMap<usize, u32> {
+    let mut ranks = BTreeMap::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return ranks;
+    };
+    let out = out.to_string_lossy().into_owned();
+    for p in procs.flatten() {
+        let Ok(pid) = p.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+        let environ = std::fs::read(p.path().join("environ")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into())
+            .collect();
+        if args.first().map(String::as_str) != Some(BIN) || !args.contains(&out) {
+            continue;
+        }
+        let rank = environ
+            .split(|&b| b == 0)
+            .find_map(|v| v.strip_prefix(b"OMPI_COMM_WORLD_RANK="))
+            .and_then(|r| String::from_utf8_lossy(r).parse().ok());
+        if let Some(rank) = rank {
+            ranks.insert(rank, pid);
+        }
+    }
+    ranks
+}
+
+/// Waits for the job to end (within `limit`), and returns its status and stderr.
+fn ended(mut job: Child, limit: Duration) -> anyhow::Result<(std::process::ExitStatus, String, Duration)> {
+    let start = Instant::now();
+    loop {
+        if job.try_wait()?.is_some() {
+            let out = job.wait_with_output()?;
+            return Ok((out.status, stderr(&out), start.elapsed()));
+        }
+        if start.elapsed() > limit {
+            job.kill()?;
+            anyhow::bail!("the job was still running {limit:?} later");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A 2-rank job of many steps, started in the background, once it has saved a checkpoint past
+/// step 10.
+fn long_job(corpus: &Path, out: &Path) -> anyhow::Result<Child> {
+    let more = args(&["--max-iters", "100000", "--lr-decay-iters", "100000", "--threads", "1"]);
+    let mut job = mpirun()
+        .args(["-np", "2", BIN])
+        .args(train_args(corpus, out, &more))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let past_10 = || newest_step(out).is_some_and(|s| s >= 10);
+    common::wait_for(&mut job, "a checkpoint past step 10", Duration::from_secs(120), past_10)?;
+    Ok(job)
+}
+
+fn newest_step(out: &Path) -> Option<usize> {
+    common::latest_step(out).map(|s| s as usize)
+}
+
+/// Resumes the killed or stopped run in `out` to `steps` past its newest checkpoint, and checks
+/// it against one process that trained there uninterrupted.
+fn resumes_exactly(corpus: &Path, out: &Path, dir: &Path) -> anyhow::Result<()> {
+    let from = newest_step(out).ok_or_else(|| anyhow::anyhow!("no checkpoint left in {}", out.display()))?;
+    let to = (from + 10).to_string();
+    let more = args(&["--max-iters", &to, "--lr-decay-iters", "100000"]);
+    ok(train_ranks(
+        2,
+        corpus,
+        out,
+        &[more.as_slice(), &["--threads", "1", "--resume"]].concat(),
+    )?)?;
+    let whole = dir.join("whole");
+    ok(common::train(
+        corpus,
+        &whole,
+        &[more.as_slice(), &["--threads", "2", "--parallel", "shards"]].concat(),
+    )?)?;
+    assert!(
+        tensors(&step_dir(&whole, from + 10))? == tensors(&step_dir(out, from + 10))?,
+        "resumed from step {from}, the run left the uninterrupted one"
+    );
+    Ok(())
+}
+
+#[cfg(unix)]
+#[test]
+fn a_killed_rank_ends_the_job_naming_it_and_the_run_resumes_exactly() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let out = dir.path().join("run");
+    let job = long_job(&corpus, &out)?;
+    let ranks = ranks_of(&out);
+    let victim = *ranks
+        .get(&1)
+        .ok_or_else(|| anyhow::anyhow!("rank 1 not found among {ranks:?}"))?;
+    Command::new("kill").args(["-KILL", &victim.to_string()]).status()?;
+    let (status, log, took) = ended(job, Duration::from_secs(30))?;
+    assert!(!status.success());
+    assert!(took < Duration::from_secs(10), "the job took {took:?} to end");
+    assert!(log.contains("rank 1"), "the message does not name rank 1: {log}");
+    assert!(ranks_of(&out).is_empty(), "ranks outlived the job");
+    resumes_exactly(&corpus, &out, dir.path())
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_to_mpirun_stops_every_rank_at_one_step_and_rank_0_saves_it() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let out = dir.path().join("run");
+    let job = long_job(&corpus, &out)?;
+    Command::new("kill").args(["-TERM", &job.id().to_string()]).status()?;
+    // Open MPI's mpirun itself ends with 1 once signalled, whatever its ranks do: the run's own
+    // report is the line below and the checkpoint.
+    let (_, log, _) = ended(job, Duration::from_secs(60))?;
+    let saved = log
+        .lines()
+        .find_map(|l| l.strip_prefix("interrupted: checkpoint saved at step "))
+        .and_then(|rest| rest.split_whitespace().next()?.parse::<usize>().ok());
+    let Some(saved) = saved else {
+        panic!("no checkpoint of the interruption reported: {log}");
+    };
+    assert_eq!(log.matches("interrupted:").count(), 1, "rank 0 alone reports: {log}");
+    assert_eq!(newest_step(&out), Some(saved));
+    assert!(step_dir(&out, saved).is_dir());
+    resumes_exactly(&corpus, &out, dir.path())
+}
+
+#[test]
+fn ranks_started_with_different_flags_are_refused_naming_the_difference() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let out = dir.path().join("run");
+    let rank = |lr: &str| train_args(&corpus, &out, &["--max-iters", "5", "--learning-rate", lr]);
+    let result = mpirun()
+        .args(["-np", "1", BIN])
+        .args(rank("1e-3"))
+        .args([":", "-np", "1", BIN])
+        .args(rank("2e-3"))
+        .output()?;
+    assert!(!result.status.success());
+    let log = stderr(&result);
+    assert!(log.contains("rank 1 has flags"), "{log}");
+    assert!(
+        log.contains("--learning-rate 2e-3") && log.contains("--learning-rate 1e-3"),
+        "{log}"
+    );
+    assert_eq!(log.matches("were not started alike").count(), 1, "printed once: {log}");
+    assert!(!out.join("checkpoints").exists(), "a refused job wrote a checkpoint");
+    Ok(())
+}
+
+#[test]
+fn ranks_with_different_weights_are_caught_at_the_start() -> anyhow::Result<()> {
+    // The same flags, but `--init-from base` is another checkpoint in each rank's directory.
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    for (rank, seed) in [("a", "1"), ("b", "2")] {
+        let base = dir.path().join(rank).join("base");
+        std::fs::create_dir_all(base.parent().unwrap_or(dir.path()))?;
+        ok(common::train(&corpus, &base, &["--max-iters", "1", "--seed", seed])?)?;
+    }
+    let out = dir.path().join("run");
+    let ranked = |rank: &str| {
+        let mut args = vec!["-np".to_string(), "1".into(), "--wdir".into()];
+        args.push(dir.path().join(rank).to_string_lossy().into_owned());
+        args.push(BIN.into());
+        args.extend(train_args(&corpus, &out, &["--max-iters", "5", "--init-from", "base"]));
+        args
+    };
+    let result = mpirun().args(ranked("a")).arg(":").args(ranked("b")).output()?;
+    assert!(!result.status.success());
+    let log = stderr(&result);
+    assert!(
+        log.contains("at step 0 the parameters of rank 1 differ from rank 0's"),
+        "{log}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_batch_that_does_not_divide_among_the_ranks_is_refused_naming_both() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = train_ranks(
+        2,
+        &support::shakespeare_path(),
+        &dir.path().join("run"),
+        &["--batch-size", "5"],
+    )?;
+    assert!(!out.status.success());
+    let log = stderr(&out);
+    assert_eq!(
+        log.matches("--batch-size 5 does not divide among 2 ranks").count(),
+        1,
+        "{log}"
+    );
+    Ok(())
+}
