@@ -2,8 +2,9 @@
 //! gpt-kernels compiles its own. And tells the test suites what this machine can run, so that a
 //! test it cannot is reported as ignored, with the reason, rather than passing without having
 //! run: `cfg(gpt_test_root)` when the build runs as root (to mount a small tmpfs), and
-//! `cfg(gpt_test_numpy)` when `GPT_TEST_PYTHON` (CI's virtual environment) has NumPy; without
-//! `GPT_TEST_PYTHON` no Python is started.
+//! `cfg(gpt_test_numpy)` when `GPT_TEST_PYTHON` (CI's virtual environment) has NumPy (without
+//! `GPT_TEST_PYTHON` no Python is started), and with MPI `cfg(gpt_test_netns)` when it can make
+//! network namespaces.
 
 include!("../model/kernels/build_ptx.rs");
 
@@ -14,7 +15,7 @@ fn main() {
     );
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-env-changed=GPT_TEST_PYTHON");
-    println!("cargo::rustc-check-cfg=cfg(gpt_test_root, gpt_test_numpy)");
+    println!("cargo::rustc-check-cfg=cfg(gpt_test_root, gpt_test_numpy, gpt_test_netns)");
     let run = |program: &str, args: &[&str]| {
         Command::new(program)
             .args(args)
@@ -34,6 +35,15 @@ fn main() {
     }
     if run("id", &["-u"]).as_deref() == Some("0") {
         println!("cargo::rustc-cfg=gpt_test_root");
+    }
+    // Two network namespaces joined by a veth pair stand for two hosts in the MPI tests: they
+    // need root and a kernel (or container) that lets this process make them.
+    if std::env::var_os("CARGO_FEATURE_MPI").is_some() {
+        let probe = format!("gpt-probe-{}", std::process::id());
+        if run("ip", &["netns", "add", &probe]).is_some() {
+            let _ = run("ip", &["netns", "del", &probe]);
+            println!("cargo::rustc-cfg=gpt_test_netns");
+        }
     }
     if let Ok(python) = std::env::var("GPT_TEST_PYTHON") {
         if run(&python, &["-c", "import numpy"]).is_some() {

@@ -60,6 +60,11 @@ pub struct TrainArgs {
     /// checkpoint is saved.
     #[arg(long, default_value_t = 0)]
     pub check_replicas_every: usize,
+    /// In a job of several ranks on CPUs, sum the gradients in buckets of this many megabytes
+    /// (PyTorch DDP's `bucket_cap_mb`): larger buckets pay MPI's per-call latency less often,
+    /// smaller ones need a smaller send buffer.
+    #[arg(long, default_value_t = crate::distributed::DEFAULT_BUCKET_MB)]
+    pub allreduce_bucket_mb: f64,
     /// CPU threads (per rank in a job of several); runs are reproducible for a given value (and
     /// --parallel) [default: all cores].
     #[arg(long)]

@@ -110,6 +110,13 @@ impl<'w> Trainer<'w> {
             .into());
         }
         let device = rank_device(&run.device, world)?;
+        if !(args.allreduce_bucket_mb > 0.0) {
+            bail!(
+                "--allreduce-bucket-mb {}: must be more than 0",
+                args.allreduce_bucket_mb
+            );
+        }
+        world.set_bucket_mb(args.allreduce_bucket_mb);
         // Rank 0 tokenises the data into OUT/tokens first; the others then read its cache.
         if !root {
             world.barrier();
@@ -299,8 +306,11 @@ impl<'w> Trainer<'w> {
                 ranks: self.world.size(),
             },
         };
+        let started = Instant::now();
         let (train_loss, mut grads) = accumulate_grads(&self.model, &self.vars, &batches, self.shards, objective)?;
+        let computed = Instant::now();
         self.world.sum_grads(&mut grads)?;
+        let summed = Instant::now();
         let mut train_loss = [train_loss];
         self.world.sum_f64(&mut train_loss);
         let [train_loss] = train_loss;
@@ -308,6 +318,13 @@ impl<'w> Trainer<'w> {
             bail!("the training loss became {train_loss} at step {step}; try a lower --learning-rate");
         }
         self.opt.step_clipped(&grads, lr, run.grad_clip)?;
+        tracing::debug!(
+            step,
+            forward_backward_s = (computed - started).as_secs_f64(),
+            sum_across_ranks_s = (summed - computed).as_secs_f64(),
+            update_s = summed.elapsed().as_secs_f64(),
+            "step"
+        );
         self.state.step += 1;
         Ok(train_loss)
     }

@@ -17,7 +17,11 @@ use gpt_test_support as support;
 /// `mpirun` with what a test run needs: as root where the tests run as root, more ranks than
 /// cores allowed, and each rank's log level.
 fn mpirun() -> Command {
-    let mut cmd = Command::new("mpirun");
+    with_mpirun_settings(Command::new("mpirun"))
+}
+
+/// `cmd` (which runs mpirun) with the settings of [`mpirun`].
+fn with_mpirun_settings(mut cmd: Command) -> Command {
     cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
@@ -93,43 +97,42 @@ fn args<'a>(more: &[&'a str]) -> Vec<&'a str> {
 fn two_ranks_end_with_the_weights_of_one_process_with_two_shards_bit_for_bit() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let corpus = support::shakespeare_path();
-    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    let one = dir.path().join("one");
     let more = args(&["--max-iters", "20", "--parallel", "shards"]);
     ok(common::train(
         &corpus,
         &one,
         &[more.as_slice(), &["--threads", "2"]].concat(),
     )?)?;
-    let out = ok(train_ranks(
-        2,
-        &corpus,
-        &two,
-        &[more.as_slice(), &["--threads", "1"]].concat(),
-    )?)?;
-    for step in [10, 20] {
-        let (a, b) = (tensors(&step_dir(&one, step))?, tensors(&step_dir(&two, step))?);
-        assert_eq!(a.len(), b.len());
-        for (name, values) in &a {
-            assert!(
-                values == &b[name],
-                "step {step}: {name} differs between 1 process and 2 ranks"
-            );
+    // With 1 MB buckets every tensor of the tiny model is packed into one; with buckets of 2621
+    // values, the small ones are packed, the larger summed whole and the largest in pieces.
+    for bucket_mb in ["1", "0.01"] {
+        let two = dir.path().join(format!("two-{bucket_mb}"));
+        let flags = [more.as_slice(), &["--threads", "1", "--allreduce-bucket-mb", bucket_mb]].concat();
+        let out = ok(train_ranks(2, &corpus, &two, &flags)?)?;
+        for step in [10, 20] {
+            let (a, b) = (tensors(&step_dir(&one, step))?, tensors(&step_dir(&two, step))?);
+            assert_eq!(a.len(), b.len());
+            for (name, values) in &a {
+                assert!(
+                    values == &b[name],
+                    "buckets of {bucket_mb} MB, step {step}: {name} differs"
+                );
+            }
         }
+        assert_eq!(common::train_losses(&one)?, common::train_losses(&two)?);
+        assert_eq!(common::state(&two)?["world_size"], 2);
+        // Rank 0 alone reports: one final line, and the job's figures in the metrics.
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).matches("done: 20 steps").count(),
+            1
+        );
+        let metrics = std::fs::read_to_string(two.join("metrics.jsonl"))?;
+        let logged: serde_json::Value = serde_json::from_str(metrics.lines().nth(1).unwrap_or_default())?;
+        assert_eq!(logged["ranks"], 2, "{logged}");
+        assert_eq!(logged["allreduce_s"].as_array().map(Vec::len), Some(2), "{logged}");
+        assert_eq!(logged["wait_s"].as_array().map(Vec::len), Some(2), "{logged}");
     }
-    assert_eq!(common::train_losses(&one)?, common::train_losses(&two)?);
-    assert_eq!(common::state(&two)?["world_size"], 2);
-    // Rank 0 alone reports: one final line, and the job's figures on the progress lines.
-    let log = stderr(&out);
-    assert_eq!(log.matches("done: 20 steps").count(), 0, "stdout, not stderr: {log}");
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).matches("done: 20 steps").count(),
-        1
-    );
-    let metrics = std::fs::read_to_string(two.join("metrics.jsonl"))?;
-    let logged: serde_json::Value = serde_json::from_str(metrics.lines().nth(1).unwrap_or_default())?;
-    assert_eq!(logged["ranks"], 2, "{logged}");
-    assert_eq!(logged["allreduce_s"].as_array().map(Vec::len), Some(2), "{logged}");
-    assert_eq!(logged["wait_s"].as_array().map(Vec::len), Some(2), "{logged}");
     Ok(())
 }
 
@@ -375,5 +378,87 @@ fn a_batch_that_does_not_divide_among_the_ranks_is_refused_naming_both() -> anyh
         1,
         "{log}"
     );
+    Ok(())
+}
+
+/// Two network namespaces joined by a veth pair: two "hosts" on one machine, removed on drop.
+struct TwoHosts {
+    names: [String; 2],
+    addresses: [String; 2],
+}
+
+impl TwoHosts {
+    fn new() -> anyhow::Result<Self> {
+        let id = std::process::id();
+        let names = [format!("gpta{id}"), format!("gptb{id}")];
+        let subnet = format!("10.77.{}", id % 250);
+        let addresses = [format!("{subnet}.1"), format!("{subnet}.2")];
+        let hosts = Self { names, addresses };
+        let [a, b] = &hosts.names;
+        let (veth_a, veth_b) = (format!("va{id}"), format!("vb{id}"));
+        let ip = |args: &[&str]| -> anyhow::Result<()> {
+            let out = Command::new("ip").args(args).output()?;
+            anyhow::ensure!(out.status.success(), "ip {}: {}", args.join(" "), stderr(&out));
+            Ok(())
+        };
+        ip(&["netns", "add", a])?;
+        ip(&["netns", "add", b])?;
+        ip(&["link", "add", &veth_a, "type", "veth", "peer", "name", &veth_b])?;
+        for ((ns, veth), address) in hosts.names.iter().zip([&veth_a, &veth_b]).zip(&hosts.addresses) {
+            ip(&["link", "set", veth, "netns", ns])?;
+            ip(&["-n", ns, "addr", "add", &format!("{address}/24"), "dev", veth])?;
+            ip(&["-n", ns, "link", "set", veth, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(hosts)
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for ns in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+#[cfg_attr(
+    not(gpt_test_netns),
+    ignore = "needs root and network namespaces (`ip netns add` failed when the tests were built)"
+)]
+#[test]
+fn two_ranks_on_two_hosts_over_tcp_end_with_the_weights_of_one_process() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let one = dir.path().join("one");
+    let more = args(&["--max-iters", "20", "--parallel", "shards"]);
+    ok(common::train(
+        &corpus,
+        &one,
+        &[more.as_slice(), &["--threads", "2"]].concat(),
+    )?)?;
+    let hosts = TwoHosts::new()?;
+    let two = dir.path().join("two");
+    let subnet = format!("{}.0/24", &hosts.addresses[0][..hosts.addresses[0].len() - 2]);
+    let agent = support::repo("tests/fixtures/netns_rsh_agent.sh");
+    // mpirun runs in the first namespace; it reaches the second through the agent, as it would
+    // reach another machine through ssh, and the ranks talk over TCP on the veth pair only.
+    let mut mpirun = Command::new("ip");
+    mpirun.args(["netns", "exec", &hosts.names[0], "mpirun"]);
+    let out = with_mpirun_settings(mpirun)
+        .args(["--host", &format!("{}:1,{}:1", hosts.addresses[0], hosts.addresses[1])])
+        .args(["--mca", "plm_rsh_agent", &agent.to_string_lossy()])
+        .args(["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", &subnet])
+        .args(["--mca", "oob_tcp_if_include", &subnet, "-np", "2"])
+        .args(["-x", "OMPI_ALLOW_RUN_AS_ROOT", "-x", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"])
+        .arg(BIN)
+        .args(train_args(
+            &corpus,
+            &two,
+            &[more.as_slice(), &["--threads", "1"]].concat(),
+        ))
+        .output()?;
+    ok(out)?;
+    assert!(tensors(&step_dir(&one, 20))? == tensors(&step_dir(&two, 20))?);
     Ok(())
 }

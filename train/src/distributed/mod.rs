@@ -23,11 +23,13 @@ use candle_core::{CpuStorage, Layout, Tensor};
 
 pub use launch::launched_ranks;
 
-/// Gradients are summed in buckets of this many values (16 MB of f32): small tensors are packed
-/// together (one call each would pay MPI's latency ~150 times a step for GPT-2), large ones are
-/// summed a bucket at a time straight into their own memory (MPI needs a separate send buffer,
-/// and this bounds it).
-const BUCKET: usize = 1 << 22;
+/// The default size of the buckets gradients are summed in (`--allreduce-bucket-mb`), 1 MB:
+/// small tensors are packed together (one call each would pay MPI's latency ~150 times a step
+/// for GPT-2), large ones are summed a bucket at a time straight into their own memory (MPI needs
+/// a separate send buffer). Buckets that stay in cache sum faster: GPT-2 small's gradients took
+/// 101-120 ms in 1 MB buckets in 7 runs of 8, 200-260 ms in 16 MB ones (PyTorch DDP's 25 MB
+/// default) in all 4, two ranks in shared memory on the EPYC (`examples/allreduce.rs`).
+pub const DEFAULT_BUCKET_MB: f64 = 1.0;
 
 /// Time this rank spent in collectives since the last [`World::take_comm_time`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -48,6 +50,27 @@ pub struct World {
     #[cfg(feature = "nccl")]
     nccl: std::cell::OnceCell<nccl::Comm>,
     time: Cell<CommTime>,
+    /// Values per bucket of [`World::sum_grads`] on the CPU.
+    bucket: Cell<usize>,
+    buffers: Cell<Buffers>,
+}
+
+/// The buffers of the CPU's gradient sum, a bucket each.
+#[derive(Default)]
+struct Buffers {
+    send: Vec<f32>,
+    large: Vec<f32>,
+    recv: Vec<f32>,
+}
+
+impl Buffers {
+    fn resize(&mut self, bucket: usize) {
+        for buffer in [&mut self.send, &mut self.large] {
+            buffer.clear();
+            buffer.reserve(bucket);
+        }
+        self.recv.resize(bucket, 0.0);
+    }
 }
 
 impl World {
@@ -62,7 +85,14 @@ impl World {
             #[cfg(feature = "nccl")]
             nccl: std::cell::OnceCell::new(),
             time: Cell::new(CommTime::default()),
+            bucket: Cell::new((DEFAULT_BUCKET_MB * 262_144.0) as usize),
+            buffers: Cell::new(Buffers::default()),
         }
+    }
+
+    /// Sums gradients in buckets of `mb` megabytes (at least one value).
+    pub fn set_bucket_mb(&self, mb: f64) {
+        self.bucket.set(((mb * 262_144.0) as usize).max(1));
     }
 
     /// The job this process was started in: a rank of an MPI job when a launcher started it (and
@@ -172,7 +202,8 @@ impl World {
 
     /// Sums each gradient across the ranks, in place: first every rank waits for the others (a
     /// barrier, timed as waiting), then the sum (timed as allreduce). On the CPU MPI sums them
-    /// in [`BUCKET`]s; on a GPU NCCL does, on the device's stream. Gradients are f32.
+    /// in buckets ([`World::set_bucket_mb`]); on a GPU NCCL does, on the device's stream.
+    /// Gradients are f32.
     pub fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()> {
         if self.size == 1 || grads.is_empty() {
             return Ok(());
@@ -224,8 +255,13 @@ impl World {
     }
 
     fn sum_grads_cpu(&self, grads: &mut [Tensor]) -> Result<()> {
-        let send = RefCell::new(Vec::with_capacity(BUCKET));
-        let mut recv = vec![0f32; BUCKET];
+        let bucket = self.bucket.get();
+        // The small gradients packed into one bucket, and a bucket of a large one: buffers kept
+        // from step to step (fresh ones would fault in their pages every step).
+        let mut buffers = self.buffers.take();
+        buffers.resize(bucket);
+        let Buffers { send, large, mut recv } = buffers;
+        let (send, large) = (RefCell::new(send), RefCell::new(large));
         // Small gradients waiting in `send`: their indices.
         let mut packed: Vec<usize> = Vec::new();
         let flush = |packed: &mut Vec<usize>, grads: &[Tensor], recv: &mut [f32]| -> Result<()> {
@@ -249,14 +285,15 @@ impl World {
                 grads[i] = grads[i].contiguous()?;
             }
             let n = grads[i].elem_count();
-            if n >= BUCKET / 4 {
+            if n >= bucket / 4 {
                 grads[i].inplace_op1(&SumInPlace {
                     world: self,
-                    send: &send,
+                    send: &large,
+                    bucket,
                 })?;
                 continue;
             }
-            if send.borrow().len() + n > BUCKET {
+            if send.borrow().len() + n > bucket {
                 flush(&mut packed, grads, &mut recv)?;
             }
             send.borrow_mut().extend(grads[i].flatten_all()?.to_vec1::<f32>()?);
@@ -265,6 +302,11 @@ impl World {
         if !packed.is_empty() {
             flush(&mut packed, grads, &mut recv)?;
         }
+        self.buffers.set(Buffers {
+            send: send.into_inner(),
+            large: large.into_inner(),
+            recv,
+        });
         Ok(())
     }
 
@@ -292,6 +334,7 @@ fn contiguous_f32<'a>(storage: &'a mut CpuStorage, layout: &Layout) -> candle_co
 struct SumInPlace<'a> {
     world: &'a World,
     send: &'a RefCell<Vec<f32>>,
+    bucket: usize,
 }
 
 impl candle_core::InplaceOp1 for SumInPlace<'_> {
@@ -302,7 +345,7 @@ impl candle_core::InplaceOp1 for SumInPlace<'_> {
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
         let values = contiguous_f32(storage, layout)?;
         let mut send = self.send.borrow_mut();
-        for chunk in values.chunks_mut(BUCKET) {
+        for chunk in values.chunks_mut(self.bucket) {
             send.clear();
             send.extend_from_slice(chunk);
             self.world.sum_f32(&send, chunk);
