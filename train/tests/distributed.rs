@@ -450,6 +450,8 @@ fn two_ranks_on_two_hosts_over_tcp_end_with_the_weights_of_one_process() -> anyh
         .args(["--mca", "plm_rsh_agent", &agent.to_string_lossy()])
         .args(["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", &subnet])
         .args(["--mca", "oob_tcp_if_include", &subnet, "-np", "2"])
+        // Each "host" would bind its first rank to its core 0: here the same core for both.
+        .args(["--bind-to", "none"])
         .args(["-x", "OMPI_ALLOW_RUN_AS_ROOT", "-x", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"])
         .arg(BIN)
         .args(train_args(
