@@ -46,6 +46,9 @@ pub struct Trainer<'w> {
     world: &'w World,
     /// Compare the ranks' parameters every this many steps (0: at evaluations only).
     check_replicas_every: usize,
+    /// In a job of several ranks on CPUs, the rank that updates each parameter
+    /// ([`crate::distributed::owners`]); empty otherwise (every rank updates every parameter).
+    owners: Vec<usize>,
     run: RunConfig,
     out: PathBuf,
     keep_last: usize,
@@ -201,6 +204,12 @@ impl<'w> Trainer<'w> {
             } else {
                 Progress::hidden()
             },
+            owners: if world.size() > 1 && device.is_cpu() {
+                let sizes: Vec<usize> = opt.vars().iter().map(|v| v.elem_count()).collect();
+                crate::distributed::owners(&sizes, world.size())
+            } else {
+                Vec::new()
+            },
             world,
             check_replicas_every: args.check_replicas_every,
             schedule: run.schedule(),
@@ -309,7 +318,13 @@ impl<'w> Trainer<'w> {
         let started = Instant::now();
         let (train_loss, mut grads) = accumulate_grads(&self.model, &self.vars, &batches, self.shards, objective)?;
         let computed = Instant::now();
-        self.world.sum_grads(&mut grads)?;
+        // A job of several ranks on CPUs: each rank updates the parameters it owns.
+        let owned_update = !self.owners.is_empty() && crate::optim::norm_by_sums_of_squares(&grads);
+        if owned_update {
+            self.world.reduce_to_owners(&mut grads, &self.owners)?;
+        } else {
+            self.world.sum_grads(&mut grads)?;
+        }
         let summed = Instant::now();
         let mut train_loss = [train_loss];
         self.world.sum_f64(&mut train_loss);
@@ -317,7 +332,11 @@ impl<'w> Trainer<'w> {
         if !train_loss.is_finite() {
             bail!("the training loss became {train_loss} at step {step}; try a lower --learning-rate");
         }
-        self.opt.step_clipped(&grads, lr, run.grad_clip)?;
+        if owned_update {
+            self.update_owned(&grads, lr)?;
+        } else {
+            self.opt.step_clipped(&grads, lr, run.grad_clip)?;
+        }
         tracing::debug!(
             step,
             forward_backward_s = (computed - started).as_secs_f64(),
@@ -327,6 +346,27 @@ impl<'w> Trainer<'w> {
         );
         self.state.step += 1;
         Ok(train_loss)
+    }
+
+    /// The update of a job of several ranks on CPUs, from the gradients summed onto their owners
+    /// ([`World::reduce_to_owners`]), each rank updating the parameters it owns (its one or few
+    /// cores would otherwise each run all of AdamW, as PyTorch's ZeRO-1 avoids): the global
+    /// norm from every owner's sums of squares, added in the parameters' order as one process
+    /// adds them (so the clipping is the same to the bit), AdamW on the owned parameters, then
+    /// each parameter sent from its owner to the others.
+    fn update_owned(&mut self, grads: &[candle_core::Tensor], lr: f64) -> Result<()> {
+        let (world, owners) = (self.world, &self.owners);
+        let mut squares = vec![0f64; grads.len()];
+        for (i, g) in grads.iter().enumerate().filter(|(i, _)| owners[*i] == world.rank()) {
+            squares[i] = crate::optim::sum_of_squares(g)?;
+        }
+        world.sum_f64(&mut squares); // each entry from its owner alone: x + 0 = x
+        let norm = squares.iter().fold(0f64, |sum, &s| sum + s).sqrt();
+        let scale = crate::optim::clip_scale(norm, self.run.grad_clip);
+        self.opt
+            .step_scaled_where(grads, lr, scale, |i| owners[i] == world.rank())?;
+        let params: Vec<candle_core::Tensor> = self.vars.iter().map(|v| v.as_tensor().clone()).collect();
+        world.broadcast_from_owners(&params, owners)
     }
 
     /// The progress bar every step; `metrics.jsonl` every `log_interval` steps.
@@ -420,6 +460,10 @@ impl<'w> Trainer<'w> {
     pub fn save(&mut self) -> Result<Option<PathBuf>> {
         self.state.elapsed_s = self.elapsed();
         self.world.barrier();
+        if !self.owners.is_empty() {
+            // Each rank's moments are fresh for the parameters it owns: rank 0 saves them all.
+            self.world.broadcast_from_owners(&self.opt.moments(), &self.owners)?;
+        }
         if !self.world.is_root() {
             return Ok(None);
         }

@@ -9,18 +9,20 @@
 //! [`agree`] holds the checks that the ranks run the same job.
 
 pub mod agree;
+mod buckets;
 mod launch;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use candle_core::{CpuStorage, Layout, Tensor};
+use candle_core::Tensor;
 
+pub use buckets::owners;
 pub use launch::launched_ranks;
 
 /// The default size of the buckets gradients are summed in (`--allreduce-bucket-mb`), 1 MB:
@@ -52,25 +54,7 @@ pub struct World {
     time: Cell<CommTime>,
     /// Values per bucket of [`World::sum_grads`] on the CPU.
     bucket: Cell<usize>,
-    buffers: Cell<Buffers>,
-}
-
-/// The buffers of the CPU's gradient sum, a bucket each.
-#[derive(Default)]
-struct Buffers {
-    send: Vec<f32>,
-    large: Vec<f32>,
-    recv: Vec<f32>,
-}
-
-impl Buffers {
-    fn resize(&mut self, bucket: usize) {
-        for buffer in [&mut self.send, &mut self.large] {
-            buffer.clear();
-            buffer.reserve(bucket);
-        }
-        self.recv.resize(bucket, 0.0);
-    }
+    buffers: Cell<buckets::Buffers>,
 }
 
 impl World {
@@ -86,7 +70,7 @@ impl World {
             nccl: std::cell::OnceCell::new(),
             time: Cell::new(CommTime::default()),
             bucket: Cell::new((DEFAULT_BUCKET_MB * 262_144.0) as usize),
-            buffers: Cell::new(Buffers::default()),
+            buffers: Cell::new(buckets::Buffers::default()),
         }
     }
 
@@ -214,13 +198,50 @@ impl World {
         if grads[0].device().is_cuda() {
             self.sum_grads_cuda(grads)?;
         } else {
-            self.sum_grads_cpu(grads)?;
+            let all: Vec<usize> = (0..grads.len()).collect();
+            self.combine_cpu(grads, &all, None)?;
         }
-        let mut time = self.time.get();
-        time.wait_s += (reached - start).as_secs_f64();
-        time.allreduce_s += reached.elapsed().as_secs_f64();
-        self.time.set(time);
+        self.add_time(reached - start, reached.elapsed());
         Ok(())
+    }
+
+    /// Sums each gradient across the ranks onto the rank that owns it (`owners[i]` for
+    /// gradient i), in place there; the others' copies are left as they were. CPU tensors,
+    /// timed as [`World::sum_grads`] is.
+    pub fn reduce_to_owners(&self, grads: &mut [Tensor], owners: &[usize]) -> Result<()> {
+        if self.size == 1 || grads.is_empty() {
+            return Ok(());
+        }
+        let start = Instant::now();
+        self.barrier();
+        let reached = Instant::now();
+        for root in 0..self.size {
+            let owned: Vec<usize> = (0..grads.len()).filter(|&i| owners[i] == root).collect();
+            self.combine_cpu(grads, &owned, Some(root))?;
+        }
+        self.add_time(reached - start, reached.elapsed());
+        Ok(())
+    }
+
+    /// Replaces each tensor by its owner's (`owners[i]` for tensor i), in place. CPU tensors,
+    /// timed as allreduce.
+    pub fn broadcast_from_owners(&self, tensors: &[Tensor], owners: &[usize]) -> Result<()> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        let start = Instant::now();
+        for (t, &root) in tensors.iter().zip(owners) {
+            t.inplace_op1(&buckets::Broadcast { world: self, root })?;
+        }
+        self.add_time(std::time::Duration::ZERO, start.elapsed());
+        Ok(())
+    }
+
+    fn add_time(&self, wait: std::time::Duration, allreduce: std::time::Duration) {
+        let mut time = self.time.get();
+        time.wait_s += wait.as_secs_f64();
+        time.allreduce_s += allreduce.as_secs_f64();
+        self.time.set(time);
     }
 
     #[cfg(not(feature = "nccl"))]
@@ -254,118 +275,28 @@ impl World {
         Ok(device.synchronize()?)
     }
 
-    fn sum_grads_cpu(&self, grads: &mut [Tensor]) -> Result<()> {
-        let bucket = self.bucket.get();
-        // The small gradients packed into one bucket, and a bucket of a large one: buffers kept
-        // from step to step (fresh ones would fault in their pages every step).
-        let mut buffers = self.buffers.take();
-        buffers.resize(bucket);
-        let Buffers { send, large, mut recv } = buffers;
-        let (send, large) = (RefCell::new(send), RefCell::new(large));
-        // Small gradients waiting in `send`: their indices.
-        let mut packed: Vec<usize> = Vec::new();
-        let flush = |packed: &mut Vec<usize>, grads: &[Tensor], recv: &mut [f32]| -> Result<()> {
-            let mut send = send.borrow_mut();
-            self.sum_f32(&send, &mut recv[..send.len()]);
-            let mut offset = 0;
-            for &i in packed.iter() {
-                let n = grads[i].elem_count();
-                grads[i].inplace_op1(&CopyFrom(&recv[offset..offset + n]))?;
-                offset += n;
-            }
-            send.clear();
-            packed.clear();
-            Ok(())
-        };
-        for i in 0..grads.len() {
-            if grads[i].dtype() != candle_core::DType::F32 {
-                bail!("gradients are summed across ranks in f32, not {:?}", grads[i].dtype());
-            }
-            if !grads[i].is_contiguous() {
-                grads[i] = grads[i].contiguous()?;
-            }
-            let n = grads[i].elem_count();
-            if n >= bucket / 4 {
-                grads[i].inplace_op1(&SumInPlace {
-                    world: self,
-                    send: &large,
-                    bucket,
-                })?;
-                continue;
-            }
-            if send.borrow().len() + n > bucket {
-                flush(&mut packed, grads, &mut recv)?;
-            }
-            send.borrow_mut().extend(grads[i].flatten_all()?.to_vec1::<f32>()?);
-            packed.push(i);
-        }
-        if !packed.is_empty() {
-            flush(&mut packed, grads, &mut recv)?;
-        }
-        self.buffers.set(Buffers {
-            send: send.into_inner(),
-            large: large.into_inner(),
-            recv,
-        });
-        Ok(())
-    }
-
-    /// `recv = Σ over ranks of send`.
-    fn sum_f32(&self, send: &[f32], recv: &mut [f32]) {
+    /// `recv = Σ over ranks of send` on every rank (`root` `None`), or on `root` only (the
+    /// others' `recv` untouched).
+    fn combine_f32(&self, root: Option<usize>, send: &[f32], recv: &mut [f32]) {
         #[cfg(feature = "mpi")]
         if let Some(comm) = self.comm() {
-            comm.sum_f32(send, recv);
+            match root {
+                None => comm.sum_f32(send, recv),
+                Some(root) => comm.reduce_f32(root, send, recv),
+            }
             return;
         }
+        let _ = root;
         recv.copy_from_slice(send);
     }
-}
 
-/// The f32 values a CPU tensor's layout covers, which must be contiguous.
-fn contiguous_f32<'a>(storage: &'a mut CpuStorage, layout: &Layout) -> candle_core::Result<&'a mut [f32]> {
-    let (Some((start, end)), CpuStorage::F32(values)) = (layout.contiguous_offsets(), storage) else {
-        candle_core::bail!("a gradient summed across ranks must be contiguous f32")
-    };
-    Ok(&mut values[start..end])
-}
-
-/// Sums a large gradient across the ranks in place, a bucket at a time (copied into `send`, the
-/// sum received straight into the gradient).
-struct SumInPlace<'a> {
-    world: &'a World,
-    send: &'a RefCell<Vec<f32>>,
-    bucket: usize,
-}
-
-impl candle_core::InplaceOp1 for SumInPlace<'_> {
-    fn name(&self) -> &'static str {
-        "sum-across-ranks"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let values = contiguous_f32(storage, layout)?;
-        let mut send = self.send.borrow_mut();
-        for chunk in values.chunks_mut(self.bucket) {
-            send.clear();
-            send.extend_from_slice(chunk);
-            self.world.sum_f32(&send, chunk);
+    /// `root`'s `values` on every rank.
+    fn broadcast_f32(&self, root: usize, values: &mut [f32]) {
+        #[cfg(feature = "mpi")]
+        if let Some(comm) = self.comm() {
+            comm.broadcast_f32(root, values);
         }
-        send.clear();
-        Ok(())
-    }
-}
-
-/// Overwrites a CPU tensor with the given values.
-struct CopyFrom<'a>(&'a [f32]);
-
-impl candle_core::InplaceOp1 for CopyFrom<'_> {
-    fn name(&self) -> &'static str {
-        "copy-from"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        contiguous_f32(storage, layout)?.copy_from_slice(self.0);
-        Ok(())
+        let _ = (root, values);
     }
 }
 

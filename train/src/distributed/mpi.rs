@@ -58,6 +58,25 @@ impl Comm {
         }
     }
 
+    /// `recv = Σ over ranks of send` on `root`; the others' `recv` is not written.
+    pub fn reduce_f32(&self, root: usize, send: &[f32], recv: &mut [f32]) {
+        let root_process = self.world.process_at_rank(i32::try_from(root).unwrap_or(0));
+        for (send, recv) in send.chunks(MAX_COUNT).zip(recv.chunks_mut(MAX_COUNT)) {
+            if self.rank() == root {
+                root_process.reduce_into_root(send, recv, SystemOperation::sum());
+            } else {
+                root_process.reduce_into(send, SystemOperation::sum());
+            }
+        }
+    }
+
+    pub fn broadcast_f32(&self, root: usize, values: &mut [f32]) {
+        let root = self.world.process_at_rank(i32::try_from(root).unwrap_or(0));
+        for chunk in values.chunks_mut(MAX_COUNT) {
+            root.broadcast_into(chunk);
+        }
+    }
+
     pub fn all_gather_f64(&self, values: &[f64]) -> Vec<f64> {
         let mut all = vec![0.0; values.len() * self.size()];
         self.world.all_gather_into(values, &mut all[..]);

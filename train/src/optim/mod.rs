@@ -354,6 +354,19 @@ impl AdamW {
     /// factor of [`clip_factor`]): on the CPU the moments and then the parameters are updated in
     /// place, with no copy of either (a GPT-2-small step's update touched 2 GB of fresh memory).
     pub fn step_scaled(&mut self, grads: &[Tensor], lr: f64, grad_scale: f64) -> Result<()> {
+        self.step_scaled_where(grads, lr, grad_scale, |_| true)
+    }
+
+    /// [`AdamW::step_scaled`] of the parameters `update` picks (by index) only: the others and
+    /// their moments stay as they are, and the step count advances all the same. The ranks of a
+    /// data-parallel job on CPUs each update their own share this way, then share the results.
+    pub fn step_scaled_where(
+        &mut self,
+        grads: &[Tensor],
+        lr: f64,
+        grad_scale: f64,
+        update: impl Fn(usize) -> bool,
+    ) -> Result<()> {
         if grads.len() != self.params.len() {
             candle_core::bail!("{} gradients for {} parameters", grads.len(), self.params.len());
         }
@@ -365,7 +378,10 @@ impl AdamW {
             eps,
             weight_decay,
         } = self.cfg;
-        for (p, g) in self.params.iter_mut().zip(grads) {
+        for (i, (p, g)) in self.params.iter_mut().zip(grads).enumerate() {
+            if !update(i) {
+                continue;
+            }
             let g = g.detach().flatten_all()?; // the moments must not hold on to any graph
             let theta = p.var.as_tensor().flatten_all()?;
             let decay = if p.decay { weight_decay } else { 0.0 };
@@ -403,6 +419,12 @@ impl AdamW {
             p.moments = moments;
         }
         Ok(())
+    }
+
+    /// Each parameter's moments, `(2, n)`, in the parameters' order (their storage: changing
+    /// them in place changes the optimizer's).
+    pub fn moments(&self) -> Vec<Tensor> {
+        self.params.iter().map(|p| p.moments.clone()).collect()
     }
 
     /// Moment estimates by name (`NAME.exp_avg`, `NAME.exp_avg_sq`, as PyTorch calls them).
@@ -455,12 +477,12 @@ pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
     if grads.is_empty() {
         return Ok(0.0);
     }
-    if grads.iter().all(|g| gpt_kernels::fused(g) && g.device().is_cpu()) {
+    if norm_by_sums_of_squares(grads) {
         // On the CPU: each gradient's squares summed in one pass, in f64, without a tensor of
         // squares (GPT-2 small's would be 500 MB of fresh memory a step).
         let mut sum = 0f64;
         for g in grads {
-            sum += g.contiguous()?.apply_op1_no_bwd(&SumOfSquares)?.to_scalar::<f64>()?;
+            sum += sum_of_squares(g)?;
         }
         return Ok(sum.sqrt());
     }
@@ -471,6 +493,17 @@ pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
         .collect::<Result<Vec<_>>>()?;
     let sum = Tensor::stack(&squares, 0)?.sum_all()?.to_scalar::<f64>()?;
     Ok(sum.sqrt())
+}
+
+/// Whether [`global_norm`] sums each gradient's squares with [`sum_of_squares`] (f32 CPU
+/// tensors, fused ops on), so that a norm summed from them in order is the same, bit for bit.
+pub fn norm_by_sums_of_squares(grads: &[Tensor]) -> bool {
+    grads.iter().all(|g| gpt_kernels::fused(g) && g.device().is_cpu())
+}
+
+/// `Σ x²` of a gradient, in f64, as [`global_norm`] sums it on the CPU.
+pub fn sum_of_squares(g: &Tensor) -> Result<f64> {
+    g.contiguous()?.apply_op1_no_bwd(&SumOfSquares)?.to_scalar::<f64>()
 }
 
 /// `Σ x²` of an f32 tensor, as an f64 scalar.
@@ -501,12 +534,16 @@ impl candle_core::CustomOp1 for SumOfSquares {
 /// [`AdamW::step_scaled`] instead of scaling every gradient.
 pub fn clip_factor(grads: &[Tensor], max_norm: f64) -> Result<(f64, f64)> {
     let norm = global_norm(grads)?;
-    let scale = if max_norm > 0.0 && norm > max_norm {
+    Ok((norm, clip_scale(norm, max_norm)))
+}
+
+/// The factor that clips gradients of global norm `norm` to at most `max_norm`.
+pub fn clip_scale(norm: f64, max_norm: f64) -> f64 {
+    if max_norm > 0.0 && norm > max_norm {
         max_norm / (norm + 1e-6)
     } else {
         1.0
-    };
-    Ok((norm, scale))
+    }
 }
 
 /// Scales the gradients so that their global norm is at most `max_norm` (as PyTorch's
