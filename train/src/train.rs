@@ -113,7 +113,7 @@ impl<'w> Trainer<'w> {
             .into());
         }
         let device = rank_device(&run.device, world)?;
-        if !(args.allreduce_bucket_mb > 0.0) {
+        if args.allreduce_bucket_mb.is_nan() || args.allreduce_bucket_mb <= 0.0 {
             bail!(
                 "--allreduce-bucket-mb {}: must be more than 0",
                 args.allreduce_bucket_mb

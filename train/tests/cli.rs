@@ -430,3 +430,17 @@ fn a_build_without_mpi_started_as_one_of_several_ranks_refuses() -> anyhow::Resu
     assert!(run.status.success(), "{}", stderr(&run));
     Ok(())
 }
+
+#[test]
+fn a_bucket_size_that_is_not_positive_is_an_error_naming_the_flag() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(20_000)?)?;
+    for bad in ["0", "-1", "NaN"] {
+        let out = dir.path().join(format!("run{bad}"));
+        let flag = format!("--allreduce-bucket-mb={bad}");
+        let args = common::train_args(&corpus, &out, &["--max-iters", "2", &flag]);
+        let err = fails(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
+        assert!(err.contains("--allreduce-bucket-mb"), "{bad}: {err}");
+    }
+    Ok(())
+}

@@ -10,8 +10,8 @@ mod common;
 use gpt_test_support as support;
 
 use std::path::Path;
-use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use common::{latest_step, wait_for, BIN};
 const MINUTE: Duration = Duration::from_secs(60);
