@@ -11,6 +11,7 @@ pub mod init;
 pub mod metrics;
 pub mod optim;
 pub mod schedule;
+pub mod setup;
 pub mod step;
 pub mod tokenizer;
 pub mod train;

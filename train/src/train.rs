@@ -8,7 +8,7 @@
 //! each batch's rows, the gradients summed across ranks before the update; rank 0 alone writes
 //! (checkpoints, metrics, the progress line), and the others only read `--out`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -18,13 +18,14 @@ use candle_nn::VarMap;
 use gpt::checkpoint;
 use gpt::{Gpt, Tokenizer};
 
-use crate::checkpoints::{self, Saved, TrainerState};
+use crate::checkpoints::{self, TrainerState};
 use crate::config::{RunConfig, TrainArgs};
 use crate::data::{self, Dataset};
 use crate::distributed::{agree, World};
 use crate::metrics::{Event, Metrics, Progress};
-use crate::optim::{AdamW, AdamWConfig};
+use crate::optim::AdamW;
 use crate::schedule::Schedule;
+use crate::setup;
 use crate::step::{accumulate_grads, cpu_threads, Objective, RowShare};
 
 /// The outcome of `train`.
@@ -80,9 +81,9 @@ impl<'w> Trainer<'w> {
     pub fn new(args: &TrainArgs, world: &'w World) -> Result<Self> {
         let out = args.out.clone();
         let root = world.is_root();
-        let saved = saved_run(args, root)?;
+        let saved = setup::saved_run(args, root)?;
         if root {
-            check_writable(&out)?;
+            setup::check_writable(&out)?;
         }
         let init_from = match args.init_from.as_deref().filter(|_| saved.is_none()) {
             Some(named) => Some(
@@ -92,7 +93,12 @@ impl<'w> Trainer<'w> {
             ),
             None => None,
         };
-        let tokenizer = run_tokenizer(args, saved.as_ref(), init_from.as_deref(), &scratch_dir(args, world))?;
+        let scratch = setup::scratch_dir(args, world);
+        let tokenizer = setup::run_tokenizer(args, saved.as_ref(), init_from.as_deref(), &scratch);
+        if !root {
+            let _ = std::fs::remove_dir_all(&scratch); // its own, under the temporary directory
+        }
+        let tokenizer = tokenizer?;
         let init_config = init_from
             .as_deref()
             .map(|dir| gpt::Config::from_file(&dir.join(checkpoint::CONFIG_FILE)))
@@ -112,7 +118,7 @@ impl<'w> Trainer<'w> {
             ))
             .into());
         }
-        let device = rank_device(&run.device, world)?;
+        let device = setup::rank_device(&run.device, world)?;
         if args.allreduce_bucket_mb.is_nan() || args.allreduce_bucket_mb <= 0.0 {
             bail!(
                 "--allreduce-bucket-mb {}: must be more than 0",
@@ -124,7 +130,7 @@ impl<'w> Trainer<'w> {
         if !root {
             world.barrier();
         }
-        let data = prepare_data(&run, &tokenizer, &out)?;
+        let data = setup::prepare_data(&run, &tokenizer, &out)?;
         if root {
             world.barrier();
         }
@@ -142,9 +148,9 @@ impl<'w> Trainer<'w> {
             .with_autocast(args.dtype.unwrap_or_default().autocast());
         let named = crate::init::named_vars(&varmap)?;
         if let Some(dir) = &init_from {
-            load_weights(dir, &named, &device)?;
+            setup::load_weights(dir, &named, &device)?;
         }
-        let mut opt = AdamW::new(named, opt_config(&run))?;
+        let mut opt = AdamW::new(named, setup::opt_config(&run))?;
         let mut state = match saved {
             Some(saved) => {
                 checkpoints::restore(&saved, &varmap, &mut opt, &device)?;
@@ -476,162 +482,5 @@ impl<'w> Trainer<'w> {
             self.keep_last,
         )
         .map(Some)
-    }
-}
-
-/// With `--resume`, the newest complete checkpoint in `--out` (an error if there is none);
-/// without, `None`, after checking that `--out` holds no run that this one would overwrite. Only
-/// rank 0 (`root`) cleans up what a crashed save left there; the other ranks only read.
-fn saved_run(args: &TrainArgs, root: bool) -> Result<Option<Saved>> {
-    let out = &args.out;
-    if root {
-        checkpoints::clean_up(out)?;
-    }
-    if args.resume {
-        let saved = checkpoints::latest(out)?;
-        return Ok(Some(saved.with_context(|| {
-            format!("--resume: no complete checkpoint to resume in {}", out.display())
-        })?));
-    }
-    if !checkpoints::list(out)?.is_empty() {
-        bail!(
-            "{} already holds a training checkpoint; pass --resume to continue it, or choose another --out",
-            out.display()
-        );
-    }
-    Ok(None)
-}
-
-/// The run's corpus tokenised (cached under `OUT/tokens`) and split, each split long enough for
-/// one window.
-fn prepare_data(run: &RunConfig, tokenizer: &Tokenizer, out: &Path) -> Result<Dataset> {
-    let data = data::prepare(
-        &run.data,
-        run.val_data.as_deref(),
-        run.val_fraction,
-        tokenizer,
-        &out.join("tokens"),
-        &run.reading(),
-    )?;
-    for (name, split) in [("training", &data.train), ("validation", &data.val)] {
-        if split.len() < run.block_size() + 1 {
-            bail!(
-                "the {name} split has {} tokens, fewer than block size + 1 = {}; use more text, a smaller \
-                 --block-size, or a different --val-fraction / --val-data",
-                split.len(),
-                run.block_size() + 1
-            );
-        }
-    }
-    Ok(data)
-}
-
-/// The tokenizer of a resumed run is its checkpoint's, of a fine-tuning run the `--init-from`
-/// checkpoint's (a `--tokenizer` given too must be the same); a new run builds its own.
-fn run_tokenizer(
-    args: &TrainArgs,
-    saved: Option<&Saved>,
-    init_from: Option<&Path>,
-    scratch: &Path,
-) -> Result<Tokenizer> {
-    let (dir, what) = match (saved, init_from) {
-        (Some(saved), _) => (saved.dir.clone(), "the checkpoint being resumed".to_string()),
-        (None, Some(dir)) => (
-            dir.to_path_buf(),
-            format!("the --init-from checkpoint {}", dir.display()),
-        ),
-        (None, None) => {
-            let spec = args.tokenizer.as_deref().unwrap_or("char");
-            return crate::tokenizer::build_tokenizer(spec, &args.data, &args_reading(args, None), scratch);
-        }
-    };
-    let tok = checkpoint::load_tokenizer(&dir, usize::MAX)?;
-    if let Some(spec) = &args.tokenizer {
-        let given = crate::tokenizer::build_tokenizer(spec, &args.data, &args_reading(args, saved), scratch)?;
-        if given.inner().to_string(false).ok() != tok.inner().to_string(false).ok() {
-            bail!("--tokenizer {spec} differs from the tokenizer of {what}");
-        }
-    }
-    Ok(tok)
-}
-
-/// Sets the model's variables to the weights of the checkpoint in `dir` (any GPT-2-layout
-/// checkpoint: `transformer.` prefixes, a stored LM head and the old attention buffers are
-/// handled by [`gpt::load_model`]).
-fn load_weights(dir: &Path, vars: &[(String, Var)], device: &Device) -> Result<()> {
-    let base = gpt::load_model(dir, candle_core::DType::F32, device)
-        .with_context(|| format!("--init-from {}", dir.display()))?;
-    let tensors: std::collections::HashMap<String, candle_core::Tensor> = base
-        .named_tensors()?
-        .into_iter()
-        .map(|(name, t)| (name.trim_start_matches("transformer.").to_string(), t))
-        .collect();
-    for (name, var) in vars {
-        let t = tensors
-            .get(name)
-            .with_context(|| format!("--init-from {}: tensor `{name}` is missing", dir.display()))?;
-        var.set(&t.contiguous()?)
-            .with_context(|| format!("--init-from {}: tensor `{name}`", dir.display()))?;
-    }
-    Ok(())
-}
-
-/// How `--data` is read, from the flags, else the run being resumed, else the defaults.
-fn args_reading(args: &TrainArgs, saved: Option<&Saved>) -> data::Reading {
-    let saved = saved.map(|s| s.state.run.reading()).unwrap_or_default();
-    data::Reading {
-        text_field: args.text_field.clone().unwrap_or(saved.text_field),
-        format: args.data_format.unwrap_or(saved.format),
-    }
-}
-
-/// Where this rank may write what it builds a tokenizer from: `--out` for rank 0, a directory of
-/// its own under the system's temporary directory for the others (which never write `--out`).
-fn scratch_dir(args: &TrainArgs, world: &World) -> PathBuf {
-    if world.is_root() {
-        return args.out.clone();
-    }
-    std::env::temp_dir().join(format!("gpt-train-rank{}-{}", world.rank(), std::process::id()))
-}
-
-/// The device this rank trains on: `--device` as given, except that in a job of several ranks
-/// `cuda` (or `auto` finding CUDA) means the GPU of this rank's place on its host, among those
-/// visible (one per rank, as `CUDA_VISIBLE_DEVICES` or the local rank gives them).
-fn rank_device(spec: &str, world: &World) -> Result<Device> {
-    let device = gpt::parse_device(spec)?;
-    if world.size() == 1 || !device.is_cuda() || spec.starts_with("cuda:") {
-        return Ok(device);
-    }
-    Ok(gpt::parse_device(&format!(
-        "cuda:{}",
-        world.local_rank() % gpu_count().max(1)
-    ))?)
-}
-
-#[cfg(feature = "cuda")]
-fn gpu_count() -> usize {
-    candle_core::cuda_backend::cudarc::driver::CudaContext::device_count().map_or(1, |n| n.max(0) as usize)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn gpu_count() -> usize {
-    1
-}
-
-/// Fails unless `out` can be created and written, before any work is done.
-fn check_writable(out: &Path) -> Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("--out {}: cannot create the directory", out.display()))?;
-    let probe = out.join(".write-test");
-    std::fs::write(&probe, b"").with_context(|| format!("--out {}: directory is not writable", out.display()))?;
-    let _ = std::fs::remove_file(probe);
-    Ok(())
-}
-
-fn opt_config(run: &RunConfig) -> AdamWConfig {
-    AdamWConfig {
-        beta1: run.beta1,
-        beta2: run.beta2,
-        eps: 1e-8,
-        weight_decay: run.weight_decay,
     }
 }

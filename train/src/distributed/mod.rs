@@ -1,6 +1,8 @@
 //! Data-parallel training across processes: the ranks of an MPI job (`mpirun -np N gpt-train
 //! train ...`, or Slurm's `srun`), each training its share of every batch's rows, their
-//! gradients summed by allreduce so that every rank applies the same AdamW update.
+//! gradients summed across the ranks so that every rank ends each step with the same weights (on
+//! GPUs every rank applies the whole update; on CPUs each applies it to the parameters it owns
+//! and sends them to the others).
 //!
 //! [`World`] is the job as one rank sees it: a process alone (the default build, or a run without
 //! a launcher: every collective is then the identity), or a rank of an MPI job (feature `mpi`),
@@ -36,9 +38,10 @@ pub const DEFAULT_BUCKET_MB: f64 = 1.0;
 /// Time this rank spent in collectives since the last [`World::take_comm_time`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct CommTime {
-    /// Waiting for the other ranks to reach the gradient sum (the slowest rank's lead).
+    /// Waiting for the other ranks to reach the gradient sum (how far the slowest is behind).
     pub wait_s: f64,
-    /// Summing the gradients once every rank is there.
+    /// Summing the gradients once every rank is there (and, on CPUs, sending the updated
+    /// parameters from their owners).
     pub allreduce_s: f64,
 }
 
