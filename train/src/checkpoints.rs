@@ -127,19 +127,12 @@ fn read_state(dir: &Path) -> Result<TrainerState> {
     serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))
 }
 
-/// A checksum of a file's bytes: 64 bits over its 8-byte words and its length, each word mixed
-/// in by steps that are one-to-one, so that any change to one word (a flipped bit) or to the
-/// length (a truncation) changes it. Not cryptographic: it finds damage, not tampering.
+/// A checksum of a file's bytes ([`Checksum`]), in hex.
 pub fn checksum(path: &Path) -> Result<String> {
     use std::io::Read;
     let mut file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     let mut buf = vec![0u8; 1 << 20];
-    let (mut h, mut len) = (0x9E37_79B9_7F4A_7C15u64, 0u64);
-    let mix = |h: u64, w: u64| {
-        let h = (h ^ w).wrapping_mul(0xFF51_AFD7_ED55_8CCD);
-        h ^ (h >> 32)
-    };
-    let mut tail: Vec<u8> = Vec::new();
+    let mut sum = Checksum::new();
     loop {
         let n = file
             .read(&mut buf)
@@ -147,21 +140,73 @@ pub fn checksum(path: &Path) -> Result<String> {
         if n == 0 {
             break;
         }
-        len += n as u64;
-        tail.extend_from_slice(&buf[..n]);
-        let whole = tail.len() / 8 * 8;
-        for word in tail[..whole].chunks_exact(8) {
-            h = mix(
-                h,
-                u64::from_le_bytes([word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7]]),
-            );
-        }
-        tail.drain(..whole);
+        sum.update(&buf[..n]);
     }
-    let mut last = [0u8; 8];
-    last[..tail.len()].copy_from_slice(&tail);
-    h = mix(mix(h, u64::from_le_bytes(last)), len);
-    Ok(format!("{h:016x}"))
+    Ok(format!("{:016x}", sum.finish()))
+}
+
+/// A checksum of a stream of bytes: 64 bits over its 8-byte words and its length, each word mixed
+/// in by steps that are one-to-one, so that any change to one word (a flipped bit) or to the
+/// length (a truncation) changes it. Not cryptographic: it finds damage, not tampering. (Also
+/// what the ranks of a job compare their data and parameters by.)
+pub struct Checksum {
+    h: u64,
+    len: u64,
+    /// The bytes of an unfinished word.
+    tail: Vec<u8>,
+}
+
+impl Default for Checksum {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Checksum {
+    pub fn new() -> Self {
+        Self {
+            h: 0x9E37_79B9_7F4A_7C15,
+            len: 0,
+            tail: Vec::with_capacity(8),
+        }
+    }
+
+    fn mix(h: u64, w: u64) -> u64 {
+        let h = (h ^ w).wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+        h ^ (h >> 32)
+    }
+
+    fn word(bytes: &[u8]) -> u64 {
+        let mut w = [0u8; 8];
+        w[..bytes.len()].copy_from_slice(bytes);
+        u64::from_le_bytes(w)
+    }
+
+    /// Mixes in the next bytes of the stream.
+    pub fn update(&mut self, mut bytes: &[u8]) {
+        self.len += bytes.len() as u64;
+        if !self.tail.is_empty() {
+            let take = (8 - self.tail.len()).min(bytes.len());
+            self.tail.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+            if self.tail.len() < 8 {
+                return;
+            }
+            self.h = Self::mix(self.h, Self::word(&self.tail));
+            self.tail.clear();
+        }
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            self.h = Self::mix(self.h, Self::word(w));
+        }
+        self.tail.extend_from_slice(words.remainder());
+    }
+
+    /// The checksum of the bytes so far: the last, partial word padded with zeros, then the
+    /// length.
+    pub fn finish(&self) -> u64 {
+        Self::mix(Self::mix(self.h, Self::word(&self.tail)), self.len)
+    }
 }
 
 /// The files whose checksums a checkpoint records.
