@@ -265,11 +265,13 @@ impl<'w> Trainer<'w> {
             if self.world.any(stop.load(Ordering::SeqCst)) {
                 self.save()?;
                 self.progress.finish();
-                self.progress.println(&format!(
-                    "interrupted: checkpoint saved at step {step} in {}; continue with: gpt-train train --out {} --resume",
-                    self.out.display(),
-                    self.out.display()
-                ));
+                if self.world.is_root() {
+                    eprintln!(
+                        "interrupted: checkpoint saved at step {step} in {}; continue with: gpt-train train --out {} --resume",
+                        self.out.display(),
+                        self.out.display()
+                    );
+                }
                 return Ok(self.summary(true));
             }
             let lr = self.schedule.lr(step);
