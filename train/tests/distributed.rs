@@ -93,17 +93,24 @@ fn args<'a>(more: &[&'a str]) -> Vec<&'a str> {
     RUN.iter().copied().chain(more.iter().copied()).collect()
 }
 
+/// The reference of the 2-rank runs: 20 steps of one process with `--parallel shards --threads 2`
+/// in `dir/one`, and the flags (but `--threads`) the ranks share with it.
+fn one_process_of_20_steps(corpus: &Path, dir: &Path) -> anyhow::Result<(PathBuf, Vec<&'static str>)> {
+    let one = dir.join("one");
+    let more = args(&["--max-iters", "20", "--parallel", "shards"]);
+    ok(common::train(
+        corpus,
+        &one,
+        &[more.as_slice(), &["--threads", "2"]].concat(),
+    )?)?;
+    Ok((one, more))
+}
+
 #[test]
 fn two_ranks_end_with_the_weights_of_one_process_with_two_shards_bit_for_bit() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let corpus = support::shakespeare_path();
-    let one = dir.path().join("one");
-    let more = args(&["--max-iters", "20", "--parallel", "shards"]);
-    ok(common::train(
-        &corpus,
-        &one,
-        &[more.as_slice(), &["--threads", "2"]].concat(),
-    )?)?;
+    let (one, more) = one_process_of_20_steps(&corpus, dir.path())?;
     // With 1 MB buckets every tensor of the tiny model is packed into one; with buckets of 2621
     // values, the small ones are packed, the larger summed whole and the largest in pieces.
     for bucket_mb in ["1", "0.01"] {
@@ -430,13 +437,7 @@ impl Drop for TwoHosts {
 fn two_ranks_on_two_hosts_over_tcp_end_with_the_weights_of_one_process() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let corpus = support::shakespeare_path();
-    let one = dir.path().join("one");
-    let more = args(&["--max-iters", "20", "--parallel", "shards"]);
-    ok(common::train(
-        &corpus,
-        &one,
-        &[more.as_slice(), &["--threads", "2"]].concat(),
-    )?)?;
+    let (one, more) = one_process_of_20_steps(&corpus, dir.path())?;
     let hosts = TwoHosts::new()?;
     let two = dir.path().join("two");
     let subnet = format!("{}.0/24", &hosts.addresses[0][..hosts.addresses[0].len() - 2]);
