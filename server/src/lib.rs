@@ -12,12 +12,14 @@ pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod fold;
+mod gbnf;
 pub mod metrics;
 pub mod openapi;
 pub mod respond;
 pub mod routes;
 pub mod serve;
 pub mod state;
+pub mod structured;
 pub mod validation;
 
 use std::path::{Path, PathBuf};
@@ -188,6 +190,8 @@ pub fn load_state(
     let chat_template = load_chat_template(checkpoint, cfg.chat_template.as_deref())?;
     let openapi = openapi::document(&limits);
     let metrics = Arc::new(Metrics::new()?);
+    let grammars = Arc::new(engine::constraint::Grammars::new(&tokenizer, model.config().vocab_size));
+    metrics.register(grammars.collectors())?;
     let tokenizer = Arc::new(tokenizer);
     let attention_model = model.clone(); // shares the weights
     let fingerprint = fingerprint(&format!(
@@ -244,6 +248,7 @@ pub fn load_state(
         attention_model,
         cors_origins: cfg.cors_origins.clone(),
         fingerprint,
+        grammars,
     }))
 }
 

@@ -145,6 +145,11 @@ impl Metrics {
         })
     }
 
+    /// Counts kept elsewhere (the structured outputs' grammar cache), exposed here too.
+    pub fn register(&self, collectors: Vec<Box<dyn prometheus::core::Collector>>) -> prometheus::Result<()> {
+        collectors.into_iter().try_for_each(|c| self.registry.register(c))
+    }
+
     /// The Prometheus text exposition format.
     pub fn render(&self) -> String {
         self.kv_pool_bytes.set(gpt::kv_pool_bytes() as i64);

@@ -39,6 +39,8 @@ pub struct AppState {
     pub cors_origins: Vec<String>,
     /// Responses' `system_fingerprint`.
     pub fingerprint: String,
+    /// Structured outputs' grammars, compiled against this tokenizer (and cached).
+    pub grammars: Arc<crate::engine::constraint::Grammars>,
 }
 
 /// A request body that names the model it is for.

@@ -3,11 +3,15 @@
 //! one table, [`Limits::int_ranges`] and [`FLOAT_RANGES`], which the OpenAPI document states too.
 //! Tokenises the prompts, so it runs off the async runtime.
 
+use std::sync::Arc;
+
 use gpt::{SamplingParams, Tokenizer};
 
 use crate::api::{ChatCompletionRequest, CompletionRequest, Prompt, Stop};
+use crate::engine::constraint::{Compiled, Grammars};
 use crate::engine::{ValidPrompt, ValidRequest};
 use crate::error::ApiError;
+use crate::structured::{self, Fields, Requested};
 
 /// The request parameters' names, as clients send them and errors and the OpenAPI document name
 /// them: one table, so that a rule, its range and its message cannot disagree on a name.
@@ -341,7 +345,15 @@ pub fn validate_chat(req: &ChatCompletionRequest, limits: &Limits) -> Result<(),
     Ok(())
 }
 
-pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) -> Result<ValidRequest, ApiError> {
+/// `req` checked and tokenised, its structured-output constraint (or `tools`', from chat)
+/// compiled by `grammars`.
+pub fn validate(
+    req: CompletionRequest,
+    tokenizer: &Tokenizer,
+    limits: &Limits,
+    grammars: &Grammars,
+    tools: Option<Requested>,
+) -> Result<ValidRequest, ApiError> {
     let beam_search = match req.use_beam_search.unwrap_or(false) {
         true => Some(beam_search_settings(&req)? as f32),
         false => None,
@@ -384,6 +396,14 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
         some => Some(limits.int(param::LOGPROBS, some, 0)? as usize),
     };
     sampling.logit_bias = logit_bias(&req, limits)?;
+    let constraint = constraint(&req, grammars, tools)?;
+    if constraint.is_some() && beam_search.is_some() && !grammars.has_end_token() {
+        return Err(ApiError::invalid(
+            "use_beam_search",
+            "beam search under a structured-output constraint needs a vocabulary with an end-of-text token, to \
+             end a beam whose output is complete; this model's has none",
+        ));
+    }
     let (stop, stop_token_ids) = stops(req.stop, req.stop_token_ids, limits)?;
     let stream = req.stream.unwrap_or(false);
     let prompt_logprobs = prompt_logprobs(req.prompt_logprobs, stream, limits)?;
@@ -411,7 +431,51 @@ pub fn validate(req: CompletionRequest, tokenizer: &Tokenizer, limits: &Limits) 
         tokens_as_ids: req.return_tokens_as_token_ids.unwrap_or(false),
         request_id: req.request_id,
         cache_salt: req.cache_salt,
+        constraint,
     })
+}
+
+/// The request's structured-output constraint, compiled (from the cache where it was compiled
+/// before): an invalid schema, regex or grammar, one beyond the limits, or two constraints in one
+/// request is an error that names the field, before anything is generated.
+fn constraint(
+    req: &CompletionRequest,
+    grammars: &Grammars,
+    tools: Option<Requested>,
+) -> Result<Option<Arc<Compiled>>, ApiError> {
+    let asked = structured::requested(Fields {
+        response_format: req.response_format.as_ref(),
+        structured_outputs: req.structured_outputs.as_ref(),
+        guided_json: req.guided_json.as_ref(),
+        guided_regex: req.guided_regex.as_deref(),
+        guided_choice: req.guided_choice.as_deref(),
+        guided_grammar: req.guided_grammar.as_deref(),
+        json_schema: req.json_schema.as_ref(),
+        grammar: req.grammar.as_deref(),
+    })?;
+    let asked = match (asked, tools) {
+        (Some(a), Some(t)) => {
+            return Err(ApiError::invalid(
+                a.field.clone(),
+                format!("{} and {} both constrain the output; give one", t.field, a.field),
+            ))
+        }
+        (a, t) => a.or(t),
+    };
+    let Some(asked) = asked else { return Ok(None) };
+    if req.allowed_token_ids.is_some() {
+        return Err(ApiError::invalid(
+            "allowed_token_ids",
+            format!(
+                "allowed_token_ids and {} both constrain the output; give one",
+                asked.field
+            ),
+        ));
+    }
+    grammars
+        .compile(&asked.grammar)
+        .map(Some)
+        .map_err(|e| ApiError::invalid(asked.field.clone(), format!("{}: {e}", asked.field)))
 }
 
 /// vLLM's `prompt_logprobs`: 0 to `max_logprobs` alternatives. As in vLLM, a stream cannot carry

@@ -193,8 +193,8 @@ async fn ids_fingerprints_priority_and_fields_that_are_refused() -> anyhow::Resu
     assert_eq!((status, r["error"]["param"].clone()), (400, json!("priority")));
     let refused = [
         ("suffix", json!("x")),
-        ("guided_json", json!({})),
-        ("response_format", json!({"type": "json_object"})),
+        ("guided_decoding_backend", json!("xgrammar")),
+        ("structural_tag", json!({})),
         ("logits_processors", json!(["m.P"])),
         ("kv_transfer_params", json!({})),
         ("vllm_xargs", json!({})),

@@ -30,17 +30,17 @@ pub const UNSUPPORTED: &[(&str, &str)] = &[
         "banning multi-token words needs lookahead this sampler does not have",
     ),
     (
-        "response_format",
-        "structured output (JSON mode, JSON schema) is not implemented",
+        "guided_decoding_backend",
+        "there is one structured-output engine, llguidance",
     ),
-    ("guided_json", "structured output is not implemented"),
-    ("guided_regex", "structured output is not implemented"),
-    ("guided_choice", "structured output is not implemented"),
-    ("guided_grammar", "structured output is not implemented"),
-    ("guided_decoding_backend", "structured output is not implemented"),
-    ("guided_whitespace_pattern", "structured output is not implemented"),
-    ("structural_tag", "structured output is not implemented"),
-    ("structured_outputs", "structured output is not implemented"),
+    (
+        "guided_whitespace_pattern",
+        "JSON is written compactly, as the schema allows",
+    ),
+    (
+        "structural_tag",
+        "structural tags are not supported; use a JSON schema or a grammar",
+    ),
     ("logits_processors", "the server runs no user-supplied code"),
     (
         "kv_transfer_params",

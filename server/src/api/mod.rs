@@ -259,6 +259,30 @@ macro_rules! generation_fields {
             /// The prefix cache shares a prompt's cached prefix only with requests of the same
             /// salt (vLLM's field; a non-empty string).
             cache_salt: Option<String>,
+            /// OpenAI's structured output: `{"type": "json_object"}` (any JSON object),
+            /// `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict":
+            /// true}}` (JSON valid against the schema), or `{"type": "text"}` (no constraint).
+            /// Enforced token by token; one constraint per request (README, "Structured outputs").
+            #[schema(value_type = Option<Object>)]
+            response_format: Option<Value>,
+            /// vLLM's structured outputs: one of `json` (a schema), `regex`, `choice` (an array
+            /// of strings), `grammar` (llguidance's Lark, or GBNF) or `json_object: true`.
+            #[schema(value_type = Option<Object>)]
+            structured_outputs: Option<Value>,
+            /// vLLM's older name for `structured_outputs.json`.
+            #[schema(value_type = Option<Object>)]
+            guided_json: Option<Value>,
+            /// vLLM's older name for `structured_outputs.regex`.
+            guided_regex: Option<String>,
+            /// vLLM's older name for `structured_outputs.choice`.
+            guided_choice: Option<Vec<String>>,
+            /// vLLM's older name for `structured_outputs.grammar`.
+            guided_grammar: Option<String>,
+            /// llama.cpp's: a JSON schema the output follows.
+            #[schema(value_type = Option<Object>)]
+            json_schema: Option<Value>,
+            /// llama.cpp's: a GBNF grammar the output follows (llguidance's Lark is taken too).
+            grammar: Option<String>,
         }
     };
 }

@@ -11,8 +11,9 @@ use gpt::beam::{reorder, BeamParams, BeamSearch, Hypothesis};
 use gpt::{KvCache, Tokenizer};
 
 use super::channel::EventSink;
+use super::constraint::Constraint;
 use super::runner::{StepInput, StepOutput};
-use super::sequence::{prompt_logprobs, ModelInfo, Status};
+use super::sequence::{grammar_error, prompt_logprobs, ModelInfo, Status};
 
 use super::Detokenizer;
 use super::ValidRequest;
@@ -27,6 +28,9 @@ pub struct BeamGroup {
     caches: Vec<KvCache>,
     /// Each beam's next token; `None` until the prompt is prefilled.
     next: Option<Vec<u32>>,
+    /// Each beam's place in the request's grammar (structured outputs), one per beam once the
+    /// prompt is prefilled.
+    constraints: Vec<Constraint>,
     queued_at: Instant,
 }
 
@@ -54,6 +58,7 @@ impl BeamGroup {
             search: Some(search),
             caches: vec![cache],
             next: None,
+            constraints: Vec::new(),
             queued_at,
         }
     }
@@ -63,10 +68,11 @@ impl BeamGroup {
         self.request.best_of
     }
 
-    /// The prompt (with its logprobs for `echo`), then one token per beam.
-    pub fn step_inputs(&mut self) -> Vec<StepInput<'_>> {
+    /// The prompt (with its logprobs for `echo`), then one token per beam; and the beams' grammar
+    /// states (see [`super::sequence::Sequence::step_input`]).
+    pub fn step_inputs(&mut self) -> (Vec<StepInput<'_>>, Vec<&mut Constraint>) {
         let r = &self.request;
-        match &self.next {
+        let inputs = match &self.next {
             None => vec![StepInput {
                 tokens: &r.prompts[self.prompt].ids,
                 cache: &mut self.caches[0],
@@ -82,7 +88,8 @@ impl BeamGroup {
                     prompt_logprobs: None,
                 })
                 .collect(),
-        }
+        };
+        (inputs, self.constraints.iter_mut().collect())
     }
 
     /// Takes the step's outputs (one per input), picks the continuations, and when the search is
@@ -97,7 +104,7 @@ impl BeamGroup {
             return Ok(Status::Finished(FinishReason::Length));
         };
         let prefill = self.next.is_none();
-        let rows: Vec<Vec<f32>> = match prefill {
+        let mut rows: Vec<Vec<f32>> = match prefill {
             true => {
                 metrics
                     .time_to_first_token
@@ -119,8 +126,26 @@ impl BeamGroup {
             false => outputs.into_iter().map(|o| o.last).collect(),
         };
         metrics.generated_tokens.inc_by(search.beams() as u64);
+        if let Some(compiled) = &self.request.constraint {
+            // Each beam's row masked by its own grammar state, before the search scores it.
+            if prefill {
+                self.constraints = vec![compiled.start(); rows.len()];
+            }
+            for (row, c) in rows.iter_mut().zip(&mut self.constraints) {
+                c.mask(row).map_err(grammar_error)?;
+            }
+        }
         match search.step(&rows) {
             Some(selection) => {
+                if !self.constraints.is_empty() {
+                    self.constraints = (selection.parents.iter().zip(&selection.tokens))
+                        .map(|(&parent, &token)| {
+                            let mut c = self.constraints[parent].clone();
+                            c.commit(token).map_err(grammar_error)?;
+                            Ok(c)
+                        })
+                        .collect::<gpt::Result<_>>()?;
+                }
                 let caches = std::mem::take(&mut self.caches);
                 self.caches = reorder(caches, &selection.parents, prefill)?;
                 self.next = Some(selection.tokens);

@@ -7,6 +7,7 @@
 
 pub mod beam;
 pub mod channel;
+pub mod constraint;
 mod detokenize;
 mod event;
 pub mod prefix;
@@ -25,6 +26,7 @@ use tokio::sync::mpsc;
 use crate::metrics::Metrics;
 use beam::BeamGroup;
 pub use channel::{EventSink, EventSource};
+use constraint::Constraint;
 pub use detokenize::{Detokenizer, TextStream};
 pub(crate) use event::end_unstarted;
 pub use event::{Event, FinishReason, Refused, StopReason, TokenLogprob};
@@ -259,9 +261,12 @@ impl Active {
         }
     }
 
-    fn step_inputs(&mut self) -> Vec<StepInput<'_>> {
+    fn step_inputs(&mut self) -> (Vec<StepInput<'_>>, Vec<&mut Constraint>) {
         match self {
-            Active::Seq(s) => vec![s.step_input()],
+            Active::Seq(s) => {
+                let (input, constraint) = s.step_input();
+                (vec![input], constraint.into_iter().collect())
+            }
             Active::Beams(b) => b.step_inputs(),
         }
     }
@@ -513,15 +518,17 @@ impl Worker {
         let mut counts = Vec::with_capacity(self.running.len());
         let outputs = {
             let mut inputs: Vec<StepInput> = Vec::new();
+            let mut constraints: Vec<&mut Constraint> = Vec::new();
             for active in self.running.iter_mut() {
                 // A request whose client has a full buffer waits (see `channel`).
                 if active.events().is_full() {
                     counts.push(None);
                     continue;
                 }
-                let mine = active.step_inputs();
+                let (mine, grammars) = active.step_inputs();
                 counts.push(Some(mine.len()));
                 inputs.extend(mine);
+                constraints.extend(grammars);
             }
             match self.fault {
                 Some(Fault::Panic) => panic!("GPT_SERVER_FAULT=panic: the engine thread panics (a failure test)"),
@@ -534,7 +541,22 @@ impl Worker {
                     .collect(),
                 None => {
                     let _timer = self.metrics.step_duration.start_timer();
-                    self.runner.step(&mut inputs)
+                    let runner = &mut self.runner;
+                    if constraints.is_empty() {
+                        runner.step(&mut inputs)
+                    } else {
+                        // The grammars' next masks depend only on the tokens so far: computed on
+                        // a thread of their own while the model computes the step (an error
+                        // shows again when the sequence masks its logits).
+                        std::thread::scope(|scope| {
+                            scope.spawn(|| {
+                                for c in constraints {
+                                    let _ = c.prepare();
+                                }
+                            });
+                            runner.step(&mut inputs)
+                        })
+                    }
                 }
             }
         };

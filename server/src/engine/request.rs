@@ -1,7 +1,11 @@
 //! What the engine takes: a request that validation has checked and tokenised
 //! ([`crate::validation::validate`] makes it), its prompts as token ids.
 
+use std::sync::Arc;
+
 use gpt::SamplingParams;
+
+use super::constraint::Compiled;
 
 /// One prompt: its token ids, and its text (as given, or decoded from the ids).
 #[derive(Debug, Clone)]
@@ -49,6 +53,8 @@ pub struct ValidRequest {
     pub request_id: Option<String>,
     /// Prefix-cache entries are shared only with requests of the same salt.
     pub cache_salt: Option<String>,
+    /// The grammar every choice follows (structured outputs), compiled.
+    pub constraint: Option<Arc<Compiled>>,
 }
 
 impl ValidRequest {

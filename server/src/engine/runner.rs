@@ -214,7 +214,11 @@ pub fn top_k(row: &[f32], k: usize, lse: f32) -> Vec<(u32, f32)> {
         best.insert(at, (i, v));
         best.truncate(k);
     }
-    best.into_iter().map(|(i, v)| (i as u32, v - lse)).collect()
+    // Tokens a grammar rules out (-inf) have no probability: they are not among the likely ones.
+    (best.into_iter())
+        .filter(|&(_, v)| v != f32::NEG_INFINITY)
+        .map(|(i, v)| (i as u32, v - lse))
+        .collect()
 }
 
 #[cfg(test)]
@@ -306,7 +310,8 @@ mod tests {
         let mut sorted: Vec<usize> = (0..row.len()).collect();
         sorted.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
         for k in [1, 3, 20, 500] {
-            let want: Vec<u32> = sorted.iter().take(k).map(|&i| i as u32).collect();
+            // (-inf, a token ruled out, is never listed.)
+            let want: Vec<u32> = (sorted.iter().take(k).map(|&i| i as u32)).filter(|&i| i != 3).collect();
             let got: Vec<u32> = top_k(&row, k, 0.0).into_iter().map(|(i, _)| i).collect();
             assert_eq!(got, want, "k = {k}");
         }

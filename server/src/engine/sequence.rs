@@ -9,6 +9,7 @@ use std::time::Instant;
 use gpt::{KvCache, Sampler, Tokenizer};
 
 use super::channel::EventSink;
+use super::constraint::Constraint;
 use super::runner::{top_k, PositionLogprob, StepInput};
 use super::ValidRequest;
 use super::{Detokenizer, TextStream};
@@ -35,6 +36,8 @@ pub struct Sequence {
     decoded: String,
     decoded_chars: usize,
     sampler: Sampler,
+    /// Where the output is in its grammar (structured outputs).
+    constraint: Option<Constraint>,
     detokenizer: Detokenizer,
     text: TextStream,
     /// Σ log p of the sampled tokens under the model (for `best_of`).
@@ -75,6 +78,7 @@ impl Sequence {
         let candidates = request.best_of;
         Self {
             sampler: Sampler::new(request.sampling.clone()),
+            constraint: request.constraint.as_ref().map(|c| c.start()),
             text: TextStream::new(request.stop.clone(), request.include_stop_str),
             detokenizer: Detokenizer::new(request.skip_special_tokens),
             request,
@@ -120,7 +124,9 @@ impl Sequence {
 
     /// Its part in the next step: the prompt (what of it the cache does not hold yet), then the
     /// last token generated.
-    pub fn step_input(&mut self) -> StepInput<'_> {
+    /// With it, the sequence's grammar state, whose next mask can be computed while the model
+    /// computes the step.
+    pub fn step_input(&mut self) -> (StepInput<'_>, Option<&mut Constraint>) {
         let prompt_logprobs = self.wants_prompt_logprobs();
         let tokens: &[u32] = match (&self.prefill, self.output.last()) {
             (None, Some(last)) => std::slice::from_ref(last),
@@ -129,11 +135,12 @@ impl Sequence {
                 &ids[self.cache.len().min(ids.len().saturating_sub(1))..]
             }
         };
-        StepInput {
+        let input = StepInput {
             tokens,
             cache: &mut self.cache,
             prompt_logprobs,
-        }
+        };
+        (input, self.constraint.as_mut())
     }
 
     /// Top-N of the prompt's own tokens wanted from the prefill (`echo` with `logprobs`, or
@@ -159,6 +166,7 @@ impl Sequence {
                 decoded: String::new(),
                 decoded_chars: 0,
                 sampler: Sampler::new(sampling),
+                constraint: self.constraint.clone(),
                 detokenizer: Detokenizer::new(self.request.skip_special_tokens),
                 text: TextStream::new(self.request.stop.clone(), self.request.include_stop_str),
                 cumulative_logprob: 0.0,
@@ -183,6 +191,29 @@ impl Sequence {
         metrics: &Metrics,
     ) -> gpt::Result<Status> {
         let r = self.request.clone();
+        // Under a grammar, what it does not allow next is out before anything else (sampling,
+        // logprobs): `masked` holds the row with those at -inf.
+        let masked;
+        let logits = match &mut self.constraint {
+            None => logits,
+            Some(c) => {
+                let mut row = logits.to_vec();
+                let left = c.mask(&mut row).map_err(grammar_error)?;
+                if left == 0 {
+                    // Nothing of this vocabulary may follow: the grammar is complete (a vocabulary
+                    // without an end token has none to choose), or a dead end, such as a
+                    // character vocabulary that lacks the character the grammar needs next; the
+                    // output is then cut short, as at max_tokens.
+                    let reason = match c.may_end().map_err(grammar_error)? {
+                        true => FinishReason::Stop,
+                        false => dead_end(self.output.len()),
+                    };
+                    return self.finish(Vec::new(), String::new(), reason, None, tokenizer);
+                }
+                masked = row;
+                &masked[..]
+            }
+        };
         // Before min_tokens, neither the end-of-text token nor a stop token may be chosen; with
         // `allowed_token_ids`, nothing else may.
         let mut suppress: Vec<u32> = if self.output.len() < r.min_tokens {
@@ -190,6 +221,12 @@ impl Sequence {
         } else {
             Vec::new()
         };
+        if self.constraint.is_some()
+            && !suppress.is_empty()
+            && (logits.iter().enumerate()).all(|(i, v)| !v.is_finite() || suppress.contains(&(i as u32)))
+        {
+            suppress.clear(); // the grammar allows only an end here: it wins over min_tokens
+        }
         if let Some(allowed) = &r.allowed_token_ids {
             // Only ending tokens allowed before min_tokens: the allowed ones win (something must
             // be sampled).
@@ -200,6 +237,12 @@ impl Sequence {
         }
         let prompt = &r.prompts[self.prompt].ids;
         let token = self.sampler.sample_row(logits, prompt, &self.output, &suppress)?;
+        if let Some(c) = &mut self.constraint {
+            if !c.accepts(token) {
+                let reason = dead_end(self.output.len());
+                return self.finish(Vec::new(), String::new(), reason, None, tokenizer);
+            }
+        }
         let now = Instant::now();
         match self.last_token_at {
             None => metrics
@@ -229,6 +272,9 @@ impl Sequence {
             }
         }
         self.output.push(token);
+        if let Some(c) = &mut self.constraint {
+            c.commit(token).map_err(grammar_error)?;
+        }
 
         let stop_token = r.stop_token_ids.contains(&token);
         if (Some(token) == model.eos && !r.ignore_eos) || stop_token {
@@ -243,6 +289,10 @@ impl Sequence {
         if let Some(stop) = stopped {
             self.send_text(text, logprobs);
             return self.done(FinishReason::Stop, Some(StopReason::Text(stop)));
+        }
+        if self.constraint.as_ref().is_some_and(Constraint::is_finished) {
+            // The grammar is complete and allows nothing more.
+            return self.finish(logprobs, text, FinishReason::Stop, None, tokenizer);
         }
         let at_limit = self.output.len() >= r.max_tokens || prompt.len() + self.output.len() >= model.context;
         if at_limit {
@@ -297,6 +347,21 @@ impl Sequence {
         });
         Ok(Status::Finished(reason))
     }
+}
+
+/// A grammar that this vocabulary cannot continue (a character vocabulary without the character
+/// it needs next): the output is cut short there, as at max_tokens.
+fn dead_end(tokens: usize) -> FinishReason {
+    tracing::warn!(
+        tokens,
+        "the grammar allows no token of this vocabulary here: output cut short"
+    );
+    FinishReason::Length
+}
+
+/// A failure inside the grammar engine (not the client's grammar: that was compiled and checked).
+pub(crate) fn grammar_error(e: String) -> gpt::Error {
+    gpt::Error::Candle(candle_core::Error::Msg(format!("structured output: {e}")))
 }
 
 /// A position's log-probabilities with its token and the alternatives as text.

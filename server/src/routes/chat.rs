@@ -54,7 +54,8 @@ pub async fn chat_completions(
         // The template's stop strings come on top of the request's own.
         let mut limits = state2.limits.clone();
         limits.template_stops = template.stop.len();
-        validate(completion, &state2.tokenizer, &limits).map_err(|e| chat::chat_error(e, used_max_completion_tokens))
+        validate(completion, &state2.tokenizer, &limits, &state2.grammars, None)
+            .map_err(|e| chat::chat_error(e, used_max_completion_tokens))
     })
     .await?;
     let valid = Arc::new(valid);

@@ -38,8 +38,8 @@ pub async fn completions(
     ModelRequest(request): ModelRequest<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     // Tokenising is CPU work: off the async runtime.
-    let (tokenizer, limits) = (state.tokenizer.clone(), state.limits.clone());
-    let valid = blocking(move || validate(request, &tokenizer, &limits)).await?;
+    let state2 = state.clone();
+    let valid = blocking(move || validate(request, &state2.tokenizer, &state2.limits, &state2.grammars, None)).await?;
     let valid = Arc::new(valid);
     let events = state.engine.submit(valid.clone())?;
     let completion = Completion {
