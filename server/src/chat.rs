@@ -8,6 +8,7 @@ use minijinja::{context, Environment, ErrorKind};
 use crate::api::*;
 use crate::error::ApiError;
 use crate::fold::Delta;
+use crate::tools::{self, Mode, StreamedChoice};
 
 /// The template for a checkpoint without one (a base model): turns as a play script, each
 /// speaker's name in capitals on its own line and a blank line after each turn. A system message
@@ -103,7 +104,10 @@ impl ChatTemplate {
         let add_generation_prompt = options.add_generation_prompt.unwrap_or(!continue_final);
         let messages: Vec<_> = messages
             .iter()
-            .map(|m| context! { role => m.role, content => m.content.0, name => m.name })
+            .map(|m| {
+                context! { role => m.role, content => m.content.0, name => m.name,
+                tool_calls => m.tool_calls, tool_call_id => m.tool_call_id }
+            })
             .collect();
         let template = self
             .env
@@ -117,6 +121,7 @@ impl ChatTemplate {
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
                 documents => options.documents,
+                tools => options.tools,
                 ..extra
             })
             .map_err(|e| {
@@ -151,6 +156,8 @@ pub struct RenderOptions {
     pub final_content: Option<String>,
     pub kwargs: serde_json::Map<String, serde_json::Value>,
     pub documents: Option<Vec<serde_json::Map<String, serde_json::Value>>>,
+    /// The request's `tools`, for templates that describe them to the model.
+    pub tools: Option<Vec<serde_json::Value>>,
 }
 
 impl RenderOptions {
@@ -165,6 +172,7 @@ impl RenderOptions {
                 .map(|m| m.content.0.clone()),
             kwargs: req.chat_template_kwargs.take().unwrap_or_default(),
             documents: req.documents.take(),
+            tools: req.tools.clone(),
         }
     }
 }
@@ -282,29 +290,54 @@ pub fn chat_logprobs(lp: LogProbs) -> ChatLogProbs {
 }
 
 /// A whole completion's choice as a chat choice.
-pub fn chat_choice(choice: Choice, echo: Option<&str>) -> ChatChoice {
+pub fn chat_choice(choice: Choice, echo: Option<&str>, tools: Option<&Mode>) -> ChatChoice {
+    let text = format!("{}{}", echo.unwrap_or_default(), choice.text);
+    // Under tools, a complete output that is calls becomes them.
+    let calls = (tools.zip(choice.finish_reason.as_deref()))
+        .filter(|&(_, reason)| reason == "stop")
+        .and_then(|(mode, _)| tools::parse(mode, &choice.text));
+    let (content, tool_calls, finish_reason) = match calls {
+        Some(calls) => (None, calls, Some("tool_calls".to_string())),
+        None => (Some(text), Vec::new(), choice.finish_reason),
+    };
     ChatChoice {
         index: choice.index,
         message: ChatResponseMessage {
             role: "assistant".into(),
-            content: format!("{}{}", echo.unwrap_or_default(), choice.text),
+            content,
+            tool_calls,
         },
         logprobs: choice.logprobs.map(chat_logprobs),
-        finish_reason: choice.finish_reason,
+        finish_reason,
         stop_reason: choice.stop_reason,
     }
 }
 
 /// The chunks of one delta: its content (if any), then its finish reason in a chunk of its own,
-/// as OpenAI sends them.
-pub fn chat_chunks(delta: Delta) -> Vec<ChatChunkChoice> {
+/// as OpenAI sends them. Under tools (`tools`: the mode and the choice's stream so far), content
+/// becomes tool-call deltas as [`StreamedChoice`] decides, and a turn of calls finishes with
+/// "tool_calls".
+pub fn chat_chunks(delta: Delta, tools: Option<(&Mode, &mut StreamedChoice)>) -> Vec<ChatChunkChoice> {
     let mut out = Vec::new();
-    if !delta.text.is_empty() || delta.logprobs.as_ref().is_some_and(|l| !l.tokens.is_empty()) {
+    let complete = delta.finish_reason.map(|r| r == crate::engine::FinishReason::Stop);
+    let named = matches!(tools, Some((Mode::Named(_), _)));
+    let under_tools = tools.is_some();
+    let (content, calls) = match tools {
+        None => (Some(delta.text), None),
+        Some((mode, stream)) => {
+            let o = stream.push(mode, &delta.text, complete);
+            (o.content, o.calls)
+        }
+    };
+    let called = calls.is_some();
+    let has_logprobs = delta.logprobs.as_ref().is_some_and(|l| !l.tokens.is_empty());
+    if content.as_ref().is_some_and(|c| !c.is_empty()) || called || has_logprobs {
         out.push(ChatChunkChoice {
             index: delta.index,
             delta: ChatDelta {
                 role: None,
-                content: Some(delta.text),
+                content: content.filter(|c| !c.is_empty() || !called),
+                tool_calls: calls,
             },
             logprobs: delta.logprobs.map(chat_logprobs),
             finish_reason: None,
@@ -312,11 +345,15 @@ pub fn chat_chunks(delta: Delta) -> Vec<ChatChunkChoice> {
         });
     }
     if let Some(reason) = delta.finish_reason {
+        // A named function's turn is its call; `required` and `auto` ones are calls where the
+        // whole output read as calls (sent with this delta).
+        let calls_made =
+            complete == Some(true) && (named || under_tools && out.iter().any(|c| c.delta.tool_calls.is_some()));
         out.push(ChatChunkChoice {
             index: delta.index,
             delta: ChatDelta::default(),
             logprobs: None,
-            finish_reason: Some(reason.as_str().into()),
+            finish_reason: Some(if calls_made { "tool_calls" } else { reason.as_str() }.into()),
             stop_reason: delta.stop_reason.as_ref().map(crate::engine::StopReason::to_json),
         });
     }
@@ -330,6 +367,7 @@ pub fn role_chunk(index: u32, echo: Option<&str>) -> ChatChunkChoice {
         delta: ChatDelta {
             role: Some("assistant".into()),
             content: Some(echo.unwrap_or_default().to_string()),
+            tool_calls: None,
         },
         logprobs: None,
         finish_reason: None,
@@ -347,6 +385,8 @@ mod tests {
             content: Content(content.into()),
             name: None,
             refusal: None,
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 

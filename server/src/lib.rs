@@ -20,6 +20,7 @@ pub mod routes;
 pub mod serve;
 pub mod state;
 pub mod structured;
+pub mod tools;
 pub mod validation;
 
 use std::path::{Path, PathBuf};

@@ -224,11 +224,16 @@ async fn chat_errors_name_chat_parameters() -> anyhow::Result<()> {
             "top_logprobs",
             "between 0 and 20",
         ),
-        (json!({"messages": user, "tools": []}), "tools", "not supported"),
+        (
+            json!({"messages": user, "tools": [{"type": "retrieval"}]}),
+            "tools[0].type",
+            "must be \"function\"",
+        ),
+        (json!({"messages": user, "functions": []}), "functions", "not supported"),
         (json!({"messages": user, "temperature": -1}), "temperature", ">= 0"),
         (json!({"messages": []}), "messages", "at least one message"),
         (
-            json!({"messages": [{"role": "tool", "content": "x"}]}),
+            json!({"messages": [{"role": "robot", "content": "x"}]}),
             "messages",
             "unknown variant",
         ),

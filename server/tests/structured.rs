@@ -336,3 +336,144 @@ async fn the_default_character_model_takes_regexes_and_choices_and_refuses_json_
     );
     Ok(())
 }
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "unit": {"$ref": "#/$defs/Unit"}},
+                "required": ["city", "unit"], "additionalProperties": false,
+                "$defs": {"Unit": {"enum": ["C", "F"]}}}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": false}}}
+    ])
+}
+
+/// A call's arguments checked against its function's schema (the two of [`weather_tools`]).
+fn check_call(call: &Value) -> Result<(), String> {
+    let name = call["function"]["name"].as_str().unwrap_or_default();
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap_or_default())
+        .map_err(|e| format!("{call}: arguments are not JSON: {e}"))?;
+    let o = args.as_object().ok_or(format!("{call}: arguments not an object"))?;
+    let ok = match name {
+        "get_weather" => {
+            o.len() == 2
+                && o["city"].as_str().is_some_and(|c| c.chars().count() <= 8)
+                && ["C", "F"].contains(&o["unit"].as_str().unwrap_or_default())
+        }
+        "get_time" => o.len() == 1 && ["UTC", "CET"].contains(&o["zone"].as_str().unwrap_or_default()),
+        _ => false,
+    };
+    let id_ok = call["id"].as_str().is_some_and(|id| id.starts_with("call_")) && call["type"] == "function";
+    if ok && id_ok {
+        Ok(())
+    } else {
+        Err(format!("{call}: does not follow its function"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_follow_the_functions_schemas_whole_and_streamed() -> anyhow::Result<()> {
+    let dir = byte_level_model()?;
+    let server = start(dir.path(), config()).await?;
+    let messages = json!([{"role": "user", "content": "Weather in Paris?"}]);
+    // A named function: its arguments.
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for seed in 0..3 {
+        let body = json!({"messages": messages, "tools": weather_tools(), "tool_choice": named, "max_tokens": 200,
+                          "temperature": 1.0, "seed": seed});
+        let r = server.call("/v1/chat/completions", body).await?;
+        let choice = &r["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{r}");
+        assert_eq!(choice["message"]["content"], Value::Null);
+        let calls = choice["message"]["tool_calls"].as_array().cloned().unwrap_or_default();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        check_call(&calls[0]).map_err(anyhow::Error::msg)?;
+    }
+    // "required": one call or more, each of an offered function.
+    for seed in 0..3 {
+        let body = json!({"messages": messages, "tools": weather_tools(), "tool_choice": "required", "max_tokens": 300,
+                          "temperature": 1.0, "seed": seed, "parallel_tool_calls": false});
+        let r = server.call("/v1/chat/completions", body).await?;
+        let choice = &r["choices"][0];
+        if choice["finish_reason"] == "tool_calls" {
+            let calls = choice["message"]["tool_calls"].as_array().cloned().unwrap_or_default();
+            assert_eq!(calls.len(), 1, "parallel_tool_calls: false: {r}");
+            check_call(&calls[0]).map_err(anyhow::Error::msg)?;
+        } else {
+            assert_eq!(choice["finish_reason"], "length", "{r}");
+        }
+    }
+    // "auto": text, or calls in the documented format.
+    for seed in 0..4 {
+        let body = json!({"messages": messages, "tools": weather_tools(), "max_tokens": 300,
+                          "temperature": 1.0, "seed": seed});
+        let r = server.call("/v1/chat/completions", body).await?;
+        let choice = &r["choices"][0];
+        match choice["finish_reason"].as_str() {
+            Some("tool_calls") => {
+                for call in choice["message"]["tool_calls"].as_array().cloned().unwrap_or_default() {
+                    check_call(&call).map_err(anyhow::Error::msg)?;
+                }
+            }
+            _ => {
+                let text = choice["message"]["content"].as_str().unwrap_or_default();
+                assert!(!text.starts_with("<tool_call>"), "{r}");
+            }
+        }
+    }
+    // Streamed: the named call's arguments as deltas, the first with its id and name.
+    let body = json!({"messages": messages, "tools": weather_tools(), "tool_choice": named, "max_tokens": 200,
+                      "temperature": 0, "stream": true});
+    let chunks = server.stream_at("/v1/chat/completions", body.clone()).await?;
+    let mut arguments = String::new();
+    let (mut id, mut name, mut finish) = (None, None, None);
+    for c in &chunks {
+        let choice = &c["choices"][0];
+        for d in choice["delta"]["tool_calls"].as_array().cloned().unwrap_or_default() {
+            assert_eq!(d["index"], 0);
+            id = id.or(d["id"].as_str().map(str::to_string));
+            name = name.or(d["function"]["name"].as_str().map(str::to_string));
+            arguments.push_str(d["function"]["arguments"].as_str().unwrap_or_default());
+        }
+        finish = finish.or(choice["finish_reason"].as_str().map(str::to_string));
+    }
+    assert_eq!(finish.as_deref(), Some("tool_calls"));
+    let call = json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}});
+    check_call(&call).map_err(anyhow::Error::msg)?;
+    let mut whole_body = body;
+    whole_body["stream"] = json!(false);
+    let whole = server.call("/v1/chat/completions", whole_body).await?;
+    assert_eq!(
+        whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"],
+        json!(arguments)
+    );
+    // The conversation goes on with the call and its result, as the SDKs send them back.
+    let follow = json!({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": id, "content": "21 C"}],
+        "tools": weather_tools(), "tool_choice": "none", "max_tokens": 5});
+    let (status, r) = server.post_to("/v1/chat/completions", follow).await?;
+    assert_eq!(status, 200, "{r}");
+    assert!(r["choices"][0]["message"]["content"].is_string());
+    // Bad tools are 400s naming the field.
+    let bad = json!({"messages": messages, "tools": [{"type": "function", "function": {"name": "no spaces"}}]});
+    let (status, r) = server.post_to("/v1/chat/completions", bad).await?;
+    assert_eq!(
+        (status, r["error"]["param"].clone()),
+        (400, json!("tools[0].function.name")),
+        "{r}"
+    );
+    let both = json!({"messages": messages, "tools": weather_tools(), "tool_choice": "required",
+                      "response_format": {"type": "json_object"}});
+    let (status, r) = server.post_to("/v1/chat/completions", both).await?;
+    assert_eq!(
+        (status, r["error"]["param"].clone()),
+        (400, json!("response_format")),
+        "{r}"
+    );
+    Ok(())
+}

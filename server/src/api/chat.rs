@@ -12,11 +12,14 @@ use super::*;
 /// Fields of OpenAI's and vLLM's chat API that this server does not implement, beside
 /// [`UNSUPPORTED`], with the reason.
 pub const UNSUPPORTED_CHAT: &[(&str, &str)] = &[
-    ("tools", "these models were not trained to call tools"),
-    ("tool_choice", "these models were not trained to call tools"),
-    ("parallel_tool_calls", "these models were not trained to call tools"),
-    ("functions", "these models were not trained to call functions"),
-    ("function_call", "these models were not trained to call functions"),
+    (
+        "functions",
+        "the deprecated `functions` are not supported; give them as `tools`",
+    ),
+    (
+        "function_call",
+        "the deprecated `function_call` is not supported; use `tool_choice`",
+    ),
     ("audio", "the models are text-only"),
     ("modalities", "the models are text-only"),
     (
@@ -79,6 +82,8 @@ pub enum Role {
     Developer,
     User,
     Assistant,
+    /// A tool's result, answering the assistant's call `tool_call_id`.
+    Tool,
 }
 
 /// One turn of a conversation.
@@ -93,6 +98,11 @@ pub struct ChatMessage {
     pub name: Option<String>,
     /// Accepted as the SDKs send it back with an assistant message, and ignored.
     pub refusal: Option<String>,
+    /// An assistant turn's tool calls, as a response gave them; passed to the chat template.
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message's call it answers; passed to the chat template.
+    pub tool_call_id: Option<String>,
 }
 
 generation_fields!(request_with_generation_fields! {
@@ -127,6 +137,18 @@ generation_fields!(request_with_generation_fields! {
         /// More variables for the chat template.
         #[schema(value_type = Option<Object>)]
         pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+        /// Functions the model may call (`{"type": "function", "function": {"name", "description",
+        /// "parameters"}}`); passed to the chat template as `tools`, as Hugging Face templates
+        /// receive them. README, "Tool calls".
+        #[schema(value_type = Option<Vec<Object>>)]
+        pub tools: Option<Vec<Value>>,
+        /// `"auto"` (the default with tools: text or calls), `"none"`, `"required"` (one call or
+        /// more), or `{"type": "function", "function": {"name": ...}}` (that function): the
+        /// calls' arguments follow the function's parameter schema.
+        #[schema(value_type = Option<Object>)]
+        pub tool_choice: Option<Value>,
+        /// Whether `"auto"` and `"required"` may make several calls in one turn (default true).
+        pub parallel_tool_calls: Option<bool>,
         /// Documents for templates that take them (retrieval-augmented generation), as
         /// `documents` in the template.
         #[schema(value_type = Option<Vec<Object>>)]
@@ -171,7 +193,49 @@ pub struct ChatLogProbs {
 pub struct ChatResponseMessage {
     /// Always "assistant".
     pub role: String,
-    pub content: String,
+    /// The text; `null` when the turn is tool calls.
+    pub content: Option<String>,
+    /// The functions the assistant calls (with `tools`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// One call of a function the request offered.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ToolCall {
+    pub id: String,
+    /// Always "function".
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments as a JSON text, valid against the function's parameter schema.
+    pub arguments: String,
+}
+
+/// A tool call in a stream: the first delta of a call has its `id`, `type` and name; later ones
+/// add to its `arguments`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ToolCallDelta {
+    /// Which call of the turn.
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub function: FunctionCallDelta,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct FunctionCallDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -180,7 +244,7 @@ pub struct ChatChoice {
     pub index: u32,
     pub message: ChatResponseMessage,
     pub logprobs: Option<ChatLogProbs>,
-    /// "stop" or "length".
+    /// "stop", "length", or "tool_calls" (the turn is calls).
     pub finish_reason: Option<String>,
     /// What stopped it (vLLM's field): the stop string or the stop token's id; `null` for end of
     /// text and the length limit.
@@ -211,6 +275,8 @@ pub struct ChatDelta {
     pub role: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

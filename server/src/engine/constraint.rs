@@ -31,12 +31,26 @@ pub enum Grammar {
 impl Grammar {
     fn top_level(&self) -> Result<TopLevelGrammar, String> {
         Ok(match self {
-            Grammar::JsonSchema(text) => TopLevelGrammar::from_json_schema(
-                serde_json::from_str(text).map_err(|e| format!("the schema is not JSON: {e}"))?,
-            ),
+            Grammar::JsonSchema(text) => {
+                let mut schema = serde_json::from_str(text).map_err(|e| format!("the schema is not JSON: {e}"))?;
+                compact_json(&mut schema);
+                TopLevelGrammar::from_json_schema(schema)
+            }
             Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
         })
+    }
+}
+
+/// JSON written with no free whitespace (`{"a": 1, "b": [2, 3]}`, Python's `json.dumps` layout)
+/// unless the schema sets llguidance's own options (`x-guidance`): llguidance's default lets a
+/// model put any run of whitespace between tokens, which small models fill with newlines (and a
+/// chat template's stop string, a blank line, then cuts the object short).
+pub fn compact_json(schema: &mut serde_json::Value) {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(
+            || serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
     }
 }
 

@@ -14,6 +14,7 @@ use crate::error::ApiError;
 use crate::fold::Delta;
 use crate::respond::{collect, stream_response};
 use crate::state::{blocking, AppState, ModelRequest};
+use crate::tools;
 use crate::validation::{validate, validate_chat};
 
 #[utoipa::path(
@@ -49,15 +50,23 @@ pub async fn chat_completions(
             None => &state2.chat_template,
         };
         let options = chat::RenderOptions::take(&mut request);
+        let tools = tools::plan(
+            request.tools.as_deref(),
+            request.tool_choice.as_ref(),
+            request.parallel_tool_calls,
+        )?;
         let prompt = template.render_with(&request.messages, &options)?;
         let completion = chat::completion_request(request, prompt, &template.stop, state2.limits.max_tokens_cap)?;
         // The template's stop strings come on top of the request's own.
         let mut limits = state2.limits.clone();
         limits.template_stops = template.stop.len();
-        validate(completion, &state2.tokenizer, &limits, &state2.grammars, None)
-            .map_err(|e| chat::chat_error(e, used_max_completion_tokens))
+        let (mode, requested) = tools.unzip();
+        let valid = validate(completion, &state2.tokenizer, &limits, &state2.grammars, requested)
+            .map_err(|e| chat::chat_error(e, used_max_completion_tokens))?;
+        Ok((valid, mode))
     })
     .await?;
+    let (valid, mode) = valid;
     let valid = Arc::new(valid);
     let events = state.engine.submit(valid.clone())?;
     let (id, created, model) = (
@@ -83,8 +92,11 @@ pub async fn chat_completions(
             .map(|i| with(vec![chat::role_chunk(i, echo.as_deref())], &chunk))
             .collect();
         let usage_chunk = chunk.clone();
+        // Under tools, each choice's stream so far.
+        let mut streams: Vec<tools::StreamedChoice> = (0..choices).map(|_| Default::default()).collect();
         let chunks = move |d: Delta| {
-            chat::chat_chunks(d)
+            let stream = streams.get_mut(d.index as usize);
+            chat::chat_chunks(d, mode.as_ref().zip(stream))
                 .into_iter()
                 .map(|c| with(vec![c], &chunk))
                 .collect()
@@ -104,7 +116,7 @@ pub async fn chat_completions(
             created,
             model,
             choices: (choices.into_iter())
-                .map(|c| chat::chat_choice(c, echo.as_deref()))
+                .map(|c| chat::chat_choice(c, echo.as_deref(), mode.as_ref()))
                 .collect(),
             usage,
             prompt_logprobs,
