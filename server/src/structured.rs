@@ -95,6 +95,23 @@ fn object<'a>(field: &str, v: &'a Value) -> Result<&'a Map<String, Value>, ApiEr
     v.as_object().ok_or_else(|| invalid(field, "must be an object"))
 }
 
+/// OpenAI's strict mode: an object has only the properties its schema names (OpenAI requires
+/// `additionalProperties: false` on every object in a strict schema; one left out means the same
+/// here, instead of an error). Walks the whole schema, definitions included.
+fn closed_objects(schema: &mut Value) {
+    match schema {
+        Value::Object(o) => {
+            let is_object = o.get("type").and_then(Value::as_str) == Some("object") || o.contains_key("properties");
+            if is_object && !o.contains_key("additionalProperties") {
+                o.insert("additionalProperties".into(), Value::Bool(false));
+            }
+            o.values_mut().for_each(closed_objects);
+        }
+        Value::Array(items) => items.iter_mut().for_each(closed_objects),
+        _ => {}
+    }
+}
+
 /// OpenAI's `response_format` (and llama.cpp's `json_object` with a `schema` in it).
 fn response_format(v: &Value) -> Result<Option<Requested>, ApiError> {
     const FIELD: &str = "response_format";
@@ -111,17 +128,22 @@ fn response_format(v: &Value) -> Result<Option<Requested>, ApiError> {
                 .get("json_schema")
                 .ok_or_else(|| invalid(FIELD, "type json_schema needs a `json_schema` object"))?;
             let spec = object("response_format.json_schema", spec)?;
-            if let Some(strict) = spec.get("strict").filter(|s| !s.is_boolean() && !s.is_null()) {
-                return Err(invalid(
-                    "response_format.json_schema.strict",
-                    format!("must be a boolean, got {strict}"),
-                ));
-            }
+            let strict = match spec.get("strict") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(other) => {
+                    return Err(invalid(
+                        "response_format.json_schema.strict",
+                        format!("must be a boolean, got {other}"),
+                    ))
+                }
+            };
             // Without a schema (OpenAI allows it): any JSON value.
-            schema(
-                "response_format.json_schema.schema",
-                spec.get("schema").unwrap_or(&Value::Object(Map::new())),
-            )?
+            let mut given = spec.get("schema").cloned().unwrap_or(Value::Object(Map::new()));
+            if strict {
+                closed_objects(&mut given);
+            }
+            schema("response_format.json_schema.schema", &given)?
         }
         Some("structural_tag") => {
             return Err(invalid(
@@ -251,6 +273,21 @@ mod tests {
 
     #[test]
     fn each_form_becomes_its_grammar() -> Result<(), ApiError> {
+        // strict closes every object that does not say otherwise.
+        let rf = json!({"type": "json_schema", "json_schema": {"name": "x", "strict": true, "schema":
+            {"type": "object", "properties": {"a": {"type": "object", "properties": {}}},
+             "$defs": {"b": {"type": "object", "additionalProperties": true}}}}});
+        let r = requested(Fields {
+            response_format: Some(&rf),
+            ..Fields::default()
+        })?;
+        let Some(Grammar::JsonSchema(text)) = r.map(|r| r.grammar) else {
+            panic!("a schema")
+        };
+        let v: Value = serde_json::from_str(&text).map_err(|e| ApiError::Internal(e.to_string()))?;
+        assert_eq!(v["additionalProperties"], false);
+        assert_eq!(v["properties"]["a"]["additionalProperties"], false);
+        assert_eq!(v["$defs"]["b"]["additionalProperties"], true);
         let rf =
             json!({"type": "json_schema", "json_schema": {"name": "x", "strict": true, "schema": {"type": "integer"}}});
         let r = requested(Fields {

@@ -36,7 +36,7 @@ pub const UNSUPPORTED_CHAT: &[(&str, &str)] = &[
 
 /// A message's content: a string, or text parts (`{"type": "text", "text": ...}`) joined with
 /// newlines. (Its schema is written by [`crate::openapi`].)
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Content(pub String);
 
 impl<'de> Deserialize<'de> for Content {
@@ -91,7 +91,9 @@ pub enum Role {
 #[serde(deny_unknown_fields)]
 pub struct ChatMessage {
     pub role: Role,
-    /// A string or an array of text parts; `null` only for an assistant turn.
+    /// A string or an array of text parts; `null` or absent for an assistant turn of tool
+    /// calls.
+    #[serde(default)]
     #[schema(value_type = Object)]
     pub content: Content,
     /// Passed to the chat template.
