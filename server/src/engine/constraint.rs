@@ -226,7 +226,11 @@ impl Grammars {
                 return Ok(compiled);
             }
         }
-        let parser = factory.create_parser(grammar.top_level()?).map_err(|e| e.to_string())?;
+        let top = grammar.top_level()?;
+        // (A panic in the compiler is a grammar it cannot take, not a server failure.)
+        let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory.create_parser(top)))
+            .map_err(|_| "llguidance failed on this grammar".to_string())?
+            .map_err(|e| e.to_string())?;
         let compiled = Arc::new(Compiled {
             parser,
             vocab: self.vocab,
