@@ -32,6 +32,6 @@ trap 'kill $server 2>/dev/null || true' EXIT
 for _ in $(seq 100); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 0.2; done
 curl -sf http://127.0.0.1:$port/health >/dev/null || { echo "gpt-server did not start"; cat target/ci/schemathesis-server.log; exit 1; }
 
-"$venv/bin/st" run "http://127.0.0.1:$port/openapi.json" --max-examples "${MAX_EXAMPLES:-300}" --seed "${SEED:-1}"
+"$venv/bin/st" --config-file .ci/schemathesis.toml run "http://127.0.0.1:$port/openapi.json" --max-examples "${MAX_EXAMPLES:-300}" --seed "${SEED:-1}"
 curl -sf http://127.0.0.1:$port/health >/dev/null || { echo "gpt-server died under the fuzzer"; cat target/ci/schemathesis-server.log; exit 1; }
 echo "schemathesis: no failures, and the server is alive"
