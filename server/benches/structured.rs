@@ -4,7 +4,7 @@
 //! loopback port; then the mask's own time per token on that vocabulary, and the compile time of a
 //! large schema. Prints one JSON object per measurement.
 //!
-//!     GPT2_TOKENIZER_DIR=target/gpt2-tokenizer \
+//!     GPT2_TOKENIZER_DIR=$PWD/target/gpt2-tokenizer [ROUNDS=2] \
 //!         cargo bench -p gpt-server --bench structured -- [NEW_TOKENS] [CONCURRENCY...]
 
 use std::time::Instant;
@@ -53,11 +53,7 @@ async fn stream(client: &reqwest::Client, url: &str, body: Value) -> anyhow::Res
         buffer.push_str(&String::from_utf8_lossy(&chunk?));
         while let Some(end) = buffer.find("\n\n") {
             let event: String = buffer.drain(..end + 2).collect();
-            let Some(Ok(chunk)) = event
-                .trim()
-                .strip_prefix("data: ")
-                .map(serde_json::from_str::<Value>)
-            else {
+            let Some(Ok(chunk)) = event.trim().strip_prefix("data: ").map(serde_json::from_str::<Value>) else {
                 continue;
             };
             if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
@@ -143,8 +139,9 @@ async fn run() -> anyhow::Result<()> {
     };
     stream(&client, &url, body(0, true)).await?; // warm-up (and the schema compiled)
 
+    let rounds: usize = std::env::var("ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
     for clients in levels {
-        for round in 0..2 {
+        for round in 0..rounds {
             for constrained in [false, true] {
                 let start = Instant::now();
                 let tasks: Vec<_> = (0..clients)

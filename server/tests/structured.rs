@@ -258,6 +258,11 @@ async fn bad_constraints_are_400s_that_name_the_field() -> anyhow::Result<()> {
             "json_schema",
         ),
         (json!({"grammar": "root ::= undefined-rule"}), "grammar"),
+        // A keyword llguidance does not implement is named, not ignored.
+        (
+            json!({"json_schema": {"if": {"type": "string"}, "then": {"maxLength": 3}}}),
+            "json_schema",
+        ),
         (
             json!({"guided_regex": "a", "json_schema": {"type": "object"}}),
             "json_schema",
