@@ -6,7 +6,10 @@
 
 use serde_json::{Map, Value};
 
-use crate::engine::constraint::Grammar;
+use std::sync::Arc;
+
+use crate::api::CompletionRequest;
+use crate::engine::constraint::{Compiled, Grammar, Grammars};
 use crate::error::ApiError;
 
 /// The longest schema or grammar text a request may give (limits table).
@@ -260,6 +263,49 @@ pub fn requested(f: Fields<'_>) -> Result<Option<Requested>, ApiError> {
         ));
     }
     Ok(given.pop())
+}
+
+/// The request's structured-output constraint, compiled (from the cache where it was compiled
+/// before): an invalid schema, regex or grammar, one beyond the limits, or two constraints in one
+/// request is an error that names the field, before anything is generated.
+pub fn compile(
+    req: &CompletionRequest,
+    grammars: &Grammars,
+    tools: Option<Requested>,
+) -> Result<Option<Arc<Compiled>>, ApiError> {
+    let asked = requested(Fields {
+        response_format: req.response_format.as_ref(),
+        structured_outputs: req.structured_outputs.as_ref(),
+        guided_json: req.guided_json.as_ref(),
+        guided_regex: req.guided_regex.as_deref(),
+        guided_choice: req.guided_choice.as_deref(),
+        guided_grammar: req.guided_grammar.as_deref(),
+        json_schema: req.json_schema.as_ref(),
+        grammar: req.grammar.as_deref(),
+    })?;
+    let asked = match (asked, tools) {
+        (Some(a), Some(t)) => {
+            return Err(ApiError::invalid(
+                a.field.clone(),
+                format!("{} and {} both constrain the output; give one", t.field, a.field),
+            ))
+        }
+        (a, t) => a.or(t),
+    };
+    let Some(asked) = asked else { return Ok(None) };
+    if req.allowed_token_ids.is_some() {
+        return Err(ApiError::invalid(
+            "allowed_token_ids",
+            format!(
+                "allowed_token_ids and {} both constrain the output; give one",
+                asked.field
+            ),
+        ));
+    }
+    grammars
+        .compile(&asked.grammar)
+        .map(Some)
+        .map_err(|e| ApiError::invalid(asked.field.clone(), format!("{}: {e}", asked.field)))
 }
 
 #[cfg(test)]

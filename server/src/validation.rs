@@ -3,15 +3,13 @@
 //! one table, [`Limits::int_ranges`] and [`FLOAT_RANGES`], which the OpenAPI document states too.
 //! Tokenises the prompts, so it runs off the async runtime.
 
-use std::sync::Arc;
-
 use gpt::{SamplingParams, Tokenizer};
 
 use crate::api::{ChatCompletionRequest, CompletionRequest, Prompt, Stop};
-use crate::engine::constraint::{Compiled, Grammars};
+use crate::engine::constraint::Grammars;
 use crate::engine::{ValidPrompt, ValidRequest};
 use crate::error::ApiError;
-use crate::structured::{self, Fields, Requested};
+use crate::structured::{self, Requested};
 
 /// The request parameters' names, as clients send them and errors and the OpenAPI document name
 /// them: one table, so that a rule, its range and its message cannot disagree on a name.
@@ -396,7 +394,7 @@ pub fn validate(
         some => Some(limits.int(param::LOGPROBS, some, 0)? as usize),
     };
     sampling.logit_bias = logit_bias(&req, limits)?;
-    let constraint = constraint(&req, grammars, tools)?;
+    let constraint = structured::compile(&req, grammars, tools)?;
     if constraint.is_some() && beam_search.is_some() && !grammars.has_end_token() {
         return Err(ApiError::invalid(
             "use_beam_search",
@@ -433,49 +431,6 @@ pub fn validate(
         cache_salt: req.cache_salt,
         constraint,
     })
-}
-
-/// The request's structured-output constraint, compiled (from the cache where it was compiled
-/// before): an invalid schema, regex or grammar, one beyond the limits, or two constraints in one
-/// request is an error that names the field, before anything is generated.
-fn constraint(
-    req: &CompletionRequest,
-    grammars: &Grammars,
-    tools: Option<Requested>,
-) -> Result<Option<Arc<Compiled>>, ApiError> {
-    let asked = structured::requested(Fields {
-        response_format: req.response_format.as_ref(),
-        structured_outputs: req.structured_outputs.as_ref(),
-        guided_json: req.guided_json.as_ref(),
-        guided_regex: req.guided_regex.as_deref(),
-        guided_choice: req.guided_choice.as_deref(),
-        guided_grammar: req.guided_grammar.as_deref(),
-        json_schema: req.json_schema.as_ref(),
-        grammar: req.grammar.as_deref(),
-    })?;
-    let asked = match (asked, tools) {
-        (Some(a), Some(t)) => {
-            return Err(ApiError::invalid(
-                a.field.clone(),
-                format!("{} and {} both constrain the output; give one", t.field, a.field),
-            ))
-        }
-        (a, t) => a.or(t),
-    };
-    let Some(asked) = asked else { return Ok(None) };
-    if req.allowed_token_ids.is_some() {
-        return Err(ApiError::invalid(
-            "allowed_token_ids",
-            format!(
-                "allowed_token_ids and {} both constrain the output; give one",
-                asked.field
-            ),
-        ));
-    }
-    grammars
-        .compile(&asked.grammar)
-        .map(Some)
-        .map_err(|e| ApiError::invalid(asked.field.clone(), format!("{}: {e}", asked.field)))
 }
 
 /// vLLM's `prompt_logprobs`: 0 to `max_logprobs` alternatives. As in vLLM, a stream cannot carry

@@ -375,6 +375,23 @@ impl Constraint {
     }
 }
 
+/// Runs `step` (the model's forward pass) while another thread computes each constraint's next
+/// mask: the masks depend only on the tokens so far. (An error there shows again when the
+/// sequence masks its logits.)
+pub fn prepare_while<T>(constraints: Vec<&mut Constraint>, step: impl FnOnce() -> T) -> T {
+    if constraints.is_empty() {
+        return step();
+    }
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for c in constraints {
+                let _ = c.prepare();
+            }
+        });
+        step()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

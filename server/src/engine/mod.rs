@@ -542,21 +542,7 @@ impl Worker {
                 None => {
                     let _timer = self.metrics.step_duration.start_timer();
                     let runner = &mut self.runner;
-                    if constraints.is_empty() {
-                        runner.step(&mut inputs)
-                    } else {
-                        // The grammars' next masks depend only on the tokens so far: computed on
-                        // a thread of their own while the model computes the step (an error
-                        // shows again when the sequence masks its logits).
-                        std::thread::scope(|scope| {
-                            scope.spawn(|| {
-                                for c in constraints {
-                                    let _ = c.prepare();
-                                }
-                            });
-                            runner.step(&mut inputs)
-                        })
-                    }
+                    constraint::prepare_while(constraints, || runner.step(&mut inputs))
                 }
             }
         };
