@@ -234,27 +234,24 @@ fn call_id() -> String {
 /// The calls in a finished output, or `None` where the output is text (or, cut short, does not
 /// parse).
 pub fn parse(mode: &Mode, text: &str) -> Option<Vec<ToolCall>> {
-    let call = |name: &str, arguments: &Value| ToolCall {
+    let call = |name: &str, arguments: String| ToolCall {
         id: call_id(),
         kind: "function".into(),
         function: FunctionCall {
             name: name.to_string(),
-            arguments: arguments.to_string(),
+            arguments,
         },
     };
     match mode {
-        Mode::Named(name) => {
-            // The arguments as generated (and as streamed), once they parse.
-            serde_json::from_str::<Value>(text).ok()?;
-            let mut c = call(name, &Value::Null);
-            c.function.arguments = text.to_string();
-            Some(vec![c])
-        }
+        // The arguments as generated (and as streamed), once they parse.
+        Mode::Named(name) => serde_json::from_str::<Value>(text)
+            .ok()
+            .map(|_| vec![call(name, text.to_string())]),
         Mode::Required => {
             let calls: Vec<Value> = serde_json::from_str(text).ok()?;
             calls
                 .iter()
-                .map(|c| Some(call(c.get("name")?.as_str()?, c.get("parameters")?)))
+                .map(|c| Some(call(c.get("name")?.as_str()?, c.get("parameters")?.to_string())))
                 .collect()
         }
         Mode::Auto => {
@@ -263,7 +260,7 @@ pub fn parse(mode: &Mode, text: &str) -> Option<Vec<ToolCall>> {
             loop {
                 let (body, after) = rest.split_once(CALL_CLOSE)?;
                 let c: Value = serde_json::from_str(body).ok()?;
-                calls.push(call(c.get("name")?.as_str()?, c.get("arguments")?));
+                calls.push(call(c.get("name")?.as_str()?, c.get("arguments")?.to_string()));
                 match after.strip_prefix(CALL_OPEN) {
                     Some(next) => rest = next,
                     None if after.trim().is_empty() => return Some(calls),
