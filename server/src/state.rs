@@ -86,6 +86,13 @@ fn parse_body<T: serde::de::DeserializeOwned>(
     unsupported: &[&[(&str, &str)]],
 ) -> Result<T, ApiError> {
     let Json(value) = body.map_err(rejection)?;
+    // (serde's derived structs would also take an array of the fields in order.)
+    if !value.is_object() {
+        return Err(ApiError::InvalidRequest {
+            message: format!("the request body must be a JSON object, got {}", json_kind(&value)),
+            param: None,
+        });
+    }
     if let Some((field, why)) = value.as_object().and_then(|o| {
         unsupported
             .iter()
@@ -110,6 +117,17 @@ fn parse_body<T: serde::de::DeserializeOwned>(
         };
         ApiError::InvalidRequest { message, param }
     })
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
 }
 
 /// Malformed JSON, wrong types and oversized bodies as OpenAI-shaped errors (axum's own

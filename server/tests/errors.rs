@@ -139,6 +139,37 @@ async fn malformed_bodies_are_400_json_and_large_ones_413() -> anyhow::Result<()
         let status = resp.status().as_u16();
         assert_error(status, &resp.json().await?, 400, None, &[words]);
     }
+    // An object's fields written as an array (which serde's derived structs would read in
+    // order), here or in a nested object, is refused, naming where.
+    let (status, resp) = server.post(json!(["hi"])).await?;
+    assert_error(status, &resp, 400, None, &["must be a JSON object", "an array"]);
+    let (status, resp) = server.post(json!({"prompt": "hi", "stream_options": []})).await?;
+    assert_error(status, &resp, 400, Some("stream_options"), &["expected an object"]);
+    let chat = |messages: Value| json!({"messages": messages, "max_tokens": 1});
+    let cases = [
+        (
+            chat(json!([["user", "hi", null, null, null, null]])),
+            "[0]: expected an object",
+        ),
+        (
+            chat(json!([{"role": "user", "content": "hi"}, {"role": "cook"}])),
+            "[1].role: unknown variant",
+        ),
+        (
+            chat(json!([{"role": "user", "content": "hi", "colour": 1}])),
+            "unknown field `colour`",
+        ),
+    ];
+    for (body, words) in cases {
+        let (status, resp) = server.post_to("/v1/chat/completions", body).await?;
+        assert_error(status, &resp, 400, Some("messages"), &[words]);
+    }
+    let (status, resp) = server.post_to("/v1/chat/completions", json!({"max_tokens": 1})).await?;
+    assert_error(status, &resp, 400, None, &["missing field `messages`"]);
+    let ok = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                    "stream_options": {"include_usage": true}, "stream": false});
+    let (status, resp) = server.post_to("/v1/chat/completions", ok).await?;
+    assert_eq!(status, 200, "{resp}");
     let big = json!({"prompt": "x".repeat(5000)});
     let (status, resp) = server.post(big).await?;
     assert_error(status, &resp, 413, None, &["limit"]);

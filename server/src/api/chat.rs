@@ -115,6 +115,7 @@ generation_fields!(request_with_generation_fields! {
     #[serde(deny_unknown_fields)]
     pub struct ChatCompletionRequest {
         /// The conversation so far, at least one message.
+        #[serde(deserialize_with = "json_object::vec")]
         pub messages: Vec<ChatMessage>,
         /// Tokens to generate at most; default: up to the cap and the context. `max_tokens` is
         /// the older name; `max_completion_tokens` wins when both are given.

@@ -66,6 +66,41 @@ pub mod json_int {
     }
 }
 
+/// `deserialize_with` helpers for fields whose type is a struct: serde's derived structs also
+/// take a JSON array of their fields in order (so `"stream_options": []` would read as the
+/// defaults), where the schema allows only an object.
+pub mod json_object {
+    use serde::de::DeserializeOwned;
+
+    use super::*;
+
+    pub fn option<'de, D: Deserializer<'de>, T: DeserializeOwned>(d: D) -> Result<Option<T>, D::Error> {
+        match Option::<Value>::deserialize(d)? {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => object(v).map(Some).map_err(D::Error::custom),
+        }
+    }
+
+    pub fn vec<'de, D: Deserializer<'de>, T: DeserializeOwned>(d: D) -> Result<Vec<T>, D::Error> {
+        Vec::<Value>::deserialize(d)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| object(v).map_err(|e| D::Error::custom(format!("[{i}]{e}"))))
+            .collect()
+    }
+
+    /// The error starts with the path inside the object (`.role: unknown variant ...`).
+    fn object<T: DeserializeOwned>(v: Value) -> Result<T, String> {
+        if !v.is_object() {
+            return Err(format!(": expected an object, got {v}"));
+        }
+        serde_path_to_error::deserialize(v).map_err(|e| match e.path().to_string() {
+            p if p == "." => format!(": {}", e.inner()),
+            p => format!(".{p}: {}", e.inner()),
+        })
+    }
+}
+
 impl Prompt {
     fn from_value(v: Value) -> Result<Self, String> {
         let ids = |items: &[Value], at: &str| -> Result<Vec<i64>, String> {
@@ -223,6 +258,7 @@ macro_rules! generation_fields {
             length_penalty: Option<f64>,
             stream: Option<bool>,
             /// With `stream`; ignored otherwise.
+            #[serde(default, deserialize_with = "json_object::option")]
             stream_options: Option<StreamOptions>,
             /// Accepted and ignored, as by OpenAI.
             user: Option<String>,
