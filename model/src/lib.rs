@@ -23,6 +23,7 @@ pub mod kv_cache;
 pub mod kv_pool;
 pub mod layers;
 pub mod sampling;
+pub mod speculative;
 pub mod tokenizer;
 
 pub use checkpoint::{load_dir, load_dir_as, load_model, save_dir, save_gguf_dir};

@@ -8,6 +8,8 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use crate::error::Result;
 
@@ -53,6 +55,8 @@ pub struct Sampler {
     processor: LogitsProcessor,
     params: SamplingParams,
     counts: HashMap<u32, u32>, // output token → times generated
+    /// Speculative checks' draws (see [`Sampler::verify`]), made when first needed.
+    rng: Option<StdRng>,
 }
 
 impl Sampler {
@@ -77,6 +81,7 @@ impl Sampler {
             processor: LogitsProcessor::from_sampling(params.seed, sampling),
             params,
             counts: HashMap::new(),
+            rng: None,
         }
     }
 
@@ -126,6 +131,62 @@ impl Sampler {
     /// The next token for one sequence; `logits` is `(vocab,)`. `suppress` lists tokens that may
     /// not be chosen now (the end-of-text token before `min_tokens`, say).
     pub fn sample_row(&mut self, logits: &[f32], prompt: &[u32], output: &[u32], suppress: &[u32]) -> Result<u32> {
+        let token = match self.prepare(logits, prompt, output, suppress)? {
+            Prepared::Token(token) => token,
+            Prepared::Values(values) => {
+                let n = values.len();
+                self.processor.sample(&Tensor::from_vec(values, n, &Device::Cpu)?)?
+            }
+        };
+        *self.counts.entry(token).or_insert(0) += 1;
+        Ok(token)
+    }
+
+    /// Speculative decoding's check of a proposed token at one position: the token chosen here
+    /// and whether it is the proposal. Greedy decoding keeps the proposal when it is the choice;
+    /// sampling keeps it with probability p(proposal), and otherwise draws from p without it,
+    /// renormalised: the rejection rule of Leviathan et al. 2023 and Chen et al. 2023 for a
+    /// proposal that is a point mass (an n-gram lookup, a greedy draft), so that the token is
+    /// distributed as p, what [`Sampler::sample_row`] draws from. (candle's `LogitsProcessor`
+    /// keeps its filtered probabilities to itself, so [`Sampler::distribution`] rebuilds them.)
+    pub fn verify(
+        &mut self,
+        logits: &[f32],
+        prompt: &[u32],
+        output: &[u32],
+        suppress: &[u32],
+        proposed: u32,
+    ) -> Result<(u32, bool)> {
+        let (token, kept) = match self.prepare(logits, prompt, output, suppress)? {
+            Prepared::Token(token) => (token, token == proposed),
+            Prepared::Values(values) => {
+                let mut weights = self.distribution(values);
+                let total: f64 = weights.iter().map(|&w| f64::from(w)).sum();
+                let at = proposed as usize;
+                let p = weights.get(at).map_or(0.0, |&w| f64::from(w) / total);
+                let rng = self
+                    .rng
+                    .get_or_insert_with(|| StdRng::seed_from_u64(self.params.seed ^ SPECULATIVE_STREAM));
+                if rng.random::<f64>() < p {
+                    (proposed, true)
+                } else {
+                    if let Some(w) = weights.get_mut(at) {
+                        *w = 0.0;
+                    }
+                    match draw(&weights, rng) {
+                        Some(token) => (token, false),
+                        None => (proposed, true), // p(proposal) was 1 but for rounding
+                    }
+                }
+            }
+        };
+        *self.counts.entry(token).or_insert(0) += 1;
+        Ok((token, kept))
+    }
+
+    /// What sampling draws from at one position: greedy's token, or the row after penalties,
+    /// bias, suppression and `min_p`, shifted so that its largest value is 0.
+    fn prepare(&self, logits: &[f32], prompt: &[u32], output: &[u32], suppress: &[u32]) -> Result<Prepared> {
         let p = &self.params;
         let unpenalised = p.repetition_penalty == 1.0
             && p.logit_bias.is_empty()
@@ -134,8 +195,7 @@ impl Sampler {
             // Greedy on the raw row: one pass, no copy (the general path below picks the same).
             let token =
                 argmax(logits, suppress).ok_or(crate::Error::EmptyInput("every token is excluded from sampling"))?;
-            *self.counts.entry(token).or_insert(0) += 1;
-            return Ok(token);
+            return Ok(Prepared::Token(token));
         }
         let mut values = self.penalised_values(logits, prompt, output)?;
         for &token in suppress {
@@ -193,15 +253,80 @@ impl Sampler {
                 *v - max
             };
         }
-        let token = if temperature < 1e-7 {
-            argmax(&values, &[]).ok_or(crate::Error::EmptyInput("every token is excluded from sampling"))?
-        } else {
-            let n = values.len();
-            self.processor.sample(&Tensor::from_vec(values, n, &Device::Cpu)?)?
-        };
-        *self.counts.entry(token).or_insert(0) += 1;
-        Ok(token)
+        if temperature < 1e-7 {
+            let token =
+                argmax(&values, &[]).ok_or(crate::Error::EmptyInput("every token is excluded from sampling"))?;
+            return Ok(Prepared::Token(token));
+        }
+        Ok(Prepared::Values(values))
     }
+
+    /// The weights `LogitsProcessor` draws from for a prepared row (not normalised): the softmax
+    /// at the temperature, then its top-k and top-p, as `LogitsProcessor::sample_f` applies them
+    /// (top-p after top-k counts the kept tokens' probabilities unrenormalised, as it does).
+    fn distribution(&self, values: Vec<f32>) -> Vec<f32> {
+        let t = self.params.temperature.min(1e30) as f32;
+        let mut probs: Vec<f32> = values.into_iter().map(|v| (v / t).exp()).collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= sum);
+        let top_p = self
+            .params
+            .top_p
+            .filter(|&p| p < 1.0)
+            .map(|p| p.max(f64::from(f32::MIN_POSITIVE)) as f32);
+        let mut order: Vec<usize> = (0..probs.len()).collect();
+        order.sort_by(|&i, &j| probs[j].total_cmp(&probs[i]));
+        if let Some(k) = self.params.top_k.filter(|&k| k < probs.len()) {
+            for &i in &order[k..] {
+                probs[i] = 0.0;
+            }
+            order.truncate(k);
+            let kept: f32 = order.iter().map(|&i| probs[i]).sum();
+            if top_p.is_some_and(|p| p >= kept) {
+                return probs;
+            }
+        }
+        if let Some(p) = top_p.filter(|&p| p > 0.0) {
+            let mut cumsum = 0.0;
+            for &i in &order {
+                if cumsum >= p {
+                    probs[i] = 0.0;
+                } else {
+                    cumsum += probs[i];
+                }
+            }
+        }
+        probs
+    }
+}
+
+/// A row ready to sample from (see [`Sampler::prepare`]).
+enum Prepared {
+    Token(u32),
+    Values(Vec<f32>),
+}
+
+/// Seeds the generator of speculative checks apart from `LogitsProcessor`'s (same seed).
+const SPECULATIVE_STREAM: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// A token drawn in proportion to `weights`; `None` when they are all 0.
+fn draw(weights: &[f32], rng: &mut StdRng) -> Option<u32> {
+    let total: f64 = weights.iter().map(|&w| f64::from(w)).sum();
+    if total <= 0.0 {
+        return None;
+    }
+    let mut u = rng.random::<f64>() * total;
+    let mut last = None;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            last = Some(i as u32);
+            u -= f64::from(w);
+            if u < 0.0 {
+                return last;
+            }
+        }
+    }
+    last
 }
 
 /// Greedy choice, as `LogitsProcessor`'s argmax: the first of equal maxima, NaN never chosen,
