@@ -79,11 +79,15 @@ impl KvCache {
         }
     }
 
-    /// Keeps the first `len` positions only (a step that failed half-way is undone this way).
+    /// Keeps the first `len` positions only, in place: the buffers stay, and the next positions
+    /// are written over what follows. A step that failed half-way is undone this way (its layers
+    /// may hold more than the cache counted), and speculative decoding drops the proposals the
+    /// model rejected, every step, so this copies nothing.
     pub fn truncate(&mut self, len: usize) -> candle_core::Result<()> {
-        if len < self.len {
-            *self = self.prefix(len)?;
+        for layer in &mut self.layers {
+            layer.len = layer.len.min(len);
         }
+        self.len = self.len.min(len);
         Ok(())
     }
 

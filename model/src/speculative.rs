@@ -9,10 +9,71 @@
 //! n-gram mode) and a smaller draft model with the same tokenizer, run greedily. Both propose a
 //! point mass, the case the verification rule is written for.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpt::{Gpt, LogitsFor, SeqStep};
 use crate::kv_cache::KvCache;
 use crate::sampling::Sampler;
+use crate::tokenizer::Tokenizer;
+
+/// Checks that `draft` can propose for `model`: the same vocabulary (every token the same text),
+/// the same end-of-text token, on the same device. The error names the first difference.
+pub fn check_draft(model: (&Gpt, &Tokenizer), draft: (&Gpt, &Tokenizer)) -> Result<()> {
+    let ((m, mt), (d, dt)) = (model, draft);
+    let mismatch = |what: String| Err(Error::DraftMismatch(what));
+    if m.config().vocab_size != d.config().vocab_size {
+        return mismatch(format!(
+            "vocab_size {} against the model's {}",
+            d.config().vocab_size,
+            m.config().vocab_size
+        ));
+    }
+    if mt.vocab_size() != dt.vocab_size() {
+        return mismatch(format!(
+            "its tokenizer has {} tokens against the model's {}",
+            dt.vocab_size(),
+            mt.vocab_size()
+        ));
+    }
+    if mt.eos_token_id() != dt.eos_token_id() {
+        return mismatch(format!(
+            "end-of-text token {:?} against the model's {:?}",
+            dt.eos_token_id(),
+            mt.eos_token_id()
+        ));
+    }
+    for id in 0..mt.vocab_size() as u32 {
+        let (a, b) = (mt.inner().id_to_token(id), dt.inner().id_to_token(id));
+        if a != b {
+            return mismatch(format!("token {id} is {b:?} in its tokenizer and {a:?} in the model's"));
+        }
+    }
+    if !m.device().same_device(d.device()) {
+        return mismatch(format!("it is on {:?}, the model on {:?}", d.device(), m.device()));
+    }
+    Ok(())
+}
+
+/// Where proposals come from, as the command lines name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Off,
+    /// Prompt lookup: [`ngram_proposal`].
+    Ngram,
+    /// A draft model: [`Draft`].
+    Draft,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "off" => Ok(Mode::Off),
+            "ngram" => Ok(Mode::Ngram),
+            "draft" => Ok(Mode::Draft),
+            _ => Err(format!("`{s}`: expected off, ngram or draft")),
+        }
+    }
+}
 
 /// The longest n-gram looked up, then shorter ones down to [`NGRAM_MIN`].
 pub const NGRAM_MAX: usize = 8;

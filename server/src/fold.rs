@@ -375,6 +375,7 @@ mod tests {
             request_id: None,
             cache_salt: None,
             constraint: None,
+            speculative_tokens: None,
         })
     }
 

@@ -64,6 +64,19 @@ pub struct ServerConfig {
     pub stream_timeout: std::time::Duration,
     /// `/metrics` wants `Authorization: Bearer KEY` (`None`: open, as `/health` is).
     pub metrics_key: Option<String>,
+    /// Speculative decoding, if on.
+    pub speculative: Option<Speculative>,
+}
+
+/// Speculative decoding's settings (see `engine::speculate`).
+#[derive(Debug, Clone)]
+pub struct Speculative {
+    /// The draft model's checkpoint directory; `None`: n-gram lookup.
+    pub draft: Option<PathBuf>,
+    /// Tokens proposed per step at most.
+    pub num_tokens: usize,
+    /// Speculate only while at most this many sequences run.
+    pub max_batch: usize,
 }
 
 impl Default for ServerConfig {
@@ -84,6 +97,7 @@ impl Default for ServerConfig {
             request_timeout: Some(std::time::Duration::from_secs(600)),
             stream_timeout: std::time::Duration::from_secs(60),
             metrics_key: None,
+            speculative: None,
         }
     }
 }
@@ -218,6 +232,38 @@ pub fn load_state(
         allocated_mib = kv_held >> 20,
         "KV cache: blocks allocated at startup and reused (--kv-cache-mib)"
     );
+    let speculate = match &cfg.speculative {
+        None => None,
+        Some(spec) => {
+            let draft = match &spec.draft {
+                None => None,
+                Some(dir) => {
+                    let (draft, draft_tokenizer) = gpt::load_dir_as(dir, format, device)
+                        .with_context(|| format!("loading the draft model in {}", dir.display()))?;
+                    let draft = draft.with_matmul_precision(cfg.matmul_precision)?;
+                    gpt::speculative::check_draft((&model, &*tokenizer), (&draft, &draft_tokenizer))
+                        .with_context(|| format!("the draft model in {}", dir.display()))?;
+                    tracing::info!(
+                        draft = %dir.display(),
+                        parameters = draft.num_parameters(),
+                        "speculative decoding with a draft model"
+                    );
+                    Some(draft)
+                }
+            };
+            tracing::info!(
+                proposer = if draft.is_some() { "draft" } else { "ngram" },
+                num_speculative_tokens = spec.num_tokens,
+                max_batch = spec.max_batch,
+                "speculative decoding on"
+            );
+            Some(engine::speculate::SpeculateConfig {
+                draft,
+                max_tokens: spec.num_tokens,
+                max_batch: spec.max_batch,
+            })
+        }
+    };
     let engine = Engine::start(
         model,
         (*tokenizer).clone(),
@@ -228,6 +274,7 @@ pub fn load_state(
             prefix_cache_bytes: cfg.prefix_cache_mib << 20,
             request_timeout: cfg.request_timeout,
             stream_timeout: cfg.stream_timeout,
+            speculate,
         },
         metrics.clone(),
     )?;

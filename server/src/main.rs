@@ -111,6 +111,24 @@ struct Args {
     /// pauses and, after --stream-timeout-secs, is dropped.
     #[arg(long, env = "GPT_SERVER_SEND_BUFFER_KIB")]
     send_buffer_kib: Option<usize>,
+    /// Speculative decoding: `ngram` (prompt lookup: what followed the latest earlier occurrence
+    /// of the last tokens is proposed), `draft` (a smaller model proposes, --draft-checkpoint)
+    /// or `off`. The model checks the proposals in one step; greedy output is the same, sampled
+    /// output has the same distribution. Default: `draft` with --draft-checkpoint, or when
+    /// serving the default model (its draft in weights/draft/); else off.
+    #[arg(long, env = "GPT_SERVER_SPECULATIVE")]
+    speculative: Option<gpt::speculative::Mode>,
+    /// The draft model for speculative decoding: a checkpoint directory, a gpt-train run
+    /// directory or a Hub id, with the served model's tokenizer.
+    #[arg(long, env = "GPT_SERVER_DRAFT_CHECKPOINT")]
+    draft_checkpoint: Option<PathBuf>,
+    /// Tokens proposed per step at most (adapted per sequence as they are accepted, 1 to 16).
+    #[arg(long, env = "GPT_SERVER_NUM_SPECULATIVE_TOKENS", default_value_t = 6)]
+    num_speculative_tokens: usize,
+    /// Speculate only while at most this many sequences run: above it, proposals cost more
+    /// than they save (BENCHMARKS.md, "Speculative decoding").
+    #[arg(long, env = "GPT_SERVER_SPECULATIVE_MAX_BATCH", default_value_t = 4)]
+    speculative_max_batch: usize,
 }
 
 /// `weights/` under the working directory, else next to this source tree (for `cargo run`).
@@ -120,6 +138,46 @@ fn default_checkpoint() -> PathBuf {
         return local;
     }
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights")
+}
+
+/// The speculative decoding the flags ask for; `named` is the served checkpoint as named.
+fn speculative_settings(args: &Args, named: &Path) -> Result<Option<gpt_server::Speculative>> {
+    use gpt::speculative::Mode;
+    let default_draft = default_checkpoint().join("draft");
+    let serves_default = {
+        let canonical = |dir: &Path| dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+        canonical(named) == canonical(&default_checkpoint())
+    };
+    let mode = match (args.speculative, &args.draft_checkpoint) {
+        (Some(mode), _) => mode,
+        (None, Some(_)) => Mode::Draft,
+        (None, None) if serves_default && default_draft.join("config.json").exists() => Mode::Draft,
+        (None, None) => Mode::Off,
+    };
+    if !(1..=gpt_server::engine::speculate::MAX_TOKENS).contains(&args.num_speculative_tokens) {
+        anyhow::bail!(
+            "--num-speculative-tokens must be between 1 and {}, got {}",
+            gpt_server::engine::speculate::MAX_TOKENS,
+            args.num_speculative_tokens
+        );
+    }
+    let draft = match (mode, &args.draft_checkpoint) {
+        (Mode::Off, None) => return Ok(None),
+        (Mode::Ngram, None) => None,
+        (Mode::Draft, Some(path)) => Some(
+            gpt::checkpoint::resolve(&path.to_string_lossy())
+                .context("--draft-checkpoint: pass a checkpoint directory, a gpt-train run directory or a Hub id")?
+                .dir,
+        ),
+        (Mode::Draft, None) if serves_default && default_draft.join("config.json").exists() => Some(default_draft),
+        (Mode::Draft, None) => anyhow::bail!("--speculative draft needs --draft-checkpoint"),
+        (_, Some(_)) => anyhow::bail!("--draft-checkpoint is given but --speculative is not `draft`"),
+    };
+    Ok(Some(gpt_server::Speculative {
+        draft,
+        num_tokens: args.num_speculative_tokens,
+        max_batch: args.speculative_max_batch,
+    }))
 }
 
 async fn shutdown_signal() {
@@ -185,6 +243,8 @@ async fn run() -> Result<()> {
         dir.file_name()
             .map_or("gpt".into(), |n| n.to_string_lossy().into_owned())
     });
+    // A Hub id may mean a download: off the async runtime's workers.
+    let speculative = tokio::task::block_in_place(|| speculative_settings(&args, &named))?;
     let cfg = ServerConfig {
         model_name,
         api_key: args.api_key.clone(),
@@ -201,6 +261,7 @@ async fn run() -> Result<()> {
         request_timeout: (args.request_timeout_secs > 0).then(|| Duration::from_secs(args.request_timeout_secs)),
         stream_timeout: Duration::from_secs(args.stream_timeout_secs),
         metrics_key: args.metrics_key.clone(),
+        speculative,
     };
     let state = tokio::task::spawn_blocking({
         let checkpoint = checkpoint.clone();

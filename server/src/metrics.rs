@@ -1,6 +1,8 @@
 //! Prometheus metrics, served as text at `GET /metrics`.
 
-use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+};
 
 pub struct Metrics {
     registry: Registry,
@@ -36,6 +38,13 @@ pub struct Metrics {
     /// Wall time of each engine step (one batch's forward pass and sampling): with the token
     /// counters, how fast the server works apart from how long requests queue.
     pub step_duration: Histogram,
+    /// Speculative decoding: steps that checked proposals, tokens proposed, tokens accepted; and
+    /// from them (at each check) the share accepted and the tokens accepted per check.
+    spec_checks: IntCounter,
+    spec_proposed: IntCounter,
+    spec_accepted: IntCounter,
+    spec_acceptance_rate: Gauge,
+    spec_mean_accepted: Gauge,
 }
 
 impl Metrics {
@@ -100,6 +109,31 @@ impl Metrics {
             )
             .buckets(latency_buckets),
         )?;
+        let spec_checks = IntCounter::new(
+            "gpt_spec_decode_checks_total",
+            "Speculative decoding: sequence steps that checked proposed tokens",
+        )?;
+        let spec_proposed = IntCounter::new(
+            "gpt_spec_decode_draft_tokens_total",
+            "Speculative decoding: tokens proposed (n-gram or draft model)",
+        )?;
+        let spec_accepted = IntCounter::new(
+            "gpt_spec_decode_accepted_tokens_total",
+            "Speculative decoding: proposed tokens the model accepted",
+        )?;
+        let spec_acceptance_rate = Gauge::new(
+            "gpt_spec_decode_acceptance_rate",
+            "Speculative decoding: accepted / proposed tokens since the start",
+        )?;
+        let spec_mean_accepted = Gauge::new(
+            "gpt_spec_decode_mean_accepted_length",
+            "Speculative decoding: proposed tokens accepted per check since the start (each check also adds one token of the model's)",
+        )?;
+        for c in [&spec_checks, &spec_proposed, &spec_accepted] {
+            registry.register(Box::new(c.clone()))?;
+        }
+        registry.register(Box::new(spec_acceptance_rate.clone()))?;
+        registry.register(Box::new(spec_mean_accepted.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(prompt_tokens.clone()))?;
         registry.register(Box::new(generated_tokens.clone()))?;
@@ -142,7 +176,26 @@ impl Metrics {
             time_to_first_token,
             inter_token_latency,
             step_duration,
+            spec_checks,
+            spec_proposed,
+            spec_accepted,
+            spec_acceptance_rate,
+            spec_mean_accepted,
         })
+    }
+
+    /// A sequence's check of `proposed` tokens, `accepted` of them kept.
+    pub fn record_speculation(&self, proposed: usize, accepted: usize) {
+        self.spec_checks.inc();
+        self.spec_proposed.inc_by(proposed as u64);
+        self.spec_accepted.inc_by(accepted as u64);
+        let (checks, proposed, accepted) = (
+            self.spec_checks.get() as f64,
+            self.spec_proposed.get() as f64,
+            self.spec_accepted.get() as f64,
+        );
+        self.spec_acceptance_rate.set(accepted / proposed.max(1.0));
+        self.spec_mean_accepted.set(accepted / checks.max(1.0));
     }
 
     /// Counts kept elsewhere (the structured outputs' grammar cache), exposed here too.

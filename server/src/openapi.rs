@@ -275,6 +275,10 @@ fn shared_limits(schema: &mut Value, limits: &Limits, token: &Value) {
         "description": "Prefix-cache entries are shared only among requests with the same salt (vLLM's field).",
         "oneOf": [{"type": "null"}, {"type": "string", "minLength": 1}],
     });
+    request["num_speculative_tokens"] = json!({
+        "description": "With speculative decoding on: tokens proposed per step at most for this request (0: none).",
+        "oneOf": [{"type": "null"}, {"type": "integer", "minimum": 0, "maximum": crate::engine::speculate::MAX_TOKENS}],
+    });
     request["stream_options"] = json!({
         "description": "With `stream`; ignored otherwise.",
         "oneOf": [{"type": "null"}, {"$ref": "#/components/schemas/StreamOptions"}],

@@ -405,6 +405,18 @@ pub fn validate(
     let (stop, stop_token_ids) = stops(req.stop, req.stop_token_ids, limits)?;
     let stream = req.stream.unwrap_or(false);
     let prompt_logprobs = prompt_logprobs(req.prompt_logprobs, stream, limits)?;
+    let speculative_tokens = match req.num_speculative_tokens {
+        Some(k) if !(0..=crate::engine::speculate::MAX_TOKENS as i64).contains(&k) => {
+            return Err(ApiError::invalid(
+                "num_speculative_tokens",
+                format!(
+                    "num_speculative_tokens must be between 0 and {}, got {k}",
+                    crate::engine::speculate::MAX_TOKENS
+                ),
+            ))
+        }
+        k => k.map(|k| k as usize),
+    };
     Ok(ValidRequest {
         prompts,
         max_tokens,
@@ -430,6 +442,7 @@ pub fn validate(
         request_id: req.request_id,
         cache_salt: req.cache_salt,
         constraint,
+        speculative_tokens,
     })
 }
 

@@ -130,6 +130,19 @@ struct SampleArgs {
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     device: String,
+    /// Speculative decoding with this draft model (a smaller one with the same tokenizer: a
+    /// directory or a Hub id): the same text under greedy decoding, the same distribution under
+    /// sampling, in fewer steps of the model.
+    #[arg(long)]
+    draft_checkpoint: Option<PathBuf>,
+    /// Speculative decoding: `ngram` (prompt lookup), `draft` (needs --draft-checkpoint) or `off`.
+    /// Default: `draft` with --draft-checkpoint, else off.
+    #[arg(long)]
+    speculative: Option<gpt::speculative::Mode>,
+    /// With speculative decoding: tokens proposed per step at most (adapted to how many are
+    /// accepted).
+    #[arg(long, default_value_t = 6)]
+    num_speculative_tokens: usize,
 }
 
 #[derive(clap::Args)]
@@ -401,7 +414,48 @@ fn sample(args: SampleArgs) -> Result<()> {
             seed: args.seed,
             ..Default::default()
         });
-        gpt::generate(&model, &ids, room, &mut sampler, tokenizer.eos_token_id())?
+        let eos = tokenizer.eos_token_id();
+        use gpt::speculative::{self, Mode, Proposer};
+        let mode = args.speculative.unwrap_or(match args.draft_checkpoint {
+            Some(_) => Mode::Draft,
+            None => Mode::Off,
+        });
+        let draft = match (&args.draft_checkpoint, mode) {
+            (Some(path), Mode::Draft) => {
+                let dir = gpt::checkpoint::resolve(&path.to_string_lossy())
+                    .context("--draft-checkpoint")?
+                    .dir;
+                let draft = gpt::load_dir(&dir, candle_core::DType::F32, &device)?;
+                speculative::check_draft((&model, &tokenizer), (&draft.0, &draft.1))
+                    .with_context(|| format!("--draft-checkpoint {}", path.display()))?;
+                Some(draft.0)
+            }
+            (None, Mode::Draft) => bail!("--speculative draft needs --draft-checkpoint"),
+            (Some(_), _) => bail!("--draft-checkpoint is given but --speculative is not draft"),
+            (None, _) => None,
+        };
+        let mut proposer = match (mode, &draft) {
+            (Mode::Off, _) => None,
+            (Mode::Ngram, _) => Some(Proposer::NGram),
+            (Mode::Draft, Some(d)) => Some(Proposer::Draft(speculative::Draft::new(d))),
+            (Mode::Draft, None) => None,
+        };
+        match &mut proposer {
+            None => gpt::generate(&model, &ids, room, &mut sampler, eos)?,
+            Some(proposer) => {
+                let k = args.num_speculative_tokens.max(1);
+                let (out, stats) = speculative::generate(&model, proposer, k, &ids, room, &mut sampler, eos)?;
+                eprintln!(
+                    "speculative decoding: {} of {} proposed tokens accepted ({:.0}%) in {} checks; {:.2} tokens a step",
+                    stats.accepted,
+                    stats.proposed,
+                    100.0 * stats.accepted as f64 / stats.proposed.max(1) as f64,
+                    stats.checks,
+                    out.len() as f64 / (out.len() - stats.accepted).max(1) as f64,
+                );
+                out
+            }
+        }
     };
     println!("{}{}", args.prompt, tokenizer.decode_skip_special(&output)?);
     Ok(())

@@ -319,6 +319,11 @@ macro_rules! generation_fields {
             json_schema: Option<Value>,
             /// llama.cpp's: a GBNF grammar the output follows (llguidance's Lark is taken too).
             grammar: Option<String>,
+            /// With speculative decoding on (`--speculative`): tokens proposed per step at most
+            /// for this request, up to the server's `--num-speculative-tokens`; 0 turns it off.
+            /// The output is the same either way (greedy), or has the same distribution.
+            #[serde(default, deserialize_with = "json_int::option")]
+            num_speculative_tokens: Option<i64>,
         }
     };
 }

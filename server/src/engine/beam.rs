@@ -77,6 +77,7 @@ impl BeamGroup {
                 tokens: &r.prompts[self.prompt].ids,
                 cache: &mut self.caches[0],
                 prompt_logprobs: r.prompt_top_k(),
+                verify: false,
             }],
             Some(tokens) => self
                 .caches
@@ -86,6 +87,7 @@ impl BeamGroup {
                     tokens: std::slice::from_ref(t),
                     cache,
                     prompt_logprobs: None,
+                    verify: false,
                 })
                 .collect(),
         };

@@ -15,6 +15,7 @@ mod request;
 pub mod runner;
 pub mod scheduler;
 pub mod sequence;
+pub mod speculate;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -36,8 +37,8 @@ use runner::{Runner, StepInput, StepOutput};
 
 use scheduler::{Queued, Scheduler};
 use sequence::{ModelInfo, Sequence, Status};
+use speculate::{SpeculateConfig, Speculator};
 
-#[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub max_batch_size: usize,
     pub max_queue: usize,
@@ -49,6 +50,8 @@ pub struct EngineConfig {
     pub request_timeout: Option<Duration>,
     /// A stream whose client takes none of its waiting events for this long is dropped.
     pub stream_timeout: Duration,
+    /// Speculative decoding, if on.
+    pub speculate: Option<SpeculateConfig>,
 }
 
 /// A fault to inject, for the tests of failure handling only: `GPT_SERVER_FAULT=panic` makes the
@@ -114,6 +117,7 @@ impl Engine {
             tokenizer,
             info,
             scheduler: Scheduler::new(cfg.max_batch_size, cfg.max_prefill_tokens),
+            speculator: cfg.speculate.map(Speculator::new),
             running: Vec::new(),
             max_batch: cfg.max_batch_size.max(1),
             metrics: metrics.clone(),
@@ -274,6 +278,7 @@ impl Active {
 
 struct Worker {
     runner: Runner,
+    speculator: Option<Speculator>,
     prefix: PrefixStore,
     tokenizer: Tokenizer,
     info: ModelInfo,
@@ -515,6 +520,7 @@ impl Worker {
         self.metrics
             .batch_size
             .set(self.running.iter().map(Active::slots).sum::<usize>() as i64);
+        self.propose();
         let mut counts = Vec::with_capacity(self.running.len());
         let outputs = {
             let mut inputs: Vec<StepInput> = Vec::new();
@@ -575,6 +581,27 @@ impl Worker {
         self.running = next;
     }
 
+    /// Speculative decoding's proposals for the decoding sequences that will step, while the
+    /// batch is small enough for them to pay.
+    fn propose(&mut self) {
+        let Some(speculator) = &mut self.speculator else { return };
+        let stepping = |a: &Active| !a.events().is_full();
+        let batch: usize = self.running.iter().filter(|a| stepping(a)).map(Active::slots).sum();
+        if batch > speculator.max_batch {
+            return;
+        }
+        let mut seqs: Vec<&mut Sequence> = (self.running.iter_mut())
+            .filter(|a| stepping(a))
+            .filter_map(|a| match a {
+                Active::Seq(s) if s.decoding() => Some(&mut **s),
+                _ => None,
+            })
+            .collect();
+        if !seqs.is_empty() {
+            speculator.propose(&mut seqs, self.info.context);
+        }
+    }
+
     /// A sampled sequence after its step: forked into its candidates after a prefill, each given
     /// its next token. Returns those still running.
     fn advance(&mut self, seq: Sequence, out: StepOutput) -> Vec<Sequence> {
@@ -595,7 +622,7 @@ impl Worker {
                 let _ = s.done(FinishReason::Length, None);
                 continue;
             }
-            match s.advance(&out.last, &self.tokenizer, self.info, &self.metrics) {
+            match s.advance(&out, &self.tokenizer, self.info, &self.metrics) {
                 Ok(Status::Running) => running.push(s),
                 Ok(Status::Finished(_)) => {}
                 Err(e) => {

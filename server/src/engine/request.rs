@@ -55,6 +55,9 @@ pub struct ValidRequest {
     pub cache_salt: Option<String>,
     /// The grammar every choice follows (structured outputs), compiled.
     pub constraint: Option<Arc<Compiled>>,
+    /// Speculative decoding: tokens proposed per step at most for this request (`None`: the
+    /// server's setting; 0: none).
+    pub speculative_tokens: Option<usize>,
 }
 
 impl ValidRequest {

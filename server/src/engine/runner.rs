@@ -19,6 +19,9 @@ pub struct StepInput<'a> {
     /// `Some(k)`: also the log-probability of each of `tokens[1..]` and the top `k` at each
     /// position (a prompt's prefill, for `echo` with `logprobs`).
     pub prompt_logprobs: Option<usize>,
+    /// Speculative decoding's check: `tokens` are the last token and proposals, and every
+    /// position's logits are wanted ([`StepOutput::drafted`]).
+    pub verify: bool,
 }
 
 /// The log-probability of a token at one position, and the `k` most likely tokens there.
@@ -37,6 +40,8 @@ pub struct StepOutput {
     pub last: Vec<f32>,
     /// For `prompt_logprobs`: positions 1.. of the new tokens (the first has no predecessor).
     pub prompt_logprobs: Vec<PositionLogprob>,
+    /// For `verify`: the raw logits of every new token but the last, in order.
+    pub drafted: Vec<Vec<f32>>,
 }
 
 pub struct Runner {
@@ -103,9 +108,9 @@ impl Runner {
     fn run(&self, inputs: &mut [&mut StepInput<'_>]) -> gpt::Result<Vec<StepOutput>> {
         let which: Vec<LogitsFor> = inputs
             .iter()
-            .map(|s| match s.prompt_logprobs {
-                Some(_) => LogitsFor::All,
-                None => LogitsFor::Last,
+            .map(|s| match (s.prompt_logprobs, s.verify) {
+                (Some(_), _) | (_, true) => LogitsFor::All,
+                (None, false) => LogitsFor::Last,
             })
             .collect();
         // Which input and position each hidden row belongs to.
@@ -135,6 +140,7 @@ impl Runner {
                 } else {
                     0
                 }),
+                drafted: Vec::new(),
             })
             .collect();
         let vocab = self.model.config().vocab_size;
@@ -177,6 +183,8 @@ impl Runner {
             for ((row, &(i, pos)), position) in logits.chunks_exact(vocab).zip(owners).zip(positions) {
                 if pos + 1 == inputs[i].tokens.len() {
                     outputs[i].last = row.to_vec();
+                } else if inputs[i].verify {
+                    outputs[i].drafted.push(row.to_vec());
                 } else if let Some(p) = position.into_inner() {
                     outputs[i].prompt_logprobs.push(p);
                 }
@@ -242,16 +250,19 @@ mod tests {
                 tokens: &good,
                 cache: c0,
                 prompt_logprobs: Some(2),
+                verify: false,
             },
             StepInput {
                 tokens: &bad,
                 cache: c1,
                 prompt_logprobs: None,
+                verify: false,
             },
             StepInput {
                 tokens: &good[..1],
                 cache: c2,
                 prompt_logprobs: None,
+                verify: false,
             },
         ];
         let out = runner.step(&mut inputs);
@@ -279,6 +290,7 @@ mod tests {
             tokens: &good,
             cache: &mut alone_cache,
             prompt_logprobs: None,
+            verify: false,
         }]);
         let alone = alone[0].as_ref().expect("runs");
         let diff = alone

@@ -10,7 +10,8 @@ use gpt::{KvCache, Sampler, Tokenizer};
 
 use super::channel::EventSink;
 use super::constraint::Constraint;
-use super::runner::{top_k, PositionLogprob, StepInput};
+use super::runner::{top_k, PositionLogprob, StepInput, StepOutput};
+use super::speculate::SeqSpeculation;
 use super::ValidRequest;
 use super::{Detokenizer, TextStream};
 use super::{Event, FinishReason, StopReason, TokenLogprob};
@@ -52,6 +53,8 @@ pub struct Sequence {
     pub events: EventSink,
     queued_at: Instant,
     last_token_at: Option<Instant>,
+    /// Speculative decoding's state (see `speculate`).
+    spec: SeqSpeculation,
 }
 
 /// After a token: go on, or the choice is complete.
@@ -95,6 +98,7 @@ impl Sequence {
             events,
             queued_at,
             last_token_at: None,
+            spec: SeqSpeculation::default(),
         }
     }
 
@@ -126,9 +130,18 @@ impl Sequence {
     /// last token generated.
     /// With it, the sequence's grammar state, whose next mask can be computed while the model
     /// computes the step.
+    /// With proposed tokens (speculative decoding), the last token and the proposals.
     pub fn step_input(&mut self) -> (StepInput<'_>, Option<&mut Constraint>) {
         let prompt_logprobs = self.wants_prompt_logprobs();
+        let verify = self.prefill.is_none() && !self.spec.proposal.is_empty();
         let tokens: &[u32] = match (&self.prefill, self.output.last()) {
+            (None, Some(&last)) if verify => {
+                let spec = &mut self.spec;
+                spec.input.clear();
+                spec.input.push(last);
+                spec.input.extend_from_slice(&spec.proposal);
+                &spec.input
+            }
             (None, Some(last)) => std::slice::from_ref(last),
             _ => {
                 let ids = &self.request.prompts[self.prompt].ids;
@@ -139,8 +152,38 @@ impl Sequence {
             tokens,
             cache: &mut self.cache,
             prompt_logprobs,
+            verify,
         };
         (input, self.constraint.as_mut())
+    }
+
+    /// The prompt and the output so far.
+    pub fn tokens(&self) -> Vec<u32> {
+        [self.prompt_ids(), &self.output].concat()
+    }
+
+    pub fn token_count(&self) -> usize {
+        self.prompt_ids().len() + self.output.len()
+    }
+
+    pub fn speculation(&mut self) -> &mut SeqSpeculation {
+        &mut self.spec
+    }
+
+    pub fn proposal_len(&self) -> usize {
+        self.spec.proposal.len()
+    }
+
+    /// Tokens it may propose at most: each step adds one of the model's own after those kept,
+    /// within `max_tokens` and the context.
+    pub fn speculation_room(&self, context: usize) -> usize {
+        let output_room = self.request.max_tokens.saturating_sub(self.output.len() + 1);
+        output_room.min(context.saturating_sub(self.token_count()))
+    }
+
+    /// Whether it decodes (not a prefill) and so may speculate.
+    pub fn decoding(&self) -> bool {
+        self.prefill.is_none() && !self.output.is_empty()
     }
 
     /// Top-N of the prompt's own tokens wanted from the prefill (`echo` with `logprobs`, or
@@ -176,16 +219,58 @@ impl Sequence {
                 events: self.events.clone(),
                 queued_at: self.queued_at,
                 last_token_at: None,
+                spec: SeqSpeculation::default(),
             });
         }
         family.insert(0, self);
         Ok(family)
     }
 
-    /// Samples the next token from the raw logits of the last position and sends what it adds.
+    /// Takes its step's output: samples the next token from the raw logits of the last position
+    /// and sends what it adds. After a check of proposals, each position in turn: a proposal the
+    /// sampler accepts is the token there and the next position is read, until one is refused
+    /// (the sampler's token takes its place) or the last, whose token is the model's own; the
+    /// caches then drop the positions of the refused proposals.
     pub fn advance(
         &mut self,
+        out: &StepOutput,
+        tokenizer: &Tokenizer,
+        model: ModelInfo,
+        metrics: &Metrics,
+    ) -> gpt::Result<Status> {
+        let proposal = std::mem::take(&mut self.spec.proposal);
+        if proposal.is_empty() || out.drafted.len() != proposal.len() {
+            return self.next_token(&out.last, None, &mut false, tokenizer, model, metrics);
+        }
+        let rows = out.drafted.iter().chain(std::iter::once(&out.last));
+        let mut accepted = 0;
+        let mut status = Status::Running;
+        for (row, proposed) in rows.zip(proposal.iter().map(Some).chain([None])) {
+            let mut kept = false;
+            status = self.next_token(row, proposed.copied(), &mut kept, tokenizer, model, metrics)?;
+            if status != Status::Running || !kept {
+                break;
+            }
+            accepted += 1;
+        }
+        metrics.record_speculation(proposal.len(), accepted);
+        self.spec.proposal = proposal;
+        // The caches hold every token but the last (which the next step reads).
+        let keep = self.token_count() - 1;
+        self.spec.after_check(accepted, keep)?;
+        if status == Status::Running {
+            self.cache.truncate(keep)?;
+        }
+        Ok(status)
+    }
+
+    /// One position: its token sampled from `logits` (or `proposed` checked against them, `kept`
+    /// set when the sampler keeps it) and what it adds sent.
+    fn next_token(
+        &mut self,
         logits: &[f32],
+        proposed: Option<u32>,
+        kept: &mut bool,
         tokenizer: &Tokenizer,
         model: ModelInfo,
         metrics: &Metrics,
@@ -236,7 +321,14 @@ impl Sequence {
             suppress.extend((0..logits.len() as u32).filter(|id| allowed.binary_search(id).is_err()));
         }
         let prompt = &r.prompts[self.prompt].ids;
-        let token = self.sampler.sample_row(logits, prompt, &self.output, &suppress)?;
+        let token = match proposed {
+            None => self.sampler.sample_row(logits, prompt, &self.output, &suppress)?,
+            Some(p) => {
+                let (token, accepted) = self.sampler.verify(logits, prompt, &self.output, &suppress, p)?;
+                *kept = accepted;
+                token
+            }
+        };
         if let Some(c) = &mut self.constraint {
             if !c.accepts(token) {
                 let reason = dead_end(self.output.len());

@@ -1,0 +1,178 @@
+//! Speculative decoding in the engine ([`gpt::speculative`] has the rule and the proposers): before
+//! a step, each sampled sequence that is decoding gets up to k proposed tokens, from an n-gram
+//! lookup in its tokens or from the draft model (one batched draft step per proposed token, for
+//! all of them together); the step then runs each such sequence's last token and its proposals
+//! (`StepInput::verify`), and the sequence keeps what [`gpt::Sampler::verify`] accepts
+//! ([`super::sequence::Sequence::advance`]). Above `max_batch` sequences the step is plain: a
+//! batched step already reads each weight once for many tokens, and proposals only add rows.
+
+use gpt::speculative::{ngram_proposal, ProposalLength};
+use gpt::{Gpt, KvCache};
+
+use super::runner::{Runner, StepInput};
+use super::sequence::Sequence;
+
+/// The most tokens proposed per step (`--num-speculative-tokens`, a request's
+/// `num_speculative_tokens`).
+pub const MAX_TOKENS: usize = 16;
+
+pub enum Proposer {
+    Ngram,
+    /// The draft model, its runner (its caches are the sequences').
+    Draft(Runner),
+}
+
+pub struct SpeculateConfig {
+    /// `None`: the n-gram lookup.
+    pub draft: Option<Gpt>,
+    /// Tokens proposed per step at most.
+    pub max_tokens: usize,
+    /// Speculate only while at most this many sequences run.
+    pub max_batch: usize,
+}
+
+pub struct Speculator {
+    proposer: Proposer,
+    pub max_tokens: usize,
+    pub max_batch: usize,
+}
+
+/// A sequence's part: how many to propose next, its draft cache, and the proposal of the step
+/// under way.
+#[derive(Default)]
+pub struct SeqSpeculation {
+    length: Option<ProposalLength>,
+    draft_cache: Option<KvCache>,
+    pub proposal: Vec<u32>,
+    /// The step's input: the last token, then the proposal.
+    pub input: Vec<u32>,
+}
+
+impl SeqSpeculation {
+    /// After the step: `accepted` of the proposal were kept, and the caches keep `len` positions.
+    pub fn after_check(&mut self, accepted: usize, len: usize) -> gpt::Result<()> {
+        if let Some(l) = &mut self.length {
+            l.update(self.proposal.len(), accepted);
+        }
+        self.proposal.clear();
+        if let Some(cache) = &mut self.draft_cache {
+            cache.truncate(len)?;
+        }
+        Ok(())
+    }
+}
+
+impl Speculator {
+    pub fn new(cfg: SpeculateConfig) -> Self {
+        Self {
+            proposer: match cfg.draft {
+                Some(draft) => Proposer::Draft(Runner::new(draft)),
+                None => Proposer::Ngram,
+            },
+            max_tokens: cfg.max_tokens.clamp(1, MAX_TOKENS),
+            max_batch: cfg.max_batch,
+        }
+    }
+
+    /// Proposals for `seqs` (decoding, sampled ones), each up to what its request allows and
+    /// what its output and the context have room for. A draft step that fails leaves its
+    /// sequences without proposals; the step then runs as usual.
+    pub fn propose(&mut self, seqs: &mut [&mut Sequence], context: usize) {
+        let wants: Vec<usize> = seqs
+            .iter_mut()
+            .map(|s| {
+                let k = s
+                    .request
+                    .speculative_tokens
+                    .unwrap_or(self.max_tokens)
+                    .min(self.max_tokens);
+                let room = s.speculation_room(context);
+                let spec = s.speculation();
+                spec.proposal.clear();
+                if k == 0 {
+                    return 0;
+                }
+                spec.length
+                    .get_or_insert_with(|| ProposalLength::new(k))
+                    .get()
+                    .min(room)
+            })
+            .collect();
+        match &self.proposer {
+            Proposer::Ngram => {
+                for (s, &k) in seqs.iter_mut().zip(&wants) {
+                    if k > 0 {
+                        let proposal = ngram_proposal(&s.tokens(), k);
+                        s.speculation().proposal = proposal;
+                    }
+                }
+            }
+            Proposer::Draft(runner) => draft_proposals(runner, seqs, &wants),
+        }
+    }
+}
+
+/// Greedy proposals from the draft model, one batched step per token: the first reads what of
+/// each sequence its draft cache lacks (the whole prompt at first), the next ones the token just
+/// proposed.
+fn draft_proposals(runner: &Runner, seqs: &mut [&mut Sequence], wants: &[usize]) {
+    let draft_context = runner.model().config().n_positions;
+    let mut inputs: Vec<Vec<u32>> = seqs
+        .iter_mut()
+        .zip(wants)
+        .map(|(s, &k)| {
+            let tokens = s.tokens();
+            // The draft reads the tokens and each proposal but the last.
+            if k == 0 || tokens.len() > draft_context {
+                return Vec::new();
+            }
+            let model = runner.model();
+            let cache = s.speculation().draft_cache.get_or_insert_with(|| model.new_cache());
+            let held = cache.len().min(tokens.len() - 1);
+            if cache.truncate(held).is_err() {
+                return Vec::new();
+            }
+            tokens[held..].to_vec()
+        })
+        .collect();
+    let wants: Vec<usize> = (seqs.iter())
+        .zip(wants)
+        .map(|(s, &k)| k.min(draft_context + 1 - s.token_count().min(draft_context)))
+        .collect();
+    loop {
+        let active: Vec<usize> = (0..seqs.len())
+            .filter(|&i| !inputs[i].is_empty() && seqs[i].proposal_len() < wants[i])
+            .collect();
+        if active.is_empty() {
+            return;
+        }
+        let outputs = {
+            let mut steps: Vec<StepInput> = Vec::with_capacity(active.len());
+            let mut want = active.iter().peekable();
+            for (i, (s, input)) in seqs.iter_mut().zip(&inputs).enumerate() {
+                if want.peek() == Some(&&i) {
+                    want.next();
+                    if let Some(cache) = s.speculation().draft_cache.as_mut() {
+                        steps.push(StepInput {
+                            tokens: input,
+                            cache,
+                            prompt_logprobs: None,
+                            verify: false,
+                        });
+                    }
+                }
+            }
+            runner.step(&mut steps)
+        };
+        for (&i, out) in active.iter().zip(outputs) {
+            let next = out.ok().and_then(|o| gpt_kernels::argmax(&o.last)).map(|t| t as u32);
+            match next {
+                Some(token) => {
+                    seqs[i].speculation().proposal.push(token);
+                    inputs[i] = vec![token];
+                }
+                None => inputs[i].clear(),
+            }
+        }
+    }
+}
