@@ -174,3 +174,27 @@ fn sampled_speculation_draws_the_models_distribution() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn a_draft_must_share_the_models_vocabulary() -> anyhow::Result<()> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-gpt2");
+    let model = fixture()?;
+    let tok = gpt::Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    assert!(speculative::check_draft((&model, &tok), (&model, &tok)).is_ok());
+    // Two tokens' ids swapped: the same size, another vocabulary.
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json"))?)?;
+    let vocab = &mut json["model"]["vocab"];
+    let (a, b) = (vocab["a"].clone(), vocab["b"].clone());
+    vocab["a"] = b;
+    vocab["b"] = a;
+    let tmp = tempfile::tempdir()?;
+    let path = tmp.path().join("tokenizer.json");
+    std::fs::write(&path, json.to_string())?;
+    let swapped = gpt::Tokenizer::from_file(&path)?;
+    let err = speculative::check_draft((&model, &tok), (&model, &swapped)).err().map(|e| e.to_string());
+    let err = err.unwrap_or_default();
+    assert!(err.contains("draft") && err.contains("\"a\"") && err.contains("\"b\""), "{err}");
+    let small = other_draft(&model)?;
+    assert!(speculative::check_draft((&model, &tok), (&small, &tok)).is_ok());
+    Ok(())
+}

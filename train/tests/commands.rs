@@ -444,6 +444,27 @@ fn sample_prints_the_best_beam_and_greedy_text() -> anyhow::Result<()> {
         String::from_utf8_lossy(&out.stdout),
         format!("{prompt}{}\n", tok.decode_skip_special(&ids)?)
     );
+    // Speculative decoding, with n-grams and with a draft (the model itself here): the same
+    // greedy text, and the acceptance reported.
+    let greedy = |extra: &[&str]| {
+        let base = ["sample", "--checkpoint", c, "--prompt", &prompt, "--temperature", "0"];
+        let tail = ["--max-new-tokens", "30", "--device", "cpu"];
+        gpt_train(&[&base[..], extra, &tail].concat())
+    };
+    let plain = greedy(&[])?;
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    for extra in [
+        &["--speculative", "ngram"][..],
+        &["--draft-checkpoint", c, "--num-speculative-tokens", "3"],
+    ] {
+        let out = greedy(extra)?;
+        assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
+        assert_eq!(out.stdout, plain.stdout, "{extra:?}");
+        assert!(stderr(&out).contains("proposed tokens accepted"), "{}", stderr(&out));
+    }
+    let out = greedy(&["--speculative", "draft"])?;
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--draft-checkpoint"), "{}", stderr(&out));
     Ok(())
 }
 
