@@ -191,9 +191,14 @@ fn a_draft_must_share_the_models_vocabulary() -> anyhow::Result<()> {
     let path = tmp.path().join("tokenizer.json");
     std::fs::write(&path, json.to_string())?;
     let swapped = gpt::Tokenizer::from_file(&path)?;
-    let err = speculative::check_draft((&model, &tok), (&model, &swapped)).err().map(|e| e.to_string());
+    let err = speculative::check_draft((&model, &tok), (&model, &swapped))
+        .err()
+        .map(|e| e.to_string());
     let err = err.unwrap_or_default();
-    assert!(err.contains("draft") && err.contains("\"a\"") && err.contains("\"b\""), "{err}");
+    assert!(
+        err.contains("draft") && err.contains("\"a\"") && err.contains("\"b\""),
+        "{err}"
+    );
     let small = other_draft(&model)?;
     assert!(speculative::check_draft((&model, &tok), (&small, &tok)).is_ok());
     Ok(())
