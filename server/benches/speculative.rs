@@ -4,7 +4,8 @@
 //! at each concurrency the three servers in turn, `ROUNDS` times; aggregate tokens/s per server
 //! and the ratios. Prints one JSON object per concurrency.
 //!
-//!     [TARGET=weights] [DRAFT=weights/draft] [K=6] [NEW_TOKENS=128] [ROUNDS=3] [MAX_BATCH] \
+//!     [TARGET=weights] [DRAFT=weights/draft] [K=6] [NEW_TOKENS=128] [ROUNDS=3] \
+//!     [MAX_BATCH=N|default] \
 //!         cargo bench -p gpt-server --bench speculative -- [CONCURRENCY...]
 
 use std::path::PathBuf;
@@ -81,8 +82,17 @@ async fn run() -> anyhow::Result<()> {
     let k: usize = env_or("K", "6").parse()?;
     let new_tokens: usize = env_or("NEW_TOKENS", "128").parse()?;
     let rounds: usize = env_or("ROUNDS", "3").parse()?;
-    let max_batch: usize = env_or("MAX_BATCH", &usize::MAX.to_string()).parse()?;
+    // MAX_BATCH=default: the server's defaults for each proposer.
+    let max_batch = match env_or("MAX_BATCH", "").as_str() {
+        "" => Some(usize::MAX),
+        "default" => None,
+        n => Some(n.parse()?),
+    };
     let spec = |draft: Option<PathBuf>| {
+        let max_batch = max_batch.unwrap_or(match draft {
+            Some(_) => gpt_server::engine::speculate::DRAFT_MAX_BATCH,
+            None => gpt_server::engine::speculate::NGRAM_MAX_BATCH,
+        });
         Some(Speculative {
             draft,
             num_tokens: k,
@@ -132,7 +142,7 @@ async fn run() -> anyhow::Result<()> {
                 "clients": clients,
                 "new_tokens_each": new_tokens,
                 "k": k,
-                "max_batch": max_batch,
+                "max_batch": max_batch.map_or("default".to_string(), |m| m.to_string()),
                 "plain_tok_per_s": rate(0),
                 "draft_tok_per_s": rate(1),
                 "ngram_tok_per_s": rate(2),

@@ -126,9 +126,10 @@ struct Args {
     #[arg(long, env = "GPT_SERVER_NUM_SPECULATIVE_TOKENS", default_value_t = 6)]
     num_speculative_tokens: usize,
     /// Speculate only while at most this many sequences run: above it, proposals cost more
-    /// than they save (BENCHMARKS.md, "Speculative decoding").
-    #[arg(long, env = "GPT_SERVER_SPECULATIVE_MAX_BATCH", default_value_t = 4)]
-    speculative_max_batch: usize,
+    /// than they save. Default: 8 with a draft model, 4 with n-grams (measured on the default
+    /// model: BENCHMARKS.md, "Speculative decoding").
+    #[arg(long, env = "GPT_SERVER_SPECULATIVE_MAX_BATCH")]
+    speculative_max_batch: Option<usize>,
 }
 
 /// `weights/` under the working directory, else next to this source tree (for `cargo run`).
@@ -173,10 +174,14 @@ fn speculative_settings(args: &Args, named: &Path) -> Result<Option<gpt_server::
         (Mode::Draft, None) => anyhow::bail!("--speculative draft needs --draft-checkpoint"),
         (_, Some(_)) => anyhow::bail!("--draft-checkpoint is given but --speculative is not `draft`"),
     };
+    let max_batch = args.speculative_max_batch.unwrap_or(match draft {
+        Some(_) => gpt_server::engine::speculate::DRAFT_MAX_BATCH,
+        None => gpt_server::engine::speculate::NGRAM_MAX_BATCH,
+    });
     Ok(Some(gpt_server::Speculative {
         draft,
         num_tokens: args.num_speculative_tokens,
-        max_batch: args.speculative_max_batch,
+        max_batch,
     }))
 }
 

@@ -12,6 +12,13 @@ use gpt::{Gpt, KvCache};
 use super::runner::{Runner, StepInput};
 use super::sequence::Sequence;
 
+/// Sequences up to which speculation pays by default, with a draft model and with n-grams: on
+/// the default model and its draft (2 cores, EPYC), the draft's proposals gave 1.07x plain at 8
+/// streams and 1.03-1.08x at 16; the n-grams' 0.98-1.01x at 8 and 0.90-1.01x at 16
+/// (BENCHMARKS.md, "Speculative decoding").
+pub const DRAFT_MAX_BATCH: usize = 8;
+pub const NGRAM_MAX_BATCH: usize = 4;
+
 /// The most tokens proposed per step (`--num-speculative-tokens`, a request's
 /// `num_speculative_tokens`).
 pub const MAX_TOKENS: usize = 16;
