@@ -6,8 +6,8 @@ threads. Prints tokens/s and the ratio, and checks that both give the same token
     python3 bench/speculative_hf.py [--target weights] [--draft weights/draft] [--prompts 8]
         [--max-new 192] [--rounds 3] [--threads 2]
 
-The character tokenizer is applied here from tokenizer.json's vocabulary (one token per character),
-so both sides see the same ids.
+Prompts are encoded with the target's tokenizer.json (the `tokenizers` library), so both sides
+see the same ids; windows of validation characters as the Rust bench takes them.
 """
 
 import argparse
@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 from transformers import GPT2LMHeadModel
 
 
@@ -32,7 +33,7 @@ def main():
     torch.set_num_threads(args.threads)
     target = GPT2LMHeadModel.from_pretrained(args.target, torch_dtype=torch.float32).eval()
     draft = GPT2LMHeadModel.from_pretrained(args.draft, torch_dtype=torch.float32).eval()
-    vocab = json.load(open(Path(args.target) / "tokenizer.json"))["model"]["vocab"]
+    tokenizer = Tokenizer.from_file(str(Path(args.target) / "tokenizer.json"))
     text = open(repo / "data/tinyshakespeare.txt").read()
     val = text[len(text) * 9 // 10 :]
     context = target.config.n_positions
@@ -40,7 +41,7 @@ def main():
     prompts = []
     for i in range(args.prompts):
         at = i * (len(val) - window) // args.prompts
-        prompts.append([vocab[c] for c in val[at : at + window]])
+        prompts.append(tokenizer.encode(val[at : at + window]).ids)
     secs = [0.0, 0.0]
     tokens = [0, 0]
     # Greedy, no end-of-text (the vocabulary has none), exactly max_new tokens each.

@@ -239,8 +239,17 @@ impl Sequence {
         metrics: &Metrics,
     ) -> gpt::Result<Status> {
         let proposal = std::mem::take(&mut self.spec.proposal);
-        if proposal.is_empty() || out.drafted.len() != proposal.len() {
+        if proposal.is_empty() {
             return self.next_token(&out.last, None, &mut false, tokenizer, model, metrics);
+        }
+        if out.drafted.len() != proposal.len() {
+            // (The runner returns a row per proposal; without them the cache could not be
+            // rolled back to what was kept.)
+            return Err(gpt::Error::Device(format!(
+                "speculative check: {} rows of logits for {} proposed tokens",
+                out.drafted.len(),
+                proposal.len()
+            )));
         }
         let rows = out.drafted.iter().chain(std::iter::once(&out.last));
         let mut accepted = 0;
