@@ -6,7 +6,8 @@
 #  1. the model crate: plain, with the draft, with n-grams (cargo bench -p gpt --bench speculative);
 #  2. transformers' assisted generation on the same pair (bench/speculative_hf.py);
 #  3. through servers, one request at a time: gpt-server plain and with the draft, llama-server
-#     plain and with the draft (-md, llama.cpp's speculative decoding), the same weights as GGUF.
+#     plain and with the draft (-md, llama.cpp's speculative decoding, at most 6 drafted tokens as
+#     ours), the same weights as GGUF.
 # Everything under target/bench/spec-gpt2 (never committed). Needs what bench/llamacpp_setup.sh
 # says.
 set -euo pipefail
@@ -33,7 +34,7 @@ train target "${TARGET_ITERS:-150}" --preset gpt2 --batch-size 4 --learning-rate
 train draft "${DRAFT_ITERS:-200}" --n-layer 2 --n-head 4 --n-embd 256 --batch-size 4 --learning-rate 1e-3
 grep -h "best val loss" "$out"/target-train.log "$out"/draft-train.log || true
 echo "== 1. model crate, batch 1"
-TARGET=$out/target DRAFT=$out/draft ROUNDS=${ROUNDS:-2} PROMPTS=${PROMPTS:-4} MAX_NEW=128 \
+TARGET=$PWD/$out/target DRAFT=$PWD/$out/draft ROUNDS=${ROUNDS:-2} PROMPTS=${PROMPTS:-4} MAX_NEW=128 \
   cargo bench -q -p gpt --bench speculative 2>&1 | grep -v "^$"
 echo "== 2. transformers' assisted generation"
 "$py" bench/speculative_hf.py --target "$out/target" --draft "$out/draft" --rounds "${ROUNDS:-2}" \
@@ -45,11 +46,11 @@ pids=$!
 ./target/release/gpt-server --checkpoint "$out/target" --port 18202 --device cpu \
   --draft-checkpoint "$out/draft" --prefix-cache-mib 0 > "$out/draft.log" 2>&1 &
 pids="$pids $!"
-"$work/build/bin/llama-server" -m "$out/target.gguf" --port 18203 -t "$threads" -c 256 \
+"$work/build/bin/llama-server" -m "$out/target.gguf" --port 18203 -t "$threads" -c 256 -np 1 \
   --no-cache-prompt --cache-ram 0 > "$out/llama-plain.log" 2>&1 &
 pids="$pids $!"
-"$work/build/bin/llama-server" -m "$out/target.gguf" -md "$out/draft.gguf" --port 18204 -t "$threads" \
-  -c 256 -cd 256 --no-cache-prompt --cache-ram 0 > "$out/llama-draft.log" 2>&1 &
+"$work/build/bin/llama-server" -m "$out/target.gguf" -md "$out/draft.gguf" --port 18204 -t "$threads" -np 1 \
+  -c 256 --spec-type draft-simple --spec-draft-n-max 6 --no-cache-prompt --cache-ram 0 > "$out/llama-draft.log" 2>&1 &
 pids="$pids $!"
 trap 'kill $pids 2>/dev/null || true' EXIT
 for port in 18201 18202 18203 18204; do
