@@ -3,6 +3,9 @@
 //! (124M f32 values, in its 148 tensors' sizes). Run under the launcher:
 //!   cargo build --release -p gpt-train --features mpi --example allreduce
 //!   mpirun -np 2 target/release/examples/allreduce [REPEATS] [BUCKET_MB]
+//! The last line times what CPU training runs instead: the sum of GPT-2 small's gradients onto
+//! the rank owning each tensor, then each owner's parameters sent to the others
+//! (`World::reduce_to_owners` and `World::broadcast_from_owners`).
 //! Prints, on rank 0, each size's median time, its algorithm bandwidth (bytes / time) and its bus
 //! bandwidth (× 2(n−1)/n, the bytes each rank sends and receives in a ring allreduce, as
 //! nccl-tests reports it), comparable with the link's rate.
@@ -23,17 +26,13 @@ fn main() -> Result<()> {
         candle_nn::VarBuilder::from_varmap(&candle_nn::VarMap::new(), candle_core::DType::F32, &Device::Cpu),
         &gpt2,
     )?;
-    let shapes: Vec<Vec<usize>> = model
-        .named_tensors()?
-        .into_iter()
-        .map(|(_, t)| t.dims().to_vec())
-        .collect();
+    let shapes = shapes_of(&model)?;
     let cases: Vec<(String, Vec<Vec<usize>>)> = vec![
         ("4 MB, one tensor".into(), vec![vec![1 << 20]]),
         ("64 MB, one tensor".into(), vec![vec![1 << 24]]),
         (format!("GPT-2 small's gradients ({} tensors)", shapes.len()), shapes),
     ];
-    for (name, shapes) in cases {
+    for (name, shapes) in cases.iter() {
         let mut grads: Vec<Tensor> = shapes
             .iter()
             .map(|s| Tensor::ones(s.as_slice(), candle_core::DType::F32, &Device::Cpu))
@@ -62,5 +61,43 @@ fn main() -> Result<()> {
             );
         }
     }
+    let mut grads: Vec<Tensor> = shapes_of(&model)?
+        .iter()
+        .map(|s| Tensor::ones(s.as_slice(), candle_core::DType::F32, &Device::Cpu))
+        .collect::<candle_core::Result<_>>()?;
+    let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
+    let owners = gpt_train::distributed::owners(&sizes, world.size());
+    let bytes: usize = sizes.iter().sum::<usize>() * 4;
+    let (mut reduce, mut broadcast) = (Vec::new(), Vec::new());
+    for _ in 0..repeats + 1 {
+        world.barrier();
+        let start = std::time::Instant::now();
+        world.reduce_to_owners(&mut grads, &owners)?;
+        let reduced = std::time::Instant::now();
+        world.broadcast_from_owners(&grads, &owners)?;
+        reduce.push((reduced - start).as_secs_f64());
+        broadcast.push(reduced.elapsed().as_secs_f64());
+    }
+    for times in [&mut reduce, &mut broadcast] {
+        times.remove(0);
+        times.sort_by(f64::total_cmp);
+    }
+    if world.is_root() {
+        println!(
+            "GPT-2 small, owned update: {:.1} MB summed onto owners in {:.2} ms, sent from owners in {:.2} ms ({} ranks, medians of {repeats})",
+            bytes as f64 / 1e6,
+            reduce[repeats / 2] * 1e3,
+            broadcast[repeats / 2] * 1e3,
+            world.size()
+        );
+    }
     Ok(())
+}
+
+fn shapes_of(model: &gpt::Gpt) -> Result<Vec<Vec<usize>>> {
+    Ok(model
+        .named_tensors()?
+        .into_iter()
+        .map(|(_, t)| t.dims().to_vec())
+        .collect())
 }

@@ -17,6 +17,7 @@ mod launch;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod owned;
 
 use std::cell::Cell;
 use std::time::Instant;
@@ -24,8 +25,8 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
-pub use buckets::owners;
 pub use launch::launched_ranks;
+pub use owned::owners;
 
 /// The default size of the buckets gradients are summed in (`--allreduce-bucket-mb`), 1 MB:
 /// small tensors are packed together (one call each would pay MPI's latency ~150 times a step
@@ -34,6 +35,9 @@ pub use launch::launched_ranks;
 /// 101-120 ms in 1 MB buckets in 7 runs of 8, 200-260 ms in 16 MB ones (PyTorch DDP's 25 MB
 /// default) in all 4, two ranks in shared memory on the EPYC (`examples/allreduce.rs`).
 pub const DEFAULT_BUCKET_MB: f64 = 1.0;
+
+/// MPI counts are C ints: no call moves more values than this.
+const MAX_COUNT: usize = 1 << 30;
 
 /// Time this rank spent in collectives since the last [`World::take_comm_time`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -201,8 +205,7 @@ impl World {
         if grads[0].device().is_cuda() {
             self.sum_grads_cuda(grads)?;
         } else {
-            let all: Vec<usize> = (0..grads.len()).collect();
-            self.combine_cpu(grads, &all, None)?;
+            self.sum_cpu(grads)?;
         }
         self.add_time(reached - start, reached.elapsed());
         Ok(())
@@ -218,10 +221,7 @@ impl World {
         let start = Instant::now();
         self.barrier();
         let reached = Instant::now();
-        for root in 0..self.size {
-            let owned: Vec<usize> = (0..grads.len()).filter(|&i| owners[i] == root).collect();
-            self.combine_cpu(grads, &owned, Some(root))?;
-        }
+        self.reduce_scatter_owned(grads, owners)?;
         self.add_time(reached - start, reached.elapsed());
         Ok(())
     }
@@ -233,9 +233,7 @@ impl World {
             return Ok(());
         }
         let start = Instant::now();
-        for (t, &root) in tensors.iter().zip(owners) {
-            t.inplace_op1(&buckets::Broadcast { world: self, root })?;
-        }
+        self.all_gather_owned(tensors, owners)?;
         self.add_time(std::time::Duration::ZERO, start.elapsed());
         Ok(())
     }
@@ -278,28 +276,35 @@ impl World {
         Ok(device.synchronize()?)
     }
 
-    /// `recv = Σ over ranks of send` on every rank (`root` `None`), or on `root` only (the
-    /// others' `recv` untouched).
-    fn combine_f32(&self, root: Option<usize>, send: &[f32], recv: &mut [f32]) {
+    /// `recv = Σ over ranks of send` on every rank.
+    fn sum_f32(&self, send: &[f32], recv: &mut [f32]) {
         #[cfg(feature = "mpi")]
         if let Some(comm) = self.comm() {
-            match root {
-                None => comm.sum_f32(send, recv),
-                Some(root) => comm.reduce_f32(root, send, recv),
-            }
+            comm.sum_f32(send, recv);
             return;
         }
-        let _ = root;
         recv.copy_from_slice(send);
     }
 
-    /// `root`'s `values` on every rank.
-    fn broadcast_f32(&self, root: usize, values: &mut [f32]) {
+    /// `recv` = this rank's block of `Σ over ranks of send`, the blocks `recv.len()` values each.
+    fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32]) {
         #[cfg(feature = "mpi")]
         if let Some(comm) = self.comm() {
-            comm.broadcast_f32(root, values);
+            comm.reduce_scatter_f32(send, recv);
+            return;
         }
-        let _ = (root, values);
+        let n = recv.len();
+        recv.copy_from_slice(&send[self.rank * n..(self.rank + 1) * n]);
+    }
+
+    /// `recv` = every rank's `send`, in rank order.
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
+        #[cfg(feature = "mpi")]
+        if let Some(comm) = self.comm() {
+            comm.all_gather_f32(send, recv);
+            return;
+        }
+        recv.copy_from_slice(send);
     }
 }
 

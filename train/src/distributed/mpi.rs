@@ -14,8 +14,7 @@ pub struct Comm {
     local_rank: usize,
 }
 
-/// MPI counts are C ints: larger buffers go in pieces of this many values.
-const MAX_COUNT: usize = 1 << 30;
+use super::MAX_COUNT;
 
 impl Comm {
     pub fn init() -> Result<Self> {
@@ -58,23 +57,15 @@ impl Comm {
         }
     }
 
-    /// `recv = Σ over ranks of send` on `root`; the others' `recv` is not written.
-    pub fn reduce_f32(&self, root: usize, send: &[f32], recv: &mut [f32]) {
-        let root_process = self.world.process_at_rank(i32::try_from(root).unwrap_or(0));
-        for (send, recv) in send.chunks(MAX_COUNT).zip(recv.chunks_mut(MAX_COUNT)) {
-            if self.rank() == root {
-                root_process.reduce_into_root(send, recv, SystemOperation::sum());
-            } else {
-                root_process.reduce_into(send, SystemOperation::sum());
-            }
-        }
+    /// `recv` = this rank's block of `Σ over ranks of send` (blocks of `recv.len()` values, at
+    /// most `MAX_COUNT`).
+    pub fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32]) {
+        self.world.reduce_scatter_block_into(send, recv, SystemOperation::sum());
     }
 
-    pub fn broadcast_f32(&self, root: usize, values: &mut [f32]) {
-        let root = self.world.process_at_rank(i32::try_from(root).unwrap_or(0));
-        for chunk in values.chunks_mut(MAX_COUNT) {
-            root.broadcast_into(chunk);
-        }
+    /// `recv` = every rank's `send` (at most `MAX_COUNT` values), in rank order.
+    pub fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
+        self.world.all_gather_into(send, recv);
     }
 
     pub fn all_gather_f64(&self, values: &[f64]) -> Vec<f64> {
