@@ -3,7 +3,8 @@
 //! test it cannot is reported as ignored, with the reason, rather than passing without having
 //! run: `cfg(gpt_test_root)` when the build runs as root (to mount a small tmpfs), and
 //! `cfg(gpt_test_numpy)` when `GPT_TEST_PYTHON` (CI's virtual environment) has NumPy (without
-//! `GPT_TEST_PYTHON` no Python is started), and with MPI `cfg(gpt_test_netns)` when it can make
+//! `GPT_TEST_PYTHON` no Python is started), `cfg(gpt_test_peft)` when it has PEFT, transformers
+//! and torch, and with MPI `cfg(gpt_test_netns)` when it can make
 //! network namespaces.
 
 include!("../model/kernels/build_ptx.rs");
@@ -15,7 +16,7 @@ fn main() {
     );
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-env-changed=GPT_TEST_PYTHON");
-    println!("cargo::rustc-check-cfg=cfg(gpt_test_root, gpt_test_numpy, gpt_test_netns)");
+    println!("cargo::rustc-check-cfg=cfg(gpt_test_root, gpt_test_numpy, gpt_test_peft, gpt_test_netns)");
     let run = |program: &str, args: &[&str]| {
         Command::new(program)
             .args(args)
@@ -48,6 +49,9 @@ fn main() {
     if let Ok(python) = std::env::var("GPT_TEST_PYTHON") {
         if run(&python, &["-c", "import numpy"]).is_some() {
             println!("cargo::rustc-cfg=gpt_test_numpy");
+        }
+        if run(&python, &["-c", "import peft, transformers, torch"]).is_some() {
+            println!("cargo::rustc-cfg=gpt_test_peft");
         }
     }
 }

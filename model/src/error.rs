@@ -56,6 +56,9 @@ pub enum Error {
     #[error("sequence needs {needed} positions but the context length (n_positions) is {max}")]
     ContextOverflow { needed: usize, max: usize },
 
+    #[error("{path}: LoRA adapter: {reason}")]
+    Adapter { path: PathBuf, reason: String },
+
     #[error("the draft model cannot propose for this model: {0}")]
     DraftMismatch(String),
 

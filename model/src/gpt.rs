@@ -213,6 +213,7 @@ impl Gpt {
             && gpt_kernels::fused(&self.wpe)
             && self.cfg.activation_function == Activation::GeluNew
             && matches!(&self.wte, Weight::Dense(w) if w.dtype() == DType::F32)
+            && !self.has_adapter()
     }
 
     /// A fresh cache for one sequence.
@@ -554,14 +555,23 @@ impl Gpt {
             conv.in_out = None;
         }
         let mut out = vec![("transformer.wte.weight".to_string(), &mut self.wte)];
-        for (i, block) in self.blocks.iter_mut().enumerate() {
+        for (name, conv) in Self::named_convs_mut(&mut self.blocks) {
+            out.push((format!("{name}.weight"), &mut conv.weight));
+        }
+        out
+    }
+
+    /// Each block's linear layers under their names (`transformer.h.0.attn.c_attn`).
+    fn named_convs_mut(blocks: &mut [Block]) -> Vec<(String, &mut Conv1D)> {
+        let mut out = Vec::new();
+        for (i, block) in blocks.iter_mut().enumerate() {
             for (name, conv) in [
                 ("attn.c_attn", &mut block.attn.c_attn),
                 ("attn.c_proj", &mut block.attn.c_proj),
                 ("mlp.c_fc", &mut block.mlp.c_fc),
                 ("mlp.c_proj", &mut block.mlp.c_proj),
             ] {
-                out.push((format!("transformer.h.{i}.{name}.weight"), &mut conv.weight));
+                out.push((format!("transformer.h.{i}.{name}"), conv));
             }
         }
         out
@@ -575,6 +585,34 @@ impl Gpt {
                 .find(|f| f.ggml().is_none() && f.dtype() == w.dtype()),
             Weight::Packed(p) => Some(p.format()),
         }
+    }
+
+    /// Adds `adapter`'s low-rank updates to the outputs of the layers it adapts (without
+    /// changing their weights), or with `None` removes any. The adapter must be for a model of
+    /// this one's shape ([`crate::lora::Adapter::load`] checks it against the config).
+    pub fn set_adapter(&mut self, adapter: Option<&crate::lora::Adapter>) -> Result<()> {
+        if let Some(adapter) = adapter {
+            for (name, _, _) in adapter.config.layers(&self.cfg)? {
+                if !adapter.layers.contains_key(&name) {
+                    return Err(crate::Error::InvalidConfig(format!(
+                        "the adapter has no update for `{name}`"
+                    )));
+                }
+            }
+        }
+        for (name, conv) in Self::named_convs_mut(&mut self.blocks) {
+            conv.lora = adapter.and_then(|a| a.layers.get(&name)).cloned();
+        }
+        Ok(())
+    }
+
+    /// Whether an adapter is set ([`Gpt::set_adapter`]).
+    pub fn has_adapter(&self) -> bool {
+        self.blocks.iter().any(|b| {
+            [&b.attn.c_attn, &b.attn.c_proj, &b.mlp.c_fc, &b.mlp.c_proj]
+                .iter()
+                .any(|c| c.lora.is_some())
+        })
     }
 
     fn convs_mut(&mut self) -> impl Iterator<Item = &mut Conv1D> {

@@ -148,6 +148,8 @@ pub struct Conv1D {
     /// so that the gradient lands on the variable directly. `None` once `weight` is converted
     /// for inference ([`Conv1D::set_weight`]).
     pub(crate) in_out: Option<Tensor>,
+    /// A LoRA adapter's update added to the output ([`crate::Gpt::set_adapter`]).
+    pub(crate) lora: Option<crate::lora::LoraLayer>,
 }
 
 impl Conv1D {
@@ -169,6 +171,7 @@ impl Conv1D {
             bias,
             autocast: Autocast::Off,
             in_out: Some(weight),
+            lora: None,
         })
     }
 
@@ -204,7 +207,11 @@ impl Conv1D {
             Weight::Dense(w) => Weight::Dense(w.narrow(0, start, len)?),
             Weight::Packed(_) => candle_core::bail!("forward_cols: the weight is packed for inference"),
         };
-        linear(x, &part, &self.bias.narrow(0, start, len)?, self.autocast)
+        let y = linear(x, &part, &self.bias.narrow(0, start, len)?, self.autocast)?;
+        match &self.lora {
+            Some(lora) => y + lora.delta(x, Some((start, len)))?,
+            None => Ok(y),
+        }
     }
 }
 
@@ -252,6 +259,9 @@ fn linear(x: &Tensor, weight: &Weight, bias: &Tensor, autocast: Autocast) -> can
 impl Conv1D {
     /// GELU (tanh form) of the layer's output, fused with it where the weight is packed.
     pub fn forward_gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(lora) = &self.lora {
+            return (linear(x, &self.weight, &self.bias, self.autocast)? + lora.delta(x, None)?)?.gelu();
+        }
         match self.fused_affine(x, true) {
             Some(y) => y,
             None => linear_act(x, &self.weight, &self.bias, self.autocast, true),
@@ -285,6 +295,9 @@ impl Conv1D {
 
 impl Module for Conv1D {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(lora) = &self.lora {
+            return linear(x, &self.weight, &self.bias, self.autocast)? + lora.delta(x, None)?;
+        }
         match self.fused_affine(x, false) {
             Some(y) => y,
             None => linear(x, &self.weight, &self.bias, self.autocast),

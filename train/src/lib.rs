@@ -8,6 +8,7 @@ pub mod data;
 pub mod distributed;
 pub mod eval;
 pub mod init;
+pub mod lora;
 pub mod metrics;
 pub mod optim;
 pub mod schedule;

@@ -39,6 +39,21 @@ enum Command {
     Eval(EvalArgs),
     /// Tokenise text into token files for llm.c or nanoGPT (they train here too).
     Prepare(PrepareArgs),
+    /// Merge a LoRA adapter (PEFT's format: adapter_config.json, adapter_model.safetensors)
+    /// into its base checkpoint's weights and write a full checkpoint.
+    Merge(MergeArgs),
+}
+
+#[derive(clap::Args)]
+struct MergeArgs {
+    #[arg(long, help = CHECKPOINT_HELP)]
+    checkpoint: PathBuf,
+    /// The adapter's directory, as PEFT's save_pretrained or `gpt-train train --lora-r` wrote it.
+    #[arg(long)]
+    adapter: PathBuf,
+    /// Directory for the merged checkpoint (f32).
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -224,6 +239,7 @@ fn main() -> Result<()> {
         Command::Sample(args) => sample(args),
         Command::Eval(args) => eval(args),
         Command::Prepare(args) => prepare(args),
+        Command::Merge(args) => merge(args),
     }
 }
 
@@ -354,6 +370,19 @@ fn export(args: ExportArgs) -> Result<()> {
         "saved {} ({} parameters, {format})",
         args.out.display(),
         model.num_parameters()
+    );
+    Ok(())
+}
+
+fn merge(args: MergeArgs) -> Result<()> {
+    let base = checkpoint_dir(&args.checkpoint)?;
+    let merged = gpt_train::lora::merge(&base, &args.adapter, &args.out)?;
+    println!(
+        "saved {}: {} with the adapter {} merged ({} parameters)",
+        args.out.display(),
+        base.display(),
+        args.adapter.display(),
+        merged.num_parameters()
     );
     Ok(())
 }
