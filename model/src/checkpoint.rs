@@ -230,6 +230,19 @@ pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
         vec![path.clone()]
     } else if index.exists() {
         shard_files(&index)?.iter().map(|f| dir.join(f)).collect()
+    } else if dir.join(crate::lora::ADAPTER_CONFIG_FILE).is_file() {
+        let base = crate::lora::LoraConfig::from_file(&dir.join(crate::lora::ADAPTER_CONFIG_FILE))
+            .ok()
+            .and_then(|c| c.base_model_name_or_path)
+            .unwrap_or_else(|| "BASE".into());
+        return Err(Error::Adapter {
+            path: dir.to_path_buf(),
+            reason: format!(
+                "this directory holds a LoRA adapter, not a model ({WEIGHTS_FILE} is missing): merge it into \
+                 its base (`gpt-train merge --checkpoint {base} --adapter {}`)",
+                dir.display()
+            ),
+        });
     } else {
         return Err(Error::MissingFile { path });
     };
@@ -373,8 +386,9 @@ pub fn save_gguf_dir(dir: &Path, model: &Gpt, tokenizer: &Tokenizer, format: Wei
     write_side_files(dir, model, tokenizer, DType::F32)
 }
 
-/// `config.json`, `tokenizer.json` and `tokenizer_config.json`.
-fn write_side_files(dir: &Path, model: &Gpt, tokenizer: &Tokenizer, dtype: DType) -> Result<()> {
+/// The files of a checkpoint directory beside its weights: `config.json`, `tokenizer.json` and
+/// `tokenizer_config.json` (a LoRA run's checkpoints hold these and the adapter).
+pub fn write_side_files(dir: &Path, model: &Gpt, tokenizer: &Tokenizer, dtype: DType) -> Result<()> {
     let mut config = model.config().to_hf_value()?;
     config["torch_dtype"] = torch_dtype(dtype).into(); // transformers < 5
     config["dtype"] = torch_dtype(dtype).into();

@@ -327,6 +327,42 @@ pub struct Adapter {
 }
 
 impl Adapter {
+    /// A fresh adapter for training on a model of `cfg`, its matrices asked of `vb` (variables,
+    /// when training) under their names without PEFT's prefix
+    /// (`transformer.h.0.attn.c_attn.lora_A.weight`): `A` as PEFT draws it (`nn.Linear`'s
+    /// Kaiming-uniform, bound `1/√in`), `B` zero, so that training starts from the base's output.
+    pub fn init(config: LoraConfig, cfg: &Config, vb: &candle_nn::VarBuilder) -> Result<Self> {
+        config.validate("the LoRA flags")?;
+        let mut layers = BTreeMap::new();
+        for (layer, d_in, d_out) in config.layers(cfg)? {
+            let bound = 1.0 / (d_in as f64).sqrt();
+            let a = vb.get_with_hints(
+                (config.r, d_in),
+                &format!("{layer}.lora_A.weight"),
+                candle_nn::Init::Uniform { lo: -bound, up: bound },
+            )?;
+            let b = vb.get_with_hints(
+                (d_out, config.r),
+                &format!("{layer}.lora_B.weight"),
+                candle_nn::Init::Const(0.0),
+            )?;
+            layers.insert(
+                layer,
+                LoraLayer {
+                    a,
+                    b,
+                    scale: config.scale(),
+                },
+            );
+        }
+        Ok(Self { config, layers })
+    }
+
+    /// PEFT's name of a matrix named as [`Adapter::init`] names it.
+    pub fn peft_name(name: &str) -> String {
+        format!("{PEFT_PREFIX}{name}")
+    }
+
     /// Reads a PEFT adapter directory for a model of `cfg`, its tensors in `dtype` on `device`.
     /// An error names the file, and the tensor or field that does not fit: a layer the
     /// settings adapt without its tensors, a tensor they do not name, a shape that is not the
@@ -416,16 +452,21 @@ impl Adapter {
     /// Writes the adapter as PEFT does (each file to a temporary name, then renamed), the
     /// tensors in f32.
     pub fn save(&self, dir: &Path) -> Result<()> {
+        self.save_with_metadata(dir, &std::collections::HashMap::new())
+    }
+
+    /// [`Adapter::save`], with `metadata` added to the safetensors header (the trainer records
+    /// its step).
+    pub fn save_with_metadata(&self, dir: &Path, metadata: &std::collections::HashMap<String, String>) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let mut tensors = Vec::new();
         for (layer, l) in &self.layers {
             tensors.push((format!("{PEFT_PREFIX}{layer}.lora_A.weight"), l.a.to_dtype(DType::F32)?));
             tensors.push((format!("{PEFT_PREFIX}{layer}.lora_B.weight"), l.b.to_dtype(DType::F32)?));
         }
-        let metadata = Some(std::collections::HashMap::from([(
-            "format".to_string(),
-            "pt".to_string(),
-        )]));
+        let mut metadata = metadata.clone();
+        metadata.insert("format".to_string(), "pt".to_string());
+        let metadata = Some(metadata);
         let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), metadata)
             .map_err(|e| Error::InvalidConfig(format!("serializing the adapter: {e}")))?;
         write_atomic(&dir.join(ADAPTER_WEIGHTS_FILE), &bytes)?;

@@ -15,7 +15,7 @@ use candle_core::{DType, Device};
 use candle_nn::VarMap;
 use gpt::checkpoint;
 use gpt::files::write_atomic;
-use gpt::{Gpt, Tokenizer};
+use gpt::{Adapter, Gpt, Tokenizer};
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
@@ -209,8 +209,19 @@ impl Checksum {
     }
 }
 
+/// The file of a checkpoint's trained weights: the model's, or a LoRA run's adapter.
+fn weights_file(lora: bool) -> &'static str {
+    if lora {
+        gpt::lora::ADAPTER_WEIGHTS_FILE
+    } else {
+        checkpoint::WEIGHTS_FILE
+    }
+}
+
 /// The files whose checksums a checkpoint records.
-const CHECKSUMMED: [&str; 2] = [checkpoint::WEIGHTS_FILE, OPTIMIZER_FILE];
+fn checksummed(lora: bool) -> [&'static str; 2] {
+    [weights_file(lora), OPTIMIZER_FILE]
+}
 
 /// Checks a checkpoint's files against the checksums its state records.
 fn verify(dir: &Path, state: &TrainerState) -> Result<()> {
@@ -231,7 +242,7 @@ fn verify(dir: &Path, state: &TrainerState) -> Result<()> {
 /// Reads and checks one checkpoint: its three files must be from the same step.
 fn read(dir: &Path) -> Result<Saved> {
     let state = read_state(dir)?;
-    for file in [checkpoint::WEIGHTS_FILE, OPTIMIZER_FILE] {
+    for file in checksummed(state.run.lora.is_some()) {
         let path = dir.join(file);
         let step = checkpoint::read_metadata(&path)?
             .get("step")
@@ -314,6 +325,7 @@ pub static SAVING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool
 pub fn save(
     out: &Path,
     model: &Gpt,
+    adapter: Option<&Adapter>,
     tokenizer: &Tokenizer,
     opt: &AdamW,
     state: &TrainerState,
@@ -321,7 +333,7 @@ pub fn save(
 ) -> Result<PathBuf> {
     use std::sync::atomic::Ordering;
     SAVING.store(true, Ordering::SeqCst);
-    let saved = save_now(out, model, tokenizer, opt, state, keep_last);
+    let saved = save_now(out, model, adapter, tokenizer, opt, state, keep_last);
     SAVING.store(false, Ordering::SeqCst);
     saved
 }
@@ -329,6 +341,7 @@ pub fn save(
 fn save_now(
     out: &Path,
     model: &Gpt,
+    adapter: Option<&Adapter>,
     tokenizer: &Tokenizer,
     opt: &AdamW,
     state: &TrainerState,
@@ -342,14 +355,14 @@ fn save_now(
         // after resuming saves nothing new.)
         let tmp = dir.join(format!("{TMP}{}-{}", step_dir_name(state.step), std::process::id()));
         let meta = step_metadata(state.step);
-        checkpoint::save_dir_with_metadata(&tmp, model, tokenizer, DType::F32, &meta)?;
+        save_weights(&tmp, model, adapter, tokenizer, &meta)?;
         save_delay();
         let opt_bytes = safetensors::serialize(opt.state_tensors(), Some(meta))?;
         write_atomic(&tmp.join(OPTIMIZER_FILE), &opt_bytes)?;
         drop(opt_bytes);
         save_delay();
         let mut state = state.clone();
-        for file in CHECKSUMMED {
+        for file in checksummed(adapter.is_some()) {
             state.checksums.insert(file.to_string(), checksum(&tmp.join(file))?);
         }
         write_atomic(&tmp.join(STATE_FILE), serde_json::to_string_pretty(&state)?.as_bytes())?;
@@ -384,9 +397,28 @@ fn point_latest(out: &Path, target: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The trained weights, with the config and tokenizer: the model's, or with `adapter` (a LoRA
+/// run) the adapter in PEFT's format beside the base's config and tokenizer.
+fn save_weights(
+    dir: &Path,
+    model: &Gpt,
+    adapter: Option<&Adapter>,
+    tokenizer: &Tokenizer,
+    meta: &HashMap<String, String>,
+) -> Result<()> {
+    match adapter {
+        None => checkpoint::save_dir_with_metadata(dir, model, tokenizer, DType::F32, meta)?,
+        Some(adapter) => {
+            adapter.save_with_metadata(dir, meta)?;
+            checkpoint::write_side_files(dir, model, tokenizer, DType::F32)?;
+        }
+    }
+    Ok(())
+}
+
 /// Replaces `OUT/best` with `model` as a whole: the new one is written beside it, then swapped in
 /// with two renames ([`clean_up`] finishes a swap that a crash interrupted).
-pub fn save_best(out: &Path, model: &Gpt, tokenizer: &Tokenizer, step: usize) -> Result<()> {
+pub fn save_best(out: &Path, model: &Gpt, adapter: Option<&Adapter>, tokenizer: &Tokenizer, step: usize) -> Result<()> {
     let (best, tmp, old) = (
         out.join(BEST),
         out.join(format!("{TMP}{BEST}")),
@@ -395,7 +427,7 @@ pub fn save_best(out: &Path, model: &Gpt, tokenizer: &Tokenizer, step: usize) ->
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }
-    checkpoint::save_dir_with_metadata(&tmp, model, tokenizer, DType::F32, &step_metadata(step))?;
+    save_weights(&tmp, model, adapter, tokenizer, &step_metadata(step))?;
     sync_dir(&tmp)?;
     if best.is_dir() {
         std::fs::rename(&best, &old)?;
@@ -411,12 +443,19 @@ pub fn save_best(out: &Path, model: &Gpt, tokenizer: &Tokenizer, step: usize) ->
 /// Loads a checkpoint's weights into the model's variables, and the optimizer's state (a
 /// checkpoint from [`latest`], its files checked against their checksums).
 pub fn restore(saved: &Saved, varmap: &VarMap, opt: &mut AdamW, device: &Device) -> Result<()> {
-    let weights = saved.dir.join(checkpoint::WEIGHTS_FILE);
+    let lora = saved.state.run.lora.is_some();
+    let weights = saved.dir.join(weights_file(lora));
     let tensors = candle_core::safetensors::load(&weights, device)
         .with_context(|| format!("{}: not a readable safetensors file", weights.display()))?;
     let vars = varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap poisoned"))?;
     for (name, var) in vars.iter() {
-        let key = format!("transformer.{name}");
+        // A LoRA run's variables are its adapter's matrices, named as PEFT names them but for
+        // its prefix; a full run's are the model's, without `transformer.`.
+        let key = if lora {
+            Adapter::peft_name(name)
+        } else {
+            format!("transformer.{name}")
+        };
         let t = tensors
             .get(&key)
             .with_context(|| format!("{}: tensor {key} missing", weights.display()))?;

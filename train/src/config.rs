@@ -52,6 +52,19 @@ pub struct TrainArgs {
     /// tokenizer, as nanoGPT's `init_from`; model flags must agree with it (--dropout may change).
     #[arg(long, conflicts_with = "resume")]
     pub init_from: Option<PathBuf>,
+    /// Train a LoRA adapter of this rank on the --init-from checkpoint, which stays frozen (no
+    /// gradients, no optimizer state), instead of every weight. Checkpoints hold the adapter in
+    /// PEFT's format (adapter_config.json, adapter_model.safetensors); `gpt-train merge` makes a
+    /// full checkpoint of it.
+    #[arg(long)]
+    pub lora_r: Option<usize>,
+    /// LoRA's alpha: the update is scaled by alpha / r (PEFT's default)
+    #[arg(long, requires = "lora_r")]
+    pub lora_alpha: Option<f64>,
+    /// The layers LoRA adapts, PEFT's target_modules: c_attn, c_proj (both projections),
+    /// attn.c_proj, mlp.c_proj, c_fc, or all-linear (PEFT's default for GPT-2)
+    #[arg(long, value_delimiter = ',', requires = "lora_r")]
+    pub lora_targets: Option<Vec<String>>,
     /// Complete checkpoints kept in OUT/checkpoints, the newest ones.
     #[arg(long)]
     pub keep_last: Option<usize>,
@@ -193,13 +206,16 @@ pub mod defaults {
     pub const EVAL_ITERS: usize = 200;
     pub const LOG_INTERVAL: usize = 10;
     pub const SEED: u64 = 1337;
+    /// PEFT's defaults: alpha 8, and `c_attn` for GPT-2.
+    pub const LORA_ALPHA: f64 = 8.0;
+    pub const LORA_TARGETS: &str = "c_attn";
 }
 
 /// `command` with each of [`defaults`] stated at the end of its flag's help in the `train`
 /// subcommand, as clap writes a default (`[default: 0.001]`).
 pub fn with_stated_defaults(command: clap::Command) -> clap::Command {
     use defaults::*;
-    let stated: [(&str, String); 21] = [
+    let stated: [(&str, String); 23] = [
         ("text_field", TEXT_FIELD.to_string()),
         ("val_fraction", VAL_FRACTION.to_string()),
         ("device", DEVICE.to_string()),
@@ -221,6 +237,8 @@ pub fn with_stated_defaults(command: clap::Command) -> clap::Command {
         ("eval_iters", EVAL_ITERS.to_string()),
         ("log_interval", LOG_INTERVAL.to_string()),
         ("seed", SEED.to_string()),
+        ("lora_alpha", LORA_ALPHA.to_string()),
+        ("lora_targets", LORA_TARGETS.to_string()),
     ];
     command.mut_subcommand("train", |mut train| {
         for (id, value) in stated {
@@ -283,11 +301,37 @@ pub struct RunConfig {
     /// The checkpoint the run was fine-tuned from, if any.
     #[serde(default)]
     pub init_from: Option<PathBuf>,
+    /// A LoRA adapter trained on `init_from`, frozen, instead of every weight.
+    #[serde(default)]
+    pub lora: Option<LoraRun>,
     pub gradient_accumulation_steps: usize,
     pub eval_interval: usize,
     pub eval_iters: usize,
     pub log_interval: usize,
     pub seed: u64,
+}
+
+/// A LoRA run's adapter settings (`--lora-r`, `--lora-alpha`, `--lora-targets`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraRun {
+    pub r: usize,
+    pub alpha: f64,
+    pub targets: Vec<String>,
+}
+
+impl LoraRun {
+    /// PEFT's settings for it, on the base `base` (as named on the command line).
+    pub fn peft_config(&self, base: Option<&std::path::Path>) -> gpt::lora::LoraConfig {
+        gpt::lora::LoraConfig {
+            r: self.r,
+            lora_alpha: self.alpha,
+            lora_dropout: 0.0,
+            target_modules: self.targets.clone(),
+            layers_to_transform: None,
+            use_rslora: false,
+            base_model_name_or_path: base.map(|b| b.display().to_string()),
+        }
+    }
 }
 
 fn default_text_field() -> String {
@@ -445,6 +489,7 @@ impl TrainArgs {
             grad_clip: pick!(grad_clip, defaults::GRAD_CLIP),
             label_smoothing: pick!(label_smoothing, defaults::LABEL_SMOOTHING),
             init_from: self.init_from.clone().or(saved.and_then(|s| s.init_from.clone())),
+            lora: self.lora(saved)?,
             gradient_accumulation_steps: pick!(gradient_accumulation_steps, defaults::GRADIENT_ACCUMULATION_STEPS),
             eval_interval: pick!(eval_interval, defaults::EVAL_INTERVAL),
             eval_iters: pick!(eval_iters, defaults::EVAL_ITERS),
@@ -454,6 +499,42 @@ impl TrainArgs {
         };
         run.validate()?;
         Ok(run)
+    }
+}
+
+impl TrainArgs {
+    /// The LoRA settings: from the flags, or the resumed run's (which the flags may not change:
+    /// its adapter has that shape).
+    fn lora(&self, saved: Option<&RunConfig>) -> Result<Option<LoraRun>> {
+        let flags = self.lora_r.map(|r| LoraRun {
+            r,
+            alpha: self.lora_alpha.unwrap_or(defaults::LORA_ALPHA),
+            targets: self
+                .lora_targets
+                .clone()
+                .unwrap_or_else(|| vec![defaults::LORA_TARGETS.to_string()]),
+        });
+        let Some(saved) = saved else {
+            if flags.is_some() && self.init_from.is_none() {
+                bail!("--lora-r trains an adapter on a base model: pass it with --init-from CHECKPOINT");
+            }
+            return Ok(flags);
+        };
+        match (flags, &saved.lora) {
+            (None, saved) => Ok(saved.clone()),
+            (Some(flags), Some(saved)) if flags == *saved => Ok(Some(flags)),
+            (Some(flags), Some(saved)) => bail!(
+                "the run being resumed trains a LoRA adapter of rank {}, alpha {} on {:?}; \
+                 --lora-r {} --lora-alpha {} --lora-targets {:?} would change its shape",
+                saved.r,
+                saved.alpha,
+                saved.targets,
+                flags.r,
+                flags.alpha,
+                flags.targets
+            ),
+            (Some(_), None) => bail!("--lora-r: the run being resumed trains every weight, not an adapter"),
+        }
     }
 }
 

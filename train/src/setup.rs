@@ -4,13 +4,16 @@
 
 use std::path::{Path, PathBuf};
 
+use std::collections::HashMap;
+
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Var};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
 use gpt::checkpoint;
-use gpt::Tokenizer;
+use gpt::{Adapter, Gpt, Tokenizer};
 
 use crate::checkpoints::{self, Saved};
-use crate::config::{RunConfig, TrainArgs};
+use crate::config::{LoraRun, RunConfig, TrainArgs};
 use crate::data::{self, Dataset};
 use crate::distributed::World;
 use crate::optim::AdamWConfig;
@@ -95,13 +98,7 @@ pub fn run_tokenizer(
 /// checkpoint: `transformer.` prefixes, a stored LM head and the old attention buffers are
 /// handled by [`gpt::load_model`]).
 pub fn load_weights(dir: &Path, vars: &[(String, Var)], device: &Device) -> Result<()> {
-    let base = gpt::load_model(dir, candle_core::DType::F32, device)
-        .with_context(|| format!("--init-from {}", dir.display()))?;
-    let tensors: std::collections::HashMap<String, candle_core::Tensor> = base
-        .named_tensors()?
-        .into_iter()
-        .map(|(name, t)| (name.trim_start_matches("transformer.").to_string(), t))
-        .collect();
+    let tensors = base_tensors(dir, device)?;
     for (name, var) in vars {
         let t = tensors
             .get(name)
@@ -110,6 +107,36 @@ pub fn load_weights(dir: &Path, vars: &[(String, Var)], device: &Device) -> Resu
             .with_context(|| format!("--init-from {}: tensor `{name}`", dir.display()))?;
     }
     Ok(())
+}
+
+/// The weights of the checkpoint `dir` by their names without `transformer.`, in f32.
+fn base_tensors(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let base = gpt::load_model(dir, DType::F32, device).with_context(|| format!("--init-from {}", dir.display()))?;
+    Ok(base
+        .named_tensors()?
+        .into_iter()
+        .map(|(name, t)| (name.trim_start_matches("transformer.").to_string(), t))
+        .collect())
+}
+
+/// A LoRA run's model: its base (`run.init_from`) frozen, plain tensors that no gradient
+/// reaches, with a fresh adapter whose matrices are the variables of `varmap` (drawn from the
+/// run's seed; a resumed run then restores them).
+pub fn lora_model(run: &RunConfig, lora: &LoraRun, varmap: &VarMap, device: &Device) -> Result<(Gpt, Adapter)> {
+    let named = run
+        .init_from
+        .as_deref()
+        .context("--lora-r trains an adapter on a base model: pass it with --init-from CHECKPOINT")?;
+    let dir = checkpoint::resolve(&named.to_string_lossy())
+        .context("--init-from")?
+        .dir;
+    let frozen = base_tensors(&dir, device)?;
+    let mut model = Gpt::new(VarBuilder::from_tensors(frozen, DType::F32, device), &run.model)
+        .with_context(|| format!("--init-from {}", dir.display()))?;
+    let vb = crate::init::seeded_var_builder(varmap, run.seed, device);
+    let adapter = Adapter::init(lora.peft_config(Some(named)), &run.model, &vb)?;
+    model.set_adapter(Some(&adapter))?;
+    Ok((model, adapter))
 }
 
 /// How `--data` is read, from the flags, else the run being resumed, else the defaults.

@@ -59,6 +59,8 @@ pub struct Trainer<'w> {
     shards: usize,
     data: Dataset,
     model: Gpt,
+    /// A LoRA run's adapter (set on `model`; its matrices are the variables).
+    adapter: Option<gpt::Adapter>,
     tokenizer: Tokenizer,
     opt: AdamW,
     vars: Vec<Var>,
@@ -144,12 +146,22 @@ impl<'w> Trainer<'w> {
             candle_core::cuda::set_gemm_reduced_precision_f32(args.tf32.unwrap_or(crate::config::defaults::TF32));
         }
         let varmap = VarMap::new();
-        let model = Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?
-            .with_autocast(args.dtype.unwrap_or_default().autocast());
+        let autocast = args.dtype.unwrap_or_default().autocast();
+        let (model, adapter) = match &run.lora {
+            None => {
+                let model = Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?;
+                if let Some(dir) = &init_from {
+                    setup::load_weights(dir, &crate::init::named_vars(&varmap)?, &device)?;
+                }
+                (model, None)
+            }
+            Some(lora) => {
+                let (model, adapter) = setup::lora_model(&run, lora, &varmap, &device)?;
+                (model, Some(adapter))
+            }
+        };
+        let model = model.with_autocast(autocast);
         let named = crate::init::named_vars(&varmap)?;
-        if let Some(dir) = &init_from {
-            setup::load_weights(dir, &named, &device)?;
-        }
         let mut opt = AdamW::new(named, setup::opt_config(&run))?;
         let mut state = match saved {
             Some(saved) => {
@@ -230,6 +242,7 @@ impl<'w> Trainer<'w> {
             shards,
             data,
             model,
+            adapter,
             tokenizer,
             opt,
             state,
@@ -458,7 +471,7 @@ impl<'w> Trainer<'w> {
             val_loss.exp()
         ));
         if is_best {
-            checkpoints::save_best(&self.out, &self.model, &self.tokenizer, step)?;
+            checkpoints::save_best(&self.out, &self.model, self.adapter.as_ref(), &self.tokenizer, step)?;
         }
         Ok(())
     }
@@ -478,6 +491,7 @@ impl<'w> Trainer<'w> {
         checkpoints::save(
             &self.out,
             &self.model,
+            self.adapter.as_ref(),
             &self.tokenizer,
             &self.opt,
             &self.state,

@@ -10,6 +10,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use common::{gpt_train, stderr};
 use gpt::lora::{Adapter, LoraConfig, LoraLayer, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
+use gpt_test_support as support;
 
 fn s(path: &Path) -> &str {
     path.to_str().unwrap_or_default()
@@ -66,10 +67,14 @@ fn random_adapter(cfg: &gpt::Config) -> Result<Adapter> {
 
 /// `gpt-train merge` of `adapter` into the base, to `out`.
 fn merge(adapter: &Path, out: &Path) -> Result<std::process::Output> {
+    merge_onto(&base_dir(), adapter, out)
+}
+
+fn merge_onto(base: &Path, adapter: &Path, out: &Path) -> Result<std::process::Output> {
     gpt_train(&[
         "merge",
         "--checkpoint",
-        s(&base_dir()),
+        s(base),
         "--adapter",
         s(adapter),
         "--out",
@@ -209,6 +214,136 @@ fn adapters_that_do_not_fit_are_refused_naming_the_field_or_tensor() -> Result<(
     let bytes = std::fs::read(good.join(ADAPTER_WEIGHTS_FILE))?;
     std::fs::write(truncated.join(ADAPTER_WEIGHTS_FILE), &bytes[..bytes.len() / 2])?;
     refused(tmp.path(), &truncated, &[ADAPTER_WEIGHTS_FILE])?;
+    Ok(())
+}
+
+/// A tiny base model, fully trained for 10 steps, in `dir/base`.
+fn tiny_base(dir: &Path) -> Result<PathBuf> {
+    let out = dir.join("base");
+    let o = common::train(&support::shakespeare_path(), &out, &["--max-iters", "10"])?;
+    anyhow::ensure!(o.status.success(), "{}", stderr(&o));
+    Ok(out)
+}
+
+/// A LoRA run of rank 4 on `base` (c_attn and c_fc) to step `steps`, as `extra` changes it.
+fn lora_run(base: &Path, out: &Path, steps: &str, extra: &[&str]) -> Result<std::process::Output> {
+    let args = [
+        &["--init-from", s(base), "--lora-r", "4", "--lora-targets", "c_attn,c_fc"][..],
+        &["--max-iters", steps, "--lr-decay-iters", "20", "--warmup-iters", "2"],
+        extra,
+    ]
+    .concat();
+    common::train(&support::shakespeare_path(), out, &args)
+}
+
+/// Each tensor of the safetensors files of a checkpoint, as bytes.
+fn file_tensors(dir: &Path, file: &str) -> Result<std::collections::BTreeMap<String, Vec<u8>>> {
+    let bytes = std::fs::read(dir.join(file))?;
+    Ok(safetensors::SafeTensors::deserialize(&bytes)?
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (name, view.data().to_vec()))
+        .collect())
+}
+
+#[test]
+fn a_lora_run_trains_only_its_adapter_and_saves_it_as_peft_does() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let base = tiny_base(tmp.path())?;
+    let run = tmp.path().join("lora");
+    let out = lora_run(&base, &run, "20", &[])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let latest = run.join("latest");
+    assert!(
+        !latest.join(gpt::checkpoint::WEIGHTS_FILE).exists(),
+        "a LoRA checkpoint holds no model"
+    );
+    let cfg = gpt::Config::from_file(&base.join("best/config.json"))?;
+    let adapter = Adapter::load(&latest, &cfg, DType::F32, &Device::Cpu)?;
+    assert_eq!((adapter.config.r, adapter.config.lora_alpha), (4, 8.0));
+    assert_eq!(adapter.layers.len(), 2 * cfg.n_layer, "c_attn and c_fc of every block");
+    assert!(adapter
+        .layers
+        .keys()
+        .all(|k| k.ends_with("attn.c_attn") || k.ends_with("mlp.c_fc")));
+    for (name, l) in &adapter.layers {
+        let b = l.b.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(b > 0.0, "{name}: B is still zero after 20 steps");
+    }
+    // The optimizer's state is the adapter's alone: two moments per matrix.
+    let moments = file_tensors(&latest, "optimizer.safetensors")?;
+    let adapter_bytes: usize = file_tensors(&latest, ADAPTER_WEIGHTS_FILE)?
+        .values()
+        .map(Vec::len)
+        .sum();
+    assert_eq!(moments.values().map(Vec::len).sum::<usize>(), 2 * adapter_bytes);
+    // The base is frozen: merged, only the adapted matrices differ from it.
+    let merged = tmp.path().join("merged");
+    let out = merge_onto(&base.join("best"), &latest, &merged)?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (before, after) = (
+        file_tensors(&base.join("best"), gpt::checkpoint::WEIGHTS_FILE)?,
+        file_tensors(&merged, gpt::checkpoint::WEIGHTS_FILE)?,
+    );
+    for (name, bytes) in &before {
+        let adapted = name.ends_with("attn.c_attn.weight") || name.ends_with("mlp.c_fc.weight");
+        assert_eq!(after.get(name) != Some(bytes), adapted, "{name}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_lora_run_resumes_exactly_and_keeps_its_shape() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let base = tiny_base(tmp.path())?;
+    let (whole, parts) = (tmp.path().join("whole"), tmp.path().join("parts"));
+    assert!(lora_run(&base, &whole, "20", &[])?.status.success());
+    assert!(lora_run(&base, &parts, "10", &[])?.status.success());
+    let more = common::train(
+        &support::shakespeare_path(),
+        &parts,
+        &[
+            "--resume",
+            "--max-iters",
+            "20",
+            "--lr-decay-iters",
+            "20",
+            "--warmup-iters",
+            "2",
+        ],
+    )?;
+    assert!(more.status.success(), "{}", stderr(&more));
+    for file in [ADAPTER_WEIGHTS_FILE, "optimizer.safetensors"] {
+        assert!(
+            file_tensors(&whole.join("latest"), file)? == file_tensors(&parts.join("latest"), file)?,
+            "{file}: resumed at step 10, not the same as the run straight to 20"
+        );
+    }
+    let err = common::fails(
+        &common::train_args(&support::shakespeare_path(), &parts, &["--resume", "--lora-r", "8"])
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    )?;
+    assert!(err.contains("rank 4") && err.contains("--lora-r 8"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn lora_flags_that_cannot_train_are_refused() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let args = |extra: &[&str]| common::train_args(&corpus, &tmp.path().join("never"), extra);
+    let run = |extra: &[&str]| -> Result<String> {
+        common::fails(&args(extra).iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let err = run(&["--lora-r", "4"])?;
+    assert!(err.contains("--init-from"), "{err}");
+    let base = tiny_base(tmp.path())?;
+    let err = run(&["--init-from", s(&base), "--lora-r", "4", "--lora-targets", "q_proj"])?;
+    assert!(err.contains("\"q_proj\"") && err.contains("matches no layer"), "{err}");
+    let err = run(&["--init-from", s(&base), "--lora-r", "0"])?;
+    assert!(err.contains("`r` must be at least 1"), "{err}");
     Ok(())
 }
 
