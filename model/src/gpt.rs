@@ -213,7 +213,6 @@ impl Gpt {
             && gpt_kernels::fused(&self.wpe)
             && self.cfg.activation_function == Activation::GeluNew
             && matches!(&self.wte, Weight::Dense(w) if w.dtype() == DType::F32)
-            && !self.has_adapter()
     }
 
     /// A fresh cache for one sequence.

@@ -259,12 +259,10 @@ fn linear(x: &Tensor, weight: &Weight, bias: &Tensor, autocast: Autocast) -> can
 impl Conv1D {
     /// GELU (tanh form) of the layer's output, fused with it where the weight is packed.
     pub fn forward_gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        if let Some(lora) = &self.lora {
-            return (linear(x, &self.weight, &self.bias, self.autocast)? + lora.delta(x, None)?)?.gelu();
-        }
-        match self.fused_affine(x, true) {
-            Some(y) => y,
-            None => linear_act(x, &self.weight, &self.bias, self.autocast, true),
+        match (self.fused_affine(x, true), &self.lora) {
+            (Some(y), _) => y,
+            (None, Some(lora)) => (linear(x, &self.weight, &self.bias, self.autocast)? + lora.delta(x, None)?)?.gelu(),
+            (None, None) => linear_act(x, &self.weight, &self.bias, self.autocast, true),
         }
     }
 }
@@ -282,10 +280,10 @@ impl Conv1D {
                     && w.dtype() == DType::F32
                     && self.bias.dtype() == DType::F32 =>
             {
-                Some(if gelu {
-                    gpt_kernels::affine_gelu(x, w, &self.bias, self.autocast)
-                } else {
-                    gpt_kernels::affine(x, w, &self.bias, self.autocast)
+                Some(match &self.lora {
+                    None if gelu => gpt_kernels::affine_gelu(x, w, &self.bias, self.autocast),
+                    None => gpt_kernels::affine(x, w, &self.bias, self.autocast),
+                    Some(lora) => self.lora_affine(x, w, lora, gelu),
                 })
             }
             _ => None,
@@ -293,14 +291,39 @@ impl Conv1D {
     }
 }
 
+impl Conv1D {
+    /// [`Conv1D::fused_affine`] with a LoRA update, every op on the tape: the base's product
+    /// (its weight frozen when it is not a variable, as in a LoRA run: no `dW` computed), the
+    /// update `s · (x Aᵀ) Bᵀ` as two products, their sum, then GELU if `gelu`.
+    fn lora_affine(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        lora: &crate::lora::LoraLayer,
+        gelu: bool,
+    ) -> candle_core::Result<Tensor> {
+        let y = if w.is_variable() {
+            gpt_kernels::affine(x, w, &self.bias, self.autocast)?
+        } else {
+            gpt_kernels::frozen_affine(x, w, &self.bias, self.autocast)?
+        };
+        let low = gpt_kernels::linear_product(x, &lora.a, Autocast::Off)?; // (rows, r)
+        let delta = gpt_kernels::scaled_linear_product(&low, &lora.b, lora.scale as f32, Autocast::Off)?;
+        let y = gpt_kernels::add_dropout(&y, &delta, 0.0, 0, 0)?;
+        if gelu {
+            gpt_kernels::gelu(&y)
+        } else {
+            Ok(y)
+        }
+    }
+}
+
 impl Module for Conv1D {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        if let Some(lora) = &self.lora {
-            return linear(x, &self.weight, &self.bias, self.autocast)? + lora.delta(x, None)?;
-        }
-        match self.fused_affine(x, false) {
-            Some(y) => y,
-            None => linear(x, &self.weight, &self.bias, self.autocast),
+        match (self.fused_affine(x, false), &self.lora) {
+            (Some(y), _) => y,
+            (None, Some(lora)) => linear(x, &self.weight, &self.bias, self.autocast)? + lora.delta(x, None)?,
+            (None, None) => linear(x, &self.weight, &self.bias, self.autocast),
         }
     }
 }

@@ -33,6 +33,12 @@ fn both_ways(
 fn check(cfg: &Config, autocast: Autocast, rows: usize, t: usize, eps: f32) -> anyhow::Result<()> {
     let (varmap, model) = common::random_model(cfg)?;
     let model = model.with_autocast(autocast);
+    compare(cfg, &model, &varmap, rows, t, eps)
+}
+
+/// The gradients of `varmap`'s variables in `model`, by candle's backward and by the tape: all
+/// reached, value for value.
+fn compare(cfg: &Config, model: &Gpt, varmap: &VarMap, rows: usize, t: usize, eps: f32) -> anyhow::Result<()> {
     assert!(model.trains_on_tape(), "{cfg:?}");
     let mut vars = varmap.all_vars();
     vars.sort_by_key(|v| v.elem_count()); // a fixed order; the names do not matter here
@@ -42,7 +48,7 @@ fn check(cfg: &Config, autocast: Autocast, rows: usize, t: usize, eps: f32) -> a
     let (x, y) = (batch.narrow(1, 0, t)?, batch.narrow(1, 1, t)?);
     // A shard that starts at row 3 of its batch: every mask is drawn from there.
     let train = Dropout { key: 11, first_row: 3 };
-    let [candle, on_tape] = both_ways(&model, &vars, &x, &y, train, eps)?;
+    let [candle, on_tape] = both_ways(model, &vars, &x, &y, train, eps)?;
     let mut reached = 0;
     for (i, (a, b)) in candle.iter().zip(&on_tape).enumerate() {
         let shape = vars[i].shape();
@@ -64,6 +70,45 @@ fn check(cfg: &Config, autocast: Autocast, rows: usize, t: usize, eps: f32) -> a
     }
     assert_eq!(reached, vars.len(), "{cfg:?}: every variable gets a gradient");
     Ok(())
+}
+
+#[test]
+fn a_lora_adapters_gradients_on_the_tape_are_candles() -> anyhow::Result<()> {
+    let cfg = Config {
+        resid_pdrop: 0.1,
+        ..Config::tiny(50)
+    };
+    let (base_vars, _) = common::random_model(&cfg)?;
+    // The base frozen, as a LoRA run holds it: its weights as plain tensors.
+    let frozen: std::collections::HashMap<String, Tensor> = base_vars
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("varmap poisoned"))?
+        .iter()
+        .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
+        .collect();
+    let mut model = Gpt::new(
+        candle_nn::VarBuilder::from_tensors(frozen, DType::F32, &Device::Cpu),
+        &cfg,
+    )?;
+    let adapter_vars = VarMap::new();
+    let config = gpt::lora::LoraConfig {
+        r: 2,
+        lora_alpha: 5.0,
+        lora_dropout: 0.0,
+        target_modules: vec!["c_attn".into(), "c_proj".into(), "c_fc".into()],
+        layers_to_transform: None,
+        use_rslora: false,
+        base_model_name_or_path: None,
+    };
+    let vb = candle_nn::VarBuilder::from_varmap(&adapter_vars, DType::F32, &Device::Cpu);
+    let adapter = gpt::Adapter::init(config, &cfg, &vb)?;
+    // B starts at zero, which would leave A without a gradient: both random here.
+    for var in adapter_vars.all_vars() {
+        var.set(&Tensor::randn(0f32, 0.3, var.shape(), &Device::Cpu)?)?;
+    }
+    model.set_adapter(Some(&adapter))?;
+    compare(&cfg, &model, &adapter_vars, 3, 16, 0.0)
 }
 
 #[test]

@@ -11,11 +11,12 @@ use candle_nn::VarBuilder;
 use gpt::checkpoint::{self, CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE};
 use gpt::{Config, Gpt, Tokenizer};
 
-/// The parameters of one checkpoint under their names without the `transformer.` prefix.
-fn parameters(dir: &Path) -> Result<HashMap<String, Tensor>> {
+/// The parameters of one checkpoint's `model.safetensors` on `device`, under their names without
+/// the `transformer.` prefix.
+pub(crate) fn parameters(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let path = dir.join(WEIGHTS_FILE);
     let tensors =
-        candle_core::safetensors::load(&path, &Device::Cpu).with_context(|| format!("reading {}", path.display()))?;
+        candle_core::safetensors::load(&path, device).with_context(|| format!("reading {}", path.display()))?;
     Ok(tensors
         .into_iter()
         .filter(|(name, _)| {
@@ -74,7 +75,7 @@ pub fn average(dirs: &[PathBuf], out: &Path) -> Result<()> {
         if tok.inner().to_string(false).ok() != tokenizer.inner().to_string(false).ok() {
             bail!("{} has another tokenizer than {}", dir.display(), first.display());
         }
-        let params = parameters(dir)?;
+        let params = parameters(dir, &Device::Cpu)?;
         if !sums.is_empty() {
             if let Some(name) = params
                 .keys()

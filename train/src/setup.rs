@@ -130,7 +130,13 @@ pub fn lora_model(run: &RunConfig, lora: &LoraRun, varmap: &VarMap, device: &Dev
     let dir = checkpoint::resolve(&named.to_string_lossy())
         .context("--init-from")?
         .dir;
-    let frozen = base_tensors(&dir, device)?;
+    // Straight from the file where there is one (a packed copy for inference, then an f32 copy
+    // of it, would double the base's memory while loading).
+    let frozen = if dir.join(checkpoint::WEIGHTS_FILE).is_file() {
+        crate::average::parameters(&dir, device)?
+    } else {
+        base_tensors(&dir, device)?
+    };
     let mut model = Gpt::new(VarBuilder::from_tensors(frozen, DType::F32, device), &run.model)
         .with_context(|| format!("--init-from {}", dir.display()))?;
     let vb = crate::init::seeded_var_builder(varmap, run.seed, device);

@@ -40,6 +40,9 @@ pub fn lm_head_loss(
     let op = HeadLoss {
         eps,
         with_grad,
+        // A head no gradient can reach (a LoRA run's frozen embedding): no `d W` (a third of the
+        // head's arithmetic, and `V x C` floats).
+        weight_grad: with_grad && w.track_op(),
         autocast,
         grads: Mutex::new(None),
     };
@@ -54,6 +57,8 @@ pub fn lm_head_loss(
 struct HeadLoss {
     eps: f32,
     with_grad: bool,
+    /// Whether `d W` is taken too (when `with_grad`).
+    weight_grad: bool,
     autocast: Autocast,
     /// `d loss / d hidden` `(N, C)` and `d loss / d W` `(V, C)`, taken in the forward pass, for
     /// `bwd` (which scales them in place by the upstream gradient: no copy).
@@ -62,7 +67,7 @@ struct HeadLoss {
 
 struct Grads {
     dh: (Vec<f32>, (usize, usize)),
-    dw: (Vec<f32>, (usize, usize)),
+    dw: Option<(Vec<f32>, (usize, usize))>,
 }
 
 impl CustomOp3 for HeadLoss {
@@ -125,6 +130,9 @@ impl CustomOp3 for HeadLoss {
             // d W (V, C) += d logits^T (V, R) @ hidden (R, C), summed over the chunks in one
             // buffer, contiguous (V, C) as the variable is (candle's sum with the embedding's
             // gradient would read a transposed view element by element, across cache lines).
+            if !self.weight_grad {
+                continue;
+            }
             let h_t = Rhs::new(h_chunk.t(), self.autocast);
             match &mut dw {
                 None => dw = Some(h_t.matmul(dlogits.t())?),
@@ -134,7 +142,9 @@ impl CustomOp3 for HeadLoss {
         if self.with_grad {
             let grads = Grads {
                 dh: (dh, (n, c)),
-                dw: (dw.unwrap_or_else(|| vec![0f32; vocab * c]), (vocab, c)),
+                dw: self
+                    .weight_grad
+                    .then(|| (dw.unwrap_or_else(|| vec![0f32; vocab * c]), (vocab, c))),
             };
             *self
                 .grads
@@ -168,6 +178,6 @@ impl CustomOp3 for HeadLoss {
             }
             Tensor::from_vec(values, shape, &candle_core::Device::Cpu)
         };
-        Ok((Some(tensor(dh)?), Some(tensor(dw)?), None))
+        Ok((Some(tensor(dh)?), dw.map(tensor).transpose()?, None))
     }
 }

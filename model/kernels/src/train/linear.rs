@@ -18,18 +18,25 @@ use crate::train::product::{product, product_into, Autocast, Operand};
 /// `a @ B^T` for `a` `(m, k)` and `B` `(n, k)`, f32 tensors on the CPU (any layout); not
 /// differentiable.
 fn product_of(a: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
-    a.apply_op2_no_bwd(b, &Product { autocast })
+    a.apply_op2_no_bwd(b, &Product { autocast, scale: 1.0 })
 }
 
 /// `x @ W^T` for `x` `(m, k)` and `W` `(n, k)` (any layout, a transposed view included), f32
 /// on the CPU, at `autocast`'s precision; differentiable in both.
 pub fn linear_product(x: &Tensor, w: &Tensor, autocast: Autocast) -> Result<Tensor> {
-    crate::tape::op2(x, w, Product { autocast })
+    crate::tape::op2(x, w, Product { autocast, scale: 1.0 })
+}
+
+/// `scale · x @ W^T`, as [`linear_product`] (a LoRA update's second product, `scale` its
+/// `alpha / r`).
+pub fn scaled_linear_product(x: &Tensor, w: &Tensor, scale: f32, autocast: Autocast) -> Result<Tensor> {
+    crate::tape::op2(x, w, Product { autocast, scale })
 }
 
 /// See [`linear_product`].
 struct Product {
     autocast: Autocast,
+    scale: f32,
 }
 
 impl CustomOp2 for Product {
@@ -48,13 +55,21 @@ impl CustomOp2 for Product {
                 w.cols
             )
         }
-        Ok((
-            CpuStorage::F32(product(x, w, self.autocast)?),
-            Shape::from((x.rows, w.rows)),
-        ))
+        let mut y = product(x, w, self.autocast)?;
+        if self.scale != 1.0 {
+            y.iter_mut().for_each(|v| *v *= self.scale);
+        }
+        Ok((CpuStorage::F32(y), Shape::from((x.rows, w.rows))))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let scaled;
+        let dy = if self.scale == 1.0 {
+            dy
+        } else {
+            scaled = (dy * f64::from(self.scale))?;
+            &scaled
+        };
         // dx (m, k) = dy @ W: (m, n) @ ((W^T) (k, n))^T.
         let dx = product_of(dy, &w.t()?, self.autocast)?;
         // dW (n, k) = dy^T @ x. In f32 the product's left operand, a transposed view here, is
@@ -77,16 +92,28 @@ impl CustomOp2 for Product {
 /// a layer was three such nodes, and the weight's gradient reached the variable through a strided
 /// add. Here `dW` comes out in the variable's own layout.
 pub fn affine(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
-    crate::tape::op3(&x.contiguous()?, w, &b.contiguous()?, Affine { autocast, gelu: None })
+    affine_op(x, w, b, autocast, false, true)
+}
+
+/// [`affine`] with `W` and `b` frozen: the backward pass gives `x` its gradient and computes none
+/// for them (a LoRA run's base layers: `dW` would be a third of the layer's arithmetic, and
+/// thrown away).
+pub fn frozen_affine(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
+    affine_op(x, w, b, autocast, false, false)
 }
 
 /// `gelu(x @ W + b)` (GPT-2's tanh form), as [`affine`] with the activation in the same node:
 /// the MLP's widest tensor, `(m, 4C)`, then has one gradient edge rather than two (candle gives
 /// each edge a zeroed buffer and an add), and the GELU is computed while the bias is added.
 pub fn affine_gelu(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Result<Tensor> {
+    affine_op(x, w, b, autocast, true, true)
+}
+
+fn affine_op(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast, gelu: bool, weight_grad: bool) -> Result<Tensor> {
     let op = Affine {
         autocast,
-        gelu: Some(OnceLock::new()),
+        gelu: gelu.then(OnceLock::new),
+        weight_grad,
     };
     crate::tape::op3(&x.contiguous()?, w, &b.contiguous()?, op)
 }
@@ -97,6 +124,8 @@ struct Affine {
     /// With the GELU: the pre-activation `x @ W + b`, kept by the forward pass for the backward
     /// (a custom op has one output). It is the tensor that an unfused GELU node would keep.
     gelu: Option<OnceLock<Tensor>>,
+    /// Whether the backward pass computes `dW` and `db` (not for frozen weights).
+    weight_grad: bool,
 }
 
 impl CustomOp3 for Affine {
@@ -179,6 +208,9 @@ impl CustomOp3 for Affine {
             dy = pre.apply_op2_no_bwd(&dy, &GeluGrad)?; // through the GELU: d(x @ W + b)
         }
         let dx = product_of(&dy, w, self.autocast)?; // (m, n) @ (k, n)^T
+        if !self.weight_grad {
+            return Ok((Some(dx), None, None));
+        }
         let (dw, db) = dy
             .apply_op2_no_bwd(
                 x,

@@ -18,7 +18,7 @@ use crate::{tape, Simd};
 pub use bf16::Bf16Dot;
 use cross_entropy::CrossEntropy;
 pub use head_loss::lm_head_loss;
-pub use linear::{affine, affine_gelu, linear_product};
+pub use linear::{affine, affine_gelu, frozen_affine, linear_product, scaled_linear_product};
 pub use product::{product, Autocast, Operand};
 use window_attention::WindowAttention;
 
