@@ -605,15 +605,6 @@ impl Gpt {
         Ok(())
     }
 
-    /// Whether an adapter is set ([`Gpt::set_adapter`]).
-    pub fn has_adapter(&self) -> bool {
-        self.blocks.iter().any(|b| {
-            [&b.attn.c_attn, &b.attn.c_proj, &b.mlp.c_fc, &b.mlp.c_proj]
-                .iter()
-                .any(|c| c.lora.is_some())
-        })
-    }
-
     fn convs_mut(&mut self) -> impl Iterator<Item = &mut Conv1D> {
         self.blocks.iter_mut().flat_map(|b| {
             [

@@ -6,12 +6,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use gpt::speculative::ProposalLength;
 use gpt::{KvCache, Sampler, Tokenizer};
 
 use super::channel::EventSink;
 use super::constraint::Constraint;
 use super::runner::{top_k, PositionLogprob, StepInput, StepOutput};
-use super::speculate::SeqSpeculation;
 use super::ValidRequest;
 use super::{Detokenizer, TextStream};
 use super::{Event, FinishReason, StopReason, TokenLogprob};
@@ -511,4 +511,29 @@ pub fn prompt_logprobs(
         out.push(entry);
     }
     Ok(out)
+}
+
+/// A sequence's part in speculative decoding (`super::speculate`): how many to propose next,
+/// its draft cache, and the proposal of the step under way.
+#[derive(Default)]
+pub struct SeqSpeculation {
+    pub(super) length: Option<ProposalLength>,
+    pub(super) draft_cache: Option<KvCache>,
+    pub proposal: Vec<u32>,
+    /// The step's input: the last token, then the proposal.
+    pub input: Vec<u32>,
+}
+
+impl SeqSpeculation {
+    /// After the step: `accepted` of the proposal were kept, and the caches keep `len` positions.
+    pub fn after_check(&mut self, accepted: usize, len: usize) -> gpt::Result<()> {
+        if let Some(l) = &mut self.length {
+            l.update(self.proposal.len(), accepted);
+        }
+        self.proposal.clear();
+        if let Some(cache) = &mut self.draft_cache {
+            cache.truncate(len)?;
+        }
+        Ok(())
+    }
 }

@@ -7,7 +7,7 @@
 //! batched step already reads each weight once for many tokens, and proposals only add rows.
 
 use gpt::speculative::{ngram_proposal, ProposalLength};
-use gpt::{Gpt, KvCache};
+use gpt::Gpt;
 
 use super::runner::{Runner, StepInput};
 use super::sequence::Sequence;
@@ -42,31 +42,6 @@ pub struct Speculator {
     proposer: Proposer,
     pub max_tokens: usize,
     pub max_batch: usize,
-}
-
-/// A sequence's part: how many to propose next, its draft cache, and the proposal of the step
-/// under way.
-#[derive(Default)]
-pub struct SeqSpeculation {
-    length: Option<ProposalLength>,
-    draft_cache: Option<KvCache>,
-    pub proposal: Vec<u32>,
-    /// The step's input: the last token, then the proposal.
-    pub input: Vec<u32>,
-}
-
-impl SeqSpeculation {
-    /// After the step: `accepted` of the proposal were kept, and the caches keep `len` positions.
-    pub fn after_check(&mut self, accepted: usize, len: usize) -> gpt::Result<()> {
-        if let Some(l) = &mut self.length {
-            l.update(self.proposal.len(), accepted);
-        }
-        self.proposal.clear();
-        if let Some(cache) = &mut self.draft_cache {
-            cache.truncate(len)?;
-        }
-        Ok(())
-    }
 }
 
 impl Speculator {
