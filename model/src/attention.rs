@@ -11,7 +11,7 @@ use candle_nn::VarBuilder;
 
 use crate::config::Config;
 use crate::kv_cache::LayerKv;
-use crate::layers::{dropout, matmul, Autocast, Conv1D, Dropout};
+use crate::layers::{dropout, matmul, Autocast, Conv1D, Dropout, RowUpdate};
 
 #[derive(Debug, Clone)]
 pub struct CausalSelfAttention {
@@ -148,15 +148,17 @@ impl CausalSelfAttention {
 
     /// Inference on packed rows: `x` is `(N, C)`, the new tokens of each sequence in turn,
     /// `lens[s]` of them for sequence `s`, whose cache for this layer is `caches[s]`. Appends the
-    /// new keys and values to each cache.
+    /// new keys and values to each cache. The adapters' updates of `c_attn` and `c_proj` apply
+    /// to their rows ([`Conv1D::forward_updated`]).
     pub(crate) fn forward_packed(
         &self,
         x: &Tensor,
         lens: &[usize],
         caches: &mut [&mut LayerKv],
+        (attn_updates, proj_updates): (&[RowUpdate<'_>], &[RowUpdate<'_>]),
     ) -> candle_core::Result<Tensor> {
         let (_n_rows, n_embd) = x.dims2()?;
-        let qkv = self.c_attn.forward(x)?; // (N, 3C): one matmul for every sequence
+        let qkv = self.c_attn.forward_updated(x, attn_updates)?; // (N, 3C): one matmul for every sequence
         if gpt_kernels::fused(&qkv) && qkv.device().is_cpu() {
             // On the CPU in f32: the new keys and values go straight from `qkv` into the caches,
             // and one fused op attends for every sequence at once (ops/attention.rs).
@@ -177,11 +179,11 @@ impl CausalSelfAttention {
                 kv
             };
             let y = gpt_kernels::cached_attention(&qkv, lens, &kv, self.n_head, self.scale() as f32)?; // (N, C)
-            return self.c_proj.forward(&y);
+            return self.c_proj.forward_updated(&y, proj_updates);
         }
         #[cfg(feature = "cuda")]
         if let Some(y) = self.decode_on_gpu(&qkv, lens, caches)? {
-            return self.c_proj.forward(&y);
+            return self.c_proj.forward_updated(&y, proj_updates);
         }
         let mut outputs = Vec::with_capacity(lens.len());
         let mut start = 0;
@@ -201,7 +203,7 @@ impl CausalSelfAttention {
             let y = att.matmul(&v.contiguous()?)?; // (nh, t, hs)
             outputs.push(y.transpose(0, 1)?.reshape((len, n_embd))?); // (t, C)
         }
-        self.c_proj.forward(&Tensor::cat(&outputs, 0)?) // (N, C)
+        self.c_proj.forward_updated(&Tensor::cat(&outputs, 0)?, proj_updates) // (N, C)
     }
 }
 

@@ -11,7 +11,7 @@ use crate::attention::CausalSelfAttention;
 use crate::config::{Activation, Config, PositionEmbedding};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::layers::{dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, Weight};
+use crate::layers::{dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, RowUpdate, Weight};
 use gpt_kernels::{MatmulPrecision, WeightFormat};
 
 #[derive(Debug, Clone)]
@@ -41,12 +41,33 @@ impl Mlp {
 
     /// The MLP's output before its residual dropout.
     fn forward_undropped(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.c_proj.forward(&self.activated(x)?)
+    }
+
+    /// [`Mlp::forward_undropped`] on packed rows, with adapters' updates of `c_fc` and `c_proj`
+    /// on their rows ([`Conv1D::forward_updated`]).
+    fn forward_updated(&self, x: &Tensor, fc: &[RowUpdate<'_>], proj: &[RowUpdate<'_>]) -> candle_core::Result<Tensor> {
+        if fc.is_empty() && proj.is_empty() {
+            return self.forward_undropped(x);
+        }
         let h = match self.activation {
-            Activation::GeluNew => self.c_fc.forward_gelu(x)?, // (.., 4C), tanh approximation
-            Activation::Gelu => self.c_fc.forward(x)?.gelu_erf()?,
-            Activation::Relu => self.c_fc.forward(x)?.relu()?,
+            _ if fc.is_empty() => return self.c_proj.forward_updated(&self.activated(x)?, proj),
+            // The same GELU as the packed kernel's epilogue, so that rows without an update of
+            // `c_fc` get what they get in a step without adapters.
+            Activation::GeluNew => gpt_kernels::gelu(&self.c_fc.forward_updated(x, fc)?)?, // (N, 4C)
+            Activation::Gelu => self.c_fc.forward_updated(x, fc)?.gelu_erf()?,
+            Activation::Relu => self.c_fc.forward_updated(x, fc)?.relu()?,
         };
-        self.c_proj.forward(&h)
+        self.c_proj.forward_updated(&h, proj)
+    }
+
+    /// `c_fc` and the activation.
+    fn activated(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self.activation {
+            Activation::GeluNew => self.c_fc.forward_gelu(x), // (.., 4C), tanh approximation
+            Activation::Gelu => self.c_fc.forward(x)?.gelu_erf(),
+            Activation::Relu => self.c_fc.forward(x)?.relu(),
+        }
     }
 }
 
@@ -108,17 +129,66 @@ impl Block {
         add(&x, &h, self.mlp.resid_pdrop, 2)
     }
 
+    /// Inference on packed rows ([`CausalSelfAttention::forward_packed`]), with the adapters'
+    /// updates of this block's layers on their rows.
     fn forward_packed(
         &self,
         x: &Tensor,
         lens: &[usize],
         caches: &mut [&mut crate::kv_cache::LayerKv],
+        updates: &BlockUpdates<'_>,
     ) -> candle_core::Result<Tensor> {
-        let x = (x + self
-            .attn
-            .forward_packed(&layer_norm(&self.ln_1, x, false)?, lens, caches)?)?;
-        &x + self.mlp.forward_t(&layer_norm(&self.ln_2, &x, false)?, None)?
+        let [c_attn, attn_proj, c_fc, mlp_proj] = updates;
+        let x =
+            (x + self
+                .attn
+                .forward_packed(&layer_norm(&self.ln_1, x, false)?, lens, caches, (c_attn, attn_proj))?)?;
+        &x + self
+            .mlp
+            .forward_updated(&layer_norm(&self.ln_2, &x, false)?, c_fc, mlp_proj)?
     }
+}
+
+/// The adapters' updates of one block's layers in a packed step, in the order of
+/// [`crate::lora::LAYERS`].
+type BlockUpdates<'a> = [Vec<RowUpdate<'a>>; 4];
+
+/// Each distinct adapter of a step (the same adapter by address) with the rows of its
+/// sequences, `lens[s]` rows for sequence `s`, as u32 indices on `device`.
+fn adapter_rows<'a>(
+    adapters: &[Option<&'a crate::lora::Adapter>],
+    lens: &[usize],
+    device: &Device,
+) -> candle_core::Result<Vec<(&'a crate::lora::Adapter, Tensor)>> {
+    let mut groups: Vec<(&crate::lora::Adapter, Vec<u32>)> = Vec::new();
+    let mut start = 0u32;
+    for (adapter, &len) in adapters.iter().zip(lens) {
+        let rows = start..start + len as u32;
+        start += len as u32;
+        let Some(adapter) = adapter else { continue };
+        match groups.iter_mut().find(|(a, _)| std::ptr::eq(*a, *adapter)) {
+            Some((_, ids)) => ids.extend(rows),
+            None => groups.push((adapter, rows.collect())),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(a, ids)| {
+            let n = ids.len();
+            Ok((a, Tensor::from_vec(ids, n, device)?))
+        })
+        .collect()
+}
+
+/// The updates of block `layer`'s layers that the adapters of `groups` make.
+fn block_updates<'a>(groups: &'a [(&'a crate::lora::Adapter, Tensor)], layer: usize) -> BlockUpdates<'a> {
+    crate::lora::LAYERS.map(|name| {
+        let name = format!("transformer.h.{layer}.{name}");
+        groups
+            .iter()
+            .filter_map(|(adapter, rows)| adapter.layers.get(&name).map(|lora| (rows, lora)))
+            .collect()
+    })
 }
 
 /// One sequence's part in a batched generation step: its new tokens and its cache.
@@ -373,6 +443,27 @@ impl Gpt {
     /// into logits with [`Gpt::logits`], in chunks where there are many (the `(rows, V)` logits of
     /// long prompts are the largest tensor of a step).
     pub fn forward_step_hidden(&self, seqs: &mut [SeqStep<'_>], which: &[LogitsFor]) -> Result<Tensor> {
+        self.forward_step_adapted(seqs, which, &[])
+    }
+
+    /// [`Gpt::forward_step_hidden`] with a LoRA adapter, or none, for each sequence
+    /// (`adapters[s]`; an empty slice: none for any). The base's products run once for the whole
+    /// step, and each adapter's low-rank updates only on its own sequences' rows (Punica's and
+    /// S-LoRA's batching), so that every sequence gets what it gets in a step of its own. The
+    /// adapters must be for a model of this one's shape ([`crate::lora::Adapter::load`]).
+    pub fn forward_step_adapted(
+        &self,
+        seqs: &mut [SeqStep<'_>],
+        which: &[LogitsFor],
+        adapters: &[Option<&crate::lora::Adapter>],
+    ) -> Result<Tensor> {
+        if !adapters.is_empty() && adapters.len() != seqs.len() {
+            return Err(Error::InvalidConfig(format!(
+                "forward_step_adapted: {} adapters for {} sequences",
+                adapters.len(),
+                seqs.len()
+            )));
+        }
         if seqs.is_empty() {
             return Err(Error::EmptyInput("no sequences in the step"));
         }
@@ -396,9 +487,11 @@ impl Gpt {
         let ids = Tensor::from_vec(ids, n_rows, device)?;
         let positions = Tensor::from_vec(positions, n_rows, device)?;
         let mut x = (self.wte.rows(&ids, self.dtype())? + self.wpe.embedding(&positions)?)?; // (N, C)
+        let groups = adapter_rows(adapters, &lens, device)?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let mut caches: Vec<_> = seqs.iter_mut().map(|s| s.cache.layer(layer)).collect();
-            x = block.forward_packed(&x, &lens, &mut caches)?; // (N, C)
+            let updates = block_updates(&groups, layer);
+            x = block.forward_packed(&x, &lens, &mut caches, &updates)?; // (N, C)
         }
         for (seq, &len) in seqs.iter_mut().zip(&lens) {
             seq.cache.advance(len);

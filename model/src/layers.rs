@@ -318,6 +318,28 @@ impl Conv1D {
     }
 }
 
+/// One adapter's update of one layer in a packed step: the rows it applies to (u32 indices into
+/// the step's rows) and the adapter's low-rank matrices for this layer.
+pub(crate) type RowUpdate<'a> = (&'a Tensor, &'a crate::lora::LoraLayer);
+
+impl Conv1D {
+    /// Inference on the packed rows of several sequences, some of them with a LoRA adapter
+    /// (Punica's and S-LoRA's batching): the base's product once for every row, then each
+    /// adapter's `s · (x_g Aᵀ) Bᵀ` for its rows `g` only, added into those rows. Before any
+    /// activation: the caller applies it to the sum. Without updates, [`Module::forward`].
+    pub(crate) fn forward_updated(&self, x: &Tensor, updates: &[RowUpdate<'_>]) -> candle_core::Result<Tensor> {
+        if updates.is_empty() {
+            return self.forward(x);
+        }
+        let mut y = linear(x, &self.weight, &self.bias, self.autocast)?; // (N, out)
+        for &(rows, lora) in updates {
+            let delta = lora.delta(&x.index_select(rows, 0)?, None)?; // (rows, out)
+            y = y.index_add(rows, &delta.to_dtype(y.dtype())?, 0)?;
+        }
+        Ok(y)
+    }
+}
+
 impl Module for Conv1D {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match (self.fused_affine(x, false), &self.lora) {
