@@ -1,5 +1,6 @@
-//! The router: every route mounted on its handler ([`crate::routes`]), and the middleware around
-//! them (the API key on `/v1/*`, request counts, the body limit, CORS when origins are given, a
+//! The router: every route mounted on its handler ([`crate::routes`]; the adapter-loading ones
+//! only with `--allow-runtime-lora-updating`), and the middleware around them (the API key on
+//! `/v1/*`, request counts, the body limit, CORS when origins are given, a
 //! log line per request with a request id). `app(state)` builds it, so tests drive it without a
 //! socket.
 
@@ -19,7 +20,7 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 use crate::error::ApiError;
-use crate::routes::{attention, chat, completions, info, tokenize};
+use crate::routes::{attention, chat, completions, info, lora, tokenize};
 pub use crate::state::AppState;
 
 /// The response header that carries each request's id (also in its log line).
@@ -27,15 +28,20 @@ pub const REQUEST_ID: &str = "x-request-id";
 
 pub fn app(state: Arc<AppState>) -> Router {
     // Everything that reads the model needs the API key when the server has one.
-    let keyed = Router::new()
+    let mut keyed = Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/attention", post(attention::attention))
         .route("/v1/models", get(info::models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
-        .route("/tokenizer_info", get(tokenize::tokenizer_info))
-        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+        .route("/tokenizer_info", get(tokenize::tokenizer_info));
+    if state.runtime_lora_updating {
+        keyed = keyed
+            .route("/v1/load_lora_adapter", post(lora::load_lora_adapter))
+            .route("/v1/unload_lora_adapter", post(lora::unload_lora_adapter));
+    }
+    let keyed = keyed.route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     let metrics = Router::new()
         .route("/metrics", get(info::metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize_metrics));

@@ -18,6 +18,9 @@ pub enum ApiError {
     Unauthorized(String),
     #[error("The model `{0}` does not exist")]
     ModelNotFound(String),
+    /// Something else a request names that the server does not have (an adapter to unload).
+    #[error("{message}")]
+    NotFound { message: String, param: &'static str },
     #[error("{0}")]
     PayloadTooLarge(String),
     #[error("the server is at capacity ({0} requests queued); retry shortly")]
@@ -46,7 +49,7 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest { .. } | ApiError::ContextLength { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound(_) | ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::QueueFull(_) | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) | ApiError::EngineFailed => StatusCode::INTERNAL_SERVER_ERROR,
@@ -64,6 +67,7 @@ impl ApiError {
             ),
             ApiError::Unauthorized(_) => ("invalid_request_error", Some("invalid_api_key"), None),
             ApiError::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found"), Some("model".into())),
+            ApiError::NotFound { param, .. } => ("invalid_request_error", Some("not_found"), Some(param.to_string())),
             ApiError::PayloadTooLarge(_) => ("invalid_request_error", Some("payload_too_large"), None),
             ApiError::QueueFull(_) | ApiError::ShuttingDown => ("server_error", Some("overloaded"), None),
             ApiError::Internal(_) => ("server_error", None, None),
@@ -98,6 +102,22 @@ impl From<crate::engine::Refused> for ApiError {
         match r {
             crate::engine::Refused::QueueFull(n) => ApiError::QueueFull(n),
             crate::engine::Refused::Failed => ApiError::EngineFailed,
+        }
+    }
+}
+
+impl From<crate::adapters::AdapterError> for ApiError {
+    fn from(e: crate::adapters::AdapterError) -> Self {
+        use crate::adapters::AdapterError;
+        match e {
+            AdapterError::NotLoaded(_) => ApiError::NotFound {
+                message: e.to_string(),
+                param: "lora_name",
+            },
+            AdapterError::Load { .. } => ApiError::invalid("lora_path", e.to_string()),
+            AdapterError::Exists(_) | AdapterError::BaseName(_) | AdapterError::EmptyName => {
+                ApiError::invalid("lora_name", e.to_string())
+            }
         }
     }
 }

@@ -374,6 +374,7 @@ mod tests {
             tokens_as_ids: false,
             request_id: None,
             cache_salt: None,
+            adapter: None,
             constraint: None,
             speculative_tokens: None,
         })

@@ -6,6 +6,7 @@
 //! batching, incremental detokenisation and stop strings) → events → `fold` and `respond` (JSON or
 //! SSE chunks).
 
+pub mod adapters;
 pub mod api;
 pub mod app;
 pub mod chat;
@@ -66,6 +67,11 @@ pub struct ServerConfig {
     pub metrics_key: Option<String>,
     /// Speculative decoding, if on.
     pub speculative: Option<Speculative>,
+    /// LoRA adapters served beside the model from the start (`--lora-modules`).
+    pub lora_modules: Vec<adapters::LoraModule>,
+    /// `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` are routed (vLLM's
+    /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
+    pub runtime_lora_updating: bool,
 }
 
 /// Speculative decoding's settings (see `engine::speculate`).
@@ -98,6 +104,8 @@ impl Default for ServerConfig {
             stream_timeout: std::time::Duration::from_secs(60),
             metrics_key: None,
             speculative: None,
+            lora_modules: Vec::new(),
+            runtime_lora_updating: false,
         }
     }
 }
@@ -203,11 +211,29 @@ pub fn load_state(
         }),
     };
     let chat_template = load_chat_template(checkpoint, cfg.chat_template.as_deref())?;
-    let openapi = openapi::document(&limits);
+    let openapi = openapi::document(&limits, cfg.runtime_lora_updating);
     let metrics = Arc::new(Metrics::new()?);
     let grammars = Arc::new(engine::constraint::Grammars::new(&tokenizer, model.config().vocab_size));
     metrics.register(grammars.collectors())?;
     let tokenizer = Arc::new(tokenizer);
+    let adapters = Arc::new(adapters::Adapters::new(
+        &cfg.model_name,
+        model.config(),
+        model.dtype(),
+        model.device(),
+    ));
+    for module in &cfg.lora_modules {
+        if let Some(base) = module.base_model_name.as_deref().filter(|b| *b != cfg.model_name) {
+            anyhow::bail!(
+                "--lora-modules: the adapter `{}` is for the base model `{base}`, but this server serves `{}`",
+                module.name,
+                cfg.model_name
+            );
+        }
+        adapters
+            .load(&module.name, &module.path, false)
+            .context("--lora-modules")?;
+    }
     let attention_model = model.clone(); // shares the weights
     let fingerprint = fingerprint(&format!(
         "{} {:?} {:?} {}",
@@ -297,6 +323,8 @@ pub fn load_state(
         cors_origins: cfg.cors_origins.clone(),
         fingerprint,
         grammars,
+        adapters,
+        runtime_lora_updating: cfg.runtime_lora_updating,
     }))
 }
 

@@ -130,6 +130,24 @@ struct Args {
     /// model: BENCHMARKS.md, "Speculative decoding").
     #[arg(long, env = "GPT_SERVER_SPECULATIVE_MAX_BATCH")]
     speculative_max_batch: Option<usize>,
+    /// LoRA adapters served beside the model, each `NAME=PATH` (vLLM's flag): PATH a PEFT
+    /// adapter directory (adapter_config.json, adapter_model.safetensors), a gpt-train LoRA run
+    /// or a Hub id; or vLLM's JSON form `{"name": .., "path": .., "base_model_name": ..}`. A
+    /// request chooses one with `model: NAME`. Several follow the flag, or repeat it; the
+    /// variable takes one.
+    #[arg(long, env = "GPT_SERVER_LORA_MODULES", num_args = 1.., value_parser = parse_lora_module)]
+    lora_modules: Vec<gpt_server::adapters::LoraModule>,
+    /// Accepted for vLLM's command lines: adapters are always enabled here.
+    #[arg(long)]
+    enable_lora: bool,
+    /// Mount `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's endpoints, which
+    /// it mounts with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), behind the API key if there is one.
+    #[arg(long, env = "GPT_SERVER_ALLOW_RUNTIME_LORA_UPDATING")]
+    allow_runtime_lora_updating: bool,
+}
+
+fn parse_lora_module(spec: &str) -> Result<gpt_server::adapters::LoraModule, String> {
+    gpt_server::adapters::parse_module(spec)
 }
 
 /// `weights/` under the working directory, else next to this source tree (for `cargo run`).
@@ -267,6 +285,8 @@ async fn run() -> Result<()> {
         stream_timeout: Duration::from_secs(args.stream_timeout_secs),
         metrics_key: args.metrics_key.clone(),
         speculative,
+        lora_modules: args.lora_modules.clone(),
+        runtime_lora_updating: args.allow_runtime_lora_updating,
     };
     let state = tokio::task::spawn_blocking({
         let checkpoint = checkpoint.clone();

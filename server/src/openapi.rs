@@ -63,9 +63,22 @@ use crate::validation::{Limits, FLOAT_RANGES, LOGIT_BIAS, NOT_WITH_BEAMS};
 )]
 struct ApiDoc;
 
-/// The document for a model with these limits.
-pub fn document(limits: &Limits) -> Value {
-    let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
+/// The routes that load and unload LoRA adapters, in the document where they are mounted.
+#[derive(OpenApi)]
+#[openapi(
+    paths(crate::routes::lora::load_lora_adapter, crate::routes::lora::unload_lora_adapter),
+    components(schemas(LoadLoraAdapterRequest, UnloadLoraAdapterRequest))
+)]
+struct LoraApiDoc;
+
+/// The document for a model with these limits; with the adapter-loading routes when
+/// `runtime_lora_updating` mounts them.
+pub fn document(limits: &Limits, runtime_lora_updating: bool) -> Value {
+    let mut api = ApiDoc::openapi();
+    if runtime_lora_updating {
+        api.merge(LoraApiDoc::openapi());
+    }
+    let mut doc = serde_json::to_value(api).unwrap_or_default();
     let schemas = &mut doc["components"]["schemas"];
     let token = json!({"type": "integer", "minimum": 0, "maximum": limits.vocab_size as i64 - 1});
     for name in ["CompletionRequest", "ChatCompletionRequest"] {

@@ -41,6 +41,31 @@ pub struct AppState {
     pub fingerprint: String,
     /// Structured outputs' grammars, compiled against this tokenizer (and cached).
     pub grammars: Arc<crate::engine::constraint::Grammars>,
+    /// LoRA adapters served beside the model, each a model name of its own.
+    pub adapters: Arc<crate::adapters::Adapters>,
+    /// The routes that load and unload adapters are mounted.
+    pub runtime_lora_updating: bool,
+}
+
+impl AppState {
+    /// The adapter a request's `model` names: `None` for the base model (or no `model`), a 404
+    /// for a name that is neither the base's nor a loaded adapter's.
+    pub fn adapter_for(&self, model: Option<&str>) -> Result<Option<Arc<crate::adapters::ServedAdapter>>, ApiError> {
+        match model {
+            None => Ok(None),
+            Some(m) if m == self.model_name => Ok(None),
+            Some(m) => self
+                .adapters
+                .get(m)
+                .map(Some)
+                .ok_or_else(|| ApiError::ModelNotFound(m.to_string())),
+        }
+    }
+
+    /// The name responses give for a request with `adapter`.
+    pub fn served_name(&self, adapter: Option<&crate::adapters::ServedAdapter>) -> String {
+        adapter.map_or_else(|| self.model_name.clone(), |a| a.name.clone())
+    }
 }
 
 /// A request body that names the model it is for.
@@ -52,9 +77,9 @@ pub trait RequestBody: serde::de::DeserializeOwned {
     fn model(&self) -> Option<&str>;
 }
 
-/// The body of a request to the model, parsed into `T` and for the served model: a 400 that names
-/// the field for malformed JSON, a wrong type, an unknown or unsupported field; a 413 for a body
-/// over the limit; a 404 for another model.
+/// The body of a request to the model, parsed into `T` and for the served model or one of its
+/// adapters: a 400 that names the field for malformed JSON, a wrong type, an unknown or
+/// unsupported field; a 413 for a body over the limit; a 404 for another model.
 pub struct ModelRequest<T>(pub T);
 
 impl<T: RequestBody> FromRequest<Arc<AppState>> for ModelRequest<T> {
@@ -63,10 +88,8 @@ impl<T: RequestBody> FromRequest<Arc<AppState>> for ModelRequest<T> {
     async fn from_request(req: Request, state: &Arc<AppState>) -> Result<Self, ApiError> {
         let body = Json::<serde_json::Value>::from_request(req, state).await;
         let parsed: T = parse_body(body, T::UNSUPPORTED)?;
-        match parsed.model() {
-            Some(m) if m != state.model_name => Err(ApiError::ModelNotFound(m.to_string())),
-            _ => Ok(Self(parsed)),
-        }
+        state.adapter_for(parsed.model())?;
+        Ok(Self(parsed))
     }
 }
 
@@ -81,7 +104,7 @@ pub async fn blocking<T: Send + 'static>(
 
 /// Parses a JSON body into `T`, refusing fields that the server knows but does not implement by
 /// name (`suffix`, say; the `unsupported` list), and any other unknown field.
-fn parse_body<T: serde::de::DeserializeOwned>(
+pub(crate) fn parse_body<T: serde::de::DeserializeOwned>(
     body: Result<Json<serde_json::Value>, JsonRejection>,
     unsupported: &[&[(&str, &str)]],
 ) -> Result<T, ApiError> {

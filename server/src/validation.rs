@@ -441,6 +441,7 @@ pub fn validate(
         tokens_as_ids: req.return_tokens_as_token_ids.unwrap_or(false),
         request_id: req.request_id,
         cache_salt: req.cache_salt,
+        adapter: None,
         constraint,
         speculative_tokens,
     })

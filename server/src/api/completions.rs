@@ -48,7 +48,10 @@ pub const UNSUPPORTED: &[(&str, &str)] = &[
     ),
     ("vllm_xargs", "there are no custom extensions to pass them to"),
     ("mm_processor_kwargs", "the models are text-only"),
-    ("lora_request", "there are no LoRA adapters"),
+    (
+        "lora_request",
+        "choose a LoRA adapter by its name in `model` (see /v1/models)",
+    ),
 ];
 
 generation_fields!(request_with_generation_fields! {

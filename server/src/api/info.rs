@@ -44,6 +44,11 @@ pub struct Model {
     pub owned_by: String,
     /// The context length in tokens (vLLM's field).
     pub max_model_len: usize,
+    /// Where it was loaded from: a LoRA adapter's path or Hub id; the base model's name
+    /// (vLLM's field).
+    pub root: String,
+    /// For a LoRA adapter, the base model it adapts; `null` for the base (vLLM's field).
+    pub parent: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -119,4 +124,26 @@ pub struct ErrorResponse {
 pub struct Health {
     pub status: String,
     pub model: String,
+}
+
+/// `POST /v1/load_lora_adapter` (vLLM's shape).
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LoadLoraAdapterRequest {
+    /// The model name requests will use for it.
+    pub lora_name: String,
+    /// A PEFT adapter directory on the server, a gpt-train LoRA run, or a Hub id.
+    pub lora_path: String,
+    /// Replace an adapter already loaded under this name (running requests keep the old one).
+    #[serde(default)]
+    pub load_inplace: bool,
+}
+
+/// `POST /v1/unload_lora_adapter` (vLLM's shape).
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UnloadLoraAdapterRequest {
+    pub lora_name: String,
+    /// Only the adapter loaded with this id (`/v1/models` lists none; vLLM's field).
+    pub lora_int_id: Option<u64>,
 }

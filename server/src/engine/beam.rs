@@ -78,6 +78,7 @@ impl BeamGroup {
                 cache: &mut self.caches[0],
                 prompt_logprobs: r.prompt_top_k(),
                 verify: false,
+                adapter: r.lora(),
             }],
             Some(tokens) => self
                 .caches
@@ -88,6 +89,7 @@ impl BeamGroup {
                     cache,
                     prompt_logprobs: None,
                     verify: false,
+                    adapter: r.lora(),
                 })
                 .collect(),
         };

@@ -483,7 +483,7 @@ impl Worker {
             let ids = &r.prompts[group.prompt].ids;
             let top_k = r.prompt_top_k();
             self.metrics.prefix_cache_lookups.inc();
-            match self.prefix.lookup(ids, top_k, r.cache_salt.as_deref()) {
+            match self.prefix.lookup(ids, top_k, &r.prefix_scope()) {
                 Ok(Some(hit)) => {
                     self.metrics.prefix_cache_hits.inc();
                     self.metrics.prefix_cache_reused_tokens.inc_by(hit.len as u64);
@@ -651,7 +651,7 @@ impl Worker {
             seq.prompt_ids(),
             &seq.cache,
             top_k.map(|k| (k, positions)),
-            seq.request.cache_salt.as_deref(),
+            &seq.request.prefix_scope(),
         );
         if let Err(e) = stored {
             tracing::warn!(error = %e, "prefix cache insert failed");

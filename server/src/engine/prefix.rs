@@ -12,7 +12,9 @@
 //! them) and only entries stored with at least its `k`.
 //!
 //! A request with a `cache_salt` shares entries only with requests of the same salt (vLLM's
-//! defence against guessing other users' prompts from time to first token).
+//! defence against guessing other users' prompts from time to first token), and a request for a
+//! LoRA adapter only with requests for the same adapter (its keys and values are not the base's):
+//! the entry's [`Scope`].
 //!
 //! Plain data and a linear scan: tens of entries at most fit the memory bound at this project's
 //! model sizes, against a prefill that takes milliseconds per token.
@@ -21,12 +23,20 @@ use gpt::KvCache;
 
 use super::runner::PositionLogprob;
 
+/// Which requests may share an entry: those for the same adapter (by its id; `None`: the base)
+/// with the same `cache_salt`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scope {
+    pub adapter: Option<u64>,
+    pub salt: Option<String>,
+}
+
 struct Entry {
     tokens: Vec<u32>,
     cache: KvCache,
     /// `(k, logprobs)`: `logprobs[t]` is for token `t + 1`, with the top `k` alternatives.
     logprobs: Option<(usize, Vec<PositionLogprob>)>,
-    salt: Option<String>,
+    scope: Scope,
     last_used: u64,
 }
 
@@ -64,8 +74,8 @@ impl PrefixStore {
     }
 
     /// How many positions of `entry` a prompt may reuse (see the module's notes).
-    fn usable(entry: &Entry, prompt: &[u32], top_k: Option<usize>, salt: Option<&str>) -> usize {
-        if entry.salt.as_deref() != salt {
+    fn usable(entry: &Entry, prompt: &[u32], top_k: Option<usize>, scope: &Scope) -> usize {
+        if &entry.scope != scope {
             return 0;
         }
         let common = entry.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
@@ -79,18 +89,13 @@ impl PrefixStore {
 
     /// The longest stored prefix of `prompt`, copied into a fresh cache; `top_k` when the
     /// prompt's own logprobs are wanted (with that many alternatives); only entries stored with
-    /// the same `salt`.
-    pub fn lookup(
-        &mut self,
-        prompt: &[u32],
-        top_k: Option<usize>,
-        salt: Option<&str>,
-    ) -> candle_core::Result<Option<Hit>> {
+    /// the same `scope`.
+    pub fn lookup(&mut self, prompt: &[u32], top_k: Option<usize>, scope: &Scope) -> candle_core::Result<Option<Hit>> {
         let best = self
             .entries
             .iter()
             .enumerate()
-            .map(|(i, e)| (i, Self::usable(e, prompt, top_k, salt)))
+            .map(|(i, e)| (i, Self::usable(e, prompt, top_k, scope)))
             .max_by_key(|&(_, n)| n);
         let Some((i, len)) = best.filter(|&(_, n)| n > 0) else {
             return Ok(None);
@@ -124,7 +129,7 @@ impl PrefixStore {
         tokens: &[u32],
         cache: &KvCache,
         logprobs: Option<(usize, &[PositionLogprob])>,
-        salt: Option<&str>,
+        scope: &Scope,
     ) -> candle_core::Result<()> {
         let bytes = tokens.len() * self.bytes_per_token;
         if tokens.len() < 2 || bytes > self.capacity_bytes || cache.len() != tokens.len() {
@@ -133,7 +138,7 @@ impl PrefixStore {
         let new_k = logprobs.map(|(k, _)| k);
         // Entries this one covers: a prefix of its tokens, with no better logprobs.
         let covered = |e: &Entry| {
-            e.salt.as_deref() == salt
+            &e.scope == scope
                 && e.tokens.len() <= tokens.len()
                 && tokens.starts_with(&e.tokens)
                 && e.logprobs.as_ref().map(|(k, _)| *k) <= new_k
@@ -143,7 +148,7 @@ impl PrefixStore {
         if self.entries.len() != before {
             self.recount();
         }
-        if (self.entries.iter()).any(|e| e.salt.as_deref() == salt && e.tokens.starts_with(tokens)) && new_k.is_none() {
+        if (self.entries.iter()).any(|e| &e.scope == scope && e.tokens.starts_with(tokens)) && new_k.is_none() {
             return Ok(()); // a longer entry already holds all of it
         }
         self.clock += 1;
@@ -152,7 +157,7 @@ impl PrefixStore {
             // Exactly the prompt's positions: entries are copied from, never grown.
             cache: cache.compact()?,
             logprobs: logprobs.map(|(k, l)| (k, l.to_vec())),
-            salt: salt.map(str::to_string),
+            scope: scope.clone(),
             last_used: self.clock,
         });
         self.used_bytes += bytes;
@@ -180,6 +185,13 @@ impl PrefixStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn salted(salt: &str) -> Scope {
+        Scope {
+            adapter: None,
+            salt: Some(salt.into()),
+        }
+    }
 
     /// A cache of `len` positions from a tiny model with zero weights.
     fn cache(len: usize) -> KvCache {
@@ -213,79 +225,128 @@ mod tests {
     #[test]
     fn the_longest_shared_prefix_is_reused_and_one_token_is_left_to_prefill() {
         let mut store = PrefixStore::new(1 << 20, 10);
-        store.insert(&[1, 2, 3, 4], &cache(4), None, None).expect("insert");
-        store.insert(&[1, 2, 9, 9, 9], &cache(5), None, None).expect("insert");
-        let hit = store.lookup(&[1, 2, 3, 7], None, None).expect("lookup").expect("a hit");
+        store
+            .insert(&[1, 2, 3, 4], &cache(4), None, &Scope::default())
+            .expect("insert");
+        store
+            .insert(&[1, 2, 9, 9, 9], &cache(5), None, &Scope::default())
+            .expect("insert");
+        let hit = store
+            .lookup(&[1, 2, 3, 7], None, &Scope::default())
+            .expect("lookup")
+            .expect("a hit");
         assert_eq!((hit.len, hit.cache.len()), (3, 3));
         // The whole stored prompt again: all but its last token.
         assert_eq!(
-            store.lookup(&[1, 2, 3, 4], None, None).expect("lookup").map(|h| h.len),
+            store
+                .lookup(&[1, 2, 3, 4], None, &Scope::default())
+                .expect("lookup")
+                .map(|h| h.len),
             Some(3)
         );
-        assert!(store.lookup(&[5, 1, 2], None, None).expect("lookup").is_none());
+        assert!(store
+            .lookup(&[5, 1, 2], None, &Scope::default())
+            .expect("lookup")
+            .is_none());
     }
 
     #[test]
     fn prompt_logprobs_come_from_entries_that_stored_enough_of_them() {
         let mut store = PrefixStore::new(1 << 20, 10);
-        store.insert(&[1, 2, 3, 4], &cache(4), None, None).expect("insert");
-        // No stored logprobs: no reuse for a request that wants them.
-        assert!(store.lookup(&[1, 2, 3, 5], Some(1), None).expect("lookup").is_none());
         store
-            .insert(&[1, 2, 3, 4], &cache(4), Some((2, &logprobs(3, 2))), None)
+            .insert(&[1, 2, 3, 4], &cache(4), None, &Scope::default())
+            .expect("insert");
+        // No stored logprobs: no reuse for a request that wants them.
+        assert!(store
+            .lookup(&[1, 2, 3, 5], Some(1), &Scope::default())
+            .expect("lookup")
+            .is_none());
+        store
+            .insert(&[1, 2, 3, 4], &cache(4), Some((2, &logprobs(3, 2))), &Scope::default())
             .expect("insert");
         // One position less than the common prefix; tokens 1..=2's logprobs, top cut to k.
         let hit = store
-            .lookup(&[1, 2, 3, 5], Some(1), None)
+            .lookup(&[1, 2, 3, 5], Some(1), &Scope::default())
             .expect("lookup")
             .expect("a hit");
         assert_eq!(hit.len, 2);
         assert_eq!(hit.logprobs.len(), 2);
         assert!(hit.logprobs.iter().all(|p| p.top.len() == 1));
-        assert!(store.lookup(&[1, 2, 3, 5], Some(3), None).expect("lookup").is_none());
+        assert!(store
+            .lookup(&[1, 2, 3, 5], Some(3), &Scope::default())
+            .expect("lookup")
+            .is_none());
     }
 
     #[test]
     fn the_store_stays_within_its_capacity_evicting_the_least_recently_used() {
         let mut store = PrefixStore::new(100, 10); // 10 positions
-        store.insert(&[1, 1, 1, 1], &cache(4), None, None).expect("insert");
-        store.insert(&[2, 2, 2, 2], &cache(4), None, None).expect("insert");
-        assert!(store.lookup(&[1, 1, 1, 1, 5], None, None).expect("lookup").is_some()); // 1s used last
-        store.insert(&[3, 3, 3, 3], &cache(4), None, None).expect("insert");
+        store
+            .insert(&[1, 1, 1, 1], &cache(4), None, &Scope::default())
+            .expect("insert");
+        store
+            .insert(&[2, 2, 2, 2], &cache(4), None, &Scope::default())
+            .expect("insert");
+        assert!(store
+            .lookup(&[1, 1, 1, 1, 5], None, &Scope::default())
+            .expect("lookup")
+            .is_some()); // 1s used last
+        store
+            .insert(&[3, 3, 3, 3], &cache(4), None, &Scope::default())
+            .expect("insert");
         assert!(store.used_bytes() <= 100);
-        assert!(store.lookup(&[2, 2, 2, 2, 5], None, None).expect("lookup").is_none());
-        assert!(store.lookup(&[1, 1, 1, 1, 5], None, None).expect("lookup").is_some());
+        assert!(store
+            .lookup(&[2, 2, 2, 2, 5], None, &Scope::default())
+            .expect("lookup")
+            .is_none());
+        assert!(store
+            .lookup(&[1, 1, 1, 1, 5], None, &Scope::default())
+            .expect("lookup")
+            .is_some());
         // Larger than the whole store: not kept.
-        store.insert(&[4; 11], &cache(11), None, None).expect("insert");
-        assert!(store.lookup(&[4; 12], None, None).expect("lookup").is_none());
+        store
+            .insert(&[4; 11], &cache(11), None, &Scope::default())
+            .expect("insert");
+        assert!(store
+            .lookup(&[4; 12], None, &Scope::default())
+            .expect("lookup")
+            .is_none());
         // Off.
         let mut off = PrefixStore::new(0, 10);
-        off.insert(&[1, 1, 1, 1], &cache(4), None, None).expect("insert");
-        assert!(off.lookup(&[1, 1, 1, 1, 5], None, None).expect("lookup").is_none());
+        off.insert(&[1, 1, 1, 1], &cache(4), None, &Scope::default())
+            .expect("insert");
+        assert!(off
+            .lookup(&[1, 1, 1, 1, 5], None, &Scope::default())
+            .expect("lookup")
+            .is_none());
+    }
+
+    fn for_adapter(id: u64) -> Scope {
+        Scope {
+            adapter: Some(id),
+            salt: None,
+        }
     }
 
     #[test]
-    fn salted_prompts_share_entries_only_with_the_same_salt() {
-        let mut store = PrefixStore::new(1 << 20, 1);
-        store.insert(&[1, 2, 3, 4], &cache(4), None, Some("a")).expect("insert");
-        assert!(store.lookup(&[1, 2, 3, 5], None, None).expect("lookup").is_none());
-        assert!(store.lookup(&[1, 2, 3, 5], None, Some("b")).expect("lookup").is_none());
-        assert!(store.lookup(&[1, 2, 3, 5], None, Some("a")).expect("lookup").is_some());
-        // The same tokens unsalted are an entry of their own, not a cover of the salted one.
-        store.insert(&[1, 2, 3, 4, 5], &cache(5), None, None).expect("insert");
-        assert_eq!(
+    fn salted_or_adapted_prompts_share_entries_only_within_their_scope() {
+        for (mine, other) in [(salted("a"), salted("b")), (for_adapter(1), for_adapter(2))] {
+            let mut store = PrefixStore::new(1 << 20, 1);
+            store.insert(&[1, 2, 3, 4], &cache(4), None, &mine).expect("insert");
+            for (scope, hit) in [(Scope::default(), None), (other.clone(), None), (mine.clone(), Some(3))] {
+                let found = store.lookup(&[1, 2, 3, 5], None, &scope).expect("lookup");
+                assert_eq!(found.map(|h| h.len), hit, "{mine:?} looked up as {scope:?}");
+            }
+            // The same tokens unscoped are an entry of their own, not a cover of the scoped one.
             store
-                .lookup(&[1, 2, 3, 4, 6], None, Some("a"))
-                .expect("lookup")
-                .map(|h| h.len),
-            Some(4)
-        );
-        assert_eq!(
-            store
-                .lookup(&[1, 2, 3, 4, 5, 6], None, None)
-                .expect("lookup")
-                .map(|h| h.len),
-            Some(5)
-        );
+                .insert(&[1, 2, 3, 4, 5], &cache(5), None, &Scope::default())
+                .expect("insert");
+            let found = store.lookup(&[1, 2, 3, 4, 6], None, &mine).expect("lookup");
+            assert_eq!(found.map(|h| h.len), Some(4));
+            let found = store
+                .lookup(&[1, 2, 3, 4, 5, 6], None, &Scope::default())
+                .expect("lookup");
+            assert_eq!(found.map(|h| h.len), Some(5));
+        }
     }
 }

@@ -58,6 +58,8 @@ pub struct ValidRequest {
     /// Speculative decoding: tokens proposed per step at most for this request (`None`: the
     /// server's setting; 0: none).
     pub speculative_tokens: Option<usize>,
+    /// The LoRA adapter the request's `model` names (`None`: the base model).
+    pub adapter: Option<Arc<crate::adapters::ServedAdapter>>,
 }
 
 impl ValidRequest {
@@ -69,6 +71,19 @@ impl ValidRequest {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
         }
+    }
+
+    /// Which prefix-cache entries the request may share: those of its adapter and salt.
+    pub fn prefix_scope(&self) -> super::prefix::Scope {
+        super::prefix::Scope {
+            adapter: self.adapter.as_ref().map(|a| a.id),
+            salt: self.cache_salt.clone(),
+        }
+    }
+
+    /// The LoRA adapter's update, if the request has one.
+    pub fn lora(&self) -> Option<&gpt::Adapter> {
+        self.adapter.as_ref().map(|a| &a.adapter)
     }
 
     /// The engine tells the handler about the prompt once it is prefilled.

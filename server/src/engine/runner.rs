@@ -22,6 +22,8 @@ pub struct StepInput<'a> {
     /// Speculative decoding's check: `tokens` are the last token and proposals, and every
     /// position's logits are wanted ([`StepOutput::drafted`]).
     pub verify: bool,
+    /// The sequence's LoRA adapter, if any: its updates apply to the sequence's rows only.
+    pub adapter: Option<&'a gpt::Adapter>,
 }
 
 /// The log-probability of a token at one position, and the `k` most likely tokens there.
@@ -122,6 +124,11 @@ impl Runner {
             }
         }
         let hidden = {
+            let adapters: Vec<Option<&gpt::Adapter>> = if inputs.iter().any(|s| s.adapter.is_some()) {
+                inputs.iter().map(|s| s.adapter).collect()
+            } else {
+                Vec::new()
+            };
             let mut steps: Vec<SeqStep> = inputs
                 .iter_mut()
                 .map(|s| SeqStep {
@@ -129,7 +136,7 @@ impl Runner {
                     cache: &mut *s.cache,
                 })
                 .collect();
-            self.model.forward_step_hidden(&mut steps, &which)? // (rows, C)
+            self.model.forward_step_adapted(&mut steps, &which, &adapters)? // (rows, C)
         };
         let mut outputs: Vec<StepOutput> = inputs
             .iter()
@@ -251,18 +258,21 @@ mod tests {
                 cache: c0,
                 prompt_logprobs: Some(2),
                 verify: false,
+                adapter: None,
             },
             StepInput {
                 tokens: &bad,
                 cache: c1,
                 prompt_logprobs: None,
                 verify: false,
+                adapter: None,
             },
             StepInput {
                 tokens: &good[..1],
                 cache: c2,
                 prompt_logprobs: None,
                 verify: false,
+                adapter: None,
             },
         ];
         let out = runner.step(&mut inputs);
@@ -291,6 +301,7 @@ mod tests {
             cache: &mut alone_cache,
             prompt_logprobs: None,
             verify: false,
+            adapter: None,
         }]);
         let alone = alone[0].as_ref().expect("runs");
         let diff = alone

@@ -153,6 +153,7 @@ impl Sequence {
             cache: &mut self.cache,
             prompt_logprobs,
             verify,
+            adapter: self.request.lora(),
         };
         (input, self.constraint.as_mut())
     }

@@ -140,6 +140,9 @@ fn draft_proposals(runner: &Runner, seqs: &mut [&mut Sequence], wants: &[usize])
                             cache,
                             prompt_logprobs: None,
                             verify: false,
+                            // The draft proposes as the base would; the check applies the
+                            // sequence's adapter, so output is the adapter's either way.
+                            adapter: None,
                         });
                     }
                 }

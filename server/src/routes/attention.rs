@@ -43,6 +43,7 @@ fn select(param: &str, given: Option<Vec<i64>>, count: usize) -> Result<Vec<usiz
 fn compute(state: &AppState, req: AttentionRequest) -> Result<AttentionResponse, ApiError> {
     let limits = &state.limits;
     let cap = limits.max_attention_tokens;
+    let req_model = req.model.clone();
     let ids: Vec<u32> = match req.prompt {
         Prompt::Text(text) if !text.is_empty() => state
             .tokenizer
@@ -76,7 +77,17 @@ fn compute(state: &AppState, req: AttentionRequest) -> Result<AttentionResponse,
     let layers = select("layers", req.layers, limits.n_layer)?;
     let heads = select("heads", req.heads, limits.n_head)?;
     let internal = |e: gpt::Error| ApiError::Internal(e.to_string());
-    let model = &state.attention_model;
+    // A LoRA adapter's model: the base's weights shared, its updates added.
+    let adapted;
+    let model = match state.adapter_for(req_model.as_deref())? {
+        None => &state.attention_model,
+        Some(served) => {
+            let mut model = state.attention_model.clone();
+            model.set_adapter(Some(&served.adapter)).map_err(internal)?;
+            adapted = model;
+            &adapted
+        }
+    };
     let input = Tensor::new(ids.as_slice(), model.device())
         .and_then(|t| t.unsqueeze(0))
         .map_err(|e| internal(e.into()))?;

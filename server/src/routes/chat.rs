@@ -37,6 +37,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let used_max_completion_tokens = request.max_completion_tokens.is_some();
     let echo = chat::echoed(&request);
+    let adapter = state.adapter_for(request.model.as_deref())?;
     let state2 = state.clone();
     // Rendering and tokenising are CPU work: off the async runtime.
     let valid = blocking(move || {
@@ -66,13 +67,14 @@ pub async fn chat_completions(
         Ok((valid, mode))
     })
     .await?;
-    let (valid, mode) = valid;
+    let (mut valid, mode) = valid;
+    valid.adapter = adapter;
     let valid = Arc::new(valid);
     let events = state.engine.submit(valid.clone())?;
     let (id, created, model) = (
         super::response_id("chatcmpl", valid.request_id.as_deref()),
         super::now(),
-        state.model_name.clone(),
+        state.served_name(valid.adapter.as_deref()),
     );
     let system_fingerprint = state.fingerprint.clone();
     if valid.stream {

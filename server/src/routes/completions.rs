@@ -37,16 +37,19 @@ pub async fn completions(
     State(state): State<Arc<AppState>>,
     ModelRequest(request): ModelRequest<CompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let adapter = state.adapter_for(request.model.as_deref())?;
     // Tokenising is CPU work: off the async runtime.
     let state2 = state.clone();
-    let valid = blocking(move || validate(request, &state2.tokenizer, &state2.limits, &state2.grammars, None)).await?;
+    let mut valid =
+        blocking(move || validate(request, &state2.tokenizer, &state2.limits, &state2.grammars, None)).await?;
+    valid.adapter = adapter;
     let valid = Arc::new(valid);
     let events = state.engine.submit(valid.clone())?;
     let completion = Completion {
         id: super::response_id("cmpl", valid.request_id.as_deref()),
         object: "text_completion".into(),
         created: super::now(),
-        model: state.model_name.clone(),
+        model: state.served_name(valid.adapter.as_deref()),
         choices: Vec::new(),
         usage: None,
         system_fingerprint: state.fingerprint.clone(),

@@ -17,15 +17,25 @@ use crate::state::AppState;
     Unauthorized,
 ))]
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    let base = Model {
+        id: state.model_name.clone(),
+        object: "model".into(),
+        created: state.created,
+        owned_by: "gpt-rs".into(),
+        max_model_len: state.limits.context,
+        root: state.model_name.clone(),
+        parent: None,
+    };
+    let adapters = state.adapters.list().into_iter().map(|a| Model {
+        id: a.name.clone(),
+        created: a.created,
+        root: a.source.clone(),
+        parent: Some(state.model_name.clone()),
+        ..base.clone()
+    });
     Json(ModelList {
         object: "list".into(),
-        data: vec![Model {
-            id: state.model_name.clone(),
-            object: "model".into(),
-            created: state.created,
-            owned_by: "gpt-rs".into(),
-            max_model_len: state.limits.context,
-        }],
+        data: std::iter::once(base.clone()).chain(adapters).collect(),
     })
 }
 

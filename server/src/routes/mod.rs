@@ -4,6 +4,7 @@ pub mod attention;
 pub mod chat;
 pub mod completions;
 pub mod info;
+pub mod lora;
 pub mod tokenize;
 
 /// Seconds since the Unix epoch, for responses' `created`.
