@@ -48,7 +48,8 @@ enum Command {
 struct MergeArgs {
     #[arg(long, help = CHECKPOINT_HELP)]
     checkpoint: PathBuf,
-    /// The adapter's directory, as PEFT's save_pretrained or `gpt-train train --lora-r` wrote it.
+    /// The adapter: its directory (as PEFT's save_pretrained wrote it), a `gpt-train train
+    /// --lora-r` run directory (its best/ checkpoint), or a Hub id.
     #[arg(long)]
     adapter: PathBuf,
     /// Directory for the merged checkpoint (f32).
@@ -376,7 +377,9 @@ fn export(args: ExportArgs) -> Result<()> {
 
 fn merge(args: MergeArgs) -> Result<()> {
     let base = checkpoint_dir(&args.checkpoint)?;
-    let merged = gpt_train::lora::merge(&base, &args.adapter, &args.out)?;
+    let adapter = gpt::lora::resolve(&args.adapter.to_string_lossy())
+        .with_context(|| format!("--adapter {}", args.adapter.display()))?;
+    let merged = gpt_train::lora::merge(&base, &adapter, &args.out)?;
     println!(
         "saved {}: {} with the adapter {} merged ({} parameters)",
         args.out.display(),

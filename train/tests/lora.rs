@@ -82,6 +82,28 @@ fn merge_onto(base: &Path, adapter: &Path, out: &Path) -> Result<std::process::O
     ])
 }
 
+/// The logits of `IDS` as gpt-server computes them with `adapter`: the base loaded for inference
+/// (packed weights) and the adapter's rows updated in a step that also runs a sequence on the
+/// base alone.
+#[cfg(gpt_test_peft)]
+fn served_logits(adapter: &Adapter) -> Result<Vec<Vec<f32>>> {
+    let (model, _) = gpt::load_dir_as(&base_dir(), None, &Device::Cpu)?;
+    let (mut adapted, mut plain) = (model.new_cache(), model.new_cache());
+    let mut steps = [
+        gpt::SeqStep {
+            tokens: &IDS,
+            cache: &mut adapted,
+        },
+        gpt::SeqStep {
+            tokens: &IDS[..5],
+            cache: &mut plain,
+        },
+    ];
+    let which = [gpt::LogitsFor::All; 2];
+    let hidden = model.forward_step_adapted(&mut steps, &which, &[Some(adapter), None])?;
+    Ok(model.logits(&hidden.narrow(0, 0, IDS.len())?)?.to_vec2()?)
+}
+
 fn base() -> Result<gpt::Gpt> {
     Ok(gpt::load_dir(&base_dir(), DType::F32, &Device::Cpu)?.0)
 }
@@ -386,6 +408,11 @@ fn a_peft_adapter_gives_peft_logits_here_and_merged() -> Result<()> {
         let theirs = peft_logits("logits", &dir)?;
         let diff = max_diff(&ours, &theirs);
         assert!(diff < 1e-4, "PEFT's adapter: logits {diff} from PEFT's");
+        let diff = max_diff(&served_logits(&adapter)?, &theirs);
+        assert!(
+            diff < 1e-4,
+            "PEFT's adapter as gpt-server serves it: logits {diff} from PEFT's"
+        );
         assert!(
             max_diff(&ours, &logits(&base()?)?) > 1e-2,
             "the adapter changes the output"
@@ -415,8 +442,14 @@ fn an_adapter_saved_here_loads_in_peft_with_the_same_logits() -> Result<()> {
         let dir = tmp.path().join("ours");
         adapter.save(&dir)?;
         model.set_adapter(Some(&adapter))?;
-        let diff = max_diff(&logits(&model)?, &peft_logits("logits", &dir)?);
+        let theirs = peft_logits("logits", &dir)?;
+        let diff = max_diff(&logits(&model)?, &theirs);
         assert!(diff < 1e-4, "PeftModel.from_pretrained: logits {diff} from ours");
+        let diff = max_diff(&served_logits(&adapter)?, &theirs);
+        assert!(
+            diff < 1e-4,
+            "PeftModel.from_pretrained: logits {diff} from gpt-server's"
+        );
     }
     Ok(())
 }
