@@ -50,7 +50,7 @@ def run(args, concurrency):
     def client(c):
         for r in range(args.requests):
             words = [WORDS[(c * 7 + r * 3 + i * 5) % len(WORDS)] for i in range(args.prompt_tokens)]
-            body = {"model": args.model, "prompt": " ".join(words), "max_tokens": args.max_tokens,
+            body = {"model": args.model[c % len(args.model)], "prompt": " ".join(words), "max_tokens": args.max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
             try:
@@ -86,7 +86,7 @@ def run(args, concurrency):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--url", default="http://localhost:18080")
-    p.add_argument("--model", help="default: the first model of /v1/models")
+    p.add_argument("--model", nargs="+", help="stream c asks for model c mod the count (default: the first of /v1/models)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--requests", type=int, default=2, help="completions per stream, one after another")
     p.add_argument("--prompt-tokens", type=int, default=16)
@@ -96,7 +96,7 @@ def main():
         parts = urllib.parse.urlsplit(args.url)
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
         conn.request("GET", "/v1/models")
-        args.model = json.loads(conn.getresponse().read())["data"][0]["id"]
+        args.model = [json.loads(conn.getresponse().read())["data"][0]["id"]]
     for c in args.concurrency:
         run(args, c)
 

@@ -154,12 +154,12 @@ impl Block {
 type BlockUpdates<'a> = [Vec<RowUpdate<'a>>; 4];
 
 /// Each distinct adapter of a step (the same adapter by address) with the rows of its
-/// sequences, `lens[s]` rows for sequence `s`, as u32 indices on `device`.
+/// sequences, `lens[s]` rows for sequence `s`, as indices and as a u32 tensor on `device`.
 fn adapter_rows<'a>(
     adapters: &[Option<&'a crate::lora::Adapter>],
     lens: &[usize],
     device: &Device,
-) -> candle_core::Result<Vec<(&'a crate::lora::Adapter, Tensor)>> {
+) -> candle_core::Result<Vec<(&'a crate::lora::Adapter, Vec<u32>, Tensor)>> {
     let mut groups: Vec<(&crate::lora::Adapter, Vec<u32>)> = Vec::new();
     let mut start = 0u32;
     for (adapter, &len) in adapters.iter().zip(lens) {
@@ -175,18 +175,19 @@ fn adapter_rows<'a>(
         .into_iter()
         .map(|(a, ids)| {
             let n = ids.len();
-            Ok((a, Tensor::from_vec(ids, n, device)?))
+            let tensor = Tensor::from_vec(ids.clone(), n, device)?;
+            Ok((a, ids, tensor))
         })
         .collect()
 }
 
 /// The updates of block `layer`'s layers that the adapters of `groups` make.
-fn block_updates<'a>(groups: &'a [(&'a crate::lora::Adapter, Tensor)], layer: usize) -> BlockUpdates<'a> {
+fn block_updates<'a>(groups: &'a [(&'a crate::lora::Adapter, Vec<u32>, Tensor)], layer: usize) -> BlockUpdates<'a> {
     crate::lora::LAYERS.map(|name| {
         let name = format!("transformer.h.{layer}.{name}");
         groups
             .iter()
-            .filter_map(|(adapter, rows)| adapter.layers.get(&name).map(|lora| (rows, lora)))
+            .filter_map(|(adapter, rows, ids)| adapter.layers.get(&name).map(|lora| RowUpdate { rows, ids, lora }))
             .collect()
     })
 }

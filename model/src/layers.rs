@@ -318,9 +318,15 @@ impl Conv1D {
     }
 }
 
-/// One adapter's update of one layer in a packed step: the rows it applies to (u32 indices into
-/// the step's rows) and the adapter's low-rank matrices for this layer.
-pub(crate) type RowUpdate<'a> = (&'a Tensor, &'a crate::lora::LoraLayer);
+/// One adapter's update of one layer in a packed step: the rows it applies to (indices into the
+/// step's rows, also as a u32 tensor on the model's device) and the adapter's low-rank matrices
+/// for this layer.
+#[derive(Clone, Copy)]
+pub(crate) struct RowUpdate<'a> {
+    pub rows: &'a [u32],
+    pub ids: &'a Tensor,
+    pub lora: &'a crate::lora::LoraLayer,
+}
 
 impl Conv1D {
     /// Inference on the packed rows of several sequences, some of them with a LoRA adapter
@@ -332,12 +338,43 @@ impl Conv1D {
             return self.forward(x);
         }
         let mut y = linear(x, &self.weight, &self.bias, self.autocast)?; // (N, out)
-        for &(rows, lora) in updates {
-            let delta = lora.delta(&x.index_select(rows, 0)?, None)?; // (rows, out)
-            y = y.index_add(rows, &delta.to_dtype(y.dtype())?, 0)?;
+        if let Some(y) = add_updates_on_host(x, &y, updates)? {
+            return Ok(y);
+        }
+        for u in updates {
+            let delta = u.lora.delta(&x.index_select(u.ids, 0)?, None)?; // (rows, out)
+            y = y.index_add(u.ids, &delta.to_dtype(y.dtype())?, 0)?;
         }
         Ok(y)
     }
+}
+
+/// `y` with every update added to its rows by [`gpt_kernels::infer::lora_rows`], where `x` and
+/// `y` are f32 on the CPU and the adapters are not being trained; else `None`.
+fn add_updates_on_host(x: &Tensor, y: &Tensor, updates: &[RowUpdate<'_>]) -> candle_core::Result<Option<Tensor>> {
+    if !(x.device().is_cpu() && x.dtype() == DType::F32 && y.dtype() == DType::F32) {
+        return Ok(None);
+    }
+    let mut matrices = Vec::with_capacity(updates.len());
+    for u in updates {
+        match u.lora.host_matrices()? {
+            Some(m) => matrices.push(m),
+            None => return Ok(None),
+        }
+    }
+    let x = x.contiguous()?;
+    let (n_rows, d_in) = x.dims2()?;
+    let d_out = y.dim(1)?;
+    let mut out = y.flatten_all()?.to_vec1::<f32>()?; // (N * out)
+    let (storage, layout) = x.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("LoRA update: x is not on the host")
+    };
+    let xs = gpt_kernels::f32_slice(cpu, layout, "LoRA update")?;
+    for (u, (a, b_t)) in updates.iter().zip(matrices) {
+        gpt_kernels::infer::lora_rows(xs, d_in, &mut out, d_out, u.rows, a, b_t, u.lora.scale as f32);
+    }
+    Ok(Some(Tensor::from_vec(out, (n_rows, d_out), x.device())?))
 }
 
 impl Module for Conv1D {

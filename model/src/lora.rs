@@ -329,9 +329,41 @@ pub struct LoraLayer {
     /// `(out, r)`.
     pub b: Tensor,
     pub scale: f64,
+    /// `A` and `Bᵀ` `(r, out)` as f32 on the host, for the CPU's update of a batched step's rows
+    /// ([`LoraLayer::host_matrices`]); made once, for an adapter that is not being trained.
+    host: std::sync::OnceLock<(Vec<f32>, Vec<f32>)>,
 }
 
 impl LoraLayer {
+    pub fn new(a: Tensor, b: Tensor, scale: f64) -> Self {
+        Self {
+            a,
+            b,
+            scale,
+            host: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// `A` `(r, in)` and `Bᵀ` `(r, out)`, row-major f32 on the host, for
+    /// [`gpt_kernels::infer::lora_rows`]; `None` while the matrices are variables (being
+    /// trained, they change, and a copy would go stale).
+    pub(crate) fn host_matrices(&self) -> candle_core::Result<Option<&(Vec<f32>, Vec<f32>)>> {
+        if self.a.is_variable() || self.b.is_variable() {
+            return Ok(None);
+        }
+        if let Some(m) = self.host.get() {
+            return Ok(Some(m));
+        }
+        let to_host = |t: &Tensor| -> candle_core::Result<Vec<f32>> {
+            t.to_dtype(DType::F32)?
+                .to_device(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1()
+        };
+        let made = (to_host(&self.a)?, to_host(&self.b.t()?.contiguous()?)?);
+        Ok(Some(self.host.get_or_init(|| made)))
+    }
+
     /// `s · (x Aᵀ) Bᵀ` for `x` `(.., in)`, the output columns `cols` of it (all when `None`).
     pub fn delta(&self, x: &Tensor, cols: Option<(usize, usize)>) -> candle_core::Result<Tensor> {
         let mut dims = x.dims().to_vec();
@@ -382,14 +414,7 @@ impl Adapter {
                 &format!("{layer}.lora_B.weight"),
                 candle_nn::Init::Const(0.0),
             )?;
-            layers.insert(
-                layer,
-                LoraLayer {
-                    a,
-                    b,
-                    scale: config.scale(),
-                },
-            );
+            layers.insert(layer, LoraLayer::new(a, b, config.scale()));
         }
         Ok(Self { config, layers })
     }
@@ -467,14 +492,7 @@ impl Adapter {
             };
             let a = take("lora_A", [config.r, d_in])?;
             let b = take("lora_B", [d_out, config.r])?;
-            layers.insert(
-                layer,
-                LoraLayer {
-                    a,
-                    b,
-                    scale: config.scale(),
-                },
-            );
+            layers.insert(layer, LoraLayer::new(a, b, config.scale()));
         }
         if let Some(name) = by_name.keys().next() {
             return Err(bad(format!(

@@ -27,14 +27,7 @@ fn random_adapter(cfg: &Config, targets: &[&str], r: usize, alpha: f64) -> anyho
     for (name, d_in, d_out) in config.layers(cfg)? {
         let a = Tensor::randn(0f32, 0.3, (r, d_in), &Device::Cpu)?;
         let b = Tensor::randn(0f32, 0.3, (d_out, r), &Device::Cpu)?;
-        layers.insert(
-            name,
-            LoraLayer {
-                a,
-                b,
-                scale: config.scale(),
-            },
-        );
+        layers.insert(name, LoraLayer::new(a, b, config.scale()));
     }
     Ok(Adapter { config, layers })
 }

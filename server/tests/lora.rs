@@ -43,11 +43,7 @@ fn write_adapter(dir: &Path, cfg: &gpt::Config, targets: &[&str], r: usize, seed
     };
     let mut layers = BTreeMap::new();
     for (name, d_in, d_out) in config.layers(cfg)? {
-        let layer = LoraLayer {
-            a: noise(r, d_in)?,
-            b: noise(d_out, r)?,
-            scale: config.scale(),
-        };
+        let layer = LoraLayer::new(noise(r, d_in)?, noise(d_out, r)?, config.scale());
         layers.insert(name, layer);
     }
     let adapter = gpt::Adapter { config, layers };

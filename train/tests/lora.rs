@@ -53,14 +53,7 @@ fn random_adapter(cfg: &gpt::Config) -> Result<Adapter> {
     for (name, d_in, d_out) in config.layers(cfg)? {
         let a = (Tensor::randn(0f32, 1.0, (config.r, d_in), &Device::Cpu)? * 0.2)?;
         let b = (Tensor::randn(0f32, 1.0, (d_out, config.r), &Device::Cpu)? * 0.2)?;
-        layers.insert(
-            name,
-            LoraLayer {
-                a,
-                b,
-                scale: config.scale(),
-            },
-        );
+        layers.insert(name, LoraLayer::new(a, b, config.scale()));
     }
     Ok(Adapter { config, layers })
 }

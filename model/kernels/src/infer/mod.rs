@@ -1,9 +1,11 @@
 //! Kernels of generation only: attention of a step's new tokens against their sequences' KV
-//! caches.
+//! caches, and LoRA adapters' updates of some of a step's rows.
 
 mod attention;
+mod lora;
 
 pub use attention::{cached_attention, cached_attention_on, CachedKv, WriteRows};
+pub use lora::lora_rows;
 #[cfg(feature = "cuda")]
 pub mod decode_attention;
 #[cfg(feature = "cuda")]
