@@ -80,10 +80,12 @@ impl CausalSelfAttention {
             None => Some(self.c_attn.forward(x)?), // (B, T, 3C)
             Some(_) => None,
         };
+        // A LoRA update's input dropout (sites 3 and 4 of the layer's key), one mask for q, k, v.
+        let lora_x = self.c_attn.lora_input(x, train.map(|d| d.site(3)))?;
         let heads = |i: usize| -> candle_core::Result<Tensor> {
             match &qkv {
                 Some(qkv) => qkv.narrow(2, i * n_embd, n_embd)?,
-                None => self.c_attn.forward_cols(x, i * n_embd, n_embd)?,
+                None => self.c_attn.forward_cols(x, i * n_embd, n_embd, lora_x.as_ref())?,
             } // (B, T, C): q, k or v
             .reshape((b_sz, seq_len, self.n_head, self.head_dim))? // (B, T, nh, hs)
             .transpose(1, 2)? // (B, nh, T, hs)
@@ -98,7 +100,11 @@ impl CausalSelfAttention {
         let att = dropout(att, self.attn_pdrop, train.map(|d| d.site(0)))?;
         let y = matmul(&att, &v, self.autocast)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b_sz, seq_len, n_embd))?; // (B, T, C)
-        dropout(self.c_proj.forward(&y)?, self.resid_pdrop, train.map(|d| d.site(1)))
+        dropout(
+            self.c_proj.forward_t(&y, train.map(|d| d.site(4)))?,
+            self.resid_pdrop,
+            train.map(|d| d.site(1)),
+        )
     }
 
     /// The attention's output before its residual dropout, for `x` `(B * T, C)`: windows of
@@ -113,7 +119,12 @@ impl CausalSelfAttention {
         train: Option<Dropout>,
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
-        let qkv = self.c_attn.forward(x)?; // (B*T, 3C)
+        // A LoRA update's input dropout (sites 3 and 4), its masks counted in rows.
+        let rows = train.map(|d| Dropout {
+            first_row: d.first_row * seq_len,
+            ..d
+        });
+        let qkv = self.c_attn.forward_t(x, rows.map(|d| d.site(3)))?; // (B*T, 3C)
         if let Some(record) = record {
             let (rows, width) = qkv.dims2()?;
             let heads = |i: usize| -> candle_core::Result<Tensor> {
@@ -139,7 +150,7 @@ impl CausalSelfAttention {
             d.key,
             d.first_row,
         )?;
-        self.c_proj.forward(&y) // (B*T, C)
+        self.c_proj.forward_t(&y, rows.map(|d| d.site(4))) // (B*T, C)
     }
 
     pub(crate) fn resid_pdrop(&self) -> f32 {

@@ -4,7 +4,7 @@
 //! token embedding. Layer names follow `transformers`' `GPT2LMHeadModel`, so `vb.pp(..)` paths
 //! are the checkpoint's tensor names.
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, LayerNorm, VarBuilder};
 
 use crate::attention::CausalSelfAttention;
@@ -35,23 +35,29 @@ impl Mlp {
 
     /// `train`: this layer's dropout key; the MLP's masks are its site 2.
     fn forward_t(&self, x: &Tensor, train: Option<Dropout>) -> candle_core::Result<Tensor> {
-        dropout(self.forward_undropped(x)?, self.resid_pdrop, train.map(|d| d.site(2)))
+        dropout(
+            self.forward_undropped(x, train)?,
+            self.resid_pdrop,
+            train.map(|d| d.site(2)),
+        )
         // (.., C)
     }
 
-    /// The MLP's output before its residual dropout.
-    fn forward_undropped(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.c_proj.forward(&self.activated(x)?)
+    /// The MLP's output before its residual dropout; `train` (its first row counted in `x`'s
+    /// first dimension) keys a LoRA update's input dropout (sites 5 and 6).
+    fn forward_undropped(&self, x: &Tensor, train: Option<Dropout>) -> candle_core::Result<Tensor> {
+        self.c_proj
+            .forward_t(&self.activated(x, train.map(|d| d.site(5)))?, train.map(|d| d.site(6)))
     }
 
     /// [`Mlp::forward_undropped`] on packed rows, with adapters' updates of `c_fc` and `c_proj`
     /// on their rows ([`Conv1D::forward_updated`]).
     fn forward_updated(&self, x: &Tensor, fc: &[RowUpdate<'_>], proj: &[RowUpdate<'_>]) -> candle_core::Result<Tensor> {
         if fc.is_empty() && proj.is_empty() {
-            return self.forward_undropped(x);
+            return self.forward_undropped(x, None);
         }
         let h = match self.activation {
-            _ if fc.is_empty() => return self.c_proj.forward_updated(&self.activated(x)?, proj),
+            _ if fc.is_empty() => return self.c_proj.forward_updated(&self.activated(x, None)?, proj),
             // The same GELU as the packed kernel's epilogue, so that rows without an update of
             // `c_fc` get what they get in a step without adapters.
             Activation::GeluNew => gpt_kernels::gelu(&self.c_fc.forward_updated(x, fc)?)?, // (N, 4C)
@@ -61,12 +67,12 @@ impl Mlp {
         self.c_proj.forward_updated(&h, proj)
     }
 
-    /// `c_fc` and the activation.
-    fn activated(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// `c_fc` and the activation; `drop` keys a LoRA update's input dropout.
+    fn activated(&self, x: &Tensor, drop: Option<Dropout>) -> candle_core::Result<Tensor> {
         match self.activation {
-            Activation::GeluNew => self.c_fc.forward_gelu(x), // (.., 4C), tanh approximation
-            Activation::Gelu => self.c_fc.forward(x)?.gelu_erf(),
-            Activation::Relu => self.c_fc.forward(x)?.relu(),
+            Activation::GeluNew => self.c_fc.forward_gelu_t(x, drop), // (.., 4C), tanh approximation
+            Activation::Gelu => self.c_fc.forward_t(x, drop)?.gelu_erf(),
+            Activation::Relu => self.c_fc.forward_t(x, drop)?.relu(),
         }
     }
 }
@@ -123,9 +129,13 @@ impl Block {
             .attn
             .forward_rows(&layer_norm(&self.ln_1, x, train.is_some())?, seq_len, train, record)?;
         let x = add(x, &h, self.attn.resid_pdrop(), 1)?;
+        let rows = train.map(|d| Dropout {
+            first_row: d.first_row * seq_len,
+            ..d
+        });
         let h = self
             .mlp
-            .forward_undropped(&layer_norm(&self.ln_2, &x, train.is_some())?)?;
+            .forward_undropped(&layer_norm(&self.ln_2, &x, train.is_some())?, rows)?;
         add(&x, &h, self.mlp.resid_pdrop, 2)
     }
 

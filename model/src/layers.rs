@@ -202,15 +202,35 @@ impl Conv1D {
     /// Output columns `start..start + len` only: `x @ W[:, cols] + b[cols]`. Splitting the
     /// weight rather than the output keeps the backward pass's zero-padding at weight size.
     /// Dense weights only (the training path).
-    pub fn forward_cols(&self, x: &Tensor, start: usize, len: usize) -> candle_core::Result<Tensor> {
+    /// `lora_x`: the LoRA update's input where it differs from `x` ([`Conv1D::lora_input`]).
+    pub fn forward_cols(
+        &self,
+        x: &Tensor,
+        start: usize,
+        len: usize,
+        lora_x: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
         let part = match &self.weight {
             Weight::Dense(w) => Weight::Dense(w.narrow(0, start, len)?),
             Weight::Packed(_) => candle_core::bail!("forward_cols: the weight is packed for inference"),
         };
         let y = linear(x, &part, &self.bias.narrow(0, start, len)?, self.autocast)?;
         match &self.lora {
-            Some(lora) => y + lora.delta(x, Some((start, len)))?,
+            Some(lora) => y + lora.delta(lora_x.unwrap_or(x), Some((start, len)))?,
             None => Ok(y),
+        }
+    }
+
+    /// The LoRA update's input while training: `x` dropped out with the adapter's
+    /// `lora_dropout` (PEFT's placement: `B A dropout(x)`, the base's product on `x` itself),
+    /// the masks keyed by `drop` and counted from its row of `x`'s first dimension. `None`
+    /// where it is `x`: no adapter, no dropout, or not training.
+    pub(crate) fn lora_input(&self, x: &Tensor, drop: Option<Dropout>) -> candle_core::Result<Option<Tensor>> {
+        match (&self.lora, drop) {
+            (Some(lora), Some(d)) if lora.dropout > 0.0 => {
+                Ok(Some(gpt_kernels::dropout(x, lora.dropout, d.key, d.first_row)?))
+            }
+            _ => Ok(None),
         }
     }
 }
@@ -259,10 +279,32 @@ fn linear(x: &Tensor, weight: &Weight, bias: &Tensor, autocast: Autocast) -> can
 impl Conv1D {
     /// GELU (tanh form) of the layer's output, fused with it where the weight is packed.
     pub fn forward_gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match (self.fused_affine(x, true), &self.lora) {
+        self.forward_gelu_t(x, None)
+    }
+
+    /// [`Conv1D::forward_gelu`] while training: `drop` keys the LoRA update's input dropout
+    /// ([`Conv1D::lora_input`]).
+    pub(crate) fn forward_gelu_t(&self, x: &Tensor, drop: Option<Dropout>) -> candle_core::Result<Tensor> {
+        let lora_x = self.lora_input(x, drop)?;
+        match (self.fused_affine(x, true, lora_x.as_ref()), &self.lora) {
             (Some(y), _) => y,
-            (None, Some(lora)) => (linear(x, &self.weight, &self.bias, self.autocast)? + lora.delta(x, None)?)?.gelu(),
+            (None, Some(lora)) => (linear(x, &self.weight, &self.bias, self.autocast)?
+                + lora.delta(lora_x.as_ref().unwrap_or(x), None)?)?
+            .gelu(),
             (None, None) => linear_act(x, &self.weight, &self.bias, self.autocast, true),
+        }
+    }
+
+    /// [`Module::forward`] while training: `drop` keys the LoRA update's input dropout
+    /// ([`Conv1D::lora_input`]).
+    pub(crate) fn forward_t(&self, x: &Tensor, drop: Option<Dropout>) -> candle_core::Result<Tensor> {
+        let lora_x = self.lora_input(x, drop)?;
+        match (self.fused_affine(x, false, lora_x.as_ref()), &self.lora) {
+            (Some(y), _) => y,
+            (None, Some(lora)) => {
+                linear(x, &self.weight, &self.bias, self.autocast)? + lora.delta(lora_x.as_ref().unwrap_or(x), None)?
+            }
+            (None, None) => linear(x, &self.weight, &self.bias, self.autocast),
         }
     }
 }
@@ -271,7 +313,7 @@ impl Conv1D {
     /// `x @ W + b`, then GELU if `gelu`, as one fused node ([`gpt_kernels::affine`],
     /// [`gpt_kernels::affine_gelu`]) where it applies: f32 on the CPU, 2-D `x` (the residual
     /// stream as rows), the `(in, out)` tensor at hand; products under the layer's autocast.
-    fn fused_affine(&self, x: &Tensor, gelu: bool) -> Option<candle_core::Result<Tensor>> {
+    fn fused_affine(&self, x: &Tensor, gelu: bool, lora_x: Option<&Tensor>) -> Option<candle_core::Result<Tensor>> {
         match &self.in_out {
             Some(w)
                 if x.rank() == 2
@@ -283,7 +325,7 @@ impl Conv1D {
                 Some(match &self.lora {
                     None if gelu => gpt_kernels::affine_gelu(x, w, &self.bias, self.autocast),
                     None => gpt_kernels::affine(x, w, &self.bias, self.autocast),
-                    Some(lora) => self.lora_affine(x, w, lora, gelu),
+                    Some(lora) => self.lora_affine(x, lora_x.unwrap_or(x), w, lora, gelu),
                 })
             }
             _ => None,
@@ -294,10 +336,11 @@ impl Conv1D {
 impl Conv1D {
     /// [`Conv1D::fused_affine`] with a LoRA update, every op on the tape: the base's product
     /// (its weight frozen when it is not a variable, as in a LoRA run: no `dW` computed), the
-    /// update `s · (x Aᵀ) Bᵀ` as two products, their sum, then GELU if `gelu`.
+    /// update `s · (lora_x Aᵀ) Bᵀ` as two products, their sum, then GELU if `gelu`.
     fn lora_affine(
         &self,
         x: &Tensor,
+        lora_x: &Tensor,
         w: &Tensor,
         lora: &crate::lora::LoraLayer,
         gelu: bool,
@@ -307,7 +350,7 @@ impl Conv1D {
         } else {
             gpt_kernels::frozen_affine(x, w, &self.bias, self.autocast)?
         };
-        let low = gpt_kernels::linear_product(x, &lora.a, Autocast::Off)?; // (rows, r)
+        let low = gpt_kernels::linear_product(lora_x, &lora.a, Autocast::Off)?; // (rows, r)
         let delta = gpt_kernels::scaled_linear_product(&low, &lora.b, lora.scale as f32, Autocast::Off)?;
         let y = gpt_kernels::add_dropout(&y, &delta, 0.0, 0, 0)?;
         if gelu {
@@ -379,11 +422,7 @@ fn add_updates_on_host(x: &Tensor, y: &Tensor, updates: &[RowUpdate<'_>]) -> can
 
 impl Module for Conv1D {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match (self.fused_affine(x, false), &self.lora) {
-            (Some(y), _) => y,
-            (None, Some(lora)) => linear(x, &self.weight, &self.bias, self.autocast)? + lora.delta(x, None)?,
-            (None, None) => linear(x, &self.weight, &self.bias, self.autocast),
-        }
+        self.forward_t(x, None)
     }
 }
 

@@ -329,19 +329,28 @@ pub struct LoraLayer {
     /// `(out, r)`.
     pub b: Tensor,
     pub scale: f64,
+    /// Dropout of the update's input while training (PEFT's `lora_dropout`).
+    pub dropout: f32,
     /// `A` and `Bᵀ` `(r, out)` as f32 on the host, for the CPU's update of a batched step's rows
     /// ([`LoraLayer::host_matrices`]); made once, for an adapter that is not being trained.
     host: std::sync::OnceLock<(Vec<f32>, Vec<f32>)>,
 }
 
 impl LoraLayer {
+    /// An update without dropout.
     pub fn new(a: Tensor, b: Tensor, scale: f64) -> Self {
         Self {
             a,
             b,
             scale,
+            dropout: 0.0,
             host: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The update with dropout `p` of its input while training.
+    pub fn with_dropout(self, p: f32) -> Self {
+        Self { dropout: p, ..self }
     }
 
     /// `A` `(r, in)` and `Bᵀ` `(r, out)`, row-major f32 on the host, for
@@ -414,7 +423,10 @@ impl Adapter {
                 &format!("{layer}.lora_B.weight"),
                 candle_nn::Init::Const(0.0),
             )?;
-            layers.insert(layer, LoraLayer::new(a, b, config.scale()));
+            layers.insert(
+                layer,
+                LoraLayer::new(a, b, config.scale()).with_dropout(config.lora_dropout as f32),
+            );
         }
         Ok(Self { config, layers })
     }
@@ -492,7 +504,10 @@ impl Adapter {
             };
             let a = take("lora_A", [config.r, d_in])?;
             let b = take("lora_B", [d_out, config.r])?;
-            layers.insert(layer, LoraLayer::new(a, b, config.scale()));
+            layers.insert(
+                layer,
+                LoraLayer::new(a, b, config.scale()).with_dropout(config.lora_dropout as f32),
+            );
         }
         if let Some(name) = by_name.keys().next() {
             return Err(bad(format!(

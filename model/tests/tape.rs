@@ -87,28 +87,59 @@ fn a_lora_adapters_gradients_on_the_tape_are_candles() -> anyhow::Result<()> {
         .iter()
         .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
         .collect();
-    let mut model = Gpt::new(
+    let base = Gpt::new(
         candle_nn::VarBuilder::from_tensors(frozen, DType::F32, &Device::Cpu),
         &cfg,
     )?;
-    let adapter_vars = VarMap::new();
-    let config = gpt::lora::LoraConfig {
-        r: 2,
-        lora_alpha: 5.0,
-        lora_dropout: 0.0,
-        target_modules: vec!["c_attn".into(), "c_proj".into(), "c_fc".into()],
-        layers_to_transform: None,
-        use_rslora: false,
-        base_model_name_or_path: None,
-    };
-    let vb = candle_nn::VarBuilder::from_varmap(&adapter_vars, DType::F32, &Device::Cpu);
-    let adapter = gpt::Adapter::init(config, &cfg, &vb)?;
-    // B starts at zero, which would leave A without a gradient: both random here.
-    for var in adapter_vars.all_vars() {
-        var.set(&Tensor::randn(0f32, 0.3, var.shape(), &Device::Cpu)?)?;
+    let (x, y) = (
+        common::batch(&[common::tokens(16, 50, 3)])?,
+        common::batch(&[common::tokens(16, 50, 4)])?,
+    );
+    let train = Some(Dropout { key: 5, first_row: 0 });
+    let mut losses = Vec::new();
+    // PEFT's lora_dropout (of the update's input) too: its masks on the tape as well.
+    for lora_dropout in [0.0, 0.25] {
+        let adapter_vars = VarMap::new();
+        let config = gpt::lora::LoraConfig {
+            r: 2,
+            lora_alpha: 5.0,
+            lora_dropout,
+            target_modules: vec!["c_attn".into(), "c_proj".into(), "c_fc".into()],
+            layers_to_transform: None,
+            use_rslora: false,
+            base_model_name_or_path: None,
+        };
+        let vb = candle_nn::VarBuilder::from_varmap(&adapter_vars, DType::F32, &Device::Cpu);
+        let adapter = gpt::Adapter::init(config, &cfg, &vb)?;
+        // B starts at zero, which would leave A without a gradient: both random here, the same
+        // in both runs.
+        let mut vars = adapter_vars
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("varmap poisoned"))?
+            .clone();
+        let mut names: Vec<_> = vars.keys().cloned().collect();
+        names.sort();
+        for (i, name) in names.iter().enumerate() {
+            let var = vars.remove(name).ok_or_else(|| anyhow::anyhow!("{name}"))?;
+            let n = var.elem_count();
+            let values: Vec<f32> = common::tokens(n, 1000, i as u64)
+                .iter()
+                .map(|&v| v as f32 / 1000.0 - 0.5)
+                .collect();
+            var.set(&Tensor::from_vec(values, var.shape(), &Device::Cpu)?)?;
+        }
+        let mut model = base.clone();
+        model.set_adapter(Some(&adapter))?;
+        compare(&cfg, &model, &adapter_vars, 3, 16, 0.0)?;
+        let trained = model.loss(&x, &y, train, 0.0)?.to_scalar::<f32>()?;
+        let evaluated = model.loss(&x, &y, None, 0.0)?.to_scalar::<f32>()?;
+        losses.push((trained, evaluated));
     }
-    model.set_adapter(Some(&adapter))?;
-    compare(&cfg, &model, &adapter_vars, 3, 16, 0.0)
+    // Dropout moves the training loss, and only the training loss.
+    assert_ne!(losses[0].0, losses[1].0, "lora_dropout changed nothing while training");
+    assert_eq!(losses[0].1, losses[1].1, "lora_dropout changed an evaluation");
+    Ok(())
 }
 
 #[test]

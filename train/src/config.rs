@@ -65,6 +65,9 @@ pub struct TrainArgs {
     /// attn.c_proj, mlp.c_proj, c_fc, or all-linear (PEFT's default for GPT-2)
     #[arg(long, value_delimiter = ',', requires = "lora_r")]
     pub lora_targets: Option<Vec<String>>,
+    /// Dropout of the LoRA update's input while training (PEFT's lora_dropout; default 0)
+    #[arg(long, requires = "lora_r")]
+    pub lora_dropout: Option<f64>,
     /// Complete checkpoints kept in OUT/checkpoints, the newest ones.
     #[arg(long)]
     pub keep_last: Option<usize>,
@@ -311,12 +314,15 @@ pub struct RunConfig {
     pub seed: u64,
 }
 
-/// A LoRA run's adapter settings (`--lora-r`, `--lora-alpha`, `--lora-targets`).
+/// A LoRA run's adapter settings (`--lora-r`, `--lora-alpha`, `--lora-targets`,
+/// `--lora-dropout`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoraRun {
     pub r: usize,
     pub alpha: f64,
     pub targets: Vec<String>,
+    #[serde(default)]
+    pub dropout: f64,
 }
 
 impl LoraRun {
@@ -325,7 +331,7 @@ impl LoraRun {
         gpt::lora::LoraConfig {
             r: self.r,
             lora_alpha: self.alpha,
-            lora_dropout: 0.0,
+            lora_dropout: self.dropout,
             target_modules: self.targets.clone(),
             layers_to_transform: None,
             use_rslora: false,
@@ -513,6 +519,7 @@ impl TrainArgs {
                 .lora_targets
                 .clone()
                 .unwrap_or_else(|| vec![defaults::LORA_TARGETS.to_string()]),
+            dropout: self.lora_dropout.unwrap_or(0.0),
         });
         let Some(saved) = saved else {
             if flags.is_some() && self.init_from.is_none() {
@@ -524,13 +531,15 @@ impl TrainArgs {
             (None, saved) => Ok(saved.clone()),
             (Some(flags), Some(saved)) if flags == *saved => Ok(Some(flags)),
             (Some(flags), Some(saved)) => bail!(
-                "the run being resumed trains a LoRA adapter of rank {}, alpha {} on {:?}; \
-                 --lora-r {} --lora-alpha {} --lora-targets {:?} would change its shape",
+                "the run being resumed trains a LoRA adapter of rank {}, alpha {}, dropout {} on {:?}; \
+                 --lora-r {} --lora-alpha {} --lora-dropout {} --lora-targets {:?} would change it",
                 saved.r,
                 saved.alpha,
+                saved.dropout,
                 saved.targets,
                 flags.r,
                 flags.alpha,
+                flags.dropout,
                 flags.targets
             ),
             (Some(_), None) => bail!("--lora-r: the run being resumed trains every weight, not an adapter"),

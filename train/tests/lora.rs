@@ -312,8 +312,10 @@ fn a_lora_run_resumes_exactly_and_keeps_its_shape() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let base = tiny_base(tmp.path())?;
     let (whole, parts) = (tmp.path().join("whole"), tmp.path().join("parts"));
-    assert!(lora_run(&base, &whole, "20", &[])?.status.success());
-    assert!(lora_run(&base, &parts, "10", &[])?.status.success());
+    // With PEFT's lora_dropout, whose masks a resume must draw again as the run did.
+    let dropout = ["--lora-dropout", "0.1"];
+    assert!(lora_run(&base, &whole, "20", &dropout)?.status.success());
+    assert!(lora_run(&base, &parts, "10", &dropout)?.status.success());
     let more = common::train(
         &support::shakespeare_path(),
         &parts,
@@ -334,6 +336,18 @@ fn a_lora_run_resumes_exactly_and_keeps_its_shape() -> Result<()> {
             "{file}: resumed at step 10, not the same as the run straight to 20"
         );
     }
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        whole.join("latest").join(ADAPTER_CONFIG_FILE),
+    )?)?;
+    assert_eq!(config["lora_dropout"], 0.1);
+    // The dropout is applied: without it the same run trains another adapter.
+    let plain = tmp.path().join("plain");
+    assert!(lora_run(&base, &plain, "20", &[])?.status.success());
+    assert!(
+        file_tensors(&whole.join("latest"), ADAPTER_WEIGHTS_FILE)?
+            != file_tensors(&plain.join("latest"), ADAPTER_WEIGHTS_FILE)?,
+        "--lora-dropout 0.1 trained the adapter that no dropout trains"
+    );
     let err = common::fails(
         &common::train_args(&support::shakespeare_path(), &parts, &["--resume", "--lora-r", "8"])
             .iter()
@@ -359,6 +373,8 @@ fn lora_flags_that_cannot_train_are_refused() -> Result<()> {
     assert!(err.contains("\"q_proj\"") && err.contains("matches no layer"), "{err}");
     let err = run(&["--init-from", s(&base), "--lora-r", "0"])?;
     assert!(err.contains("`r` must be at least 1"), "{err}");
+    let err = run(&["--init-from", s(&base), "--lora-r", "4", "--lora-dropout", "1.5"])?;
+    assert!(err.contains("`lora_dropout` must be in [0, 1)"), "{err}");
     Ok(())
 }
 
