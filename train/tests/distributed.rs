@@ -143,6 +143,64 @@ fn two_ranks_end_with_the_weights_of_one_process_with_two_shards_bit_for_bit() -
     Ok(())
 }
 
+/// Every tensor of a LoRA checkpoint's adapter and optimizer state, by file and name, as raw bytes.
+fn adapter_tensors(checkpoint: &Path) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
+    let mut all = BTreeMap::new();
+    for file in [gpt::lora::ADAPTER_WEIGHTS_FILE, "optimizer.safetensors"] {
+        let bytes = std::fs::read(checkpoint.join(file))?;
+        for (name, view) in safetensors::SafeTensors::deserialize(&bytes)?.tensors() {
+            all.insert(format!("{file}:{name}"), view.data().to_vec());
+        }
+    }
+    Ok(all)
+}
+
+#[test]
+fn a_lora_run_on_two_ranks_ends_with_the_adapter_of_one_process_bit_for_bit() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let base = dir.path().join("base");
+    ok(common::train(&corpus, &base, &["--max-iters", "10"])?)?;
+    let base = base.to_string_lossy().into_owned();
+    let lora = [
+        "--init-from",
+        base.as_str(),
+        "--lora-r",
+        "4",
+        "--lora-targets",
+        "c_attn,c_proj",
+        "--lora-dropout",
+        "0.1",
+    ];
+    let more = args(&[&lora[..], &["--max-iters", "20", "--parallel", "shards"]].concat());
+    let one = dir.path().join("one");
+    ok(common::train(
+        &corpus,
+        &one,
+        &[more.as_slice(), &["--threads", "2"]].concat(),
+    )?)?;
+    let two = dir.path().join("two");
+    ok(train_ranks(
+        2,
+        &corpus,
+        &two,
+        &[more.as_slice(), &["--threads", "1"]].concat(),
+    )?)?;
+    for step in [10, 20] {
+        let (a, b) = (
+            adapter_tensors(&step_dir(&one, step))?,
+            adapter_tensors(&step_dir(&two, step))?,
+        );
+        assert_eq!(a.len(), b.len());
+        assert!(a.len() > 2, "an adapter and its moments");
+        for (name, values) in &a {
+            assert!(values == &b[name], "step {step}: {name} differs");
+        }
+    }
+    assert_eq!(common::train_losses(&one)?, common::train_losses(&two)?);
+    Ok(())
+}
+
 #[test]
 fn a_run_resumes_on_another_number_of_ranks() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
