@@ -93,6 +93,38 @@ pub fn resolve(named: &str) -> Result<Resolved> {
     }
 }
 
+/// The adapter directory that `named` names, as the server's `--lora-modules` and `gpt-train
+/// merge --adapter` take one: a directory with [`crate::lora::ADAPTER_CONFIG_FILE`], a LoRA run of gpt-train
+/// (its `best/` checkpoint, else `latest/`), or else a Hugging Face Hub id whose repository holds
+/// an adapter (found in the Hub cache, or downloaded into it).
+pub fn resolve_adapter(named: &str) -> Result<std::path::PathBuf> {
+    let path = Path::new(named);
+    if path.exists() {
+        return [path.to_path_buf(), path.join(RUN_BEST), path.join(RUN_LATEST)]
+            .into_iter()
+            .find(|dir| dir.join(crate::lora::ADAPTER_CONFIG_FILE).is_file())
+            .ok_or_else(|| Error::MissingFile {
+                path: path.join(crate::lora::ADAPTER_CONFIG_FILE),
+            });
+    }
+    let Some(id) = crate::hub::HubId::parse(named, crate::hub::RepoKind::Model) else {
+        return Err(Error::MissingFile {
+            path: path.to_path_buf(),
+        });
+    };
+    let snapshot = crate::hub::Snapshot::open(&id)?;
+    for file in [crate::lora::ADAPTER_CONFIG_FILE, crate::lora::ADAPTER_WEIGHTS_FILE] {
+        if !snapshot.has(file) {
+            return Err(Error::Hub {
+                id: id.to_string(),
+                reason: format!("the repository has no {file}: it is not a PEFT LoRA adapter"),
+            });
+        }
+        snapshot.get(file)?;
+    }
+    Ok(snapshot.dir)
+}
+
 /// The snapshot directory of a model on the Hub with what loading it needs, downloaded into the
 /// cache where missing: `config.json` first (an architecture other than GPT-2's is refused before
 /// any weights are fetched), the weights (`model.safetensors`, or the shards its index names), the

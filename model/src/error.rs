@@ -56,6 +56,11 @@ pub enum Error {
     #[error("sequence needs {needed} positions but the context length (n_positions) is {max}")]
     ContextOverflow { needed: usize, max: usize },
 
+    /// A chat template that does not compile, or cannot render a conversation; `param` is the
+    /// request's field at fault (`messages`, `chat_template`, `continue_final_message`).
+    #[error("{reason}")]
+    ChatTemplate { param: &'static str, reason: String },
+
     #[error("{path}: LoRA adapter: {reason}")]
     Adapter { path: PathBuf, reason: String },
 

@@ -10,6 +10,7 @@
 
 pub mod attention;
 pub mod beam;
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod device;

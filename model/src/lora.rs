@@ -285,42 +285,6 @@ impl LoraConfig {
     }
 }
 
-/// The adapter directory that `named` names, as the server's `--lora-modules` and `gpt-train
-/// merge --adapter` take one: a directory with [`ADAPTER_CONFIG_FILE`], a LoRA run of gpt-train
-/// (its `best/` checkpoint, else `latest/`), or else a Hugging Face Hub id whose repository holds
-/// an adapter (found in the Hub cache, or downloaded into it).
-pub fn resolve(named: &str) -> Result<PathBuf> {
-    let path = Path::new(named);
-    if path.exists() {
-        return [
-            path.to_path_buf(),
-            path.join(crate::checkpoint::RUN_BEST),
-            path.join(crate::checkpoint::RUN_LATEST),
-        ]
-        .into_iter()
-        .find(|dir| dir.join(ADAPTER_CONFIG_FILE).is_file())
-        .ok_or_else(|| Error::MissingFile {
-            path: path.join(ADAPTER_CONFIG_FILE),
-        });
-    }
-    let Some(id) = crate::hub::HubId::parse(named, crate::hub::RepoKind::Model) else {
-        return Err(Error::MissingFile {
-            path: path.to_path_buf(),
-        });
-    };
-    let snapshot = crate::hub::Snapshot::open(&id)?;
-    for file in [ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE] {
-        if !snapshot.has(file) {
-            return Err(Error::Hub {
-                id: id.to_string(),
-                reason: format!("the repository has no {file}: it is not a PEFT LoRA adapter"),
-            });
-        }
-        snapshot.get(file)?;
-    }
-    Ok(snapshot.dir)
-}
-
 /// One adapted layer's low-rank update.
 #[derive(Debug, Clone)]
 pub struct LoraLayer {

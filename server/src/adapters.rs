@@ -67,7 +67,7 @@ impl Adapters {
         }
     }
 
-    /// Reads the adapter `source` names ([`gpt::lora::resolve`]: a directory, a gpt-train LoRA
+    /// Reads the adapter `source` names ([`gpt::checkpoint::resolve_adapter`]: a directory, a gpt-train LoRA
     /// run or a Hub id) and serves it as `name`. Slow (files, maybe a download): not on the async
     /// runtime. An adapter that does not fit the base is an error naming the file and the tensor
     /// or field, and changes nothing. A name already loaded is an error unless `replace` (vLLM's
@@ -88,7 +88,7 @@ impl Adapters {
             source_name: source.to_string(),
             error: Box::new(error),
         };
-        let dir = gpt::lora::resolve(source).map_err(failed)?;
+        let dir = gpt::checkpoint::resolve_adapter(source).map_err(failed)?;
         let adapter = gpt::Adapter::load(&dir, &self.cfg, self.dtype, &self.device).map_err(failed)?;
         let served = Arc::new(ServedAdapter {
             name: name.to_string(),

@@ -1,179 +1,42 @@
 //! `POST /v1/chat/completions`: the messages are rendered to one prompt by the checkpoint's chat
-//! template (Jinja, with `minijinja` as text-generation-inference and mistral.rs render them),
-//! the request becomes a completion request, and the completions engine and fold do the rest;
+//! template ([`gpt::chat`], the code gpt-train renders its conversations with), the request
+//! becomes a completion request, and the completions engine and fold do the rest;
 //! this module shapes their output as chat responses and chunks.
 
-use minijinja::{context, Environment, ErrorKind};
+use gpt::chat::{Message, RenderOptions};
 
 use crate::api::*;
 use crate::error::ApiError;
 use crate::fold::Delta;
 use crate::tools::{self, Mode, StreamedChoice};
 
-/// The template for a checkpoint without one (a base model): turns as a play script, each
-/// speaker's name in capitals on its own line and a blank line after each turn. A system message
-/// is written as it is, before the conversation. Generation stops at [`FALLBACK_STOP`], the blank
-/// line that ends the assistant's turn, which is also how a model trained on plays (the default
-/// model) ends a speech.
-pub const FALLBACK_TEMPLATE: &str = "{% for message in messages %}\
-{% if message.role in ['system', 'developer'] %}{{ message.content }}\n\n\
-{% else %}{{ message.role | upper }}:\n{{ message.content }}\n\n\
-{% endif %}{% endfor %}\
-{% if add_generation_prompt %}ASSISTANT:\n{% endif %}";
-
-/// The fallback template's end of turn.
-pub const FALLBACK_STOP: &str = "\n\n";
-
-/// A compiled chat template with the stop strings that end an assistant turn under it.
-pub struct ChatTemplate {
-    env: Environment<'static>,
-    pub source: String,
-    pub stop: Vec<String>,
-    bos_token: Option<String>,
-    eos_token: Option<String>,
-}
-
-impl ChatTemplate {
-    /// Compiles `source`; an error names what is wrong with it (at start-up, not per request).
-    pub fn new(
-        source: String,
-        stop: Vec<String>,
-        bos_token: Option<String>,
-        eos_token: Option<String>,
-    ) -> anyhow::Result<Self> {
-        let mut env = Environment::new();
-        // Python's string and dict methods (`.strip()`, `.items()`), which Hugging Face templates use.
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        // Hugging Face templates reject conversations they cannot render with this function.
-        env.add_function(
-            "raise_exception",
-            |message: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-            },
-        );
-        env.add_template_owned("chat", source.clone())
-            .map_err(|e| anyhow::anyhow!("the chat template does not compile: {e:#}"))?;
-        Ok(Self {
-            env,
-            source,
-            stop,
-            bos_token,
-            eos_token,
+/// A request's messages as the chat template sees them (`gpt::chat`, which gpt-train renders
+/// its conversations with too).
+pub fn messages(messages: &[ChatMessage]) -> Vec<Message> {
+    messages
+        .iter()
+        .map(|m| Message {
+            role: m.role.as_str().to_string(),
+            content: m.content.0.clone(),
+            name: m.name.clone(),
+            tool_calls: m.tool_calls.clone(),
+            tool_call_id: m.tool_call_id.clone(),
         })
-    }
-
-    /// The plain template for a base model, with its end-of-turn stop string.
-    pub fn fallback() -> anyhow::Result<Self> {
-        Self::new(FALLBACK_TEMPLATE.into(), vec![FALLBACK_STOP.into()], None, None)
-    }
-
-    /// The prompt for `messages`, ending where the assistant's next turn begins.
-    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, ApiError> {
-        self.render_with(messages, &RenderOptions::default())
-    }
-
-    /// This template's special tokens and stop strings with another source (a request's own
-    /// `chat_template`); an error names what is wrong with it.
-    pub fn with_source(&self, source: &str) -> Result<Self, ApiError> {
-        if source.is_empty() {
-            return Err(ApiError::invalid("chat_template", "chat_template must not be empty"));
-        }
-        Self::new(
-            source.to_string(),
-            self.stop.clone(),
-            self.bos_token.clone(),
-            self.eos_token.clone(),
-        )
-        .map_err(|e| ApiError::invalid("chat_template", format!("{e:#}")))
-    }
-
-    /// The prompt for `messages` as `options` ask: with or without the start of the
-    /// assistant's turn, or ending inside the last message (for the model to continue it), with
-    /// the request's extra template variables.
-    pub fn render_with(&self, messages: &[ChatMessage], options: &RenderOptions) -> Result<String, ApiError> {
-        if messages.is_empty() {
-            return Err(ApiError::invalid("messages", "messages must hold at least one message"));
-        }
-        let continue_final = options.continue_final_message;
-        if continue_final && options.add_generation_prompt == Some(true) {
-            return Err(ApiError::invalid(
-                "continue_final_message",
-                "continue_final_message and add_generation_prompt cannot both be true",
-            ));
-        }
-        let add_generation_prompt = options.add_generation_prompt.unwrap_or(!continue_final);
-        let messages: Vec<_> = messages
-            .iter()
-            .map(|m| {
-                context! { role => m.role, content => m.content.0, name => m.name,
-                tool_calls => m.tool_calls, tool_call_id => m.tool_call_id }
-            })
-            .collect();
-        let template = self
-            .env
-            .get_template("chat")
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
-        let extra = minijinja::Value::from_serialize(&options.kwargs);
-        let rendered = template
-            .render(context! {
-                messages,
-                add_generation_prompt,
-                bos_token => self.bos_token,
-                eos_token => self.eos_token,
-                documents => options.documents,
-                tools => options.tools,
-                ..extra
-            })
-            .map_err(|e| {
-                let detail = e.detail().map_or_else(|| e.to_string(), str::to_string);
-                ApiError::invalid(
-                    "messages",
-                    format!("the chat template cannot render these messages: {detail}"),
-                )
-            })?;
-        if !continue_final {
-            return Ok(rendered);
-        }
-        // Cut after the last message's content, as vLLM does: what the template writes after
-        // it (an end of turn) would close the message the model is to continue.
-        // (A template that does not write the content out, or an empty content, leaves the
-        // rendering as it is.)
-        let last = options.final_content.as_deref().unwrap_or_default();
-        match rendered.rfind(last) {
-            Some(at) if !last.is_empty() => Ok(rendered[..at + last.len()].to_string()),
-            _ => Ok(rendered),
-        }
-    }
+        .collect()
 }
 
-/// How a request asks for its conversation to be rendered (vLLM's chat fields).
-#[derive(Debug, Default)]
-pub struct RenderOptions {
-    /// Default true, or false with `continue_final_message`.
-    pub add_generation_prompt: Option<bool>,
-    pub continue_final_message: bool,
-    /// The last message's content (what `continue_final_message` continues).
-    pub final_content: Option<String>,
-    pub kwargs: serde_json::Map<String, serde_json::Value>,
-    pub documents: Option<Vec<serde_json::Map<String, serde_json::Value>>>,
-    /// The request's `tools`, for templates that describe them to the model.
-    pub tools: Option<Vec<serde_json::Value>>,
-}
-
-impl RenderOptions {
-    /// The options a chat request gives (its fields are taken out of it).
-    pub fn take(req: &mut ChatCompletionRequest) -> Self {
-        let continue_final_message = req.continue_final_message.unwrap_or(false);
-        Self {
-            add_generation_prompt: req.add_generation_prompt,
-            continue_final_message,
-            final_content: (req.messages.last())
-                .filter(|_| continue_final_message)
-                .map(|m| m.content.0.clone()),
-            kwargs: req.chat_template_kwargs.take().unwrap_or_default(),
-            documents: req.documents.take(),
-            tools: req.tools.clone(),
-        }
+/// How a chat request asks for its conversation to be rendered (its fields are taken out of it).
+pub fn render_options(req: &mut ChatCompletionRequest) -> RenderOptions {
+    let continue_final_message = req.continue_final_message.unwrap_or(false);
+    RenderOptions {
+        add_generation_prompt: req.add_generation_prompt,
+        continue_final_message,
+        final_content: (req.messages.last())
+            .filter(|_| continue_final_message)
+            .map(|m| m.content.0.clone()),
+        kwargs: req.chat_template_kwargs.take().unwrap_or_default(),
+        documents: req.documents.take(),
+        tools: req.tools.clone(),
     }
 }
 
@@ -378,54 +241,6 @@ pub fn role_chunk(index: u32, echo: Option<&str>) -> ChatChunkChoice {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn msg(role: Role, content: &str) -> ChatMessage {
-        ChatMessage {
-            role,
-            content: Content(content.into()),
-            name: None,
-            refusal: None,
-            tool_calls: None,
-            tool_call_id: None,
-        }
-    }
-
-    #[test]
-    fn the_fallback_template_writes_a_play_script() -> anyhow::Result<()> {
-        let t = ChatTemplate::fallback()?;
-        let prompt = t.render(&[
-            msg(Role::System, "A scene in Verona."),
-            msg(Role::User, "Who goes there?"),
-            msg(Role::Assistant, "A friend."),
-            msg(Role::User, "Speak, friend."),
-        ])?;
-        assert_eq!(
-            prompt,
-            "A scene in Verona.\n\nUSER:\nWho goes there?\n\nASSISTANT:\nA friend.\n\nUSER:\nSpeak, friend.\n\nASSISTANT:\n"
-        );
-        assert_eq!(t.stop, vec!["\n\n".to_string()]);
-        Ok(())
-    }
-
-    #[test]
-    fn hugging_face_templates_render_with_python_methods_and_can_refuse() -> anyhow::Result<()> {
-        // The shape of many Hub templates: Python string methods, raise_exception, eos_token.
-        let source = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}\
-            {% for m in messages %}<|{{ m.role }}|>{{ m.content.strip() }}{{ eos_token }}{% endfor %}\
-            {% if add_generation_prompt %}<|assistant|>{% endif %}";
-        let t = ChatTemplate::new(source.into(), vec![], None, Some("</s>".into()))?;
-        assert_eq!(t.render(&[msg(Role::User, "  hi  ")])?, "<|user|>hi</s><|assistant|>");
-        let err = t
-            .render(&[msg(Role::Assistant, "x")])
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        assert!(err.contains("first message must be from the user"), "{err}");
-        assert!(t.render(&[]).is_err());
-        let bad = ChatTemplate::new("{% for %}".into(), vec![], None, None);
-        assert!(bad.err().is_some_and(|e| e.to_string().contains("does not compile")));
-        Ok(())
-    }
 
     #[test]
     fn chat_parameters_become_completion_parameters_and_errors_name_them() -> anyhow::Result<()> {

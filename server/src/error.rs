@@ -126,6 +126,7 @@ impl From<gpt::Error> for ApiError {
     fn from(e: gpt::Error) -> Self {
         match e {
             gpt::Error::UnknownCharacter { .. } | gpt::Error::Tokenize(_) => ApiError::invalid("prompt", e.to_string()),
+            gpt::Error::ChatTemplate { param, reason } => ApiError::invalid(param, reason),
             other => ApiError::Internal(other.to_string()),
         }
     }

@@ -31,11 +31,11 @@ use candle_core::Device;
 
 use anyhow::Context;
 
-use crate::chat::ChatTemplate;
 use crate::engine::{Engine, EngineConfig};
 use crate::metrics::Metrics;
 use crate::state::AppState;
 use crate::validation::Limits;
+use gpt::chat::ChatTemplate;
 
 /// What `serve` needs beyond the checkpoint.
 #[derive(Debug, Clone)]
@@ -111,44 +111,10 @@ impl Default for ServerConfig {
 }
 
 /// The chat template: `--chat-template FILE`, else `chat_template` in the checkpoint's
-/// `tokenizer_config.json` (a string, or Hugging Face's list of named templates: `default`), else
-/// the plain fallback for base models ([`chat::FALLBACK_TEMPLATE`]).
+/// `tokenizer_config.json`, else the plain fallback for base models
+/// ([`gpt::chat::FALLBACK_TEMPLATE`]); see [`ChatTemplate::for_checkpoint`].
 pub fn load_chat_template(checkpoint: &Path, file: Option<&Path>) -> anyhow::Result<ChatTemplate> {
-    let config_path = checkpoint.join(gpt::checkpoint::TOKENIZER_CONFIG_FILE);
-    let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
-        Ok(text) => {
-            serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", config_path.display()))?
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
-        Err(e) => return Err(e).with_context(|| format!("reading {}", config_path.display())),
-    };
-    // A special token is a string, or an object with its `content`.
-    let token = |key: &str| {
-        let v = &config[key];
-        v.as_str().or_else(|| v["content"].as_str()).map(str::to_string)
-    };
-    let source = match file {
-        Some(file) => Some(
-            std::fs::read_to_string(file).with_context(|| format!("reading the chat template {}", file.display()))?,
-        ),
-        None => match &config["chat_template"] {
-            serde_json::Value::String(s) => Some(s.clone()),
-            serde_json::Value::Array(named) => named
-                .iter()
-                .find(|t| t["name"] == "default")
-                .and_then(|t| t["template"].as_str())
-                .map(str::to_string),
-            _ => None,
-        },
-    };
-    let template = match source {
-        Some(source) => ChatTemplate::new(source, Vec::new(), token("bos_token"), token("eos_token")),
-        None => ChatTemplate::fallback(),
-    };
-    template.with_context(|| match file {
-        Some(file) => file.display().to_string(),
-        None => config_path.display().to_string(),
-    })
+    Ok(ChatTemplate::for_checkpoint(checkpoint, file)?)
 }
 
 /// The KV cache a server holds at most at once: a full batch of sequences at the model's whole

@@ -13,11 +13,11 @@ use gpt::Tokenizer;
 use crate::api::{
     self, AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 };
-use crate::chat::ChatTemplate;
 use crate::engine::Engine;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::validation::Limits;
+use gpt::chat::ChatTemplate;
 
 pub struct AppState {
     pub engine: Engine,

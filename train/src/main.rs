@@ -377,7 +377,7 @@ fn export(args: ExportArgs) -> Result<()> {
 
 fn merge(args: MergeArgs) -> Result<()> {
     let base = checkpoint_dir(&args.checkpoint)?;
-    let adapter = gpt::lora::resolve(&args.adapter.to_string_lossy())
+    let adapter = gpt::checkpoint::resolve_adapter(&args.adapter.to_string_lossy())
         .with_context(|| format!("--adapter {}", args.adapter.display()))?;
     let merged = gpt_train::lora::merge(&base, &adapter, &args.out)?;
     println!(

@@ -86,6 +86,19 @@ pub enum Role {
     Tool,
 }
 
+impl Role {
+    /// Its name in requests and chat templates.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::Developer => "developer",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+}
+
 /// One turn of a conversation.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

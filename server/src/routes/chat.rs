@@ -50,13 +50,13 @@ pub async fn chat_completions(
             }
             None => &state2.chat_template,
         };
-        let options = chat::RenderOptions::take(&mut request);
+        let options = chat::render_options(&mut request);
         let tools = tools::plan(
             request.tools.as_deref(),
             request.tool_choice.as_ref(),
             request.parallel_tool_calls,
         )?;
-        let prompt = template.render_with(&request.messages, &options)?;
+        let prompt = template.render_with(&chat::messages(&request.messages), &options)?;
         let completion = chat::completion_request(request, prompt, &template.stop, state2.limits.max_tokens_cap)?;
         // The template's stop strings come on top of the request's own.
         let mut limits = state2.limits.clone();
