@@ -237,6 +237,63 @@ impl ChatTemplate {
     }
 }
 
+impl ChatTemplate {
+    /// A conversation as training text: the whole conversation rendered (no generation prompt)
+    /// and cut into pieces, each `true` where it is an assistant turn (its content and what the
+    /// template writes to end it, which the model learns to write too). The text before an
+    /// assistant turn is what [`ChatTemplate::render`] gives for the messages before it, the
+    /// prompt gpt-server generates that turn from. Refused, naming the message, where the
+    /// template's renderings of a conversation's beginnings do not extend one another, or where
+    /// the conversation opens with an assistant turn (no prompt to answer).
+    pub fn training_pieces(&self, messages: &[Message]) -> Result<Vec<(String, bool)>> {
+        let whole = self.render_with(
+            messages,
+            &RenderOptions {
+                add_generation_prompt: Some(false),
+                ..RenderOptions::default()
+            },
+        )?;
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for (i, message) in messages.iter().enumerate() {
+            if message.role != "assistant" {
+                continue;
+            }
+            if i == 0 {
+                return Err(invalid(
+                    "messages",
+                    "message 0 is the assistant's: a conversation to train on opens with a prompt".into(),
+                ));
+            }
+            let prompt = self.render(&messages[..i])?;
+            let through = self.render_with(
+                &messages[..=i],
+                &RenderOptions {
+                    add_generation_prompt: Some(false),
+                    ..RenderOptions::default()
+                },
+            )?;
+            if !(whole.starts_with(&through) && through.starts_with(&prompt) && prompt.len() >= at) {
+                return Err(invalid(
+                    "messages",
+                    format!(
+                        "the chat template renders message {i} (the assistant's) so that the conversation \
+                         before it is not the prompt it answers: it cannot be trained on turn by turn"
+                    ),
+                ));
+            }
+            pieces.push((whole[at..prompt.len()].to_string(), false));
+            pieces.push((through[prompt.len()..].to_string(), true));
+            at = through.len();
+        }
+        if at < whole.len() {
+            pieces.push((whole[at..].to_string(), false));
+        }
+        pieces.retain(|(text, _)| !text.is_empty());
+        Ok(pieces)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -278,6 +335,62 @@ mod tests {
         assert!(t.render(&[]).is_err());
         let bad = ChatTemplate::new("{% for %}".into(), vec![], None, None);
         assert!(bad.err().is_some_and(|e| e.to_string().contains("does not compile")));
+        Ok(())
+    }
+
+    #[test]
+    fn a_conversation_trains_on_the_assistant_turns_after_the_prompts_the_server_renders() -> Result<()> {
+        let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+            {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        let conversation = [
+            Message::new("system", "A scene in Verona."),
+            Message::new("user", "Who goes there?"),
+            Message::new("assistant", "A friend."),
+            Message::new("user", "Speak, friend."),
+            Message::new("assistant", "Enter."),
+        ];
+        for t in [
+            ChatTemplate::fallback()?,
+            ChatTemplate::new(chatml.into(), vec![], None, None)?,
+        ] {
+            let pieces = t.training_pieces(&conversation)?;
+            let whole: String = pieces.iter().map(|(p, _)| p.as_str()).collect();
+            let rendered = t.render_with(
+                &conversation,
+                &RenderOptions {
+                    add_generation_prompt: Some(false),
+                    ..RenderOptions::default()
+                },
+            )?;
+            assert_eq!(whole, rendered);
+            let trained: Vec<&str> = pieces.iter().filter(|(_, a)| *a).map(|(p, _)| p.as_str()).collect();
+            assert_eq!(trained.len(), 2, "{pieces:?}");
+            assert!(
+                trained[0].starts_with("A friend.") && trained[1].starts_with("Enter."),
+                "{trained:?}"
+            );
+            // Before each assistant turn: exactly the prompt the server renders for it.
+            let mut turns = [2, 4].into_iter();
+            let mut before = String::new();
+            for (text, assistant) in &pieces {
+                if *assistant {
+                    let turn = turns.next().unwrap_or(conversation.len());
+                    assert_eq!(before, t.render(&conversation[..turn])?);
+                }
+                before.push_str(text);
+            }
+        }
+        assert_eq!(
+            ChatTemplate::fallback()?.training_pieces(&conversation)?[1],
+            ("A friend.\n\n".to_string(), true),
+            "the turn's end is learnt with it"
+        );
+        let err = ChatTemplate::fallback()?
+            .training_pieces(&[Message::new("assistant", "x")])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("message 0"), "{err}");
         Ok(())
     }
 }

@@ -6,6 +6,16 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use crate::f32_slice;
 use crate::simd::Simd;
 
+/// A target that counts for nothing: its row adds no loss and gets no gradient, and the mean is
+/// over the other rows (PyTorch's `ignore_index`, there -100). A batch of ignored rows only has
+/// loss 0, not NaN. What chat fine-tuning gives every position but the assistant's.
+pub const IGNORE: u32 = u32::MAX;
+
+/// How many of `targets` count (are not [`IGNORE`]), at least 1: the mean's divisor.
+pub(crate) fn counted(targets: &[u32]) -> usize {
+    targets.iter().filter(|&&t| t != IGNORE).count().max(1)
+}
+
 /// Mean cross-entropy of rows of logits `(N, V)` against target ids `(N)`, with label smoothing
 /// `eps` as PyTorch's `cross_entropy(label_smoothing=eps)`: the target distribution puts
 /// `1 - eps + eps / V` on the target and `eps / V` on every other token, so per row the loss is
@@ -23,8 +33,12 @@ impl CrossEntropy {
     }
 }
 
-/// The loss of one row of logits against its target, with label smoothing `eps`.
+/// The loss of one row of logits against its target, with label smoothing `eps` (0 for an
+/// [`IGNORE`]d target).
 pub(crate) fn row_loss(row: &[f32], target: usize, eps: f32) -> f64 {
+    if target == IGNORE as usize {
+        return 0.0;
+    }
     loss_of(row, target, eps, row_logsumexp(row))
 }
 
@@ -40,8 +54,12 @@ fn loss_of(row: &[f32], target: usize, eps: f32, (max, lse): (f32, f32)) -> f64 
 }
 
 /// The loss of one row (as [`row_loss`]), and its gradient times `scale` written over the row
-/// (as [`CrossEntropyGrad`] computes it).
+/// (as [`CrossEntropyGrad`] computes it); for an [`IGNORE`]d target, 0 and zeros.
 pub(crate) fn row_loss_and_grad(row: &mut [f32], target: usize, eps: f32, scale: f32) -> f64 {
+    if target == IGNORE as usize {
+        row.fill(0.0);
+        return 0.0;
+    }
     let (max, lse) = row_logsumexp(row);
     let loss = loss_of(row, target, eps, (max, lse));
     let shift = max + lse;
@@ -59,14 +77,14 @@ fn row_logsumexp(row: &[f32]) -> (f32, f32) {
     (max, sum.ln())
 }
 
-/// The target ids of rows of `vocab` logits, each checked against the vocabulary.
+/// The target ids of rows of `vocab` logits, each checked against the vocabulary (or [`IGNORE`]).
 pub(crate) fn targets_of<'a>(storage: &'a CpuStorage, layout: &Layout, vocab: usize) -> Result<&'a [u32]> {
     let data = storage.as_slice::<u32>()?;
     let ids = match layout.contiguous_offsets() {
         Some((start, end)) => &data[start..end],
         None => candle_core::bail!("cross-entropy: the targets must be contiguous"),
     };
-    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab && t != IGNORE) {
         candle_core::bail!("cross-entropy: target id {bad} is outside the vocabulary of {vocab}");
     }
     Ok(ids)
@@ -86,7 +104,7 @@ impl CustomOp2 for CrossEntropy {
             .zip(targets)
             .map(|(row, &t)| self.row_loss(row, t as usize))
             .sum();
-        let mean = (total / targets.len().max(1) as f64) as f32;
+        let mean = (total / counted(targets) as f64) as f32;
         Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
     }
 
@@ -97,7 +115,7 @@ impl CustomOp2 for CrossEntropy {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let rows = logits.dim(0)?.max(1);
+        let rows = counted(&targets.flatten_all()?.to_vec1::<u32>()?);
         let scale = grad.to_dtype(DType::F32)?.to_scalar::<f32>()? / rows as f32;
         let dx = logits
             .contiguous()?
@@ -123,6 +141,9 @@ impl CustomOp2 for CrossEntropyGrad {
         let targets = targets_of(s2, l2, vocab)?;
         let mut dx = vec![0f32; x.len()];
         for ((row, drow), &t) in x.chunks_exact(vocab).zip(dx.chunks_exact_mut(vocab)).zip(targets) {
+            if t == IGNORE {
+                continue; // no gradient: the row stays zero
+            }
             let (max, lse) = row_logsumexp(row);
             let shift = max + lse;
             let smooth = self.eps / vocab as f32;

@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use crate::parallel;
-use crate::train::cross_entropy::{row_loss, row_loss_and_grad, targets_of};
+use crate::train::cross_entropy::{counted, row_loss, row_loss_and_grad, targets_of};
 use crate::train::product::{Autocast, Operand, Rhs};
 
 /// Rows per chunk: the chunk's logits (`ROWS x V` f32, 103 MB at GPT-2's vocabulary) in place of
@@ -98,7 +98,7 @@ impl CustomOp3 for HeadLoss {
         // `W` `(V, C)` for the logits, and `W^T` `(C, V)` for `d hidden = d logits @ W`.
         let w_rows = Rhs::new(w, self.autocast);
         let w_cols = self.with_grad.then(|| Rhs::new(w.t(), self.autocast));
-        let scale = 1.0 / n.max(1) as f32;
+        let scale = 1.0 / counted(targets) as f32;
         let mut total = 0f64;
         let mut dh = Vec::with_capacity(if self.with_grad { n * c } else { 0 });
         let mut dw: Option<Vec<f32>> = None;
@@ -151,7 +151,7 @@ impl CustomOp3 for HeadLoss {
                 .lock()
                 .map_err(|_| candle_core::Error::Msg("lm-head-loss: poisoned".into()))? = Some(grads);
         }
-        let mean = (total / n.max(1) as f64) as f32;
+        let mean = (total / counted(targets) as f64) as f32;
         Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
     }
 

@@ -17,6 +17,7 @@ use crate::elementwise::dropout::Dropout;
 use crate::{tape, Simd};
 pub use bf16::Bf16Dot;
 use cross_entropy::CrossEntropy;
+pub use cross_entropy::IGNORE;
 pub use head_loss::lm_head_loss;
 pub use linear::{affine, affine_gelu, frozen_affine, linear_product, scaled_linear_product};
 pub use product::{product, Autocast, Operand};
@@ -24,10 +25,13 @@ use window_attention::WindowAttention;
 
 /// Mean cross-entropy of `logits` `(N, V)` against `targets` `(N)` (u32), with label smoothing
 /// `eps` (0 for plain NLL; the formula is in `ops/cross_entropy.rs`), differentiable with respect
-/// to the logits; fused on the CPU in f32, else composed of candle-nn's ops.
+/// to the logits; the mean over the targets that are not [`IGNORE`]. Fused on the CPU in f32,
+/// else composed of candle-nn's ops.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, eps: f32) -> Result<Tensor> {
     if logits.device().is_cpu() && logits.dtype() == DType::F32 && targets.dtype() == DType::U32 {
         tape::op2(&logits.contiguous()?, &targets.contiguous()?, CrossEntropy { eps })
+    } else if targets.max_all()?.to_dtype(DType::U32)?.to_scalar::<u32>()? == IGNORE {
+        masked_cross_entropy(logits, targets, eps)
     } else if eps == 0.0 {
         candle_nn::loss::cross_entropy(logits, targets)
     } else {
@@ -36,6 +40,24 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, eps: f32) -> Result<Tens
         let uniform = log_p.mean(candle_core::D::Minus1)?.mean_all()?.neg()?;
         (nll * (1.0 - eps as f64))? + (uniform * eps as f64)?
     }
+}
+
+/// [`cross_entropy`] of candle's ops where some targets are [`IGNORE`]d: each row's loss times
+/// whether it counts, summed, over the count (at least 1).
+fn masked_cross_entropy(logits: &Tensor, targets: &Tensor, eps: f32) -> Result<Tensor> {
+    let keep = targets.ne(IGNORE)?; // (N,) u8
+    let safe = keep.where_cond(targets, &targets.zeros_like()?)?;
+    let log_p = candle_nn::ops::log_softmax(logits, candle_core::D::Minus1)?; // (N, V)
+    let nll = log_p.gather(&safe.unsqueeze(1)?, 1)?.squeeze(1)?.neg()?; // (N,)
+    let rows = if eps == 0.0 {
+        nll
+    } else {
+        let uniform = log_p.mean(candle_core::D::Minus1)?.neg()?;
+        ((nll * (1.0 - eps as f64))? + (uniform * eps as f64)?)?
+    };
+    let keep = keep.to_dtype(rows.dtype())?;
+    let count = keep.sum_all()?.maximum(1.0)?;
+    (rows * &keep)?.sum_all()?.div(&count)
 }
 
 /// Causal self-attention of `qkv` `(B * T, 3C)`, windows of `t` rows (queries, keys and
@@ -103,5 +125,103 @@ pub fn window_attention_runs_on(x: &Tensor, head_dim: usize) -> bool {
     {
         let _ = head_dim;
         false
+    }
+}
+
+#[cfg(test)]
+mod ignored_targets {
+    use candle_core::{Device, Tensor, Var};
+
+    use super::*;
+
+    /// Logits `(6, 11)` and their gradients' weight.
+    fn logits() -> Result<Var> {
+        let values: Vec<f32> = (0..66).map(|i| ((i * 37 % 23) as f32 - 11.0) / 4.0).collect();
+        Var::from_tensor(&Tensor::from_vec(values, (6, 11), &Device::Cpu)?)
+    }
+
+    /// The loss and its gradient by `f`.
+    fn with_grad(f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<(f32, Vec<Vec<f32>>)> {
+        let x = logits()?;
+        let loss = f(x.as_tensor())?;
+        let grads = loss.backward()?;
+        let g = grads
+            .get(x.as_tensor())
+            .map_or(Ok(vec![vec![0.0; 11]; 6]), |g| g.to_vec2::<f32>())?;
+        Ok((loss.to_scalar::<f32>()?, g))
+    }
+
+    #[test]
+    fn ignored_rows_add_no_loss_and_get_no_gradient() -> Result<()> {
+        let targets = Tensor::new(&[3u32, IGNORE, 7, IGNORE, 0, 10], &Device::Cpu)?;
+        let kept = Tensor::new(&[0u32, 2, 4, 5], &Device::Cpu)?;
+        for eps in [0.0, 0.1] {
+            // The mean over the kept rows alone, fused and of candle's ops alike.
+            let (loss, grad) = with_grad(|x| cross_entropy(x, &targets, eps))?;
+            let (plain, plain_grad) =
+                with_grad(|x| cross_entropy(&x.index_select(&kept, 0)?, &targets.index_select(&kept, 0)?, eps))?;
+            assert!((loss - plain).abs() < 1e-6, "{loss} vs {plain}");
+            let (masked, masked_grad) = with_grad(|x| masked_cross_entropy(x, &targets, eps))?;
+            assert!((loss - masked).abs() < 1e-5, "fused {loss} vs candle's ops {masked}");
+            for (r, row) in grad.iter().enumerate() {
+                let ignored = r == 1 || r == 3;
+                assert_eq!(row.iter().all(|&g| g == 0.0), ignored, "row {r}");
+                for (a, b) in row.iter().zip(&masked_grad[r]) {
+                    assert!((a - b).abs() < 1e-6, "row {r}: {a} vs {b}");
+                }
+            }
+            // The gradient of the kept rows' mean (over 4 rows either way), through the selection.
+            for (r, (row, plain)) in grad.iter().zip(&plain_grad).enumerate() {
+                for (a, b) in row.iter().zip(plain) {
+                    assert!((a - b).abs() < 1e-6, "row {r}: {a} vs {b}");
+                }
+            }
+        }
+        // Every row ignored: loss 0 and no gradient, not NaN.
+        let none = Tensor::new(&[IGNORE; 6], &Device::Cpu)?;
+        for f in [
+            cross_entropy as fn(&Tensor, &Tensor, f32) -> Result<Tensor>,
+            masked_cross_entropy,
+        ] {
+            let (loss, grad) = with_grad(|x| f(x, &none, 0.0))?;
+            assert_eq!(loss, 0.0);
+            assert!(grad.iter().flatten().all(|&g| g == 0.0));
+        }
+        // A target outside the vocabulary that is not IGNORE is still an error.
+        let bad = Tensor::new(&[3u32, 11, 0, 0, 0, 0], &Device::Cpu)?;
+        assert!(cross_entropy(logits()?.as_tensor(), &bad, 0.0).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn the_fused_head_ignores_them_too() -> Result<()> {
+        let hidden: Vec<f32> = (0..24).map(|i| ((i * 13 % 7) as f32 - 3.0) / 3.0).collect();
+        let hidden = Var::from_tensor(&Tensor::from_vec(hidden, (6, 4), &Device::Cpu)?)?;
+        let w: Vec<f32> = (0..44).map(|i| ((i * 5 % 9) as f32 - 4.0) / 5.0).collect();
+        let w = Var::from_tensor(&Tensor::from_vec(w, (11, 4), &Device::Cpu)?)?;
+        let targets = Tensor::new(&[3u32, IGNORE, 7, IGNORE, 0, 10], &Device::Cpu)?;
+        let fused = lm_head_loss(hidden.as_tensor(), w.as_tensor(), &targets, 0.0, true, Autocast::Off)?;
+        let (loss, tape) = crate::tape::record(|| {
+            lm_head_loss(hidden.as_tensor(), w.as_tensor(), &targets, 0.0, true, Autocast::Off)
+        })?;
+        let grads = tape.backward(&loss, 1.0, &[hidden.as_tensor(), w.as_tensor()])?;
+        let logits = hidden.as_tensor().matmul(&w.as_tensor().t()?)?;
+        let reference = cross_entropy(&logits, &targets, 0.0)?;
+        let (a, b) = (fused.to_scalar::<f32>()?, reference.to_scalar::<f32>()?);
+        assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        let dh = grads[0]
+            .as_ref()
+            .map(|g| g.to_vec2::<f32>())
+            .transpose()?
+            .unwrap_or_default();
+        assert!(
+            dh[1].iter().chain(&dh[3]).all(|&g| g == 0.0),
+            "ignored rows' hidden states get no gradient"
+        );
+        assert!(dh[0].iter().any(|&g| g != 0.0));
+        let all = Tensor::new(&[IGNORE; 6], &Device::Cpu)?;
+        let none = lm_head_loss(hidden.as_tensor(), w.as_tensor(), &all, 0.0, false, Autocast::Off)?;
+        assert_eq!(none.to_scalar::<f32>()?, 0.0);
+        Ok(())
     }
 }
