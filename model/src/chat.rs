@@ -86,6 +86,29 @@ impl std::fmt::Debug for ChatTemplate {
     }
 }
 
+/// A `tokenizer_config.json`, or `null` where there is none.
+fn read_config(path: &Path) -> Result<Value> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str(&text)
+            .map_err(|e| Error::InvalidConfig(format!("{}: not valid JSON: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Value::Null),
+        Err(e) => Err(Error::io(path, e)),
+    }
+}
+
+/// A tokenizer config's `chat_template`: a string, or Hugging Face's list of named templates.
+fn template_source(config: &Value) -> Option<String> {
+    match &config["chat_template"] {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(named) => named
+            .iter()
+            .find(|t| t["name"] == "default")
+            .and_then(|t| t["template"].as_str())
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
 fn invalid(param: &'static str, reason: String) -> Error {
     Error::ChatTemplate { param, reason }
 }
@@ -124,18 +147,20 @@ impl ChatTemplate {
         Self::new(FALLBACK_TEMPLATE.into(), vec![FALLBACK_STOP.into()], None, None)
     }
 
+    /// The `chat_template` of a checkpoint's `tokenizer_config.json` (a string, or Hugging Face's
+    /// list of named templates: `default`), if it has one.
+    pub fn source_in(checkpoint: &Path) -> Result<Option<String>> {
+        let config_path = checkpoint.join(crate::tokenizer::TOKENIZER_CONFIG_FILE);
+        Ok(template_source(&read_config(&config_path)?))
+    }
+
     /// A checkpoint's template: `file` if given, else `chat_template` in the checkpoint's
     /// `tokenizer_config.json` (a string, or Hugging Face's list of named templates: `default`),
     /// with its `bos_token` and `eos_token`; else [`ChatTemplate::fallback`]. An error names the
     /// file.
     pub fn for_checkpoint(checkpoint: &Path, file: Option<&Path>) -> Result<Self> {
-        let config_path = checkpoint.join(crate::checkpoint::TOKENIZER_CONFIG_FILE);
-        let config: Value = match std::fs::read_to_string(&config_path) {
-            Ok(text) => serde_json::from_str(&text)
-                .map_err(|e| Error::InvalidConfig(format!("{}: not valid JSON: {e}", config_path.display())))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Value::Null,
-            Err(e) => return Err(Error::io(&config_path, e)),
-        };
+        let config_path = checkpoint.join(crate::tokenizer::TOKENIZER_CONFIG_FILE);
+        let config = read_config(&config_path)?;
         // A special token is a string, or an object with its `content`.
         let token = |key: &str| {
             let v = &config[key];
@@ -143,15 +168,7 @@ impl ChatTemplate {
         };
         let source = match file {
             Some(file) => Some(std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?),
-            None => match &config["chat_template"] {
-                Value::String(s) => Some(s.clone()),
-                Value::Array(named) => named
-                    .iter()
-                    .find(|t| t["name"] == "default")
-                    .and_then(|t| t["template"].as_str())
-                    .map(str::to_string),
-                _ => None,
-            },
+            None => template_source(&config),
         };
         let template = match source {
             Some(source) => Self::new(source, Vec::new(), token("bos_token"), token("eos_token")),

@@ -22,7 +22,7 @@ use gpt_kernels::WeightFormat;
 pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
-pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+pub use crate::tokenizer::TOKENIZER_CONFIG_FILE;
 /// Sharded weights: the index naming each tensor's file, as `save_pretrained` writes it.
 pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
 /// The older tokenizer files of GPT-2 repositories, used when there is no `tokenizer.json`.
@@ -328,7 +328,7 @@ pub fn load_tokenizer(dir: &Path, model_vocab: usize) -> Result<Tokenizer> {
             model: model_vocab,
         });
     }
-    Ok(tokenizer)
+    Ok(tokenizer.with_chat_template(crate::chat::ChatTemplate::source_in(dir)?))
 }
 
 /// Loads a checkpoint directory for inference with its weight matrices in `format` (`None`: as

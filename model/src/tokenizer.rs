@@ -16,11 +16,16 @@ use crate::files::{for_each_piece, write_atomic};
 /// GPT-2's end-of-text token, added to trained BPE vocabularies.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
 
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// A character-level vocabulary silently drops unknown characters; we report them instead.
     char_level: bool,
+    /// The checkpoint's chat template (`chat_template` of its `tokenizer_config.json`), kept so
+    /// that a model trained from it is saved with it.
+    chat_template: Option<String>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -44,7 +49,20 @@ impl Tokenizer {
             model.resize_cache(0);
             inner.with_model(model);
         }
-        Self { inner, char_level }
+        Self {
+            inner,
+            char_level,
+            chat_template: None,
+        }
+    }
+
+    /// This tokenizer with a chat template to save with it ([`Tokenizer::hf_config`]).
+    pub fn with_chat_template(self, chat_template: Option<String>) -> Self {
+        Self { chat_template, ..self }
+    }
+
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
     }
 
     /// Loads a `tokenizer.json` (GPT-2's own, or one saved here).
@@ -211,13 +229,17 @@ impl Tokenizer {
     /// with GPT-2's end-of-text token (where the vocabulary has it) as both ends of a text.
     pub fn hf_config(&self, model_max_length: usize) -> serde_json::Value {
         let eot = self.eos_token_id().map(|_| END_OF_TEXT);
-        serde_json::json!({
+        let mut config = serde_json::json!({
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": model_max_length,
             "bos_token": eot,
             "eos_token": eot,
             "clean_up_tokenization_spaces": false,
-        })
+        });
+        if let Some(template) = &self.chat_template {
+            config["chat_template"] = template.clone().into();
+        }
+        config
     }
 
     /// The `tokenizers` object, for what this wrapper does not cover.

@@ -16,7 +16,7 @@ use gpt::Gpt;
 use serde::Serialize;
 
 use crate::config::RunConfig;
-use crate::data::{self, Dataset, Tokens};
+use crate::data::{self, Corpus};
 use crate::distributed::World;
 use crate::step::{in_threads, loss};
 
@@ -30,26 +30,26 @@ const EVAL_VAL_STREAM: u64 = 2 << 32;
 /// summed in batch order: the result does not depend on either.
 pub fn estimate_loss(
     model: &Gpt,
-    data: &Dataset,
+    data: &Corpus,
     run: &RunConfig,
     step: usize,
     device: &Device,
     threads: usize,
     world: &World,
 ) -> Result<(f64, f64)> {
-    let batch_loss = |tokens: &Tokens, stream: u64, i: usize| -> Result<f64> {
+    let batch_loss = |train: bool, stream: u64, i: usize| -> Result<f64> {
         let mut rng = data::batch_rng(run.seed, step, stream + i as u64);
-        let (x, y) = data::get_batch(tokens, run.batch_size, run.block_size(), &mut rng, device)?;
+        let (x, y) = data.batch(train, run.batch_size, run.block_size(), &mut rng, device)?;
         Ok(loss(model, &x, &y, None, 0.0)?.to_scalar::<f32>()? as f64) // plain NLL, smoothing or not
     };
-    let mean = |tokens: &Tokens, stream: u64| -> Result<f64> {
+    let mean = |train: bool, stream: u64| -> Result<f64> {
         let mine: Vec<usize> = (world.rank()..run.eval_iters).step_by(world.size()).collect();
         let threads = threads.clamp(1, mine.len().max(1));
         let losses = in_threads(threads, |t| -> Result<Vec<(usize, f64)>> {
             mine.iter()
                 .skip(t)
                 .step_by(threads)
-                .map(|&i| Ok((i, batch_loss(tokens, stream, i)?)))
+                .map(|&i| Ok((i, batch_loss(train, stream, i)?)))
                 .collect()
         })?;
         // Each batch's loss in its place, zero elsewhere: the sum over ranks puts every one back.
@@ -60,7 +60,7 @@ pub fn estimate_loss(
         world.sum_f64(&mut ordered);
         Ok(ordered.iter().sum::<f64>() / run.eval_iters as f64)
     };
-    Ok((mean(&data.train, EVAL_TRAIN_STREAM)?, mean(&data.val, EVAL_VAL_STREAM)?))
+    Ok((mean(true, EVAL_TRAIN_STREAM)?, mean(false, EVAL_VAL_STREAM)?))
 }
 
 #[derive(Debug, Clone, Serialize)]

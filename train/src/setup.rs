@@ -14,7 +14,8 @@ use gpt::{Adapter, Gpt, Tokenizer};
 
 use crate::checkpoints::{self, Saved};
 use crate::config::{LoraRun, RunConfig, TrainArgs};
-use crate::data::{self, Dataset};
+use crate::data::token_files::DataFormat;
+use crate::data::{self, Corpus};
 use crate::distributed::World;
 use crate::optim::AdamWConfig;
 
@@ -42,8 +43,25 @@ pub fn saved_run(args: &TrainArgs, root: bool) -> Result<Option<Saved>> {
 }
 
 /// The run's corpus tokenised (cached under `OUT/tokens`) and split, each split long enough for
-/// one window.
-pub fn prepare_data(run: &RunConfig, tokenizer: &Tokenizer, out: &Path) -> Result<Dataset> {
+/// one window; with `--data-format chat`, its conversations rendered with the chat template of
+/// `template_dir` (the checkpoint fine-tuned or resumed; none: the fallback play script).
+pub fn prepare_data(run: &RunConfig, tokenizer: &Tokenizer, out: &Path, template_dir: Option<&Path>) -> Result<Corpus> {
+    if run.data_format == DataFormat::Chat {
+        let template = data::chat::template(template_dir)?;
+        let read = |paths: &[PathBuf]| -> Result<Vec<data::chat::Example>> {
+            data::chat::read(&data::sources::sources(paths, DataFormat::Chat)?, &template, tokenizer)
+        };
+        let val = run
+            .val_data
+            .as_ref()
+            .map(|v| read(std::slice::from_ref(v)))
+            .transpose()?;
+        return Ok(Corpus::Chat(data::chat::split(
+            read(&run.data)?,
+            val,
+            run.val_fraction,
+        )?));
+    }
     let data = data::prepare(
         &run.data,
         run.val_data.as_deref(),
@@ -62,7 +80,7 @@ pub fn prepare_data(run: &RunConfig, tokenizer: &Tokenizer, out: &Path) -> Resul
             );
         }
     }
-    Ok(data)
+    Ok(Corpus::Text(data))
 }
 
 /// The tokenizer of a resumed run is its checkpoint's, of a fine-tuning run the `--init-from`

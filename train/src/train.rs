@@ -20,7 +20,7 @@ use gpt::{Gpt, Tokenizer};
 
 use crate::checkpoints::{self, TrainerState};
 use crate::config::{RunConfig, TrainArgs};
-use crate::data::{self, Dataset};
+use crate::data::{self, Corpus};
 use crate::distributed::{agree, World};
 use crate::metrics::{Event, Metrics, Progress};
 use crate::optim::AdamW;
@@ -57,7 +57,7 @@ pub struct Trainer<'w> {
     /// Training batches are split into this many shards, one thread each (1 on a GPU and with
     /// `--parallel ops`).
     shards: usize,
-    data: Dataset,
+    data: Corpus,
     model: Gpt,
     /// A LoRA run's adapter (set on `model`; its matrices are the variables).
     adapter: Option<gpt::Adapter>,
@@ -132,7 +132,8 @@ impl<'w> Trainer<'w> {
         if !root {
             world.barrier();
         }
-        let data = setup::prepare_data(&run, &tokenizer, &out)?;
+        let template_dir = saved.as_ref().map(|s| s.dir.clone()).or_else(|| init_from.clone());
+        let data = setup::prepare_data(&run, &tokenizer, &out, template_dir.as_deref())?;
         if root {
             world.barrier();
         }
@@ -190,8 +191,8 @@ impl<'w> Trainer<'w> {
             ("code", agree::code_version()),
             ("flags", agree::flags()),
             ("tokenizer", agree::text_hash(&tokenizer_json)),
-            ("training data", agree::data_fingerprint(&data.train)),
-            ("validation data", agree::data_fingerprint(&data.val)),
+            ("training data", data.fingerprint(true)),
+            ("validation data", data.fingerprint(false)),
             ("step", state.step.to_string()),
         ];
         agree::same_job(world, &statement)?;
@@ -204,8 +205,8 @@ impl<'w> Trainer<'w> {
             parallel = ?parallel,
             matmul = ?model.autocast(),
             vocab = run.model.vocab_size,
-            train_tokens = data.train.len(),
-            val_tokens = data.val.len(),
+            train_tokens = data.tokens(true),
+            val_tokens = data.tokens(false),
             step = state.step,
             "training"
         );
@@ -319,13 +320,8 @@ impl<'w> Trainer<'w> {
         let batches = (0..run.gradient_accumulation_steps)
             .map(|micro| {
                 let mut rng = data::batch_rng(run.seed, step, micro as u64);
-                data::get_batch(
-                    &self.data.train,
-                    run.batch_size,
-                    run.block_size(),
-                    &mut rng,
-                    &self.device,
-                )
+                self.data
+                    .batch(true, run.batch_size, run.block_size(), &mut rng, &self.device)
             })
             .collect::<Result<Vec<_>>>()?;
         let objective = Objective {

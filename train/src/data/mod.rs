@@ -4,10 +4,11 @@
 //! the token cache under `OUT/tokens/` ([`cache`], split into train and val) → random windows
 //! of block_size + 1 tokens ([`batches`]). A corpus of any size needs little memory: it is
 //! tokenised piece by piece into a file that is then memory-mapped. [`export`] writes the cache
-//! as llm.c's or nanoGPT's token files.
+//! as llm.c's or nanoGPT's token files. Chat fine-tuning reads conversations instead ([`chat`]).
 
 pub mod batches;
 pub mod cache;
+pub mod chat;
 pub mod export;
 pub mod sources;
 pub mod token_files;
@@ -18,3 +19,67 @@ pub use cache::prepare;
 pub use export::write_token_files;
 pub use sources::Reading;
 pub use tokenize::{checked_sources, text_files, tokens_of};
+
+/// What a run trains on: a token stream of its text, or conversations (`--data-format chat`).
+pub enum Corpus {
+    Text(Dataset),
+    Chat(chat::Conversations),
+}
+
+impl Corpus {
+    /// A batch of the training split (`train`) or the validation split: inputs and targets
+    /// `(B, T)`, drawn from `rng`.
+    pub fn batch(
+        &self,
+        train: bool,
+        batch_size: usize,
+        block_size: usize,
+        rng: &mut impl rand::Rng,
+        device: &candle_core::Device,
+    ) -> anyhow::Result<(candle_core::Tensor, candle_core::Tensor)> {
+        match self {
+            Corpus::Text(d) => get_batch(
+                if train { &d.train } else { &d.val },
+                batch_size,
+                block_size,
+                rng,
+                device,
+            ),
+            Corpus::Chat(c) => chat::get_batch(
+                if train { &c.train } else { &c.val },
+                batch_size,
+                block_size,
+                rng,
+                device,
+            ),
+        }
+    }
+
+    /// Tokens in a split (all conversations' for chat data).
+    pub fn tokens(&self, train: bool) -> usize {
+        match self {
+            Corpus::Text(d) => (if train { &d.train } else { &d.val }).len(),
+            Corpus::Chat(c) => (if train { &c.train } else { &c.val })
+                .iter()
+                .map(|e| e.tokens.len())
+                .sum(),
+        }
+    }
+
+    /// What the ranks of a job compare to know they read the same split.
+    pub fn fingerprint(&self, train: bool) -> String {
+        match self {
+            Corpus::Text(d) => crate::distributed::agree::data_fingerprint(if train { &d.train } else { &d.val }),
+            Corpus::Chat(c) => {
+                use std::hash::{Hash, Hasher};
+                let examples = if train { &c.train } else { &c.val };
+                // `DefaultHasher::new` has fixed keys: the same in every rank of one binary.
+                let mut hash = std::hash::DefaultHasher::new();
+                for e in examples {
+                    (&e.tokens, &e.trained).hash(&mut hash);
+                }
+                format!("{} conversations, hash {:016x}", examples.len(), hash.finish())
+            }
+        }
+    }
+}

@@ -54,6 +54,7 @@ fn readable(path: &Path, format: DataFormat) -> bool {
     match format {
         DataFormat::Llmc | DataFormat::Nanogpt => ext == "bin",
         DataFormat::Text => matches!(ext, "txt" | "jsonl" | "ndjson" | "parquet"),
+        DataFormat::Chat => matches!(ext, "jsonl" | "ndjson"),
         DataFormat::Auto => matches!(ext, "txt" | "jsonl" | "ndjson" | "parquet" | "bin"),
     }
 }

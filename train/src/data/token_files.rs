@@ -33,13 +33,18 @@ pub enum DataFormat {
     Llmc,
     /// nanoGPT's raw uint16 token files.
     Nanogpt,
+    /// Conversations for chat fine-tuning, JSON lines: each line's `messages` (OpenAI's roles,
+    /// as Hugging Face chat datasets hold them), or its `prompt` and `completion` (strings, or
+    /// lists of messages). Rendered with the model's chat template, the loss on the assistant's
+    /// tokens (the completion's) only (`data::chat`).
+    Chat,
 }
 
 /// The token format of a file under `format`, or `None` for text.
 pub fn token_format(path: &Path, format: DataFormat) -> Result<Option<DataFormat>> {
     Ok(match format {
         DataFormat::Llmc | DataFormat::Nanogpt => Some(format),
-        DataFormat::Text => None,
+        DataFormat::Text | DataFormat::Chat => None,
         DataFormat::Auto if path.extension().is_some_and(|e| e == "bin") => Some(if is_llmc(path)? {
             DataFormat::Llmc
         } else {
