@@ -191,8 +191,8 @@ impl<'w> Trainer<'w> {
             ("code", agree::code_version()),
             ("flags", agree::flags()),
             ("tokenizer", agree::text_hash(&tokenizer_json)),
-            ("training data", data.fingerprint(true)),
-            ("validation data", data.fingerprint(false)),
+            ("training data", agree::corpus_fingerprint(&data, true)),
+            ("validation data", agree::corpus_fingerprint(&data, false)),
             ("step", state.step.to_string()),
         ];
         agree::same_job(world, &statement)?;

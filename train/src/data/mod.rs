@@ -65,21 +65,4 @@ impl Corpus {
                 .sum(),
         }
     }
-
-    /// What the ranks of a job compare to know they read the same split.
-    pub fn fingerprint(&self, train: bool) -> String {
-        match self {
-            Corpus::Text(d) => crate::distributed::agree::data_fingerprint(if train { &d.train } else { &d.val }),
-            Corpus::Chat(c) => {
-                use std::hash::{Hash, Hasher};
-                let examples = if train { &c.train } else { &c.val };
-                // `DefaultHasher::new` has fixed keys: the same in every rank of one binary.
-                let mut hash = std::hash::DefaultHasher::new();
-                for e in examples {
-                    (&e.tokens, &e.trained).hash(&mut hash);
-                }
-                format!("{} conversations, hash {:016x}", examples.len(), hash.finish())
-            }
-        }
-    }
 }

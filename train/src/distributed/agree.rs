@@ -62,6 +62,24 @@ pub fn data_fingerprint(tokens: &Tokens) -> String {
     format!("{len} tokens, hash {:016x}", hash.finish())
 }
 
+/// What the ranks of a job compare to know they read the same split of `corpus` (the training
+/// split, or the validation split).
+pub fn corpus_fingerprint(corpus: &crate::data::Corpus, train: bool) -> String {
+    use std::hash::{Hash, Hasher};
+    match corpus {
+        crate::data::Corpus::Text(d) => data_fingerprint(if train { &d.train } else { &d.val }),
+        crate::data::Corpus::Chat(c) => {
+            let examples = if train { &c.train } else { &c.val };
+            // `DefaultHasher::new` has fixed keys: the same in every rank of one binary.
+            let mut hash = std::hash::DefaultHasher::new();
+            for e in examples {
+                (&e.tokens, &e.trained).hash(&mut hash);
+            }
+            format!("{} conversations, hash {:016x}", examples.len(), hash.finish())
+        }
+    }
+}
+
 /// A hash of a text (a tokenizer's JSON).
 pub fn text_hash(text: &str) -> String {
     let mut hash = Checksum::new();
