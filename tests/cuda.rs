@@ -178,7 +178,8 @@ fn a_training_step_matches_the_cpu() {
         let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
         let data = Tensor::from_vec(tokens.clone(), (4, 65), &dev).unwrap();
         let (x, y) = (data.narrow(1, 0, 64).unwrap(), data.narrow(1, 1, 64).unwrap());
-        let (loss, grads) = gpt_train::step::accumulate_grads(&model, &vars, &[(x, y)], 1, Default::default()).unwrap();
+        let (loss, grads) =
+            gpt_train::step::accumulate_grads(&model, &vars, &[(x, y).into()], 1, Default::default()).unwrap();
         let norm = gpt_train::optim::global_norm(&grads).unwrap();
         // Half the CPU's norm: the update clips, on the GPU inside its kernels.
         let max_norm = *max_norm.get_or_insert(norm / 2.0);

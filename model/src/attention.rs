@@ -6,12 +6,24 @@
 //! so the projections run once for all of them, and only the score/softmax/value step is done
 //! per sequence, against that sequence's own cache ([`crate::kv_cache`]).
 
+use std::sync::Arc;
+
 use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::config::Config;
 use crate::kv_cache::LayerKv;
 use crate::layers::{dropout, matmul, Autocast, Conv1D, Dropout, RowUpdate};
+
+/// Packed windows (several sequences one after another in each window, positions restarting
+/// at each): every row attends only to its own sequence's keys.
+#[derive(Debug, Clone)]
+pub(crate) struct Segments {
+    /// Each row's first visible key, `(B * T)` ([`gpt_kernels::segment_starts`]).
+    pub(crate) starts: Arc<[u32]>,
+    /// The same as an additive `(B, 1, T, T)` mask, for candle's composite (built only for it).
+    pub(crate) mask: Option<Tensor>,
+}
 
 #[derive(Debug, Clone)]
 pub struct CausalSelfAttention {
@@ -46,28 +58,31 @@ impl CausalSelfAttention {
     /// and uses softmax built from differentiable ops (candle-nn's fused `softmax_last_dim` has no
     /// backward pass).
     pub fn forward_t(&self, x: &Tensor, train: Option<Dropout>) -> candle_core::Result<Tensor> {
-        self.forward_recorded(x, train, None)
+        self.forward_recorded(x, train, None, None)
     }
 
     /// [`Self::forward_t`], also pushing the attention probabilities `(B, nh, T, T)` (after the
     /// causal softmax, before dropout) onto `record` when given: what attention-map views show.
-    pub fn forward_recorded(
+    /// `segments`: packed windows (see [`Segments`]); `None`, one sequence a window.
+    pub(crate) fn forward_recorded(
         &self,
         x: &Tensor,
         train: Option<Dropout>,
+        segments: Option<&Segments>,
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
         let (b_sz, seq_len, n_embd) = x.dims3()?;
         if gpt_kernels::fused(x) && x.device().is_cpu() {
             let rows = x.reshape((b_sz * seq_len, n_embd))?;
-            let y = self.forward_rows(&rows, seq_len, train, record)?;
+            let y = self.forward_rows(&rows, seq_len, train, segments, record)?;
             return dropout(y, self.resid_pdrop, train.map(|d| d.site(1)))?.reshape((b_sz, seq_len, n_embd));
         }
-        if gpt_kernels::fused(x) && gpt_kernels::window_attention_runs_on(x, self.head_dim) {
+        if gpt_kernels::fused(x) && gpt_kernels::window_attention_runs_on(x, self.head_dim) && segments.is_none() {
             // f32 on a CUDA GPU: the same op (its kernels in ops.cu), one product for q, k and v;
             // the residual dropout over (B, T, C) as below (its masks count whole windows).
+            // Packed windows take candle's ops below: the GPU's kernel has no segments.
             let rows = x.reshape((b_sz * seq_len, n_embd))?;
-            let y = self.forward_rows(&rows, seq_len, train, record)?;
+            let y = self.forward_rows(&rows, seq_len, train, None, record)?;
             return dropout(
                 y.reshape((b_sz, seq_len, n_embd))?,
                 self.resid_pdrop,
@@ -92,7 +107,13 @@ impl CausalSelfAttention {
             .contiguous()
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let att = (matmul(&q, &k.t()?, self.autocast)? * self.scale())?; // (B, nh, T, T)
+        let mut att = (matmul(&q, &k.t()?, self.autocast)? * self.scale())?; // (B, nh, T, T)
+        if let Some(segments) = segments {
+            let Some(mask) = &segments.mask else {
+                candle_core::bail!("attention: packed windows without their mask")
+            };
+            att = att.broadcast_add(&mask.to_dtype(att.dtype())?)?; // other sequences' keys: -inf
+        }
         let att = gpt_kernels::causal_softmax(&att, train.is_some())?; // upper triangle masked to 0
         if let Some(record) = record {
             record.push(att.clone());
@@ -111,12 +132,14 @@ impl CausalSelfAttention {
     /// `seq_len` rows, f32 on the CPU. One product for q, k and v, then the tiled attention op
     /// (forward and backward; ops/window_attention.rs), which never holds the (B, nh, T, T)
     /// weights; `train` and `record` as in [`Self::forward_recorded`] (recorded probabilities
-    /// are computed beside the op, from the same q and k, so the output is the same either way).
+    /// are computed beside the op, from the same q and k, so the output is the same either way;
+    /// not with `segments`).
     pub(crate) fn forward_rows(
         &self,
         x: &Tensor,
         seq_len: usize,
         train: Option<Dropout>,
+        segments: Option<&Segments>,
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
         // A LoRA update's input dropout (sites 3 and 4), its masks counted in rows.
@@ -126,6 +149,9 @@ impl CausalSelfAttention {
         });
         let qkv = self.c_attn.forward_t(x, rows.map(|d| d.site(3)))?; // (B*T, 3C)
         if let Some(record) = record {
+            if segments.is_some() {
+                candle_core::bail!("attention: probabilities are not recorded for packed windows")
+            }
             let (rows, width) = qkv.dims2()?;
             let heads = |i: usize| -> candle_core::Result<Tensor> {
                 qkv.narrow(1, i * width / 3, width / 3)?
@@ -149,6 +175,7 @@ impl CausalSelfAttention {
             p,
             d.key,
             d.first_row,
+            segments.map(|s| s.starts.clone()),
         )?;
         self.c_proj.forward_t(&y, rows.map(|d| d.site(4))) // (B*T, C)
     }

@@ -64,6 +64,10 @@ pub enum Error {
     #[error("{path}: LoRA adapter: {reason}")]
     Adapter { path: PathBuf, reason: String },
 
+    /// Packed windows' positions that do not fit their inputs or do not number sequences.
+    #[error("positions of packed windows: {0}")]
+    Positions(String),
+
     #[error("the draft model cannot propose for this model: {0}")]
     DraftMismatch(String),
 

@@ -7,7 +7,7 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, LayerNorm, VarBuilder};
 
-use crate::attention::CausalSelfAttention;
+use crate::attention::{CausalSelfAttention, Segments};
 use crate::config::{Activation, Config, PositionEmbedding};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
@@ -104,11 +104,13 @@ impl Block {
         &self,
         x: &Tensor,
         train: Option<Dropout>,
+        segments: Option<&Segments>,
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
-        let x = (x + self
-            .attn
-            .forward_recorded(&layer_norm(&self.ln_1, x, train.is_some())?, train, record)?)?;
+        let x =
+            (x + self
+                .attn
+                .forward_recorded(&layer_norm(&self.ln_1, x, train.is_some())?, train, segments, record)?)?;
         &x + self
             .mlp
             .forward_t(&layer_norm(&self.ln_2, &x, train.is_some())?, train)?
@@ -122,6 +124,7 @@ impl Block {
         x: &Tensor,
         seq_len: usize,
         train: Option<Dropout>,
+        segments: Option<&Segments>,
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
         // The residual dropouts (sites 1 and 2), keyed as in `forward_t`; on rows, the masks
@@ -130,9 +133,13 @@ impl Block {
             Some(d) => gpt_kernels::add_dropout(x, h, p, d.site(site).key, d.first_row * seq_len),
             None => x + h,
         };
-        let h = self
-            .attn
-            .forward_rows(&layer_norm(&self.ln_1, x, train.is_some())?, seq_len, train, record)?;
+        let h = self.attn.forward_rows(
+            &layer_norm(&self.ln_1, x, train.is_some())?,
+            seq_len,
+            train,
+            segments,
+            record,
+        )?;
         let x = add(x, &h, self.attn.resid_pdrop(), 1)?;
         let rows = train.map(|d| Dropout {
             first_row: d.first_row * seq_len,
@@ -253,7 +260,18 @@ impl Gpt {
     /// key, and the differentiable paths. Training and evaluation go through [`Gpt::loss`],
     /// which is this pass with the LM head and the cross-entropy fused.
     pub fn forward(&self, idx: &Tensor, train: Option<Dropout>) -> Result<Tensor> {
-        Ok(self.forward_recorded(idx, train, None)?.to_dtype(DType::F32)?)
+        Ok(self.forward_recorded(idx, None, train, None)?.to_dtype(DType::F32)?)
+    }
+
+    /// [`Gpt::forward`] over packed windows: several sequences one after another in each
+    /// window, `positions` `(B, T)` (u32) each row's position in its own sequence (0 where one
+    /// starts, else one more than the row before; Hugging Face's `position_ids` for packing).
+    /// Each sequence gets the logits it gets alone: its own positions' embeddings, and attention
+    /// that never crosses into another sequence.
+    pub fn forward_at(&self, idx: &Tensor, positions: &Tensor, train: Option<Dropout>) -> Result<Tensor> {
+        Ok(self
+            .forward_recorded(idx, Some(positions), train, None)?
+            .to_dtype(DType::F32)?)
     }
 
     /// [`Gpt::forward`] for inference, with every layer's attention probabilities
@@ -261,7 +279,7 @@ impl Gpt {
     /// pass: what `transformers` returns with `output_attentions=True`.
     pub fn forward_with_attentions(&self, idx: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
         let mut attentions = Vec::with_capacity(self.cfg.n_layer);
-        let logits = self.forward_recorded(idx, None, Some(&mut attentions))?;
+        let logits = self.forward_recorded(idx, None, None, Some(&mut attentions))?;
         let attentions = attentions
             .into_iter()
             .map(|a| a.to_dtype(DType::F32))
@@ -272,19 +290,22 @@ impl Gpt {
     fn forward_recorded(
         &self,
         idx: &Tensor,
+        positions: Option<&Tensor>,
         train: Option<Dropout>,
         record: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
         let (b_sz, seq_len) = idx.dims2()?;
-        let x = self.forward_hidden(idx, train, record)?; // (B*T, C)
+        let x = self.forward_hidden(idx, positions, train, record)?; // (B*T, C)
         let logits = self.wte.forward(&x, self.autocast)?; // (B*T, V)
         Ok(logits.reshape((b_sz, seq_len, self.cfg.vocab_size))?)
     }
 
-    /// The final LayerNorm's output `(B*T, C)` for `(B, T)` windows: the LM head's input.
+    /// The final LayerNorm's output `(B*T, C)` for `(B, T)` windows: the LM head's input;
+    /// `positions` for packed windows (see [`Gpt::forward_at`]).
     fn forward_hidden(
         &self,
         idx: &Tensor,
+        positions: Option<&Tensor>,
         train: Option<Dropout>,
         mut record: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
@@ -296,8 +317,35 @@ impl Gpt {
             });
         }
         let tok = self.wte.rows(&idx.flatten_all()?, self.dtype())?; // (B*T, C)
-        let pos = gpt_kernels::tape::first_rows(&self.wpe, seq_len)?; // (T, C)
-        if tok.device().is_cpu() && gpt_kernels::fused(&tok) {
+        let fused_rows = tok.device().is_cpu() && gpt_kernels::fused(&tok);
+        let (pos, segments) = match positions {
+            None => (gpt_kernels::tape::first_rows(&self.wpe, seq_len)?, None), // (T, C)
+            Some(positions) => {
+                if positions.dims() != idx.dims() {
+                    return Err(Error::Positions(format!(
+                        "{:?}, not the inputs' {:?}",
+                        positions.dims(),
+                        idx.dims()
+                    )));
+                }
+                let ids = positions.flatten_all()?.to_dtype(DType::U32)?;
+                let starts = gpt_kernels::segment_starts(&ids.to_vec1::<u32>()?, seq_len)
+                    .map_err(|e| Error::Positions(e.to_string()))?;
+                let mask = match fused_rows {
+                    true => None, // the CPU's attention op takes the starts
+                    false => Some(gpt_kernels::segment_mask(
+                        &starts,
+                        seq_len,
+                        self.dtype(),
+                        self.device(),
+                    )?),
+                };
+                let pos = gpt_kernels::tape::embedding(&self.wpe, &ids)?; // (B*T, C)
+                (pos, Some(Segments { starts, mask }))
+            }
+        };
+        let segments = segments.as_ref();
+        if fused_rows {
             // f32 on the CPU: the residual stream as rows (`Block::forward_rows`); the
             // embeddings' masks count elements from the shard's first window.
             let x = gpt_kernels::add_tiled(&tok, &pos)?;
@@ -311,19 +359,23 @@ impl Gpt {
             )?;
             for (i, block) in self.blocks.iter().enumerate() {
                 let train = train.map(|d| d.site(i as u64 + 1));
-                x = block.forward_rows(&x, seq_len, train, record.as_deref_mut())?;
+                x = block.forward_rows(&x, seq_len, train, segments, record.as_deref_mut())?;
             }
             return Ok(layer_norm(&self.ln_f, &x, train.is_some())?); // (B*T, C)
         }
         // (B, T, C). Dropout sites: the embeddings 0, block i's layer key i + 1.
         let tok = tok.reshape((b_sz, seq_len, self.cfg.n_embd))?;
+        let pos = match segments {
+            Some(_) => pos.reshape((b_sz, seq_len, self.cfg.n_embd))?,
+            None => pos,
+        };
         let mut x = dropout(
             gpt_kernels::add_tiled(&tok, &pos)?,
             self.cfg.embd_pdrop,
             train.map(|d| d.site(0)),
         )?;
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.forward_t(&x, train.map(|d| d.site(i as u64 + 1)), record.as_deref_mut())?;
+            x = block.forward_t(&x, train.map(|d| d.site(i as u64 + 1)), segments, record.as_deref_mut())?;
             // (B, T, C)
         }
         let x = layer_norm(&self.ln_f, &x, train.is_some())?;
@@ -336,7 +388,31 @@ impl Gpt {
     /// one op that never holds the whole logits ([`gpt_kernels::lm_head_loss`]); elsewhere the
     /// logits, then the cross-entropy.
     pub fn loss(&self, idx: &Tensor, targets: &Tensor, train: Option<Dropout>, eps: f32) -> Result<Tensor> {
-        let hidden = self.forward_hidden(idx, train, None)?; // (B*T, C)
+        self.loss_in(idx, None, targets, train, eps)
+    }
+
+    /// [`Gpt::loss`] over packed windows, `positions` as in [`Gpt::forward_at`]: the mean over
+    /// every sequence's targets, each sequence seeing only itself.
+    pub fn loss_at(
+        &self,
+        idx: &Tensor,
+        positions: &Tensor,
+        targets: &Tensor,
+        train: Option<Dropout>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        self.loss_in(idx, Some(positions), targets, train, eps)
+    }
+
+    fn loss_in(
+        &self,
+        idx: &Tensor,
+        positions: Option<&Tensor>,
+        targets: &Tensor,
+        train: Option<Dropout>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let hidden = self.forward_hidden(idx, positions, train, None)?; // (B*T, C)
         let targets = targets.flatten_all()?;
         match &self.wte {
             Weight::Dense(w)

@@ -101,7 +101,7 @@ fn main() -> anyhow::Result<()> {
     for step in 0..=steps {
         let (x, y) = batch_of(step)?;
         let t0 = Instant::now();
-        let (_, g) = accumulate_grads(&model, &vars, &[(x, y)], shards, Default::default())?;
+        let (_, g) = accumulate_grads(&model, &vars, &[(x, y).into()], shards, Default::default())?;
         device.synchronize()?;
         let t1 = Instant::now();
         opt.step_clipped(&g, 1e-4, 1.0)?; // clipping and AdamW, as gpt-train steps
@@ -115,7 +115,7 @@ fn main() -> anyhow::Result<()> {
     let t0 = Instant::now();
     for step in 0..steps {
         let (x, y) = batch_of(step)?;
-        let (_, g) = accumulate_grads(&model, &vars, &[(x, y)], shards, Default::default())?;
+        let (_, g) = accumulate_grads(&model, &vars, &[(x, y).into()], shards, Default::default())?;
         opt.step_clipped(&g, 1e-4, 1.0)?;
     }
     device.synchronize()?;

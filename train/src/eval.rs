@@ -39,8 +39,8 @@ pub fn estimate_loss(
 ) -> Result<(f64, f64)> {
     let batch_loss = |train: bool, stream: u64, i: usize| -> Result<f64> {
         let mut rng = data::batch_rng(run.seed, step, stream + i as u64);
-        let (x, y) = data.batch(train, run.batch_size, run.block_size(), &mut rng, device)?;
-        Ok(loss(model, &x, &y, None, 0.0)?.to_scalar::<f32>()? as f64) // plain NLL, smoothing or not
+        let batch = data.batch(train, run.batch_size, run.block_size(), &mut rng, device)?;
+        Ok(loss(model, &batch, None, 0.0)?.to_scalar::<f32>()? as f64) // plain NLL, smoothing or not
     };
     let mean = |train: bool, stream: u64| -> Result<f64> {
         let mine: Vec<usize> = (world.rank()..run.eval_iters).step_by(world.size()).collect();

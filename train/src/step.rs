@@ -5,6 +5,8 @@ use anyhow::{bail, Result};
 use candle_core::{Tensor, Var};
 use gpt::{Dropout, Gpt};
 
+use crate::data::Batch;
+
 /// What a training step's loss depends on besides the batches.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Objective {
@@ -78,10 +80,14 @@ impl Parallelism {
     }
 }
 
-/// Mean cross-entropy of next-token prediction over all positions of `(B, T)` windows, with
-/// label smoothing `eps`; `train` while training (dropout on, with masks from its key).
-pub fn loss(model: &Gpt, x: &Tensor, y: &Tensor, train: Option<Dropout>, eps: f32) -> Result<Tensor> {
-    Ok(model.loss(x, y, train, eps)?)
+/// Mean cross-entropy of next-token prediction over the targets of a batch's `(B, T)` windows
+/// (packed or not), with label smoothing `eps`; `train` while training (dropout on, with masks
+/// from its key).
+pub fn loss(model: &Gpt, batch: &Batch, train: Option<Dropout>, eps: f32) -> Result<Tensor> {
+    Ok(match &batch.positions {
+        Some(positions) => model.loss_at(&batch.x, positions, &batch.y, train, eps)?,
+        None => model.loss(&batch.x, &batch.y, train, eps)?,
+    })
 }
 
 /// Threads for CPU training: `--threads`, else every core this process may use.
@@ -187,15 +193,15 @@ impl candle_core::InplaceOp2 for AddAssign {
 pub fn accumulate_grads(
     model: &Gpt,
     vars: &[Var],
-    batches: &[(Tensor, Tensor)],
+    batches: &[Batch],
     shards: usize,
     objective: Objective,
 ) -> Result<(f64, Vec<Tensor>)> {
     // Every (micro-batch, shard) piece with its weight in the mean.
     let mut pieces = Vec::new();
     let RowShare { rank, ranks } = objective.share;
-    for (micro, (x, y)) in batches.iter().enumerate() {
-        let rows = x.dim(0)?;
+    for (micro, batch) in batches.iter().enumerate() {
+        let rows = batch.x.dim(0)?;
         if ranks == 0 || rank >= ranks || !rows.is_multiple_of(ranks) {
             bail!("a batch of {rows} rows does not divide among {ranks} ranks");
         }
@@ -209,7 +215,7 @@ pub fn accumulate_grads(
                 key: gpt_kernels::rng::key(&[objective.dropout_key, micro as u64]),
                 first_row: start,
             };
-            pieces.push((x.narrow(0, start, len)?, y.narrow(0, start, len)?, weight, dropout));
+            pieces.push((batch.rows(start, len)?, weight, dropout));
             start += len;
         }
     }
@@ -219,8 +225,8 @@ pub fn accumulate_grads(
     let run_worker = |worker: usize| -> Result<(f64, Vec<Option<Tensor>>)> {
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
         let mut losses = Vec::new();
-        for (x, y, weight, dropout) in pieces.iter().skip(worker).step_by(n_workers) {
-            let piece_loss = || loss(model, x, y, Some(*dropout), objective.label_smoothing);
+        for (piece, weight, dropout) in pieces.iter().skip(worker).step_by(n_workers) {
+            let piece_loss = || loss(model, piece, Some(*dropout), objective.label_smoothing);
             // The piece's weight as the loss's upstream gradient: every gradient comes out
             // weighted (the fused LM head scales its own in place), and pieces only add.
             let (loss, tape) = if on_tape {

@@ -30,7 +30,7 @@ fn bf16_matmuls_match_f32_and_still_learn() -> anyhow::Result<()> {
     let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
     let ids: Vec<u32> = (0..4 * 33).map(|i| (i as u32 * 7 + i as u32 / 5) % 50).collect();
     let t = Tensor::from_vec(ids, (4, 33), &Device::Cpu)?;
-    let batch = [(t.narrow(1, 0, 32)?, t.narrow(1, 1, 32)?)];
+    let batch = [(t.narrow(1, 0, 32)?, t.narrow(1, 1, 32)?).into()];
 
     let (loss_f32, grads_f32) = accumulate_grads(&model, &vars, &batch, 1, Default::default())?;
     // The same variables, multiplied in bf16.

@@ -131,19 +131,52 @@ fn only_the_assistants_tokens_are_targets_and_none_is_a_zero_loss() -> Result<()
     let sources = gpt_train::data::sources::sources(&[data], gpt_train::data::token_files::DataFormat::Chat)?;
     let examples = chat::read(&sources, &template, &tokenizer)?;
     let mut rng = gpt_train::data::batch_rng(1, 0, 0);
-    let (x, y) = chat::get_batch(&examples, 4, 128, &mut rng, &Device::Cpu)?;
-    // The loss is the mean negative log-likelihood of the targets that are not IGNORE.
-    let loss = model.loss(&x, &y, None, 0.0)?.to_scalar::<f32>()?;
-    let log_p = candle_nn::ops::log_softmax(&model.forward(&x, None)?, D::Minus1)?.to_vec3::<f32>()?;
-    let (targets, mut nll, mut n) = (y.to_vec2::<u32>()?, 0f64, 0);
-    for (b, row) in targets.iter().enumerate() {
-        for (t, &target) in row.iter().enumerate() {
-            if target != gpt_kernels::IGNORE {
-                nll -= log_p[b][t][target as usize] as f64;
-                n += 1;
+    let batch = chat::get_batch(&examples, 4, 128, &mut rng, &Device::Cpu)?;
+    let (x, y) = (&batch.x, &batch.y);
+    let positions = batch
+        .positions
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("chat batches are packed"))?;
+    // The windows are packed: each sequence of positions from 0 is a drawn conversation's
+    // tokens from its start, its targets the next tokens where they are the assistant's (or
+    // the window's padding, with no targets). The loss is the mean negative log-likelihood of
+    // the targets that are not IGNORE, each conversation scored as it is alone.
+    let loss = model.loss_at(x, positions, y, None, 0.0)?.to_scalar::<f32>()?;
+    let (inputs, targets, pos) = (x.to_vec2::<u32>()?, y.to_vec2::<u32>()?, positions.to_vec2::<u32>()?);
+    let (mut nll, mut n, mut packed) = (0f64, 0, 0);
+    for b in 0..4 {
+        let starts: Vec<usize> = (0..128).filter(|&t| pos[b][t] == 0).chain([128]).collect();
+        packed += starts.len() - 2; // conversations beyond the first (or the padding)
+        for w in starts.windows(2) {
+            let (from, to) = (w[0], w[1]);
+            let ids = &inputs[b][from..to];
+            let Some(e) = examples
+                .iter()
+                .find(|e| e.tokens.len() > ids.len() && e.tokens[..ids.len()] == *ids)
+            else {
+                assert!(
+                    targets[b][from..to].iter().all(|&t| t == gpt_kernels::IGNORE),
+                    "padding with targets"
+                );
+                continue;
+            };
+            let alone = model.forward(&Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?, None)?;
+            let log_p = candle_nn::ops::log_softmax(&alone, D::Minus1)?.to_vec3::<f32>()?;
+            for (i, &target) in targets[b][from..to].iter().enumerate() {
+                let want = if e.trained[i + 1] {
+                    e.tokens[i + 1]
+                } else {
+                    gpt_kernels::IGNORE
+                };
+                assert_eq!(target, want, "window {b}, row {}", from + i);
+                if target != gpt_kernels::IGNORE {
+                    nll -= log_p[0][i][target as usize] as f64;
+                    n += 1;
+                }
             }
         }
     }
+    assert!(packed > 0, "no window holds two conversations");
     assert!(n > 0 && n < 4 * 128, "{n} targets");
     assert!(
         (loss as f64 - nll / n as f64).abs() < 1e-4,
@@ -158,7 +191,10 @@ fn only_the_assistants_tokens_are_targets_and_none_is_a_zero_loss() -> Result<()
         }
     }
     let other = Tensor::new(other, &Device::Cpu)?;
-    let (with_ignored, with_fives) = (model.loss(&x, &y, None, 0.0)?, model.loss(&x, &other, None, 0.0)?);
+    let (with_ignored, with_fives) = (
+        model.loss_at(x, positions, y, None, 0.0)?,
+        model.loss_at(x, positions, &other, None, 0.0)?,
+    );
     assert_ne!(with_ignored.to_scalar::<f32>()?, with_fives.to_scalar::<f32>()?);
     // A batch without one assistant token: loss 0 and finite gradients, not NaN.
     let none = Tensor::full(gpt_kernels::IGNORE, (4, 128), &Device::Cpu)?;
@@ -168,7 +204,7 @@ fn only_the_assistants_tokens_are_targets_and_none_is_a_zero_loss() -> Result<()
         candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
         model.config(),
     )?;
-    let zero = trained.loss(&x, &none, train, 0.0)?;
+    let zero = trained.loss_at(x, positions, &none, train, 0.0)?;
     assert_eq!(zero.to_scalar::<f32>()?, 0.0);
     let grads = zero.backward()?;
     for var in varmap.all_vars() {

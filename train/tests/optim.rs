@@ -49,15 +49,21 @@ fn same_seed_same_weights_different_seed_different_weights() -> anyhow::Result<(
 #[test]
 fn four_micro_batches_of_8_update_like_one_batch_of_32() -> anyhow::Result<()> {
     let (x, y) = batch(32, 16, 3)?;
-    let micro: Vec<(Tensor, Tensor)> = (0..4)
-        .map(|i| Ok((x.narrow(0, i * 8, 8)?, y.narrow(0, i * 8, 8)?)))
+    let micro: Vec<gpt_train::data::Batch> = (0..4)
+        .map(|i| Ok((x.narrow(0, i * 8, 8)?, y.narrow(0, i * 8, 8)?).into()))
         .collect::<anyhow::Result<_>>()?;
 
     let (model_a, vars_a) = model(7)?;
     let (model_b, vars_b) = model(7)?;
     let plain_a: Vec<Var> = vars_a.iter().map(|(_, v)| v.clone()).collect();
     let plain_b: Vec<Var> = vars_b.iter().map(|(_, v)| v.clone()).collect();
-    let (loss_a, grads_a) = accumulate_grads(&model_a, &plain_a, &[(x.clone(), y.clone())], 1, Default::default())?;
+    let (loss_a, grads_a) = accumulate_grads(
+        &model_a,
+        &plain_a,
+        &[(x.clone(), y.clone()).into()],
+        1,
+        Default::default(),
+    )?;
     let (loss_b, grads_b) = accumulate_grads(&model_b, &plain_b, &micro, 1, Default::default())?;
     assert!((loss_a - loss_b).abs() < 1e-5, "{loss_a} vs {loss_b}");
     for ((name, _), (ga, gb)) in vars_a.iter().zip(grads_a.iter().zip(&grads_b)) {
@@ -69,7 +75,7 @@ fn four_micro_batches_of_8_update_like_one_batch_of_32() -> anyhow::Result<()> {
         let (loss_s, grads_s) = accumulate_grads(
             &model_a,
             &plain_a,
-            &[(x.clone(), y.clone())],
+            &[(x.clone(), y.clone()).into()],
             shards,
             Default::default(),
         )?;
@@ -93,7 +99,7 @@ fn four_micro_batches_of_8_update_like_one_batch_of_32() -> anyhow::Result<()> {
 fn clipping_bounds_the_global_norm_and_keeps_the_direction() -> anyhow::Result<()> {
     let (model, vars) = model(3)?;
     let plain: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
-    let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, 1)?], 1, Default::default())?;
+    let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, 1)?.into()], 1, Default::default())?;
     let norm = global_norm(&grads)?;
     assert!(norm > 0.1, "{norm}");
 
@@ -125,7 +131,7 @@ fn a_clipped_step_is_clipping_then_a_step() -> anyhow::Result<()> {
     for fused in [true, false] {
         let (model, vars) = model(3)?;
         let plain: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
-        let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, 1)?], 1, Default::default())?;
+        let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, 1)?.into()], 1, Default::default())?;
         let norm = global_norm(&grads)?;
         let mut opt = AdamW::new(vars.clone(), ADAMW)?;
         for _ in 0..2 {
@@ -179,7 +185,7 @@ fn gradients_and_moments_hold_no_graph() -> anyhow::Result<()> {
     let plain: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
     let mut opt = AdamW::new(vars, ADAMW)?;
     for step in 0..3 {
-        let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, step)?], 2, Default::default())?;
+        let (_, grads) = accumulate_grads(&model, &plain, &[batch(4, 16, step)?.into()], 2, Default::default())?;
         assert!(grads.iter().all(|g| !g.track_op()), "a gradient keeps its graph");
         opt.step(&grads, 1e-3)?;
     }

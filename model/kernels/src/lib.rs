@@ -48,7 +48,7 @@ pub use rows::{argmax, argmax_on, log_sum_exp, log_sum_exp_on};
 pub use simd::Simd;
 pub use train::{
     affine, affine_gelu, cross_entropy, frozen_affine, linear_product, lm_head_loss, product, scaled_linear_product,
-    window_attention, window_attention_runs_on, Autocast, Bf16Dot, Operand, IGNORE,
+    segment_mask, segment_starts, window_attention, window_attention_runs_on, Autocast, Bf16Dot, Operand, IGNORE,
 };
 
 /// The f32 data of a contiguous CPU tensor, for custom ops' `cpu_fwd`.

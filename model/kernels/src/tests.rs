@@ -374,7 +374,7 @@ fn window_attention_matches_candles_composite() -> anyhow::Result<()> {
             let scale = 1.0 / (hs as f32).sqrt();
             let (key, first_row) = (99, 3usize);
             let rows = qkv.reshape((b * t, 3 * c))?;
-            let ours = window_attention(simd, &rows, t, nh, scale, p, key, first_row)?.reshape((b, t, c))?;
+            let ours = window_attention(simd, &rows, t, nh, scale, p, key, first_row, None)?.reshape((b, t, c))?;
             let heads = |i: usize| -> candle_core::Result<Tensor> {
                 qkv.narrow(2, i * c, c)?
                     .reshape((b, t, nh, hs))?
@@ -400,6 +400,85 @@ fn window_attention_matches_candles_composite() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Packed windows: each sequence's rows get, forward and backward, what that sequence gets in a
+/// window of its own (no attention across sequences, so no gradient across them either), and
+/// with dropout what candle's composite gets under [`segment_mask`].
+#[test]
+fn packed_window_attention_keeps_each_sequence_to_itself() -> anyhow::Result<()> {
+    let dev = &Device::Cpu;
+    let (t, nh, hs) = (70, 2, 24);
+    let c = nh * hs;
+    let scale = 1.0 / (hs as f32).sqrt();
+    // Two windows: three sequences (one of a single row), then one sequence and padding's own.
+    let lens: [&[usize]; 2] = [&[23, 1, 46], &[50, 20]];
+    let mut positions = Vec::new();
+    for window in lens {
+        for &len in window {
+            positions.extend(0..len as u32);
+        }
+    }
+    let starts = segment_starts(&positions, t)?;
+    for &simd in Simd::available() {
+        let qkv = Var::from_tensor(&Tensor::randn(0f32, 1.0, (2 * t, 3 * c), dev)?)?;
+        let g = Tensor::randn(0f32, 1.0, (2 * t, c), dev)?;
+        let ours = window_attention(simd, &qkv, t, nh, scale, 0.0, 0, 0, Some(starts.clone()))?;
+        let grads = (&ours * &g)?.sum_all()?.backward()?;
+        let dqkv = grads.get(&qkv).expect("a gradient");
+        let mut row = 0;
+        for window in lens {
+            for &len in window {
+                let alone = Var::from_tensor(&qkv.narrow(0, row, len)?)?;
+                let y = window_attention(simd, &alone, len, nh, scale, 0.0, 0, 0, None)?;
+                let what = format!("{simd:?}: the sequence of {len} at row {row}");
+                let d = max_diff(&ours.narrow(0, row, len)?, &y);
+                assert!(d < 1e-5, "{what}: forward differs by {d}");
+                let ga = (y * g.narrow(0, row, len)?)?.sum_all()?.backward()?;
+                let d = max_diff(&dqkv.narrow(0, row, len)?, ga.get(&alone).expect("a gradient"));
+                assert!(d < 1e-5, "{what}: gradient differs by {d}");
+                row += len;
+            }
+        }
+        // Under dropout, against the composite with the packed windows' mask.
+        let (p, key) = (0.2, 5);
+        let ours = window_attention(simd, &qkv, t, nh, scale, p, key, 0, Some(starts.clone()))?.reshape((2, t, c))?;
+        let heads = |i: usize| -> candle_core::Result<Tensor> {
+            qkv.narrow(1, i * c, c)?
+                .reshape((2, t, nh, hs))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let att = (heads(0)?.matmul(&heads(1)?.t()?)? * scale as f64)?;
+        let att = att.broadcast_add(&segment_mask(&starts, t, DType::F32, dev)?)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let drop = crate::elementwise::dropout::Dropout { key, first: 0, p };
+        let att = (&att * drop.mask(&att)?)?;
+        let theirs = att.matmul(&heads(2)?)?.transpose(1, 2)?.reshape((2, t, c))?;
+        let d = max_diff(&ours, &theirs);
+        assert!(d < 1e-5, "{simd:?} under dropout: forward differs by {d}");
+        let g = g.reshape((2, t, c))?;
+        let ga = (ours * &g)?.sum_all()?.backward()?;
+        let gb = (theirs * &g)?.sum_all()?.backward()?;
+        let d = max_diff(ga.get(&qkv).expect("a gradient"), gb.get(&qkv).expect("a gradient"));
+        assert!(d < 1e-4, "{simd:?} under dropout: gradient differs by {d}");
+    }
+    Ok(())
+}
+
+/// Positions that do not restart at 0 or go up by one are refused, naming the place.
+#[test]
+fn segment_starts_refuse_positions_that_skip() {
+    let ok = segment_starts(&[0, 1, 2, 0, 0, 1, 0, 1], 4).expect("valid positions");
+    assert_eq!(&ok[..], &[0, 0, 0, 3, 0, 0, 2, 2]);
+    for (bad, place) in [
+        (&[0, 2, 3, 4][..], "row 1"),
+        (&[1, 2, 3, 4], "row 0"),
+        (&[0, 1, 2, 3, 4, 5, 6, 7], "window 1, row 0"),
+    ] {
+        let err = segment_starts(bad, 4).expect_err("invalid positions").to_string();
+        assert!(err.contains(place), "{err}");
+    }
 }
 
 /// `affine` (x @ W + b with W in `(in, out)` layout, one node) against candle's matmul and

@@ -89,6 +89,34 @@ pub fn batch_rng(seed: u64, step: usize, stream: u64) -> rand_chacha::ChaCha12Rn
     rand_chacha::ChaCha12Rng::seed_from_u64(gpt_kernels::rng::key(&[seed, step as u64, stream]))
 }
 
+/// One micro-batch of windows: inputs `x` and next-token targets `y`, `(B, T)`; for packed
+/// windows (chat data: several conversations in a window), each row's position in its own
+/// conversation, `(B, T)` (see [`gpt::Gpt::loss_at`]).
+#[derive(Debug, Clone)]
+pub struct Batch {
+    pub x: Tensor,
+    pub y: Tensor,
+    pub positions: Option<Tensor>,
+}
+
+impl Batch {
+    /// Windows `start..start + len` of the batch.
+    pub fn rows(&self, start: usize, len: usize) -> candle_core::Result<Self> {
+        Ok(Self {
+            x: self.x.narrow(0, start, len)?,
+            y: self.y.narrow(0, start, len)?,
+            positions: self.positions.as_ref().map(|p| p.narrow(0, start, len)).transpose()?,
+        })
+    }
+}
+
+impl From<(Tensor, Tensor)> for Batch {
+    /// Windows of one sequence each.
+    fn from((x, y): (Tensor, Tensor)) -> Self {
+        Self { x, y, positions: None }
+    }
+}
+
 /// `batch_size` random windows: inputs `(B, T)` and next-token targets `(B, T)`.
 pub fn get_batch(
     tokens: &Tokens,

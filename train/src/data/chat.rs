@@ -8,10 +8,12 @@
 //! `prompt` and `completion`: two strings (the completion trained on, no template), or two lists
 //! of messages (rendered together, the completion's assistant turns trained on).
 //!
-//! Each conversation is a window of its own, from position 0 as the server sees it, cut at
-//! `block_size + 1` tokens and padded after its end (the padding's targets ignored; causal
-//! attention keeps it out of the conversation's positions). Packing several short conversations
-//! into one window is not built: it needs attention that stops at each conversation's end.
+//! Short conversations are packed into windows, one after another, each from position 0 as the
+//! server sees it: the batch carries every row's position in its own conversation, and the model
+//! ([`gpt::Gpt::loss_at`]) restarts the position embeddings there and keeps each conversation's
+//! attention to itself, so a conversation trains as it would alone in a window. A conversation
+//! longer than a window is cut to one window. What a window has left over is padding, its
+//! targets ignored.
 
 use std::io::BufRead;
 use std::path::Path;
@@ -24,6 +26,7 @@ use rand::Rng;
 use serde_json::Value;
 
 use super::sources::{Kind, Source};
+use super::Batch;
 
 /// One conversation's tokens, and which of them are trained on (the assistant's).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,36 +132,62 @@ pub fn split(mut examples: Vec<Example>, val: Option<Vec<Example>>, val_fraction
     Ok(Conversations { train: examples, val })
 }
 
-/// `batch_size` random conversations, each a window from its first token: inputs `(B, T)`
-/// (padded after the conversation) and targets `(B, T)`, [`gpt_kernels::IGNORE`] wherever the
-/// next token is not the assistant's.
+/// `batch_size` windows of `block_size` packed with random conversations: each window takes
+/// conversations, drawn in turn, while the next one fits (its tokens but the last, which is only
+/// a target), and the one that does not fit opens the next window; a conversation longer than a
+/// window is cut to fill one. Inputs `(B, T)`, targets `(B, T)` ([`gpt_kernels::IGNORE`]
+/// wherever the next token is not the assistant's, and over the padding that ends a window) and
+/// each row's position in its conversation (the padding counts from 0 as one more sequence).
 pub fn get_batch(
     examples: &[Example],
     batch_size: usize,
     block_size: usize,
     rng: &mut impl Rng,
     device: &Device,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<Batch> {
     if examples.is_empty() {
         bail!("no conversations to draw a batch from");
     }
-    let mut x = vec![0u32; batch_size * block_size];
-    let mut y = vec![gpt_kernels::IGNORE; batch_size * block_size];
-    for b in 0..batch_size {
-        let e = &examples[rng.random_range(0..examples.len())];
-        let n = e.tokens.len().min(block_size + 1);
-        let row = b * block_size;
-        x[row..row + n - 1].copy_from_slice(&e.tokens[..n - 1]);
-        for i in 0..n - 1 {
-            if e.trained[i + 1] {
-                y[row + i] = e.tokens[i + 1];
+    let t = block_size;
+    let mut x = vec![0u32; batch_size * t];
+    let mut y = vec![gpt_kernels::IGNORE; batch_size * t];
+    let mut positions = vec![0u32; batch_size * t];
+    let mut waiting: Option<&Example> = None;
+    for row in (0..batch_size).map(|b| b * t) {
+        let mut used = 0;
+        while used < t {
+            let e = match waiting.take() {
+                Some(e) => e,
+                None => &examples[rng.random_range(0..examples.len())],
+            };
+            if e.tokens.len() < 2 {
+                bail!("a conversation of {} tokens has nothing to predict", e.tokens.len());
             }
+            let n = (e.tokens.len() - 1).min(t); // the positions it takes
+            if used + n > t {
+                waiting = Some(e);
+                break;
+            }
+            let at = row + used;
+            x[at..at + n].copy_from_slice(&e.tokens[..n]);
+            for i in 0..n {
+                positions[at + i] = i as u32;
+                if e.trained[i + 1] {
+                    y[at + i] = e.tokens[i + 1];
+                }
+            }
+            used += n;
+        }
+        for (i, p) in positions[row + used..row + t].iter_mut().enumerate() {
+            *p = i as u32;
         }
     }
-    Ok((
-        Tensor::from_vec(x, (batch_size, block_size), device)?,
-        Tensor::from_vec(y, (batch_size, block_size), device)?,
-    ))
+    let shape = (batch_size, t);
+    Ok(Batch {
+        x: Tensor::from_vec(x, shape, device)?,
+        y: Tensor::from_vec(y, shape, device)?,
+        positions: Some(Tensor::from_vec(positions, shape, device)?),
+    })
 }
 
 /// The chat template of the checkpoint in `dir` (the model being fine-tuned or resumed), else

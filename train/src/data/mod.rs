@@ -14,7 +14,7 @@ pub mod sources;
 pub mod token_files;
 pub mod tokenize;
 
-pub use batches::{batch_rng, get_batch, Dataset, Tokens};
+pub use batches::{batch_rng, get_batch, Batch, Dataset, Tokens};
 pub use cache::prepare;
 pub use export::write_token_files;
 pub use sources::Reading;
@@ -27,8 +27,7 @@ pub enum Corpus {
 }
 
 impl Corpus {
-    /// A batch of the training split (`train`) or the validation split: inputs and targets
-    /// `(B, T)`, drawn from `rng`.
+    /// A batch of the training split (`train`) or the validation split, drawn from `rng`.
     pub fn batch(
         &self,
         train: bool,
@@ -36,15 +35,16 @@ impl Corpus {
         block_size: usize,
         rng: &mut impl rand::Rng,
         device: &candle_core::Device,
-    ) -> anyhow::Result<(candle_core::Tensor, candle_core::Tensor)> {
+    ) -> anyhow::Result<Batch> {
         match self {
-            Corpus::Text(d) => get_batch(
+            Corpus::Text(d) => Ok(get_batch(
                 if train { &d.train } else { &d.val },
                 batch_size,
                 block_size,
                 rng,
                 device,
-            ),
+            )?
+            .into()),
             Corpus::Chat(c) => chat::get_batch(
                 if train { &c.train } else { &c.val },
                 batch_size,

@@ -68,6 +68,9 @@ fn masked_cross_entropy(logits: &Tensor, targets: &Tensor, eps: f32) -> Result<T
 /// tiled, never holding the `(B, nh, T, T)` weights (the `window_attention` module). On
 /// `simd`'s lanes ([`Simd::detect`] for this CPU's widest).
 ///
+/// `segments` packs several sequences into a window: [`segment_starts`] of the rows' positions.
+/// Each row then sees its own sequence's keys only. On the CPU only.
+///
 /// # Panics
 /// If this CPU does not run `simd` (see [`Simd::available`]).
 #[allow(clippy::too_many_arguments)]
@@ -80,10 +83,26 @@ pub fn window_attention(
     p: f32,
     key: u64,
     first_row: usize,
+    segments: Option<std::sync::Arc<[u32]>>,
 ) -> Result<Tensor> {
     let head_dim = qkv.dims().last().map_or(0, |w| w / 3 / n_head.max(1));
     if !window_attention_runs_on(qkv, head_dim) {
         candle_core::bail!("window-attention: qkv must be f32 on the CPU, or on a CUDA GPU with heads of at most 128 (a multiple of 4)")
+    }
+    if let Some(starts) = &segments {
+        let rows = qkv.dim(0)?;
+        if !qkv.device().is_cpu() {
+            candle_core::bail!("window-attention: packed windows (segments) run on the CPU only")
+        }
+        if starts.len() != rows || t == 0 {
+            candle_core::bail!("window-attention: {} segment starts for {rows} rows", starts.len())
+        }
+        if let Some(r) = (0..rows).find(|&r| starts[r] as usize > r % t) {
+            candle_core::bail!(
+                "window-attention: row {r} starts its sequence at {}, after itself",
+                starts[r]
+            )
+        }
     }
     let dropout = (p > 0.0).then_some(Dropout {
         key,
@@ -98,8 +117,45 @@ pub fn window_attention(
             scale,
             dropout,
             simd,
+            starts: segments,
         },
     )
+}
+
+/// Where each row's sequence starts in its window, from the rows' positions `(B * T)` (each 0
+/// where a sequence starts, else one more than the row before: packed windows, positions
+/// restarting per sequence, as Hugging Face's `position_ids` for packing): what
+/// [`window_attention`] and [`segment_mask`] take. An error names the first position that
+/// breaks the rule.
+pub fn segment_starts(positions: &[u32], t: usize) -> Result<std::sync::Arc<[u32]>> {
+    if t == 0 || !positions.len().is_multiple_of(t) {
+        candle_core::bail!("{} positions are not whole windows of {t}", positions.len())
+    }
+    let mut starts = Vec::with_capacity(positions.len());
+    for (r, &p) in positions.iter().enumerate() {
+        let i = r % t;
+        let follows = i > 0 && p > 0 && positions[r - 1].checked_add(1) == Some(p);
+        if p != 0 && !follows {
+            candle_core::bail!(
+                "position {p} at window {}, row {i}: a sequence's positions start at 0 and go up by one",
+                r / t
+            )
+        }
+        starts.push((i - p as usize) as u32);
+    }
+    Ok(starts.into())
+}
+
+/// The additive mask `(B, 1, T, T)` of packed windows for candle's composite attention: 0 where
+/// a row's query may see the key (its own sequence, not after it), -inf elsewhere.
+pub fn segment_mask(starts: &[u32], t: usize, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
+    let b = starts.len() / t.max(1);
+    let mut mask = vec![f32::NEG_INFINITY; b * t * t];
+    for (r, &s) in starts.iter().enumerate() {
+        let i = r % t;
+        mask[r * t + s as usize..=r * t + i].fill(0.0);
+    }
+    Tensor::from_vec(mask, (b, 1, t, t), device)?.to_dtype(dtype)
 }
 
 /// Whether [`window_attention`] runs on `x`'s device and dtype with heads of `head_dim`: f32 on

@@ -14,9 +14,15 @@
 //! ([`gemm`]) over per-head copies laid out for it; each (sequence, head) is one task on
 //! candle's thread pool and computes in a fixed order, so results do not depend on the threads.
 //!
+//! Packed windows (several sequences one after another in a window, as chat fine-tuning packs
+//! short conversations) give each row the first key it may see, its sequence's start: the
+//! scores before it are masked like those after the row, so no sequence attends to another.
+//!
 //! Dropout of the attention weights uses the masks of [`crate::elementwise::dropout`], indexed as the
 //! `(B, nh, T, T)` probabilities' elements: the same masks as dropout applied to those
 //! probabilities, so this op and candle's composite agree under dropout too (tested).
+
+use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
@@ -35,7 +41,7 @@ mod tiles;
 /// `softmax(q kᵀ · scale + causal mask) v` per head, with dropout of the attention weights,
 /// for `qkv` `(B * T, 3C)` (windows of `t` rows; queries, keys, values, head after head, as
 /// GPT-2's `c_attn` writes them); returns `(B * T, C)`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct WindowAttention {
     /// Positions per window (T).
     pub(crate) t: usize,
@@ -45,6 +51,9 @@ pub(crate) struct WindowAttention {
     /// probabilities.
     pub(crate) dropout: Option<Dropout>,
     pub(crate) simd: Simd,
+    /// Packed windows: `starts[b * T + i]` is the first key row `i` of window `b` sees (its
+    /// sequence's first position, at most `i`); `None`: every row sees the window from 0.
+    pub(crate) starts: Option<Arc<[u32]>>,
 }
 
 /// The shape of one call: `b` windows of `t` positions, `c = nh * hs` channels; `tp` and `hsp`
@@ -87,6 +96,12 @@ impl Dims {
 }
 
 impl WindowAttention {
+    /// The first key row `i` of window `b` sees.
+    #[inline(always)]
+    fn start(&self, d: Dims, b: usize, i: usize) -> usize {
+        self.starts.as_ref().map_or(0, |s| s[b * d.t + i] as usize)
+    }
+
     /// Element index, in the `(B, nh, T, T)` probabilities, of row `i`'s first weight.
     fn row_index(&self, d: Dims, b: usize, h: usize, i: usize) -> u64 {
         (((b * d.nh + h) * d.t + i) * d.t) as u64
@@ -260,7 +275,7 @@ unsafe fn forward_head<V: Vec16>(
         ws.scores::<V>(d, i0, m, n);
         for r in 0..m {
             let row = &mut ws.p[r * d.tp..][..n];
-            softmax_row(row, i0 + r + 1, op.scale);
+            softmax_row(row, op.start(d, b, i0 + r), i0 + r + 1, op.scale);
             if let Some(drop) = op.dropout {
                 let mask = drop_mask(drop, op.row_index(d, b, h, i0 + r), &mut ws.mask[..=i0 + r]);
                 row.iter_mut().zip(mask).for_each(|(p, &m)| *p *= m);
@@ -286,13 +301,16 @@ fn drop_mask(drop: Dropout, first: u64, mask: &mut [f32]) -> &[f32] {
     mask
 }
 
-/// Scores → causal softmax, in place: the first `len` entries scaled, exponentiated and
+/// Scores → causal softmax, in place: the entries `start..len` scaled, exponentiated and
 /// normalised, the rest of the row zeroed. The row holds whole vectors past `len`
-/// (`len.next_multiple_of(LANES)` entries at least).
+/// (`len.next_multiple_of(LANES)` entries at least); `start < len`.
 #[inline(always)]
-fn softmax_row(row: &mut [f32], len: usize, scale: f32) {
+fn softmax_row(row: &mut [f32], start: usize, len: usize, scale: f32) {
     let seen = &mut row[..len];
     seen.iter_mut().for_each(|s| *s *= scale);
+    // Another sequence's keys (a packed window): -inf, whose exponential is 0 (`rows::exp`),
+    // so they add nothing to the sum and come out 0.
+    seen[..start].fill(f32::NEG_INFINITY);
     let max = crate::rows::max(seen);
     let whole = len / LANES * LANES;
     let mut sums = [0f32; LANES];
@@ -415,7 +433,7 @@ unsafe fn backward_head<V: Vec16>(
             let len = i0 + r + 1;
             let p = &mut ws.p[r * d.tp..][..n];
             let dp = &mut ws.dp[r * d.tp..][..n];
-            softmax_row(p, len, op.scale);
+            softmax_row(p, op.start(d, b, i0 + r), len, op.scale);
             let mask = op
                 .dropout
                 .map(|drop| drop_mask(drop, op.row_index(d, b, h, i0 + r), &mut ws.mask[..len]));
@@ -518,9 +536,9 @@ impl CustomOp1 for WindowAttention {
         Ok(Some(if qkv.device().is_cuda() {
             // The GPU's kernels take D_i = dy_i · y_i from the output rather than summing
             // P_ij (dy_i · v_j) over the row (they never hold a whole row).
-            qkv.apply_op3_no_bwd(&y.contiguous()?, &dy, &WindowAttentionGradGpu(*self))?
+            qkv.apply_op3_no_bwd(&y.contiguous()?, &dy, &WindowAttentionGradGpu(self.clone()))?
         } else {
-            qkv.apply_op2_no_bwd(&dy, &WindowAttentionGrad(*self))?
+            qkv.apply_op2_no_bwd(&dy, &WindowAttentionGrad(self.clone()))?
         }))
     }
 }
@@ -528,6 +546,9 @@ impl CustomOp1 for WindowAttention {
 impl WindowAttention {
     #[cfg(feature = "cuda")]
     fn gpu_args(&self, layout: &Layout) -> Result<cuda::WindowAttentionArgs> {
+        if self.starts.is_some() {
+            candle_core::bail!("window-attention: packed windows run on the CPU only (candle's ops elsewhere)")
+        }
         let d = Dims::of(layout, self.t, self.n_head)?;
         let (p, key, first) = self.dropout.map_or((0.0, 0, 0), |drop| (drop.p, drop.key, drop.first));
         Ok(cuda::WindowAttentionArgs {
@@ -633,7 +654,7 @@ mod tests {
             for junk in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, 0.0] {
                 let mut row = vec![junk; 64];
                 row[..len].copy_from_slice(&scores);
-                softmax_row(&mut row, len, 0.125);
+                softmax_row(&mut row, 0, len, 0.125);
                 let want = reference(&scores, 0.125);
                 for j in 0..len {
                     assert_eq!(row[j].to_bits(), want[j].to_bits(), "len {len}, junk {junk}, entry {j}");
