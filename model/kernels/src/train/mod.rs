@@ -30,15 +30,10 @@ use window_attention::WindowAttention;
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, eps: f32) -> Result<Tensor> {
     if logits.device().is_cpu() && logits.dtype() == DType::F32 && targets.dtype() == DType::U32 {
         tape::op2(&logits.contiguous()?, &targets.contiguous()?, CrossEntropy { eps })
-    } else if targets.max_all()?.to_dtype(DType::U32)?.to_scalar::<u32>()? == IGNORE {
-        masked_cross_entropy(logits, targets, eps)
-    } else if eps == 0.0 {
-        candle_nn::loss::cross_entropy(logits, targets)
     } else {
-        let log_p = candle_nn::ops::log_softmax(logits, candle_core::D::Minus1)?;
-        let nll = candle_nn::loss::nll(&log_p, targets)?;
-        let uniform = log_p.mean(candle_core::D::Minus1)?.mean_all()?.neg()?;
-        (nll * (1.0 - eps as f64))? + (uniform * eps as f64)?
+        // Always the masked form: asking whether any target is IGNORE would read the targets
+        // back to the host, a GPU sync per micro-batch; the mask costs a few `(N,)` ops.
+        masked_cross_entropy(logits, targets, eps)
     }
 }
 
