@@ -179,6 +179,9 @@ pub struct Gpt {
     ln_f: LayerNorm,
     cfg: Config,
     autocast: Autocast,
+    /// Activation checkpointing of every block while training on the tape
+    /// ([`Gpt::with_activation_checkpointing`]).
+    checkpointing: bool,
 }
 
 /// The `(n_positions, n_embd)` table PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(..).
@@ -220,6 +223,7 @@ impl Gpt {
             ln_f,
             cfg: cfg.clone(),
             autocast: Autocast::Off,
+            checkpointing: false,
         })
     }
 
@@ -359,7 +363,15 @@ impl Gpt {
             )?;
             for (i, block) in self.blocks.iter().enumerate() {
                 let train = train.map(|d| d.site(i as u64 + 1));
-                x = block.forward_rows(&x, seq_len, train, segments, record.as_deref_mut())?;
+                x = match train {
+                    Some(_) if self.checkpointing && record.is_none() => {
+                        let (block, segments) = (block.clone(), segments.cloned());
+                        let segment: gpt_kernels::tape::Segment =
+                            std::sync::Arc::new(move |x| block.forward_rows(x, seq_len, train, segments.as_ref(), None));
+                        gpt_kernels::tape::checkpoint(&x, segment)?
+                    }
+                    _ => block.forward_rows(&x, seq_len, train, segments, record.as_deref_mut())?,
+                };
             }
             return Ok(layer_norm(&self.ln_f, &x, train.is_some())?); // (B*T, C)
         }
@@ -490,6 +502,20 @@ impl Gpt {
 
     pub fn autocast(&self) -> Autocast {
         self.autocast
+    }
+
+    /// The model with activation checkpointing (`on`) while training on the tape
+    /// ([`Gpt::trains_on_tape`]): each block keeps only its input for the backward pass and runs
+    /// again when the gradient reaches it ([`gpt_kernels::tape::checkpoint`]). The gradients are
+    /// the same, bit for bit; the activations kept shrink from every block's to one block's, for
+    /// about one more forward pass of compute. Elsewhere (candle's backward) it changes nothing.
+    pub fn with_activation_checkpointing(mut self, on: bool) -> Self {
+        self.checkpointing = on;
+        self
+    }
+
+    pub fn activation_checkpointing(&self) -> bool {
+        self.checkpointing
     }
 
     /// The model as inference holds it: on the CPU with f32 activations, every weight matrix

@@ -91,6 +91,12 @@ pub struct TrainArgs {
     /// or auto (ops from --n-embd 512 up) [default: auto].
     #[arg(long, value_enum)]
     pub parallel: Option<crate::step::Parallelism>,
+    /// Activation checkpointing (Hugging Face's gradient_checkpointing): each block keeps only
+    /// its input for the backward pass and runs again there. The activations kept shrink to one
+    /// block's, for about one more forward pass of compute; the gradients are the same, bit for
+    /// bit. On the CPU's training path (--device cpu, GPT-2's GELU).
+    #[arg(long, alias = "gradient-checkpointing")]
+    pub activation_checkpointing: bool,
     /// On a CUDA GPU, f32 matrix products in TF32 (tensor cores; PyTorch's `allow_tf32`, which
     /// nanoGPT sets).
     #[arg(long)]

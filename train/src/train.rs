@@ -161,7 +161,15 @@ impl<'w> Trainer<'w> {
                 (model, Some(adapter))
             }
         };
-        let model = model.with_autocast(autocast);
+        let model = model
+            .with_autocast(autocast)
+            .with_activation_checkpointing(args.activation_checkpointing);
+        if args.activation_checkpointing && !model.trains_on_tape() {
+            bail!(
+                "--activation-checkpointing runs on the CPU's training path only (--device cpu, f32 weights, \
+                 GPT-2's gelu_new activation); this run trains with candle's backward pass"
+            );
+        }
         let named = crate::init::named_vars(&varmap)?;
         let mut opt = AdamW::new(named, setup::opt_config(&run))?;
         let mut state = match saved {
@@ -204,6 +212,7 @@ impl<'w> Trainer<'w> {
             threads = cpu_threads(args.threads),
             parallel = ?parallel,
             matmul = ?model.autocast(),
+            checkpointing = model.activation_checkpointing(),
             vocab = run.model.vocab_size,
             train_tokens = data.tokens(true),
             val_tokens = data.tokens(false),

@@ -15,6 +15,13 @@
 //! gradients, reaches the backward pass and is neither an entry's output nor one of the leaves
 //! asked for is an error. Tensors that track nothing (targets, a bias-free layer's zeros) are
 //! constants and get no gradient.
+//!
+//! Activation checkpointing ([`checkpoint`], Chen et al., 2016, "Training Deep Nets with
+//! Sublinear Memory Cost"; PyTorch's `torch.utils.checkpoint`): a segment of the pass (a
+//! transformer block) runs without recording, so that only its input and output are kept, and the
+//! backward pass runs it again, on a tape of its own, when its output's gradient arrives. Every op
+//! here computes the same bits again (dropout masks come from keys, not from a generator's state),
+//! so the gradients are those of the recorded pass, bit for bit.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -27,6 +34,9 @@ type Result<T, E = candle_core::Error> = std::result::Result<T, E>;
 type Op1 = Arc<Box<dyn CustomOp1 + Send + Sync>>;
 type Op2 = Arc<Box<dyn CustomOp2 + Send + Sync>>;
 type Op3 = Arc<Box<dyn CustomOp3 + Send + Sync>>;
+
+/// A segment of the forward pass that [`checkpoint`] runs again in the backward pass.
+pub type Segment = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
 thread_local! {
     /// The tape [`record`] is writing on this thread, if any.
@@ -48,6 +58,8 @@ enum Entry {
         ids: Tensor,
         out: Tensor,
     },
+    /// `out = segment(x)`, run without recording (see [`checkpoint`]).
+    Checkpoint(Segment, Tensor, Tensor),
 }
 
 impl Entry {
@@ -58,7 +70,8 @@ impl Entry {
             | Self::Op3(_, _, out)
             | Self::Add(_, out)
             | Self::FirstRows(_, out)
-            | Self::Embedding { out, .. } => out,
+            | Self::Embedding { out, .. }
+            | Self::Checkpoint(_, _, out) => out,
         }
     }
 
@@ -70,6 +83,7 @@ impl Entry {
             Self::Add(..) => "add",
             Self::FirstRows(..) => "narrow",
             Self::Embedding { .. } => "embedding",
+            Self::Checkpoint(..) => "checkpoint",
         }
     }
 }
@@ -113,6 +127,30 @@ pub fn record<R, E: From<candle_core::Error>>(forward: impl FnOnce() -> Result<R
     let result = forward();
     let tape = TAPE.with_borrow_mut(Option::take).unwrap_or_default();
     Ok((result?, tape))
+}
+
+/// `segment(x)`; while a tape records, with activation checkpointing (see the module's
+/// documentation): the segment's ops are not recorded and its intermediate tensors are dropped
+/// as it returns (its output is detached from candle's graph, which would hold them), and the
+/// backward pass runs `segment` on `x` again. `segment` must compute the same values every time
+/// and run on the tape's ops alone (no op outside the tape that the gradient must cross).
+pub fn checkpoint(x: &Tensor, segment: Segment) -> Result<Tensor> {
+    let Some(tape) = TAPE.with_borrow_mut(Option::take) else {
+        return segment(x);
+    };
+    /// Puts the tape back however the segment ends.
+    struct Resume(Option<Tape>);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            let tape = self.0.take();
+            TAPE.with_borrow_mut(|t| *t = tape);
+        }
+    }
+    let resume = Resume(Some(tape));
+    let out = segment(x)?.detach();
+    drop(resume);
+    push(|| Entry::Checkpoint(segment, x.clone(), out.clone()));
+    Ok(out)
 }
 
 fn push(entry: impl FnOnce() -> Entry) {
@@ -243,10 +281,18 @@ impl Tape {
     /// An op's backward rule's, or a tensor that tracks gradients and reaches this pass without
     /// being a leaf or an entry's output (an op the forward pass ran outside the tape).
     pub fn backward(self, out: &Tensor, seed: f32, leaves: &[&Tensor]) -> Result<Vec<Option<Tensor>>> {
-        let made: HashSet<TensorId> = self.entries.iter().map(|e| e.out().id()).collect();
         let wanted: HashSet<TensorId> = leaves.iter().map(|t| t.id()).collect();
         let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
         grads.insert(out.id(), Tensor::new(seed, out.device())?.broadcast_as(out.shape())?);
+        self.propagate(&mut grads, &wanted)?;
+        Ok(leaves.iter().map(|t| grads.remove(&t.id())).collect())
+    }
+
+    /// Runs the entries' backward rules in reverse from the gradients in `grads` (keyed by the
+    /// tensors they are of), leaving there the gradients of the `wanted` leaves (and of tensors
+    /// made before the tape).
+    fn propagate(self, grads: &mut HashMap<TensorId, Tensor>, wanted: &HashSet<TensorId>) -> Result<()> {
+        let made: HashSet<TensorId> = self.entries.iter().map(|e| e.out().id()).collect();
         // Whether `arg`'s gradient is kept: an entry's output or a leaf; a constant's is dropped.
         let keep = |arg: &Tensor, op: &'static str| -> Result<bool> {
             if made.contains(&arg.id()) || wanted.contains(&arg.id()) {
@@ -290,6 +336,27 @@ impl Tape {
                     };
                     (vec![table], vec![Some(grad)])
                 }
+                Entry::Checkpoint(segment, x, _) => {
+                    // The segment again, on a tape of its own, from its output's gradient; its
+                    // input's gradient and the leaves' come back here.
+                    let (again, tape) = record(|| segment(&x))?;
+                    let mut inner = HashMap::from([(again.id(), grad)]);
+                    let mut inner_wanted = wanted.clone();
+                    inner_wanted.insert(x.id());
+                    tape.propagate(&mut inner, &inner_wanted)?;
+                    let keep_x = keep(&x, name)?;
+                    for (id, g) in inner {
+                        if (id == x.id() && !keep_x) || !inner_wanted.contains(&id) {
+                            continue;
+                        }
+                        let sum = match grads.remove(&id) {
+                            Some(sum) => (sum + g)?,
+                            None => g,
+                        };
+                        grads.insert(id, sum);
+                    }
+                    continue;
+                }
                 Entry::Embedding { table, ids, .. } => {
                     // Added into the table's gradient so far, row by row, as candle does.
                     if keep(&table, name)? {
@@ -315,6 +382,6 @@ impl Tape {
                 grads.insert(arg.id(), sum);
             }
         }
-        Ok(leaves.iter().map(|t| grads.remove(&t.id())).collect())
+        Ok(())
     }
 }
