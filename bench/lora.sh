@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# LoRA against full fine-tuning of the GPT-2-small shape on the CPU, `gpt-train train` itself
+# LoRA against full fine-tuning of the GPT-2-small shape on the CPU, with and without activation
+# checkpointing (--activation-checkpointing), `gpt-train train` itself
 # (metrics.jsonl's tokens/s, median after the first step; peak RSS by /usr/bin/time), and PEFT's
 # own LoRA step in PyTorch (bench/lora_peft.py), side by side in pairs. The base is
 # bench/make_random_gpt2.py's random GPT-2 small with GPT-2's tokenizer; batch 1 x 1024 (its context), f32.
@@ -40,6 +41,12 @@ for pair in $(seq "$pairs"); do
   /usr/bin/time -f "peak-rss-kb %M" -o "$work/lora.time" "$bin" train --out "$work/lora" "${args[@]}" \
     --lora-r "$rank" --lora-targets "$targets" >/dev/null 2>&1
   echo "pair $pair: LoRA r $rank on $targets: $(report "$work/lora" "$work/lora.time")"
+  /usr/bin/time -f "peak-rss-kb %M" -o "$work/lora-ac.time" "$bin" train --out "$work/lora-ac" "${args[@]}" \
+    --lora-r "$rank" --lora-targets "$targets" --activation-checkpointing >/dev/null 2>&1
+  echo "pair $pair: LoRA r $rank on $targets, activation checkpointing: $(report "$work/lora-ac" "$work/lora-ac.time")"
+  /usr/bin/time -f "peak-rss-kb %M" -o "$work/full-ac.time" "$bin" train --out "$work/full-ac" "${args[@]}" \
+    --activation-checkpointing >/dev/null 2>&1
+  echo "pair $pair: full fine-tuning, activation checkpointing: $(report "$work/full-ac" "$work/full-ac.time")"
   echo "pair $pair: PEFT LoRA r $rank on $targets (PyTorch): $("$python" bench/lora_peft.py "$base" \
     --data data/tinyshakespeare.txt --r "$rank" --targets "$targets" --batch-size 1 --block-size 1024 \
     --steps "$steps" --threads 2 2>/dev/null)"

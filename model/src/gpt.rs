@@ -366,8 +366,9 @@ impl Gpt {
                 x = match train {
                     Some(_) if self.checkpointing && record.is_none() => {
                         let (block, segments) = (block.clone(), segments.cloned());
-                        let segment: gpt_kernels::tape::Segment =
-                            std::sync::Arc::new(move |x| block.forward_rows(x, seq_len, train, segments.as_ref(), None));
+                        let segment: gpt_kernels::tape::Segment = std::sync::Arc::new(move |x| {
+                            block.forward_rows(x, seq_len, train, segments.as_ref(), None)
+                        });
                         gpt_kernels::tape::checkpoint(&x, segment)?
                     }
                     _ => block.forward_rows(&x, seq_len, train, segments, record.as_deref_mut())?,
@@ -502,6 +503,43 @@ impl Gpt {
 
     pub fn autocast(&self) -> Autocast {
         self.autocast
+    }
+
+    /// The model with every parameter detached from gradient tracking: the same weights (shared,
+    /// not copied) and settings, for passes that take no gradient, such as evaluation during
+    /// training. A pass over a model whose parameters are variables builds candle's graph, which
+    /// holds every activation of the pass until its result is dropped: as much memory as
+    /// training's activations (the peak of a run with activation checkpointing).
+    pub fn detached(&self) -> Gpt {
+        let eps = self.cfg.layer_norm_epsilon;
+        let ln = |ln: &LayerNorm| crate::layers::detached_layer_norm(ln, eps);
+        Gpt {
+            wte: self.wte.detached(),
+            wpe: self.wpe.detach(),
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| {
+                    let mut attn = b.attn.clone();
+                    attn.c_attn = attn.c_attn.detached();
+                    attn.c_proj = attn.c_proj.detached();
+                    Block {
+                        ln_1: ln(&b.ln_1),
+                        attn,
+                        ln_2: ln(&b.ln_2),
+                        mlp: Mlp {
+                            c_fc: b.mlp.c_fc.detached(),
+                            c_proj: b.mlp.c_proj.detached(),
+                            ..b.mlp.clone()
+                        },
+                    }
+                })
+                .collect(),
+            ln_f: ln(&self.ln_f),
+            cfg: self.cfg.clone(),
+            autocast: self.autocast,
+            checkpointing: self.checkpointing,
+        }
     }
 
     /// The model with activation checkpointing (`on`) while training on the tape

@@ -33,6 +33,14 @@ pub enum Weight {
 }
 
 impl Weight {
+    /// The same weight, detached from gradient tracking.
+    pub(crate) fn detached(&self) -> Self {
+        match self {
+            Self::Dense(w) => Self::Dense(w.detach()),
+            Self::Packed(p) => Self::Packed(p.clone()),
+        }
+    }
+
     /// `x @ W^T` for `x` `(rows, in)`, under `autocast` for dense weights.
     pub fn forward(&self, x: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
         match self {
@@ -310,6 +318,18 @@ impl Conv1D {
 }
 
 impl Conv1D {
+    /// The same layer with every tensor detached from gradient tracking (see
+    /// [`crate::Gpt::detached`]).
+    pub(crate) fn detached(&self) -> Self {
+        Self {
+            weight: self.weight.detached(),
+            bias: self.bias.detach(),
+            autocast: self.autocast,
+            in_out: self.in_out.as_ref().map(Tensor::detach),
+            lora: self.lora.as_ref().map(crate::lora::LoraLayer::detached),
+        }
+    }
+
     /// `x @ W + b`, then GELU if `gelu`, as one fused node ([`gpt_kernels::affine`],
     /// [`gpt_kernels::affine_gelu`]) where it applies: f32 on the CPU, 2-D `x` (the residual
     /// stream as rows), the `(in, out)` tensor at hand; products under the layer's autocast.
@@ -432,6 +452,15 @@ pub(crate) fn layer_norm(ln: &LayerNorm, x: &Tensor, train: bool) -> candle_core
     match (train, ln.bias()) {
         (true, Some(bias)) => gpt_kernels::layer_norm(x, ln.weight(), bias, ln.eps() as f32),
         _ => ln.forward(&x.contiguous()?),
+    }
+}
+
+/// `ln` with its gain and bias detached from gradient tracking; `eps` is its epsilon (candle's
+/// `LayerNorm` does not give it back).
+pub(crate) fn detached_layer_norm(ln: &LayerNorm, eps: f64) -> LayerNorm {
+    match ln.bias() {
+        Some(b) => LayerNorm::new(ln.weight().detach(), b.detach(), eps),
+        None => LayerNorm::new_no_bias(ln.weight().detach(), eps),
     }
 }
 

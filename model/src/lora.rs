@@ -301,6 +301,18 @@ pub struct LoraLayer {
 }
 
 impl LoraLayer {
+    /// The same update with its matrices detached from gradient tracking (see
+    /// [`crate::Gpt::detached`]).
+    pub(crate) fn detached(&self) -> Self {
+        Self {
+            a: self.a.detach(),
+            b: self.b.detach(),
+            scale: self.scale,
+            dropout: self.dropout,
+            host: std::sync::OnceLock::new(),
+        }
+    }
+
     /// An update without dropout.
     pub fn new(a: Tensor, b: Tensor, scale: f64) -> Self {
         Self {

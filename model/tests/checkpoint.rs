@@ -196,3 +196,47 @@ fn bad_config_and_vocab_mismatch_are_clear() -> anyhow::Result<()> {
     assert!(matches!(err, Error::VocabMismatch { model: 50, .. }), "{err}");
     Ok(())
 }
+
+/// `gpt::files::read_safetensors` (one tensor at a time) reads what candle writes, every dtype,
+/// as candle's own `load` reads it; a truncated file or a broken header is an error naming the
+/// file (and the tensor cut short).
+#[test]
+fn safetensors_read_tensor_by_tensor_equal_candles_load() -> anyhow::Result<()> {
+    use candle_core::Tensor;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("t.safetensors");
+    let dev = &Device::Cpu;
+    let base = Tensor::arange(0f32, 24.0, dev)?.reshape((2, 3, 4))?;
+    let tensors = std::collections::HashMap::from([
+        ("a.f32".to_string(), base.clone()),
+        ("b.f16".to_string(), base.to_dtype(DType::F16)?),
+        ("c.bf16".to_string(), base.narrow(0, 0, 1)?.to_dtype(DType::BF16)?),
+        ("d.u32".to_string(), base.to_dtype(DType::U32)?.flatten_all()?),
+        ("e.scalar".to_string(), Tensor::new(3.5f64, dev)?),
+    ]);
+    candle_core::safetensors::save(&tensors, &path)?;
+    let ours = gpt::files::read_safetensors(&path, dev)?;
+    let theirs = candle_core::safetensors::load(&path, dev)?;
+    assert_eq!(ours.len(), theirs.len());
+    for (name, t) in &theirs {
+        let o = &ours[name];
+        assert_eq!((o.dtype(), o.dims()), (t.dtype(), t.dims()), "{name}");
+        let (o, t) = (
+            o.to_dtype(DType::F64)?.flatten_all()?,
+            t.to_dtype(DType::F64)?.flatten_all()?,
+        );
+        assert_eq!(o.to_vec1::<f64>()?, t.to_vec1::<f64>()?, "{name}");
+    }
+    let bytes = std::fs::read(&path)?;
+    std::fs::write(&path, &bytes[..bytes.len() - 10])?;
+    let err = gpt::files::read_safetensors(&path, dev)
+        .expect_err("a truncated file")
+        .to_string();
+    assert!(err.contains("t.safetensors") && err.contains("truncated"), "{err}");
+    std::fs::write(&path, b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")?;
+    let err = gpt::files::read_safetensors(&path, dev)
+        .expect_err("a broken header")
+        .to_string();
+    assert!(err.contains("t.safetensors") && err.contains("header"), "{err}");
+    Ok(())
+}

@@ -226,7 +226,11 @@ fn tape_grads(vars: &[Var], loss: impl FnOnce() -> gpt::Result<Tensor>) -> anyho
     let grads = tape.backward(&loss, 0.5, &leaves)?;
     grads
         .into_iter()
-        .map(|g| Ok(g.ok_or_else(|| anyhow::anyhow!("a variable without a gradient"))?.flatten_all()?.to_vec1::<f32>()?))
+        .map(|g| {
+            Ok(g.ok_or_else(|| anyhow::anyhow!("a variable without a gradient"))?
+                .flatten_all()?
+                .to_vec1::<f32>()?)
+        })
         .collect()
 }
 
@@ -246,7 +250,10 @@ fn activation_checkpointing_gives_the_same_gradients_bit_for_bit() -> anyhow::Re
         common::batch(&[common::tokens(16, 50, 4), common::tokens(16, 50, 6)])?,
     );
     let positions = Tensor::new(
-        &[[0u32, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3]],
+        &[
+            [0u32, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+            [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3],
+        ],
         &Device::Cpu,
     )?;
     let train = Some(Dropout { key: 9, first_row: 1 });
@@ -287,7 +294,10 @@ fn activation_checkpointing_gives_the_same_gradients_bit_for_bit() -> anyhow::Re
         .iter()
         .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
         .collect();
-    let mut plain = Gpt::new(candle_nn::VarBuilder::from_tensors(frozen, DType::F32, &Device::Cpu), &cfg)?;
+    let mut plain = Gpt::new(
+        candle_nn::VarBuilder::from_tensors(frozen, DType::F32, &Device::Cpu),
+        &cfg,
+    )?;
     plain.set_adapter(Some(&adapter))?;
     let again = plain.clone().with_activation_checkpointing(true);
     let mut lora_vars = adapter_vars.all_vars();
@@ -300,5 +310,49 @@ fn activation_checkpointing_gives_the_same_gradients_bit_for_bit() -> anyhow::Re
         plain.loss(&x, &y, None, 0.0)?.to_scalar::<f32>()?,
         again.loss(&x, &y, None, 0.0)?.to_scalar::<f32>()?
     );
+    Ok(())
+}
+
+/// `Gpt::detached` (evaluation while training) computes the same loss from the same weights,
+/// and builds no graph: its result tracks nothing, for a model of variables and for a LoRA
+/// adapter's.
+#[test]
+fn a_detached_model_computes_the_same_and_tracks_nothing() -> anyhow::Result<()> {
+    let cfg = Config::tiny(50);
+    let (_, model) = common::random_model(&cfg)?;
+    let (x, y) = (
+        common::batch(&[common::tokens(16, 50, 3)])?,
+        common::batch(&[common::tokens(16, 50, 4)])?,
+    );
+    let vb_vars = VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vb_vars, DType::F32, &Device::Cpu);
+    let config = gpt::lora::LoraConfig {
+        r: 2,
+        lora_alpha: 4.0,
+        lora_dropout: 0.0,
+        target_modules: vec!["c_attn".into(), "c_fc".into()],
+        layers_to_transform: None,
+        use_rslora: false,
+        base_model_name_or_path: None,
+    };
+    let adapter = gpt::Adapter::init(config, &cfg, &vb)?;
+    for var in vb_vars.all_vars() {
+        var.set(&Tensor::randn(0f32, 0.5, var.shape(), &Device::Cpu)?)?;
+    }
+    let mut adapted = model.clone();
+    adapted.set_adapter(Some(&adapter))?;
+    for (what, m) in [("variables", &model), ("LoRA", &adapted)] {
+        let tracked = m.forward(&x, None)?;
+        assert!(tracked.track_op(), "{what}: the test needs a model that tracks");
+        let detached = m.detached().forward(&x, None)?;
+        assert!(!detached.track_op(), "{what}: the detached model built a graph");
+        let (a, b) = (
+            tracked.flatten_all()?.to_vec1::<f32>()?,
+            detached.flatten_all()?.to_vec1::<f32>()?,
+        );
+        assert!(a == b, "{what}: other logits");
+        let (a, b) = (m.loss(&x, &y, None, 0.0)?, m.detached().loss(&x, &y, None, 0.0)?);
+        assert_eq!(a.to_scalar::<f32>()?, b.to_scalar::<f32>()?, "{what}");
+    }
     Ok(())
 }

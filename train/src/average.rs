@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use gpt::checkpoint::{self, CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE};
@@ -15,8 +15,7 @@ use gpt::{Config, Gpt, Tokenizer};
 /// the `transformer.` prefix.
 pub(crate) fn parameters(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let path = dir.join(WEIGHTS_FILE);
-    let tensors =
-        candle_core::safetensors::load(&path, device).with_context(|| format!("reading {}", path.display()))?;
+    let tensors = gpt::files::read_safetensors(&path, device)?;
     Ok(tensors
         .into_iter()
         .filter(|(name, _)| {

@@ -445,8 +445,7 @@ pub fn save_best(out: &Path, model: &Gpt, adapter: Option<&Adapter>, tokenizer: 
 pub fn restore(saved: &Saved, varmap: &VarMap, opt: &mut AdamW, device: &Device) -> Result<()> {
     let lora = saved.state.run.lora.is_some();
     let weights = saved.dir.join(weights_file(lora));
-    let tensors = candle_core::safetensors::load(&weights, device)
-        .with_context(|| format!("{}: not a readable safetensors file", weights.display()))?;
+    let tensors = gpt::files::read_safetensors(&weights, device)?;
     let vars = varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap poisoned"))?;
     for (name, var) in vars.iter() {
         // A LoRA run's variables are its adapter's matrices, named as PEFT names them but for
@@ -462,8 +461,7 @@ pub fn restore(saved: &Saved, varmap: &VarMap, opt: &mut AdamW, device: &Device)
         var.set(&t.to_dtype(DType::F32)?)?;
     }
     let optimizer = saved.dir.join(OPTIMIZER_FILE);
-    let state_tensors = candle_core::safetensors::load(&optimizer, device)
-        .with_context(|| format!("{}: not a readable safetensors file", optimizer.display()))?;
+    let state_tensors = gpt::files::read_safetensors(&optimizer, device)?;
     opt.load_state(state_tensors, saved.state.step as u64)
         .with_context(|| format!("restoring {}", optimizer.display()))?;
     Ok(())

@@ -37,8 +37,18 @@ pub fn estimate_loss(
     threads: usize,
     world: &World,
 ) -> Result<(f64, f64)> {
+    // Conversations are few: every evaluation draws the same batches of them, so that one
+    // evaluation compares with the next (with the batches of each step, the noise of a few
+    // hundred draws hid the change). A text corpus draws anew each time, as nanoGPT does.
+    let draws_for = match data {
+        Corpus::Chat(_) => 0,
+        Corpus::Text(_) => step,
+    };
+    // Detached: the variables would make every pass build candle's graph and hold its
+    // activations until its loss is dropped.
+    let model = &model.detached();
     let batch_loss = |train: bool, stream: u64, i: usize| -> Result<f64> {
-        let mut rng = data::batch_rng(run.seed, step, stream + i as u64);
+        let mut rng = data::batch_rng(run.seed, draws_for, stream + i as u64);
         let batch = data.batch(train, run.batch_size, run.block_size(), &mut rng, device)?;
         Ok(loss(model, &batch, None, 0.0)?.to_scalar::<f32>()? as f64) // plain NLL, smoothing or not
     };
