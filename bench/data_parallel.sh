@@ -2,9 +2,10 @@
 # Data-parallel training on one machine: the job's tokens/s of N ranks x T threads under mpirun
 # against one process of N*T threads, side by side in pairs, and each side's peak memory per
 # process. GPT-2-small shape (12 layers, 12 heads, 768 wide, GPT-2's 50257-token BPE) on
-# tinyshakespeare, batch 4 x 256 (ACCUM micro-batches of it a step: --gradient-accumulation-steps,
-# default 1), `gpt-train train` itself (metrics.jsonl's tokens/s per step, median after the first).
-#   [ACCUM=4] bash bench/data_parallel.sh [PAIRS] [STEPS]
+# tinyshakespeare, batch BATCH x 256 (default 4; ACCUM micro-batches of it a step:
+# --gradient-accumulation-steps, default 1), `gpt-train train` itself (metrics.jsonl's tokens/s
+# per step, median after the first).
+#   [BATCH=8] [ACCUM=4] bash bench/data_parallel.sh [PAIRS] [STEPS]
 # Needs Open MPI (`apt-get install openmpi-bin libopenmpi-dev libclang-dev`) and GPT-2's
 # tokenizer.json (GPT2_TOKENIZER, default target/gpt2-tokenizer/tokenizer.json, which .ci/run
 # makes).
@@ -15,6 +16,7 @@ steps=${2:-8}
 ranks=${RANKS:-2}
 threads=${THREADS:-1}
 accum=${ACCUM:-1}
+batch=${BATCH:-4}
 tokenizer=${GPT2_TOKENIZER:-target/gpt2-tokenizer/tokenizer.json}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 RUST_LOG=warn
 cargo build -q --release -p gpt-train --features mpi
@@ -22,7 +24,7 @@ bin=target/release/gpt-train
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 args=(--data data/tinyshakespeare.txt --tokenizer "$tokenizer" --n-layer 12 --n-head 12 --n-embd 768
-  --block-size 256 --batch-size 4 --gradient-accumulation-steps "$accum" --dropout 0 --max-iters "$steps" --eval-interval 100000
+  --block-size 256 --batch-size "$batch" --gradient-accumulation-steps "$accum" --dropout 0 --max-iters "$steps" --eval-interval 100000
   --eval-iters 1 --log-interval 1 --keep-last 1 --device cpu)
 # The median tokens/s of the logged steps after the first, and the largest peak RSS (GB) of the
 # processes, from /usr/bin/time's lines.
