@@ -144,7 +144,7 @@ fn fused_kernels_window_attention_matches_the_cpu_forward_and_backward() {
         assert_same_both_ways(
             &format!("window_attention {b}x{t}, {nh} heads of {hs}, p {p}"),
             &[qkv],
-            |x| gpt_kernels::window_attention(simd, &x[0], t, nh, scale, p, 0xC0FFEE, first_row),
+            |x| gpt_kernels::window_attention(simd, &x[0], t, nh, scale, p, 0xC0FFEE, first_row, None),
         );
     }
 }
