@@ -16,7 +16,10 @@ fn main() {
     );
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-env-changed=GPT_TEST_PYTHON");
-    println!("cargo::rustc-check-cfg=cfg(gpt_test_root, gpt_test_numpy, gpt_test_peft, gpt_test_netns)");
+    println!("cargo::rerun-if-env-changed=SLURM_CONF");
+    println!(
+        "cargo::rustc-check-cfg=cfg(gpt_test_root, gpt_test_numpy, gpt_test_peft, gpt_test_netns, gpt_test_slurm)"
+    );
     let run = |program: &str, args: &[&str]| {
         Command::new(program)
             .args(args)
@@ -44,6 +47,11 @@ fn main() {
         if run("ip", &["netns", "add", &probe]).is_some() {
             let _ = run("ip", &["netns", "del", &probe]);
             println!("cargo::rustc-cfg=gpt_test_netns");
+        }
+        // A node of a Slurm cluster that takes jobs: `sbatch` and `srun` can start the ranks.
+        let idle = run("sinfo", &["-h", "-o", "%t"]);
+        if idle.is_some_and(|states| states.lines().any(|s| s.trim() == "idle" || s.trim() == "mix")) {
+            println!("cargo::rustc-cfg=gpt_test_slurm");
         }
     }
     if let Ok(python) = std::env::var("GPT_TEST_PYTHON") {

@@ -446,6 +446,27 @@ fn a_batch_that_does_not_divide_among_the_ranks_is_refused_naming_both() -> anyh
     Ok(())
 }
 
+/// A launcher whose processes the MPI library does not join (here MPICH's `PMI_SIZE` to an Open
+/// MPI build, which then starts each process as a job of its own) is refused before any training,
+/// instead of N runs writing one `--out`.
+#[test]
+fn a_launcher_that_the_mpi_library_does_not_answer_is_refused() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let run = dir.path().join("run");
+    let out = Command::new(BIN)
+        .args(train_args(&support::shakespeare_path(), &run, &[]))
+        .env("PMI_SIZE", "2")
+        .output()?;
+    assert!(!out.status.success());
+    let log = stderr(&out);
+    assert!(
+        log.contains("the launcher started 2 processes (PMI_SIZE=2) but MPI joined 1 into this job"),
+        "{log}"
+    );
+    assert!(!run.join("metrics.jsonl").exists(), "it trained");
+    Ok(())
+}
+
 /// Two network namespaces joined by a veth pair: two "hosts" on one machine, removed on drop.
 struct TwoHosts {
     names: [String; 2],
@@ -520,6 +541,45 @@ fn two_ranks_on_two_hosts_over_tcp_end_with_the_weights_of_one_process() -> anyh
         ))
         .output()?;
     ok(out)?;
+    assert!(tensors(&step_dir(&one, 20))? == tensors(&step_dir(&two, 20))?);
+    Ok(())
+}
+
+/// A job script as a Slurm user writes one (README, "Data-parallel training"): `sbatch` allocates
+/// the tasks, `srun` inside the script starts one rank each, with PMIx handing the ranks to MPI.
+#[cfg_attr(
+    not(gpt_test_slurm),
+    ignore = "needs a Slurm cluster (`sinfo` answered no idle node when the tests were built; \
+              tests/fixtures/slurm_cluster.sh starts one, as .ci/mpi.sh does)"
+)]
+#[test]
+fn two_ranks_started_by_srun_in_an_sbatch_job_end_with_the_weights_of_one_process() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let (one, more) = one_process_of_20_steps(&corpus, dir.path())?;
+    let two = dir.path().join("two");
+    let args = train_args(&corpus, &two, &[more.as_slice(), &["--threads", "1"]].concat());
+    let script = dir.path().join("job.sh");
+    let log = dir.path().join("job.log");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n#SBATCH --ntasks=2 --output={}\nexec srun --mpi=pmix {BIN} {}\n",
+            log.display(),
+            args.join(" ")
+        ),
+    )?;
+    let out = Command::new("sbatch")
+        .args(["--wait", "--job-name", "gpt-train-test"])
+        .arg(&script)
+        .env("RUST_LOG", "info")
+        .output()?;
+    let job_log = std::fs::read_to_string(&log).unwrap_or_default();
+    anyhow::ensure!(out.status.success(), "the job failed: {}\n{job_log}", stderr(&out));
+    assert!(
+        job_log.contains("ranks=2"),
+        "the job did not train on 2 ranks: {job_log}"
+    );
     assert!(tensors(&step_dir(&one, 20))? == tensors(&step_dir(&two, 20))?);
     Ok(())
 }

@@ -92,8 +92,21 @@ impl World {
     pub fn init() -> Result<Self> {
         let launched = launched_ranks();
         #[cfg(feature = "mpi")]
-        if launched.is_some() {
+        if let Some(launched) = &launched {
             let comm = mpi::Comm::init()?;
+            // An MPI library that is not the launcher's (an Open MPI build under MPICH's
+            // mpiexec, say) starts each process as a job of its own: N runs writing one --out.
+            if comm.size() != launched.size {
+                bail!(
+                    "the launcher started {} processes ({}) but MPI joined {} into this job: the MPI \
+                     this gpt-train was built with is not the launcher's (Open MPI's mpirun for an Open \
+                     MPI build, MPICH's mpiexec for an MPICH one; under Slurm, `srun --mpi=pmix` or the \
+                     plugin `srun --mpi=list` names for it)",
+                    launched.size,
+                    launched.source,
+                    comm.size()
+                );
+            }
             let mut world = Self::single();
             (world.rank, world.size, world.local_rank) = (comm.rank(), comm.size(), comm.local_rank());
             world.mpi = Some(comm);
