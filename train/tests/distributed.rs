@@ -547,6 +547,26 @@ fn two_ranks_on_two_hosts_over_tcp_end_with_the_weights_of_one_process() -> anyh
 
 /// A job script as a Slurm user writes one (README, "Data-parallel training"): `sbatch` allocates
 /// the tasks, `srun` inside the script starts one rank each, with PMIx handing the ranks to MPI.
+/// `sbatch` with a job script of 2 tasks that runs `gpt-train` with `args` under `srun`, its
+/// output in `dir/job.log`, and `sbatch`'s own flags `flags`.
+fn sbatch(dir: &Path, args: &[String], flags: &[&str]) -> anyhow::Result<Output> {
+    let script = dir.join("job.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n#SBATCH --ntasks=2 --output={}\nexec srun --mpi=pmix {BIN} {}\n",
+            dir.join("job.log").display(),
+            args.join(" ")
+        ),
+    )?;
+    Ok(Command::new("sbatch")
+        .args(flags)
+        .args(["--job-name", "gpt-train-test"])
+        .arg(&script)
+        .env("RUST_LOG", "info")
+        .output()?)
+}
+
 #[cfg_attr(
     not(gpt_test_slurm),
     ignore = "needs a Slurm cluster (`sinfo` answered no idle node when the tests were built; \
@@ -559,22 +579,8 @@ fn two_ranks_started_by_srun_in_an_sbatch_job_end_with_the_weights_of_one_proces
     let (one, more) = one_process_of_20_steps(&corpus, dir.path())?;
     let two = dir.path().join("two");
     let args = train_args(&corpus, &two, &[more.as_slice(), &["--threads", "1"]].concat());
-    let script = dir.path().join("job.sh");
-    let log = dir.path().join("job.log");
-    std::fs::write(
-        &script,
-        format!(
-            "#!/bin/sh\n#SBATCH --ntasks=2 --output={}\nexec srun --mpi=pmix {BIN} {}\n",
-            log.display(),
-            args.join(" ")
-        ),
-    )?;
-    let out = Command::new("sbatch")
-        .args(["--wait", "--job-name", "gpt-train-test"])
-        .arg(&script)
-        .env("RUST_LOG", "info")
-        .output()?;
-    let job_log = std::fs::read_to_string(&log).unwrap_or_default();
+    let out = sbatch(dir.path(), &args, &["--wait"])?;
+    let job_log = std::fs::read_to_string(dir.path().join("job.log")).unwrap_or_default();
     anyhow::ensure!(out.status.success(), "the job failed: {}\n{job_log}", stderr(&out));
     assert!(
         job_log.contains("ranks=2"),
@@ -582,4 +588,73 @@ fn two_ranks_started_by_srun_in_an_sbatch_job_end_with_the_weights_of_one_proces
     );
     assert!(tensors(&step_dir(&one, 20))? == tensors(&step_dir(&two, 20))?);
     Ok(())
+}
+
+/// `scancel`, as Slurm does at a job's time limit or on preemption: SIGTERM to every rank, which
+/// agree on the step; rank 0 saves it, and the run resumes exactly (here under `mpirun`).
+#[cfg_attr(
+    not(gpt_test_slurm),
+    ignore = "needs a Slurm cluster (`sinfo` answered no idle node when the tests were built; \
+              tests/fixtures/slurm_cluster.sh starts one, as .ci/mpi.sh does)"
+)]
+#[test]
+fn scancel_stops_every_rank_at_one_step_and_rank_0_saves_it() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let out = dir.path().join("run");
+    let more = args(&["--max-iters", "100000", "--lr-decay-iters", "100000", "--threads", "1"]);
+    let submitted = sbatch(dir.path(), &train_args(&corpus, &out, &more), &["--parsable"])?;
+    let submitted = ok(submitted)?;
+    let job = String::from_utf8_lossy(&submitted.stdout).trim().to_string();
+    let log = dir.path().join("job.log");
+    let started = Instant::now();
+    while newest_step(&out).is_none_or(|s| s < 10) {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(120),
+            "no checkpoint past step 10 within 2 minutes: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    ok(Command::new("scancel").arg(&job).output()?)?;
+    let ended = || !runs_writing(&out);
+    let started = Instant::now();
+    while !ended() {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(60),
+            "the ranks outlived scancel by a minute"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let job_log = std::fs::read_to_string(&log)?;
+    let saved = job_log
+        .lines()
+        .find_map(|l| l.strip_prefix("interrupted: checkpoint saved at step "))
+        .and_then(|rest| rest.split_whitespace().next()?.parse::<usize>().ok());
+    let Some(saved) = saved else {
+        panic!("no checkpoint of the interruption reported: {job_log}");
+    };
+    assert_eq!(
+        job_log.matches("interrupted:").count(),
+        1,
+        "rank 0 alone reports: {job_log}"
+    );
+    assert_eq!(newest_step(&out), Some(saved));
+    resumes_exactly(&corpus, &out, dir.path())
+}
+
+/// Whether a gpt-train writing to `out` still runs (under any launcher).
+fn runs_writing(out: &Path) -> bool {
+    let out = out.to_string_lossy().into_owned();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    procs.flatten().any(|p| {
+        let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into())
+            .collect();
+        args.first().map(String::as_str) == Some(BIN) && args.contains(&out)
+    })
 }
