@@ -1,0 +1,153 @@
+//! What training asks of the network beyond the forward pass: the loss (the LM head and the
+//! cross-entropy fused on the CPU), whether its backward pass can run on the tape, mixed
+//! precision, activation checkpointing, and a detached copy for passes that take no gradient.
+
+use candle_core::{DType, Tensor};
+use candle_nn::LayerNorm;
+
+use super::{Block, Gpt, Mlp};
+use crate::config::Activation;
+use crate::error::Result;
+use crate::layers::{Autocast, Dropout, Weight};
+
+impl Gpt {
+    /// Whether [`Gpt::loss`]'s backward pass can run on a tape ([`gpt_kernels::tape::record`],
+    /// then [`gpt_kernels::tape::Tape::backward`]) instead of candle's `backward`: the fused CPU
+    /// path in f32 (dense weights), with GPT-2's GELU. Elsewhere the forward pass runs candle ops
+    /// that the tape does not record (the tape's backward pass would refuse them).
+    /// `GPT_CPU_TAPE=0` in the environment turns it off, to compare.
+    pub fn trains_on_tape(&self) -> bool {
+        gpt_kernels::tape::enabled()
+            && self.device().is_cpu()
+            && gpt_kernels::fused(&self.wpe)
+            && self.cfg.activation_function == Activation::GeluNew
+            && matches!(&self.wte, Weight::Dense(w) if w.dtype() == DType::F32)
+    }
+
+    /// Mean next-token cross-entropy of `(B, T)` windows `idx` against `targets` `(B, T)` (u32),
+    /// with label smoothing `eps` (see [`gpt_kernels::cross_entropy`]); `train` as in
+    /// [`Gpt::forward`], and then differentiable. On the CPU in f32 the LM head and the loss are
+    /// one op that never holds the whole logits ([`gpt_kernels::lm_head_loss`]); elsewhere the
+    /// logits, then the cross-entropy.
+    pub fn loss(&self, idx: &Tensor, targets: &Tensor, train: Option<Dropout>, eps: f32) -> Result<Tensor> {
+        self.loss_in(idx, None, targets, train, eps)
+    }
+
+    /// [`Gpt::loss`] over packed windows, `positions` as in [`Gpt::forward_at`]: the mean over
+    /// every sequence's targets, each sequence seeing only itself.
+    pub fn loss_at(
+        &self,
+        idx: &Tensor,
+        positions: &Tensor,
+        targets: &Tensor,
+        train: Option<Dropout>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        self.loss_in(idx, Some(positions), targets, train, eps)
+    }
+
+    fn loss_in(
+        &self,
+        idx: &Tensor,
+        positions: Option<&Tensor>,
+        targets: &Tensor,
+        train: Option<Dropout>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let hidden = self.forward_hidden(idx, positions, train, None)?; // (B*T, C)
+        let targets = targets.flatten_all()?;
+        match &self.wte {
+            Weight::Dense(w)
+                if hidden.device().is_cpu()
+                    && gpt_kernels::fused(&hidden)
+                    && w.dtype() == DType::F32
+                    && targets.dtype() == DType::U32 =>
+            {
+                Ok(gpt_kernels::lm_head_loss(
+                    &hidden,
+                    w,
+                    &targets,
+                    eps,
+                    train.is_some(),
+                    self.autocast,
+                )?)
+            }
+            _ => {
+                let logits = self.wte.forward(&hidden, self.autocast)?.to_dtype(DType::F32)?; // (B*T, V)
+                Ok(gpt_kernels::cross_entropy(&logits, &targets, eps)?)
+            }
+        }
+    }
+
+    /// The model with the matrix products of [`Gpt::forward`] and [`Gpt::loss`] under `autocast` (see [`Autocast`]).
+    pub fn with_autocast(mut self, autocast: Autocast) -> Self {
+        self.autocast = autocast;
+        for block in &mut self.blocks {
+            block.attn.autocast = autocast;
+            for conv in [
+                &mut block.attn.c_attn,
+                &mut block.attn.c_proj,
+                &mut block.mlp.c_fc,
+                &mut block.mlp.c_proj,
+            ] {
+                conv.autocast = autocast;
+            }
+        }
+        self
+    }
+
+    pub fn autocast(&self) -> Autocast {
+        self.autocast
+    }
+
+    /// The model with every parameter detached from gradient tracking: the same weights (shared,
+    /// not copied) and settings, for passes that take no gradient, such as evaluation during
+    /// training. A pass over a model whose parameters are variables builds candle's graph, which
+    /// holds every activation of the pass until its result is dropped: as much memory as
+    /// training's activations (the peak of a run with activation checkpointing).
+    pub fn detached(&self) -> Gpt {
+        let eps = self.cfg.layer_norm_epsilon;
+        let ln = |ln: &LayerNorm| crate::layers::detached_layer_norm(ln, eps);
+        Gpt {
+            wte: self.wte.detached(),
+            wpe: self.wpe.detach(),
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| {
+                    let mut attn = b.attn.clone();
+                    attn.c_attn = attn.c_attn.detached();
+                    attn.c_proj = attn.c_proj.detached();
+                    Block {
+                        ln_1: ln(&b.ln_1),
+                        attn,
+                        ln_2: ln(&b.ln_2),
+                        mlp: Mlp {
+                            c_fc: b.mlp.c_fc.detached(),
+                            c_proj: b.mlp.c_proj.detached(),
+                            ..b.mlp.clone()
+                        },
+                    }
+                })
+                .collect(),
+            ln_f: ln(&self.ln_f),
+            cfg: self.cfg.clone(),
+            autocast: self.autocast,
+            checkpointing: self.checkpointing,
+        }
+    }
+
+    /// The model with activation checkpointing (`on`) while training on the tape
+    /// ([`Gpt::trains_on_tape`]): each block keeps only its input for the backward pass and runs
+    /// again when the gradient reaches it ([`gpt_kernels::tape::checkpoint`]). The gradients are
+    /// the same, bit for bit; the activations kept shrink from every block's to one block's, for
+    /// about one more forward pass of compute. Elsewhere (candle's backward) it changes nothing.
+    pub fn with_activation_checkpointing(mut self, on: bool) -> Self {
+        self.checkpointing = on;
+        self
+    }
+
+    pub fn activation_checkpointing(&self) -> bool {
+        self.checkpointing
+    }
+}

@@ -1,0 +1,210 @@
+//! How the network's weights are named and held: under `transformers`' names for checkpoints,
+//! in the formats and precisions inference runs (packed, half precision, quantized), with a LoRA
+//! adapter's updates attached, and counted.
+
+use candle_core::{DType, Tensor};
+use candle_nn::LayerNorm;
+use gpt_kernels::{MatmulPrecision, WeightFormat};
+
+use super::{Block, Gpt};
+use crate::config::PositionEmbedding;
+use crate::error::{Error, Result};
+use crate::layers::{Conv1D, Weight};
+
+impl Gpt {
+    /// The weights under `transformers`' names (`transformer.` prefix, as `save_pretrained`
+    /// writes them; the tied LM head is not stored separately).
+    /// Quantized weights are dequantized to f32.
+    pub fn named_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = vec![
+            ("transformer.wte.weight".to_string(), self.wte.tensor()?),
+            ("transformer.wpe.weight".to_string(), self.wpe.clone()),
+        ];
+        let mut ln = |name: String, ln: &LayerNorm| {
+            out.push((format!("{name}.weight"), ln.weight().clone()));
+            if let Some(b) = ln.bias() {
+                out.push((format!("{name}.bias"), b.clone()));
+            }
+        };
+        for (i, b) in self.blocks.iter().enumerate() {
+            ln(format!("transformer.h.{i}.ln_1"), &b.ln_1);
+            ln(format!("transformer.h.{i}.ln_2"), &b.ln_2);
+        }
+        ln("transformer.ln_f".to_string(), &self.ln_f);
+        for (i, b) in self.blocks.iter().enumerate() {
+            let p = format!("transformer.h.{i}");
+            for (name, conv) in [
+                ("attn.c_attn", b.attn.c_attn()),
+                ("attn.c_proj", b.attn.c_proj()),
+                ("mlp.c_fc", &b.mlp.c_fc),
+                ("mlp.c_proj", &b.mlp.c_proj),
+            ] {
+                out.push((format!("{p}.{name}.weight"), conv.weight_in_out()?));
+                out.push((format!("{p}.{name}.bias"), conv.bias.clone()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The model as inference holds it: on the CPU with f32 activations, every weight matrix
+    /// (the linear layers and the tied LM head) packed for [`gpt_kernels::PackedMatrix`]'s kernel
+    /// in f32; elsewhere each linear layer's weight in contiguous `(out, in)` memory (GPT-2
+    /// checkpoints store `(in, out)`). For loaded models only: training keeps its variables as
+    /// created.
+    pub fn into_inference_layout(self) -> Result<Self> {
+        let format = match self.dtype() {
+            DType::F32 if self.device().is_cpu() => WeightFormat::F32,
+            _ => {
+                let mut model = self;
+                for conv in model.convs_mut() {
+                    if let Weight::Dense(w) = &conv.weight {
+                        let w = Weight::Dense(w.contiguous()?);
+                        conv.set_weight(w);
+                    }
+                }
+                return Ok(model);
+            }
+        };
+        self.with_weight_format(format)
+    }
+
+    /// The model with its weight matrices (every linear layer and the tied LM head, which is also
+    /// the token embedding) held in `format` for inference; see [`WeightFormat`]. Biases,
+    /// LayerNorms and the position table stay as they are, and so do activations: on the CPU
+    /// in f32, with every format packed for [`gpt_kernels::PackedMatrix`] (half-precision weights
+    /// widened and quantized blocks scaled in registers). Quantized formats need rows whose
+    /// length is a multiple of the format's block (32 for q8_0 and q4_0), and run on the CPU.
+    pub fn with_weight_format(mut self, format: WeightFormat) -> Result<Self> {
+        if format.ggml().is_some() && !self.device().is_cpu() {
+            return Err(Error::InvalidConfig(format!(
+                "--dtype {format} runs on the CPU only; use f16 or bf16 on a GPU"
+            )));
+        }
+        let device = self.device().clone();
+        for (name, weight) in self.matrices_mut() {
+            *weight = weight.converted(format, &name, &device)?;
+        }
+        Ok(self)
+    }
+
+    /// The model with its CPU products at `precision` (see [`MatmulPrecision`]). `High` needs
+    /// f32 or bf16 weights packed for the CPU ([`Gpt::into_inference_layout`] on the CPU) and a
+    /// CPU with AMX-BF16; it keeps a second copy of every weight matrix (the same bytes again).
+    pub fn with_matmul_precision(mut self, precision: MatmulPrecision) -> Result<Self> {
+        for (name, weight) in self.matrices_mut() {
+            match weight {
+                // In place (a loaded model's matrices are not shared: no copy of the f32 panels).
+                Weight::Packed(p) => std::sync::Arc::make_mut(p)
+                    .set_precision(precision)
+                    .map_err(|e| Error::InvalidConfig(format!("--matmul-precision {precision} for `{name}`: {e}")))?,
+                Weight::Dense(_) if precision == MatmulPrecision::Highest => {}
+                Weight::Dense(_) => {
+                    return Err(Error::InvalidConfig(format!(
+                        "--matmul-precision {precision} applies to f32 or bf16 weights on the CPU; `{name}` is held \
+                         as a {:?} tensor on {:?}",
+                        weight.tensor()?.dtype(),
+                        self.device()
+                    )))
+                }
+            }
+        }
+        Ok(self)
+    }
+
+    /// Every weight matrix (`(out, in)`) under its checkpoint name: the tied LM head and token
+    /// embedding `transformer.wte.weight`, then each block's linear layers. For conversions: the
+    /// layers stop using the `(in, out)` tensors they were created with (training's path).
+    pub fn matrices_mut(&mut self) -> Vec<(String, &mut Weight)> {
+        for conv in self.convs_mut() {
+            conv.in_out = None;
+        }
+        let mut out = vec![("transformer.wte.weight".to_string(), &mut self.wte)];
+        for (name, conv) in Self::named_convs_mut(&mut self.blocks) {
+            out.push((format!("{name}.weight"), &mut conv.weight));
+        }
+        out
+    }
+
+    /// Each block's linear layers under their names (`transformer.h.0.attn.c_attn`).
+    fn named_convs_mut(blocks: &mut [Block]) -> Vec<(String, &mut Conv1D)> {
+        let mut out = Vec::new();
+        for (i, block) in blocks.iter_mut().enumerate() {
+            for (name, conv) in [
+                ("attn.c_attn", &mut block.attn.c_attn),
+                ("attn.c_proj", &mut block.attn.c_proj),
+                ("mlp.c_fc", &mut block.mlp.c_fc),
+                ("mlp.c_proj", &mut block.mlp.c_proj),
+            ] {
+                out.push((format!("transformer.h.{i}.{name}"), conv));
+            }
+        }
+        out
+    }
+
+    /// The format of the weight matrices (that of the LM head).
+    pub fn weight_format(&self) -> Option<WeightFormat> {
+        match &self.wte {
+            Weight::Dense(w) => WeightFormat::ALL
+                .into_iter()
+                .find(|f| f.ggml().is_none() && f.dtype() == w.dtype()),
+            Weight::Packed(p) => Some(p.format()),
+        }
+    }
+
+    /// Adds `adapter`'s low-rank updates to the outputs of the layers it adapts (without
+    /// changing their weights), or with `None` removes any. The adapter must be for a model of
+    /// this one's shape ([`crate::lora::Adapter::load`] checks it against the config).
+    pub fn set_adapter(&mut self, adapter: Option<&crate::lora::Adapter>) -> Result<()> {
+        if let Some(adapter) = adapter {
+            for (name, _, _) in adapter.config.layers(&self.cfg)? {
+                if !adapter.layers.contains_key(&name) {
+                    return Err(crate::Error::InvalidConfig(format!(
+                        "the adapter has no update for `{name}`"
+                    )));
+                }
+            }
+        }
+        for (name, conv) in Self::named_convs_mut(&mut self.blocks) {
+            conv.lora = adapter.and_then(|a| a.layers.get(&name)).cloned();
+        }
+        Ok(())
+    }
+
+    fn convs_mut(&mut self) -> impl Iterator<Item = &mut Conv1D> {
+        self.blocks.iter_mut().flat_map(|b| {
+            [
+                &mut b.attn.c_attn,
+                &mut b.attn.c_proj,
+                &mut b.mlp.c_fc,
+                &mut b.mlp.c_proj,
+            ]
+        })
+    }
+
+    /// Number of trainable parameters (the tied LM head counted once; neither a sinusoid table
+    /// nor the fixed zero biases of `bias: false` counted).
+    pub fn num_parameters(&self) -> usize {
+        let (v, c) = self.wte.dims();
+        let mut n = v * c;
+        if self.cfg.position_embedding == PositionEmbedding::Learned {
+            n += self.wpe.elem_count();
+        }
+        let ln = |ln: &LayerNorm| {
+            ln.weight().elem_count()
+                + if self.cfg.bias {
+                    ln.bias().map_or(0, |b| b.elem_count())
+                } else {
+                    0
+                }
+        };
+        n += ln(&self.ln_f);
+        for b in &self.blocks {
+            n += ln(&b.ln_1) + ln(&b.ln_2);
+            for conv in [&b.attn.c_attn, &b.attn.c_proj, &b.mlp.c_fc, &b.mlp.c_proj] {
+                let (out, inp) = conv.weight.dims();
+                n += out * inp + if self.cfg.bias { out } else { 0 };
+            }
+        }
+        n
+    }
+}
