@@ -13,19 +13,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 cargo build -q --release -p gpt-train --features mpi --example allreduce
 bin=$PWD/target/release/examples/allreduce
 agent=$PWD/tests/fixtures/netns_rsh_agent.sh
-a=gpta$$ b=gptb$$ subnet=10.78.$(($$ % 250))
-cleanup() { ip netns del "$a" 2>/dev/null || true; ip netns del "$b" 2>/dev/null || true; }
-trap cleanup EXIT
-ip netns add "$a"
-ip netns add "$b"
-ip link add "va$$" type veth peer name "vb$$"
-ip link set "va$$" netns "$a"
-ip link set "vb$$" netns "$b"
-ip -n "$a" addr add "$subnet.1/24" dev "va$$"
-ip -n "$b" addr add "$subnet.2/24" dev "vb$$"
-for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
-ip -n "$a" link set "va$$" up
-ip -n "$b" link set "vb$$" up
+subnet=10.78.$(($$ % 250))
+source bench/two_hosts.sh
 # iperf3's rate over a link: a server in the namespace $1 at $2, the client in $3.
 iperf() {
   ip netns exec "$1" iperf3 -s -1 -B "$2" >/dev/null 2>&1 &

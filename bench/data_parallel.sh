@@ -5,7 +5,8 @@
 # tinyshakespeare, batch BATCH x 256 (default 4; ACCUM micro-batches of it a step:
 # --gradient-accumulation-steps, default 1), `gpt-train train` itself (metrics.jsonl's tokens/s
 # per step, median after the first).
-#   [BATCH=8] [ACCUM=4] bash bench/data_parallel.sh [PAIRS] [STEPS]
+#   [BATCH=8] [ACCUM=4] [OVERLAP=on|off] bash bench/data_parallel.sh [PAIRS] [STEPS]
+# (OVERLAP: the ranks' --overlap-allreduce, default auto: off on one host)
 # Needs Open MPI (`apt-get install openmpi-bin libopenmpi-dev libclang-dev`) and GPT-2's
 # tokenizer.json (GPT2_TOKENIZER, default target/gpt2-tokenizer/tokenizer.json, which .ci/run
 # makes).
@@ -17,6 +18,7 @@ ranks=${RANKS:-2}
 threads=${THREADS:-1}
 accum=${ACCUM:-1}
 batch=${BATCH:-4}
+overlap=${OVERLAP:-auto}
 tokenizer=${GPT2_TOKENIZER:-target/gpt2-tokenizer/tokenizer.json}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 RUST_LOG=warn
 cargo build -q --release -p gpt-train --features mpi
@@ -47,6 +49,6 @@ for pair in $(seq "$pairs"); do
     "$bin" train --out "$work/one" "${args[@]}" --threads $((ranks * threads)) >/dev/null 2>&1
   echo "pair $pair: 1 process x $((ranks * threads)) threads: $(report "$work/one" "$work/one.time")"
   mpirun -np "$ranks" -x RUST_LOG /usr/bin/time -f "peak-rss-kb %M" -a -o "$work/dp.time" \
-    "$bin" train --out "$work/dp" "${args[@]}" --threads "$threads" >/dev/null 2>&1
-  echo "pair $pair: $ranks ranks x $threads threads: $(report "$work/dp" "$work/dp.time")"
+    "$bin" train --out "$work/dp" "${args[@]}" --threads "$threads" --overlap-allreduce "$overlap" >/dev/null 2>&1
+  echo "pair $pair: $ranks ranks x $threads threads (overlap $overlap): $(report "$work/dp" "$work/dp.time")"
 done

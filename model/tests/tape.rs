@@ -356,3 +356,71 @@ fn a_detached_model_computes_the_same_and_tracks_nothing() -> anyhow::Result<()>
     }
     Ok(())
 }
+
+/// `backward_each` (what a data-parallel rank sums during the backward pass) hands over every
+/// parameter's gradient once, the tape's bit for bit, each as soon as it is final: the last
+/// block's before the first block's, and the token embedding (read first, and again by the tied
+/// LM head) after every block's.
+#[test]
+fn gradients_are_handed_over_once_as_soon_as_final_and_equal_the_tapes() -> anyhow::Result<()> {
+    let cfg = Config {
+        resid_pdrop: 0.1,
+        ..Config::tiny(50)
+    };
+    assert!(cfg.n_layer >= 2);
+    let (varmap, model) = common::random_model(&cfg)?;
+    let named: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .clone()
+        .into_iter()
+        .collect();
+    let leaves: Vec<&Tensor> = named.iter().map(|(_, v)| v.as_tensor()).collect();
+    let (x, y) = (
+        common::batch(&[common::tokens(16, 50, 3), common::tokens(16, 50, 5)])?,
+        common::batch(&[common::tokens(16, 50, 4), common::tokens(16, 50, 6)])?,
+    );
+    let train = Some(Dropout { key: 5, first_row: 0 });
+    let (loss, tape) = gpt_kernels::tape::record(|| model.loss(&x, &y, train, 0.0))?;
+    let whole = tape.backward(&loss, 0.5, &leaves)?;
+    let (loss, tape) = gpt_kernels::tape::record(|| model.loss(&x, &y, train, 0.0))?;
+    let mut order = Vec::new();
+    let mut each: Vec<Option<Tensor>> = vec![None; leaves.len()];
+    tape.backward_each(&loss, 0.5, &leaves, |i, g| {
+        order.push(i);
+        each[i] = g;
+        Ok(())
+    })?;
+    let mut seen = order.clone();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..leaves.len()).collect::<Vec<_>>(), "each leaf once");
+    for (i, (a, b)) in whole.iter().zip(&each).enumerate() {
+        let (Some(a), Some(b)) = (a, b) else {
+            panic!("{} reached by one pass only", named[i].0)
+        };
+        assert_eq!(
+            a.flatten_all()?.to_vec1::<f32>()?,
+            b.flatten_all()?.to_vec1::<f32>()?,
+            "{}",
+            named[i].0
+        );
+    }
+    let at = |name: &str| -> anyhow::Result<usize> {
+        let i = named
+            .iter()
+            .position(|(n, _)| n == name)
+            .ok_or_else(|| anyhow::anyhow!("no {name}"))?;
+        order
+            .iter()
+            .position(|&j| j == i)
+            .ok_or_else(|| anyhow::anyhow!("{name} not handed over"))
+    };
+    let last = cfg.n_layer - 1;
+    assert!(at(&format!("h.{last}.mlp.c_proj.weight"))? < at("h.0.mlp.c_proj.weight")?);
+    assert!(at(&format!("h.{last}.attn.c_attn.weight"))? < at("h.0.attn.c_attn.weight")?);
+    assert!(at("h.0.ln_1.weight")? < at("wte.weight")?);
+    // And not all at the end: the last block's are handed over while most of the pass is left.
+    assert!(at(&format!("h.{last}.mlp.c_proj.weight"))? < leaves.len() / 2);
+    Ok(())
+}

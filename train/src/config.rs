@@ -81,6 +81,12 @@ pub struct TrainArgs {
     /// smaller ones need a smaller send buffer.
     #[arg(long, default_value_t = crate::distributed::DEFAULT_BUCKET_MB)]
     pub allreduce_bucket_mb: f64,
+    /// In a job of several ranks on CPUs, start summing the gradients during the backward pass,
+    /// each as soon as it is final (PyTorch DDP's overlap): on, off, or auto (on when the ranks
+    /// span several hosts, where the sum waits on the network; on one host it is work for the
+    /// same cores) [default: auto].
+    #[arg(long, value_enum)]
+    pub overlap_allreduce: Option<Overlap>,
     /// CPU threads (per rank in a job of several); runs are reproducible for a given value (and
     /// --parallel) [default: all cores].
     #[arg(long)]
@@ -258,6 +264,15 @@ pub fn with_stated_defaults(command: clap::Command) -> clap::Command {
         }
         train
     })
+}
+
+/// `--overlap-allreduce`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Overlap {
+    #[default]
+    Auto,
+    On,
+    Off,
 }
 
 /// `--dtype`: the precision of training's matrix products.

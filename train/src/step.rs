@@ -197,6 +197,23 @@ pub fn accumulate_grads(
     shards: usize,
     objective: Objective,
 ) -> Result<(f64, Vec<Tensor>)> {
+    accumulate_grads_handing_over(model, vars, batches, shards, objective, &|_, _| Ok(()))
+}
+
+/// [`accumulate_grads`], handing each variable's final gradient (by its index in `vars`) to
+/// `ready` once, as soon as it is final where the pass allows: during the last micro-batch's
+/// backward pass on the tape with one worker ([`gpt_kernels::tape::Tape::backward_each`]), else
+/// once all are computed. The order depends only on the model and the settings, so every rank of
+/// a job sees the same. The tensor handed over is the one returned, so that what `ready` writes
+/// into it (a sum across ranks) is what the step gets.
+pub fn accumulate_grads_handing_over(
+    model: &Gpt,
+    vars: &[Var],
+    batches: &[Batch],
+    shards: usize,
+    objective: Objective,
+    ready: &(dyn Fn(usize, &Tensor) -> Result<()> + Sync),
+) -> Result<(f64, Vec<Tensor>)> {
     // Every (micro-batch, shard) piece with its weight in the mean.
     let mut pieces = Vec::new();
     let RowShare { rank, ranks } = objective.share;
@@ -222,10 +239,13 @@ pub fn accumulate_grads(
     let n_workers = shards.clamp(1, pieces.len().max(1));
     let on_tape = model.trains_on_tape();
     let leaves: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+    // With one worker, its last piece's backward pass hands the gradients over as they are final.
+    let last_piece = pieces.len().saturating_sub(1);
+    let handed_over = std::sync::atomic::AtomicBool::new(false);
     let run_worker = |worker: usize| -> Result<(f64, Vec<Option<Tensor>>)> {
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
         let mut losses = Vec::new();
-        for (piece, weight, dropout) in pieces.iter().skip(worker).step_by(n_workers) {
+        for (p, (piece, weight, dropout)) in pieces.iter().enumerate().skip(worker).step_by(n_workers) {
             let piece_loss = || loss(model, piece, Some(*dropout), objective.label_smoothing);
             // The piece's weight as the loss's upstream gradient: every gradient comes out
             // weighted (the fused LM head scales its own in place), and pieces only add.
@@ -236,6 +256,33 @@ pub fn accumulate_grads(
                 (piece_loss()?, None)
             };
             losses.push((*weight, loss.detach()));
+            let (tape, hand_over) = match tape {
+                Some(tape) if n_workers == 1 && p == last_piece => (None, Some(tape)),
+                tape => (tape, None),
+            };
+            if let Some(tape) = hand_over {
+                tape.backward_each(&loss, *weight as f32, &leaves, |i, g| {
+                    if let Some(g) = g {
+                        accumulate(&mut acc[i], g).map_err(candle_core::Error::wrap)?;
+                    }
+                    let g = match &acc[i] {
+                        Some(g) if g.is_contiguous() => g.clone(),
+                        Some(g) => {
+                            let g = g.contiguous()?;
+                            acc[i] = Some(g.clone());
+                            g
+                        }
+                        None => {
+                            let zeros = leaves[i].zeros_like()?;
+                            acc[i] = Some(zeros.clone());
+                            zeros
+                        }
+                    };
+                    ready(i, &g).map_err(candle_core::Error::wrap)
+                })?;
+                handed_over.store(true, std::sync::atomic::Ordering::Relaxed);
+                continue;
+            }
             let grads: Vec<Option<Tensor>> = match tape {
                 Some(tape) => tape.backward(&loss, *weight as f32, &leaves)?,
                 None => {
@@ -269,10 +316,20 @@ pub fn accumulate_grads(
             }
         }
     }
-    let grads = acc
+    let handed_over = handed_over.load(std::sync::atomic::Ordering::Relaxed);
+    let grads: Vec<Tensor> = acc
         .into_iter()
         .zip(vars)
-        .map(|(g, v)| g.map_or_else(|| v.as_tensor().zeros_like(), Ok))
+        .map(|(g, v)| match g {
+            Some(g) if !handed_over && !g.is_contiguous() => g.contiguous(),
+            Some(g) => Ok(g),
+            None => v.as_tensor().zeros_like(),
+        })
         .collect::<candle_core::Result<_>>()?;
+    if !handed_over {
+        for (i, g) in grads.iter().enumerate() {
+            ready(i, g)?;
+        }
+    }
     Ok((total, grads))
 }

@@ -50,6 +50,8 @@ pub struct Trainer<'w> {
     /// In a job of several ranks on CPUs, the rank that updates each parameter
     /// ([`crate::distributed::owners`]); empty otherwise (every rank updates every parameter).
     owners: Vec<usize>,
+    /// Sum the gradients onto their owners during the backward pass (`--overlap-allreduce`).
+    overlap: bool,
     run: RunConfig,
     out: PathBuf,
     keep_last: usize,
@@ -205,10 +207,19 @@ impl<'w> Trainer<'w> {
         ];
         agree::same_job(world, &statement)?;
         agree::same_parameters(world, &opt.vars(), state.step)?;
+        let overlap = world.size() > 1
+            && device.is_cpu()
+            && match args.overlap_allreduce.unwrap_or_default() {
+                crate::config::Overlap::Auto => world.hosts() > 1,
+                crate::config::Overlap::On => true,
+                crate::config::Overlap::Off => false,
+            };
         tracing::info!(
             parameters = model.num_parameters(),
             device = gpt::device_name(&device),
             ranks = world.size(),
+            hosts = world.hosts(),
+            overlap_allreduce = overlap,
             threads = cpu_threads(args.threads),
             parallel = ?parallel,
             matmul = ?model.autocast(),
@@ -238,6 +249,7 @@ impl<'w> Trainer<'w> {
             } else {
                 Vec::new()
             },
+            overlap,
             world,
             check_replicas_every: args.check_replicas_every,
             schedule: run.schedule(),
@@ -342,13 +354,20 @@ impl<'w> Trainer<'w> {
             },
         };
         let started = Instant::now();
-        let (train_loss, mut grads) = accumulate_grads(&self.model, &self.vars, &batches, self.shards, objective)?;
-        let computed = Instant::now();
         // A job of several ranks on CPUs: each rank updates the parameters it owns.
-        let owned_update = !self.owners.is_empty() && crate::optim::norm_by_sums_of_squares(&grads);
-        if owned_update {
-            self.world.reduce_to_owners(&mut grads, &self.owners)?;
+        let owned_update = !self.owners.is_empty()
+            && crate::optim::norm_by_sums_of_squares(
+                &self.vars.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>(),
+            );
+        let (train_loss, computed, mut grads) = if owned_update && self.overlap {
+            self.overlapped_step(&batches, objective)?
         } else {
+            let (loss, grads) = accumulate_grads(&self.model, &self.vars, &batches, self.shards, objective)?;
+            (loss, Instant::now(), grads)
+        };
+        if owned_update && !self.overlap {
+            self.world.reduce_to_owners(&mut grads, &self.owners)?;
+        } else if !owned_update {
             self.world.sum_grads(&mut grads)?;
         }
         let summed = Instant::now();
@@ -372,6 +391,41 @@ impl<'w> Trainer<'w> {
         );
         self.state.step += 1;
         Ok(train_loss)
+    }
+
+    /// The forward and backward passes on a thread of their own, handing each gradient over as
+    /// it is final, while this thread (the one that calls MPI) sums them onto their owners
+    /// ([`World::reduce_to_owners_as_ready`]). Returns the loss, when the passes ended, and the
+    /// gradients (each summed on its owner). The sum's time past the end of the passes is this
+    /// step's allreduce time (waiting for the other ranks included).
+    fn overlapped_step(
+        &self,
+        batches: &[crate::data::Batch],
+        objective: Objective,
+    ) -> Result<(f64, Instant, Vec<candle_core::Tensor>)> {
+        let (model, vars, shards) = (&self.model, &self.vars, self.shards);
+        let (sent, ready) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            let passes = scope.spawn(move || {
+                let hand_over = |i: usize, g: &candle_core::Tensor| -> Result<()> {
+                    sent.send((i, g.clone()))
+                        .map_err(|_| anyhow::anyhow!("the gradient sum stopped"))
+                };
+                let result =
+                    crate::step::accumulate_grads_handing_over(model, vars, batches, shards, objective, &hand_over);
+                (result, Instant::now())
+            });
+            let summed = self.world.reduce_to_owners_as_ready(&ready, vars.len(), &self.owners);
+            let (result, computed) = passes
+                .join()
+                .map_err(|_| anyhow::anyhow!("the training step's thread panicked"))?;
+            // The sum's own error first: a pass stopped by it only says that it stopped.
+            summed?;
+            let (loss, grads) = result?;
+            let exposed = computed.elapsed();
+            self.world.add_allreduce_time(exposed);
+            Ok((loss, computed, grads))
+        })
     }
 
     /// The update of a job of several ranks on CPUs, from the gradients summed onto their owners

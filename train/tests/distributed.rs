@@ -112,10 +112,22 @@ fn two_ranks_end_with_the_weights_of_one_process_with_two_shards_bit_for_bit() -
     let corpus = support::shakespeare_path();
     let (one, more) = one_process_of_20_steps(&corpus, dir.path())?;
     // With 1 MB buckets every tensor of the tiny model is packed into one; with buckets of 2621
-    // values, the small ones are packed, the larger summed whole and the largest in pieces.
-    for bucket_mb in ["1", "0.01"] {
-        let two = dir.path().join(format!("two-{bucket_mb}"));
-        let flags = [more.as_slice(), &["--threads", "1", "--allreduce-bucket-mb", bucket_mb]].concat();
+    // values, the small ones are packed, the larger summed whole and the largest in pieces. Each
+    // after the backward pass, and during it (each gradient summed as soon as it is final).
+    for (bucket_mb, overlap) in [("1", "off"), ("0.01", "off"), ("1", "on"), ("0.01", "on")] {
+        let two = dir.path().join(format!("two-{bucket_mb}-{overlap}"));
+        let flags = [
+            more.as_slice(),
+            &[
+                "--threads",
+                "1",
+                "--allreduce-bucket-mb",
+                bucket_mb,
+                "--overlap-allreduce",
+                overlap,
+            ],
+        ]
+        .concat();
         let out = ok(train_ranks(2, &corpus, &two, &flags)?)?;
         for step in [10, 20] {
             let (a, b) = (tensors(&step_dir(&one, step))?, tensors(&step_dir(&two, step))?);
@@ -123,7 +135,7 @@ fn two_ranks_end_with_the_weights_of_one_process_with_two_shards_bit_for_bit() -
             for (name, values) in &a {
                 assert!(
                     values == &b[name],
-                    "buckets of {bucket_mb} MB, step {step}: {name} differs"
+                    "buckets of {bucket_mb} MB, overlap {overlap}, step {step}: {name} differs"
                 );
             }
         }
@@ -533,6 +545,7 @@ fn two_ranks_on_two_hosts_over_tcp_end_with_the_weights_of_one_process() -> anyh
         // Each "host" would bind its first rank to its core 0: here the same core for both.
         .args(["--bind-to", "none"])
         .args(["-x", "OMPI_ALLOW_RUN_AS_ROOT", "-x", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"])
+        .env("RUST_LOG", "info")
         .arg(BIN)
         .args(train_args(
             &corpus,
@@ -540,7 +553,10 @@ fn two_ranks_on_two_hosts_over_tcp_end_with_the_weights_of_one_process() -> anyh
             &[more.as_slice(), &["--threads", "1"]].concat(),
         ))
         .output()?;
-    ok(out)?;
+    let out = ok(out)?;
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    // Two hosts: by default the gradients are summed during the backward pass.
+    assert!(log.contains("hosts=2 overlap_allreduce=true"), "{log}");
     assert!(tensors(&step_dir(&one, 20))? == tensors(&step_dir(&two, 20))?);
     Ok(())
 }

@@ -35,6 +35,9 @@ type Op1 = Arc<Box<dyn CustomOp1 + Send + Sync>>;
 type Op2 = Arc<Box<dyn CustomOp2 + Send + Sync>>;
 type Op3 = Arc<Box<dyn CustomOp3 + Send + Sync>>;
 
+/// Called with an entry's index and the gradients so far once its backward rule has run.
+type AfterRule<'a> = dyn FnMut(usize, &mut HashMap<TensorId, Tensor>) -> Result<()> + 'a;
+
 /// A segment of the forward pass that [`checkpoint`] runs again in the backward pass.
 pub type Segment = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
@@ -72,6 +75,16 @@ impl Entry {
             | Self::FirstRows(_, out)
             | Self::Embedding { out, .. }
             | Self::Checkpoint(_, _, out) => out,
+        }
+    }
+
+    /// The tensors the step read (a checkpointed segment's own reads are not listed).
+    fn args(&self) -> Vec<&Tensor> {
+        match self {
+            Self::Op1(_, x, _) | Self::FirstRows(x, _) | Self::Checkpoint(_, x, _) => vec![x],
+            Self::Op2(_, args, _) | Self::Add(args, _) => args.iter().collect(),
+            Self::Op3(_, args, _) => args.iter().collect(),
+            Self::Embedding { table, ids, .. } => vec![table, ids],
         }
     }
 
@@ -284,14 +297,69 @@ impl Tape {
         let wanted: HashSet<TensorId> = leaves.iter().map(|t| t.id()).collect();
         let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
         grads.insert(out.id(), Tensor::new(seed, out.device())?.broadcast_as(out.shape())?);
-        self.propagate(&mut grads, &wanted)?;
+        self.propagate(&mut grads, &wanted, &mut |_, _| Ok(()))?;
         Ok(leaves.iter().map(|t| grads.remove(&t.id())).collect())
+    }
+
+    /// [`Tape::backward`], handing each leaf's gradient (by its index in `leaves`) to `ready` as
+    /// soon as it is final, while the pass goes on: after the backward rule of the first entry
+    /// that read it, the last to run. What PyTorch's DDP hooks on for starting the gradient sum
+    /// during the backward pass. Every leaf is handed over once, in an order that depends only on
+    /// the recorded pass; with checkpointed segments (whose reads the tape does not list), all at
+    /// the end.
+    ///
+    /// # Errors
+    /// [`Tape::backward`]'s, and `ready`'s (which stops the pass).
+    pub fn backward_each(
+        self,
+        out: &Tensor,
+        seed: f32,
+        leaves: &[&Tensor],
+        mut ready: impl FnMut(usize, Option<Tensor>) -> Result<()>,
+    ) -> Result<()> {
+        let wanted: HashSet<TensorId> = leaves.iter().map(|t| t.id()).collect();
+        // The leaves whose gradients are final once entry k's rule has run; the rest at the end.
+        let mut final_after: Vec<Vec<usize>> = vec![Vec::new(); self.entries.len()];
+        let mut at_end = Vec::new();
+        if self.entries.iter().any(|e| matches!(e, Entry::Checkpoint(..))) {
+            at_end.extend(0..leaves.len());
+        } else {
+            let mut first_read: HashMap<TensorId, usize> = HashMap::new();
+            for (k, entry) in self.entries.iter().enumerate() {
+                for arg in entry.args() {
+                    first_read.entry(arg.id()).or_insert(k);
+                }
+            }
+            for (i, leaf) in leaves.iter().enumerate() {
+                match first_read.get(&leaf.id()) {
+                    Some(&k) => final_after[k].push(i),
+                    None => at_end.push(i),
+                }
+            }
+        }
+        let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
+        grads.insert(out.id(), Tensor::new(seed, out.device())?.broadcast_as(out.shape())?);
+        self.propagate(&mut grads, &wanted, &mut |k, grads| {
+            for &i in &final_after[k] {
+                ready(i, grads.remove(&leaves[i].id()))?;
+            }
+            Ok(())
+        })?;
+        for i in at_end {
+            ready(i, grads.remove(&leaves[i].id()))?;
+        }
+        Ok(())
     }
 
     /// Runs the entries' backward rules in reverse from the gradients in `grads` (keyed by the
     /// tensors they are of), leaving there the gradients of the `wanted` leaves (and of tensors
-    /// made before the tape).
-    fn propagate(self, grads: &mut HashMap<TensorId, Tensor>, wanted: &HashSet<TensorId>) -> Result<()> {
+    /// made before the tape); `after(k, grads)` once entry k's rule has run.
+    fn propagate(
+        self,
+        grads: &mut HashMap<TensorId, Tensor>,
+        wanted: &HashSet<TensorId>,
+        after: &mut AfterRule<'_>,
+    ) -> Result<()> {
         let made: HashSet<TensorId> = self.entries.iter().map(|e| e.out().id()).collect();
         // Whether `arg`'s gradient is kept: an entry's output or a leaf; a constant's is dropped.
         let keep = |arg: &Tensor, op: &'static str| -> Result<bool> {
@@ -306,9 +374,24 @@ impl Tape {
                 Ok(false)
             }
         };
-        for entry in self.entries.into_iter().rev() {
+        for (k, entry) in self.entries.into_iter().enumerate().rev() {
+            Self::run_rule(entry, grads, wanted, &keep)?;
+            after(k, grads)?;
+        }
+        Ok(())
+    }
+
+    /// One entry's backward rule: its output's gradient (if the loss depends on it) to its
+    /// arguments' (those `keep` keeps), added to what they hold in `grads`.
+    fn run_rule(
+        entry: Entry,
+        grads: &mut HashMap<TensorId, Tensor>,
+        wanted: &HashSet<TensorId>,
+        keep: &dyn Fn(&Tensor, &'static str) -> Result<bool>,
+    ) -> Result<()> {
+        {
             let Some(grad) = grads.remove(&entry.out().id()) else {
-                continue; // nothing the loss depends on
+                return Ok(()); // nothing the loss depends on
             };
             let name = entry.name();
             let (args, arg_grads): (Vec<Tensor>, Vec<Option<Tensor>>) = match entry {
@@ -343,7 +426,7 @@ impl Tape {
                     let mut inner = HashMap::from([(again.id(), grad)]);
                     let mut inner_wanted = wanted.clone();
                     inner_wanted.insert(x.id());
-                    tape.propagate(&mut inner, &inner_wanted)?;
+                    tape.propagate(&mut inner, &inner_wanted, &mut |_, _| Ok(()))?;
                     let keep_x = keep(&x, name)?;
                     for (id, g) in inner {
                         if (id == x.id() && !keep_x) || !inner_wanted.contains(&id) {
@@ -355,7 +438,7 @@ impl Tape {
                         };
                         grads.insert(id, sum);
                     }
-                    continue;
+                    return Ok(());
                 }
                 Entry::Embedding { table, ids, .. } => {
                     // Added into the table's gradient so far, row by row, as candle does.
@@ -366,7 +449,7 @@ impl Tape {
                         };
                         grads.insert(table.id(), sum.index_add(&ids, &grad, 0)?);
                     }
-                    continue;
+                    return Ok(());
                 }
             };
             for (arg, g) in args.iter().zip(arg_grads) {

@@ -8,7 +8,8 @@
 //! a launcher: every collective is then the identity), or a rank of an MPI job (feature `mpi`),
 //! its gradients summed by MPI on the CPU or by NCCL on GPUs (feature `nccl`). The transport is
 //! always the MPI implementation's or NCCL's own; this module only decides what is summed when.
-//! [`agree`] holds the checks that the ranks run the same job.
+//! [`agree`] holds the checks that the ranks run the same job. On CPUs the sum can also start
+//! during the backward pass, each gradient as it is final (`overlap`, PyTorch DDP's overlap).
 
 pub mod agree;
 mod buckets;
@@ -17,6 +18,7 @@ mod launch;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod overlap;
 mod owned;
 
 use std::cell::Cell;
@@ -54,6 +56,7 @@ pub struct World {
     rank: usize,
     size: usize,
     local_rank: usize,
+    hosts: usize,
     #[cfg(feature = "mpi")]
     mpi: Option<mpi::Comm>,
     #[cfg(feature = "nccl")]
@@ -71,6 +74,7 @@ impl World {
             rank: 0,
             size: 1,
             local_rank: 0,
+            hosts: 1,
             #[cfg(feature = "mpi")]
             mpi: None,
             #[cfg(feature = "nccl")]
@@ -109,6 +113,7 @@ impl World {
             }
             let mut world = Self::single();
             (world.rank, world.size, world.local_rank) = (comm.rank(), comm.size(), comm.local_rank());
+            world.hosts = comm.hosts();
             world.mpi = Some(comm);
             return Ok(world);
         }
@@ -135,6 +140,11 @@ impl World {
     /// The rank among those on this host: the GPU it uses.
     pub fn local_rank(&self) -> usize {
         self.local_rank
+    }
+
+    /// The hosts the job spans: groups of ranks that share memory (MPI's shared-memory split).
+    pub fn hosts(&self) -> usize {
+        self.hosts
     }
 
     /// Rank 0: the one that writes checkpoints, metrics and the progress line.
@@ -251,6 +261,11 @@ impl World {
         Ok(())
     }
 
+    /// Counts `time` as this rank's allreduce time (a sum timed by its caller).
+    pub fn add_allreduce_time(&self, time: std::time::Duration) {
+        self.add_time(std::time::Duration::ZERO, time);
+    }
+
     fn add_time(&self, wait: std::time::Duration, allreduce: std::time::Duration) {
         let mut time = self.time.get();
         time.wait_s += wait.as_secs_f64();
@@ -297,6 +312,29 @@ impl World {
             return;
         }
         recv.copy_from_slice(send);
+    }
+
+    /// `Σ over ranks of send` into `recv` on rank `root` (which passes `Some`).
+    fn reduce_f32(&self, root: usize, send: &[f32], recv: Option<&mut [f32]>) {
+        #[cfg(feature = "mpi")]
+        if let Some(comm) = self.comm() {
+            comm.reduce_f32(root, send, recv);
+            return;
+        }
+        let _ = root;
+        if let Some(recv) = recv {
+            recv.copy_from_slice(send);
+        }
+    }
+
+    /// [`World::reduce_f32`], yielding the core between tests (for a thread beside the backward pass).
+    fn reduce_f32_yielding(&self, root: usize, send: &[f32], recv: Option<&mut [f32]>) {
+        #[cfg(feature = "mpi")]
+        if let Some(comm) = self.comm() {
+            comm.reduce_f32_yielding(root, send, recv);
+            return;
+        }
+        self.reduce_f32(root, send, recv);
     }
 
     /// `recv` = this rank's block of `Σ over ranks of send`, the blocks `recv.len()` values each.

@@ -110,9 +110,9 @@ impl Cursor {
 }
 
 /// Writes values into a contiguous f32 CPU tensor from offset `at`.
-struct CopyInto<'a> {
-    at: usize,
-    values: &'a [f32],
+pub(super) struct CopyInto<'a> {
+    pub(super) at: usize,
+    pub(super) values: &'a [f32],
 }
 
 impl candle_core::InplaceOp1 for CopyInto<'_> {
