@@ -239,9 +239,10 @@ pub fn accumulate_grads_handing_over(
     let n_workers = shards.clamp(1, pieces.len().max(1));
     let on_tape = model.trains_on_tape();
     let leaves: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
-    // With one worker, its last piece's backward pass hands the gradients over as they are final.
+    // With one worker on the tape, its last piece's backward pass hands the gradients over as
+    // they are final; otherwise they are handed over once all are computed.
     let last_piece = pieces.len().saturating_sub(1);
-    let handed_over = std::sync::atomic::AtomicBool::new(false);
+    let handed_over = on_tape && n_workers == 1 && !pieces.is_empty();
     let run_worker = |worker: usize| -> Result<(f64, Vec<Option<Tensor>>)> {
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
         let mut losses = Vec::new();
@@ -257,7 +258,7 @@ pub fn accumulate_grads_handing_over(
             };
             losses.push((*weight, loss.detach()));
             let (tape, hand_over) = match tape {
-                Some(tape) if n_workers == 1 && p == last_piece => (None, Some(tape)),
+                Some(tape) if handed_over && p == last_piece => (None, Some(tape)),
                 tape => (tape, None),
             };
             if let Some(tape) = hand_over {
@@ -280,7 +281,6 @@ pub fn accumulate_grads_handing_over(
                     };
                     ready(i, &g).map_err(candle_core::Error::wrap)
                 })?;
-                handed_over.store(true, std::sync::atomic::Ordering::Relaxed);
                 continue;
             }
             let grads: Vec<Option<Tensor>> = match tape {
@@ -316,7 +316,6 @@ pub fn accumulate_grads_handing_over(
             }
         }
     }
-    let handed_over = handed_over.load(std::sync::atomic::Ordering::Relaxed);
     let grads: Vec<Tensor> = acc
         .into_iter()
         .zip(vars)

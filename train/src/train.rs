@@ -47,8 +47,9 @@ pub struct Trainer<'w> {
     world: &'w World,
     /// Compare the ranks' parameters every this many steps (0: at evaluations only).
     check_replicas_every: usize,
-    /// In a job of several ranks on CPUs, the rank that updates each parameter
-    /// ([`crate::distributed::owners`]); empty otherwise (every rank updates every parameter).
+    /// In a job of several ranks on CPUs (f32 gradients whose norm is summed from each owner's
+    /// squares), the rank that updates each parameter ([`crate::distributed::owners`]); empty
+    /// otherwise (every rank updates every parameter).
     owners: Vec<usize>,
     /// Sum the gradients onto their owners during the backward pass (`--overlap-allreduce`).
     overlap: bool,
@@ -243,7 +244,10 @@ impl<'w> Trainer<'w> {
             } else {
                 Progress::hidden()
             },
-            owners: if world.size() > 1 && device.is_cpu() {
+            owners: if world.size() > 1
+                && crate::optim::norm_by_sums_of_squares(
+                    &opt.vars().iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>(),
+                ) {
                 let sizes: Vec<usize> = opt.vars().iter().map(|v| v.elem_count()).collect();
                 crate::distributed::owners(&sizes, world.size())
             } else {
@@ -355,10 +359,7 @@ impl<'w> Trainer<'w> {
         };
         let started = Instant::now();
         // A job of several ranks on CPUs: each rank updates the parameters it owns.
-        let owned_update = !self.owners.is_empty()
-            && crate::optim::norm_by_sums_of_squares(
-                &self.vars.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>(),
-            );
+        let owned_update = !self.owners.is_empty();
         let (train_loss, computed, mut grads) = if owned_update && self.overlap {
             self.overlapped_step(&batches, objective)?
         } else {

@@ -314,27 +314,18 @@ impl World {
         recv.copy_from_slice(send);
     }
 
-    /// `Σ over ranks of send` into `recv` on rank `root` (which passes `Some`).
-    fn reduce_f32(&self, root: usize, send: &[f32], recv: Option<&mut [f32]>) {
-        #[cfg(feature = "mpi")]
-        if let Some(comm) = self.comm() {
-            comm.reduce_f32(root, send, recv);
-            return;
-        }
-        let _ = root;
-        if let Some(recv) = recv {
-            recv.copy_from_slice(send);
-        }
-    }
-
-    /// [`World::reduce_f32`], yielding the core between tests (for a thread beside the backward pass).
+    /// `Σ over ranks of send` into `recv` on rank `root` (which passes `Some`), yielding the core
+    /// between tests of it (for a thread beside the backward pass).
     fn reduce_f32_yielding(&self, root: usize, send: &[f32], recv: Option<&mut [f32]>) {
         #[cfg(feature = "mpi")]
         if let Some(comm) = self.comm() {
             comm.reduce_f32_yielding(root, send, recv);
             return;
         }
-        self.reduce_f32(root, send, recv);
+        let _ = root;
+        if let Some(recv) = recv {
+            recv.copy_from_slice(send);
+        }
     }
 
     /// `recv` = this rank's block of `Σ over ranks of send`, the blocks `recv.len()` values each.

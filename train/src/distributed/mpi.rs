@@ -69,17 +69,8 @@ impl Comm {
         self.world.reduce_scatter_block_into(send, recv, SystemOperation::sum());
     }
 
-    /// `Σ over ranks of send` into `recv` on rank `root` (which passes `Some`), the others
-    /// passing `None` (at most `MAX_COUNT` values).
-    pub fn reduce_f32(&self, root: usize, send: &[f32], recv: Option<&mut [f32]>) {
-        let root = self.world.process_at_rank(i32::try_from(root).unwrap_or(0));
-        match recv {
-            Some(recv) => root.reduce_into_root(send, recv, SystemOperation::sum()),
-            None => root.reduce_into(send, SystemOperation::sum()),
-        }
-    }
-
-    /// [`Comm::reduce_f32`] for a thread beside the backward pass: MPI's blocking calls poll in
+    /// `Σ over ranks of send` into `recv` on rank `root` (which passes `Some`; the others pass
+    /// `None`), for a thread beside the backward pass: MPI's blocking calls poll in
     /// a busy loop, which takes a core from the pass (measured: the overlap then lost time);
     /// this one starts the reduce and tests it, yielding the core between tests to any thread
     /// that waits for it. Sleeping between tests instead starved shared memory's transfers,
