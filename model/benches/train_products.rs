@@ -6,10 +6,13 @@
 //! time of the multiplication itself. On the threads candle uses; one JSON line per product,
 //! then the step's totals (12 layers, two chunks of the LM head).
 //!
+//! `DTYPE=f32` times the f32 products alone (the bf16 ones are slow where they run emulated,
+//! without AVX512-BF16).
+//!
 //! `SHAPE=recipe` takes nanoGPT's CPU recipe's sizes instead (12 x 64 tokens, 4 layers of 128,
 //! 65 characters).
 //!
-//!     [SHAPE=recipe] cargo bench -p gpt --bench train_products
+//!     [SHAPE=recipe] [DTYPE=f32] cargo bench -p gpt --bench train_products
 
 mod common;
 
@@ -25,6 +28,7 @@ fn main() -> anyhow::Result<()> {
     gpt::device::fix_cpu_thread_count();
     let dot = Bf16Dot::detect();
     let recipe = std::env::var("SHAPE").is_ok_and(|s| s == "recipe");
+    let bf16 = !std::env::var("DTYPE").is_ok_and(|s| s == "f32");
     // (tokens, width, vocabulary rows per LM head chunk, vocabulary, layers, LM head chunks)
     let (tokens, c, head_rows, vocab, n_layer, chunks) = if recipe {
         (768, 128, 768, 65, 4.0, 1.0)
@@ -52,19 +56,22 @@ fn main() -> anyhow::Result<()> {
         // a @ B^T for each of the layer's three products, operands as the step holds them.
         for (product, a, b) in [("forward", x, w), ("dx", dy, w.t()), ("dw", dy.t(), x.t())] {
             let repeats = 5;
-            let pack_a = common::median_secs(repeats, || {
-                Bf16Rows::new(a);
-                Ok(())
-            })?;
-            let pack_b = common::median_secs(repeats, || {
-                Bf16Panels::new(b);
-                Ok(())
-            })?;
-            let (rows, panels) = (Bf16Rows::new(a), Bf16Panels::new(b));
-            let multiply = common::median_secs(repeats, || {
-                panels.matmul(&rows, dot)?;
-                Ok(())
-            })?;
+            let (mut pack_a, mut pack_b, mut multiply) = (f64::NAN, f64::NAN, f64::NAN);
+            if bf16 {
+                pack_a = common::median_secs(repeats, || {
+                    Bf16Rows::new(a);
+                    Ok(())
+                })?;
+                pack_b = common::median_secs(repeats, || {
+                    Bf16Panels::new(b);
+                    Ok(())
+                })?;
+                let (rows, panels) = (Bf16Rows::new(a), Bf16Panels::new(b));
+                multiply = common::median_secs(repeats, || {
+                    panels.matmul(&rows, dot)?;
+                    Ok(())
+                })?;
+            }
             let f32_whole = common::median_secs(repeats, || {
                 gpt_kernels::product(a, b, gpt_kernels::Autocast::Off)?;
                 Ok(())

@@ -66,6 +66,19 @@ impl Simd {
         Self::available().contains(&self)
     }
 
+    /// Rows of `a` in one register tile of the packed kernel on these lanes (12 on AVX-512, 2
+    /// on AVX2 and the portable lanes): how much of each cache line a tile uses where it reads
+    /// `a`'s columns.
+    pub fn tile_rows(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => <std::arch::x86_64::__m512 as Vec16>::ROWS,
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => <avx2::Y2 as Vec16>::ROWS,
+            _ => <[f32; LANES] as Vec16>::ROWS,
+        }
+    }
+
     /// `kernel` on this instruction set's lanes, compiled for it.
     ///
     /// # Panics
