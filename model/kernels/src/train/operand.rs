@@ -10,7 +10,8 @@ use crate::packed::InPlace;
 /// apart, which pays while they stay in cache. At nanoGPT's CPU recipe's sizes (a shard's 384
 /// rows, 128 wide) `x @ W` ran 4-16% faster so and `dW = x^T dY` 13-28% (its step ~3%); at
 /// GPT-2 small's, `x @ W` of the `(3072, 768)` projection was 30% slower (the others within 10%),
-/// and with the product in blocks the step still 8% slower.
+/// and with the product in blocks the step still 8% slower (all on AVX-512, EPYC-Zen4; on
+/// AVX2's short tiles it does not pay at any size: `train::product`'s `reads_in_place`).
 const IN_PLACE_RIGHT_MAX: usize = 1 << 18;
 
 /// A 2-D f32 matrix read in place: element `(r, c)` at `data[offset + r * stride.0 + c * stride.1]`.

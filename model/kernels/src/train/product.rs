@@ -87,16 +87,21 @@ enum Right<'a> {
     Rows(Operand<'a>, &'a [f32], usize),
 }
 
-/// Rows of a register tile from which the kernel reads a transposed (column-major) left operand
-/// in place rather than from a row-major copy: a tile reads `tile_rows` values of each cache line
-/// it touches at each position. AVX-512's 12 rows (48 of a line's 64 bytes) read in place made
-/// GPT-2 small's f32 step 5% faster (EPYC-Zen4); AVX2's 2 rows (8 bytes) made its weight
-/// gradients `dW = dY^T x` run at 31-43 GFLOP/s against 67-79 from the copy (EPYC, Zen 3, one
-/// thread: `DTYPE=f32 cargo bench -p gpt --bench train_products`).
-const COLUMNS_IN_PLACE_MIN_ROWS: usize = 8;
+/// Whether the kernel on `simd` reads an operand in place where it has to step across rows or
+/// columns (a transposed left operand, a right operand from its row-major transpose) rather than
+/// from a row-major copy or packed panels: each value read so serves one register tile's rows, 12
+/// on AVX-512 and 2 on AVX2. In place paid on AVX-512 (GPT-2 small's f32 step 5% faster with the
+/// transposed left operands, nanoGPT's CPU recipe's `x @ W` 4-16% with the right ones; EPYC-Zen4).
+/// On AVX2 it cost half the rate (EPYC, Zen 3, one thread, `DTYPE=f32 [SHAPE=recipe] cargo bench
+/// -p gpt --bench train_products`): GPT-2 small's weight gradients `dW = dY^T x` ran at 31-43
+/// GFLOP/s against 67-79 from the copy, and the recipe's products took 70 ms a step against 49
+/// with the right operands packed.
+fn reads_in_place(simd: Simd) -> bool {
+    simd.tile_rows() >= 8
+}
 
 /// `y = a @ W^T`, or with `accumulate` `y += a @ W^T`, on the f32 kernel: `a` read where it is
-/// when the kernel can and it pays on this CPU's tile ([`COLUMNS_IN_PLACE_MIN_ROWS`]), else from
+/// when the kernel can and it pays on this CPU's tile ([`reads_in_place`]), else from
 /// its row-major copy; the same bits either way.
 fn f32_product(w: Right, a: Operand, y: &mut [MaybeUninit<f32>], accumulate: bool) -> Result<()> {
     f32_product_on(Simd::detect(), w, a, y, accumulate)
@@ -105,9 +110,7 @@ fn f32_product(w: Right, a: Operand, y: &mut [MaybeUninit<f32>], accumulate: boo
 /// [`f32_product`] on the instruction set `simd` (tests run each the host has).
 fn f32_product_on(simd: Simd, w: Right, a: Operand, y: &mut [MaybeUninit<f32>], accumulate: bool) -> Result<()> {
     let copy;
-    let in_place = a
-        .in_place()
-        .filter(|x| !x.transposed || simd.tile_rows() >= COLUMNS_IN_PLACE_MIN_ROWS);
+    let in_place = a.in_place().filter(|x| !x.transposed || reads_in_place(simd));
     let x = match in_place {
         Some(x) => x,
         None => {
@@ -132,11 +135,15 @@ fn f32_product_on(simd: Simd, w: Right, a: Operand, y: &mut [MaybeUninit<f32>], 
 
 /// `a @ B^T` written into `y` `(a.rows, b.rows)` (which may start uninitialised), at
 /// `autocast`'s precision. In f32, a `B` whose transpose is row-major and small is read in
-/// place, unpacked (each weight of nanoGPT's CPU recipe was packed at every product, ~5% of
-/// its step with the activations' gradients packed for `dW`); the same bits either way.
+/// place, unpacked, where that pays on this CPU ([`reads_in_place`]: on AVX-512 each weight of
+/// nanoGPT's CPU recipe was packed at every product, ~5% of its step with the activations'
+/// gradients packed for `dW`); the same bits either way.
 pub fn product_into(a: Operand, b: Operand, autocast: Autocast, y: &mut [MaybeUninit<f32>]) -> Result<()> {
+    let simd = Simd::detect();
     match (autocast, b.rows_in_place()) {
-        (Autocast::Off, Some((values, ld))) => f32_product(Right::Rows(b, values, ld), a, y, false),
+        (Autocast::Off, Some((values, ld))) if reads_in_place(simd) => {
+            f32_product_on(simd, Right::Rows(b, values, ld), a, y, false)
+        }
         _ => Rhs::new(b, autocast).matmul_into(a, y),
     }
 }
@@ -263,6 +270,15 @@ mod tests {
                 let y = unsafe { &mut *(added.as_mut_slice() as *mut [f32] as *mut [MaybeUninit<f32>]) };
                 f32_product(Right::Rows(b, values, ldb), a, y, true)?;
                 assert!(same(&added, &want_added), "{m}x{k}x{n} stride {:?}, added", a.stride);
+                // Read in place on every instruction set this CPU runs, whether or not `product`
+                // reads it so there.
+                for &simd in Simd::available() {
+                    let mut got = vec![MaybeUninit::new(f32::NAN); m * n];
+                    f32_product_on(simd, Right::Rows(b, values, ldb), a, &mut got, false)?;
+                    // SAFETY: every value was initialised (NaN, then the product's).
+                    let got: Vec<f32> = got.iter().map(|v| unsafe { v.assume_init() }).collect();
+                    assert!(same(&got, &want), "{simd:?} {m}x{k}x{n} stride {:?}", a.stride);
+                }
             }
         }
         // Columns not a whole task, or a row-major B: packed.
