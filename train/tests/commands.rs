@@ -525,3 +525,22 @@ fn every_command_takes_a_run_directory_for_its_best_checkpoint() -> anyhow::Resu
     );
     Ok(())
 }
+
+/// `--dtype bf16` on a CPU without AVX512-BF16 says at start that its products run emulated (and
+/// far slower than f32's), and says nothing of it where the instruction is there; it trains
+/// either way.
+#[test]
+fn bf16_says_when_its_products_run_emulated() -> anyhow::Result<()> {
+    use gpt_kernels::train::bf16::Bf16Dot;
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(20_000)?)?;
+    let run = train(
+        &corpus,
+        &dir.path().join("run"),
+        &["--max-iters", "2", "--dtype", "bf16"],
+    )?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let warned = stderr(&run).contains("the bf16 products run emulated");
+    assert_eq!(warned, Bf16Dot::detect() == Bf16Dot::Emulated, "{}", stderr(&run));
+    Ok(())
+}
