@@ -155,7 +155,7 @@ impl<'w> Trainer<'w> {
         if autocast == gpt::Autocast::Bf16 && !device.is_cuda() && Bf16Dot::detect() == Bf16Dot::Emulated {
             tracing::warn!(
                 "--dtype bf16: this CPU has no AVX512-BF16, so the bf16 products run emulated (the same bits, \
-                 about 20x slower than f32's: 3.3 against 75 GFLOP/s a core on an AVX2 EPYC); --dtype f32 trains faster here"
+                 about 20x slower than f32's); --dtype f32 trains faster here"
             );
         }
         let (model, adapter) = match &run.lora {

@@ -188,6 +188,18 @@ mod tests {
         })
     }
 
+    /// [`f32_product_on`] into `y`: written over, or added to with `accumulate`.
+    fn product_on(simd: Simd, w: Right, a: Operand, mut y: Vec<f32>, accumulate: bool) -> Result<Vec<f32>> {
+        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; every value is initialised and stays so.
+        let out = unsafe { &mut *(y.as_mut_slice() as *mut [f32] as *mut [MaybeUninit<f32>]) };
+        f32_product_on(simd, w, a, out, accumulate)?;
+        Ok(y)
+    }
+
+    fn same(x: &[f32], y: &[f32]) -> bool {
+        x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+    }
+
     /// The left operand read in place (rows further apart than their length, or a transposed
     /// view, after an offset; or from its row-major copy where the tile is too short to read
     /// columns) gives, written and added to, the bits of one chain of multiply-adds per output in
@@ -212,16 +224,9 @@ mod tests {
                     .flat_map(|i| (0..n).map(move |j| chain(i, j, first[i * n + j])))
                     .collect();
                 for &simd in Simd::available() {
-                    let mut got = vec![MaybeUninit::new(f32::NAN); m * n];
-                    f32_product_on(simd, Right::Packed(&packed), a, &mut got, false)?;
-                    // SAFETY: every value was initialised (NaN, then the product's).
-                    let got: Vec<f32> = got.iter().map(|v| unsafe { v.assume_init() }).collect();
-                    let same = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(g, w)| g.to_bits() == w.to_bits());
+                    let got = product_on(simd, Right::Packed(&packed), a, vec![f32::NAN; m * n], false)?;
                     assert!(same(&got, &want), "{simd:?} {m}x{k}x{n} stride {:?}", a.stride);
-                    let mut added: Vec<MaybeUninit<f32>> = want.iter().map(|&v| MaybeUninit::new(v)).collect();
-                    f32_product_on(simd, Right::Packed(&packed), a, &mut added, true)?;
-                    // SAFETY: every value was initialised and stays so.
-                    let added: Vec<f32> = added.iter().map(|v| unsafe { v.assume_init() }).collect();
+                    let added = product_on(simd, Right::Packed(&packed), a, want.clone(), true)?;
                     assert!(
                         same(&added, &want_added),
                         "{simd:?} {m}x{k}x{n} stride {:?}, added",
@@ -261,22 +266,16 @@ mod tests {
                 let packed = Rhs::new(b, Autocast::Off);
                 let want = packed.matmul(a)?;
                 let got = product(a, b, Autocast::Off)?;
-                let same = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
                 assert!(same(&got, &want), "{m}x{k}x{n} stride {:?}", a.stride);
-                let (mut added, mut want_added) = (want.clone(), want.clone());
+                let (added, mut want_added) = (want.clone(), want.clone());
                 packed.matmul_add(a, &mut want_added)?;
                 let (values, ldb) = b.rows_in_place().expect("in place");
-                // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; every value stays initialised.
-                let y = unsafe { &mut *(added.as_mut_slice() as *mut [f32] as *mut [MaybeUninit<f32>]) };
-                f32_product(Right::Rows(b, values, ldb), a, y, true)?;
+                let added = product_on(Simd::detect(), Right::Rows(b, values, ldb), a, added, true)?;
                 assert!(same(&added, &want_added), "{m}x{k}x{n} stride {:?}, added", a.stride);
                 // Read in place on every instruction set this CPU runs, whether or not `product`
                 // reads it so there.
                 for &simd in Simd::available() {
-                    let mut got = vec![MaybeUninit::new(f32::NAN); m * n];
-                    f32_product_on(simd, Right::Rows(b, values, ldb), a, &mut got, false)?;
-                    // SAFETY: every value was initialised (NaN, then the product's).
-                    let got: Vec<f32> = got.iter().map(|v| unsafe { v.assume_init() }).collect();
+                    let got = product_on(simd, Right::Rows(b, values, ldb), a, vec![f32::NAN; m * n], false)?;
                     assert!(same(&got, &want), "{simd:?} {m}x{k}x{n} stride {:?}", a.stride);
                 }
             }
