@@ -154,8 +154,8 @@ impl<'w> Trainer<'w> {
         let autocast = args.dtype.unwrap_or_default().autocast();
         if autocast == gpt::Autocast::Bf16 && !device.is_cuda() && Bf16Dot::detect() == Bf16Dot::Emulated {
             tracing::warn!(
-                "--dtype bf16: this CPU has no AVX512-BF16, so the bf16 products run emulated (the same bits, \
-                 about 20x slower than f32's); --dtype f32 trains faster here"
+                "--dtype bf16: this CPU has neither AVX512-BF16 nor AVX2 with FMA, so the bf16 products run \
+                 emulated in plain Rust (the same bits, far slower than f32's); --dtype f32 trains faster here"
             );
         }
         let (model, adapter) = match &run.lora {

@@ -526,9 +526,9 @@ fn every_command_takes_a_run_directory_for_its_best_checkpoint() -> anyhow::Resu
     Ok(())
 }
 
-/// `--dtype bf16` on a CPU without AVX512-BF16 says at start that its products run emulated (and
-/// far slower than f32's), and says nothing of it where the instruction is there; it trains
-/// either way.
+/// `--dtype bf16` on a CPU with neither AVX512-BF16 nor AVX2 and FMA says at start that its
+/// products run emulated in plain Rust (far slower than f32's), and says nothing of it where
+/// either kernel runs; it trains either way.
 #[test]
 fn bf16_says_when_its_products_run_emulated() -> anyhow::Result<()> {
     use gpt_kernels::train::bf16::Bf16Dot;

@@ -3,13 +3,16 @@
 //! `torch.autocast(dtype=torch.bfloat16)` asks of a matrix product. On CPUs with AVX512-BF16
 //! (AMD Zen 4 and later; Intel Cooper Lake, Sapphire Rapids and later) one `vdpbf16ps` takes 32
 //! such products, twice the rate of f32 fused multiply-adds (224 against 116 GFLOP/s a core on
-//! this project's EPYC). Elsewhere the same arithmetic runs in plain Rust ([`Bf16Dot::Emulated`])
-//! as the instruction defines it, so a run gives the same bits on every CPU (the tests check the
-//! emulation against the hardware, bit for bit).
+//! this project's EPYC). Elsewhere the same arithmetic runs as the instruction defines it, so a
+//! run gives the same bits on every CPU: on AVX2 as f32 fused multiply-adds of the pairs widened
+//! to f32 under the instruction's DAZ and FTZ ([`Bf16Dot::Avx2Fma`]), else in plain Rust
+//! ([`Bf16Dot::Emulated`]). The tests check each against the plain Rust, bit for bit.
 //!
-//! The instruction, per output lane: `acc += a[2p+1]·b[2p+1]`, rounded, then `acc += a[2p]·b[2p]`,
-//! rounded (to nearest even); bf16 inputs that are subnormal read as zero, and a subnormal result
-//! is flushed to zero. Each product of two bf16 values is exact in f32 (8-bit significands).
+//! The instruction, per output lane (Intel's definition: "FP32 FMA with DAZ in, FTZ out and RNE
+//! rounding"): `acc = fma(a[2p+1], b[2p+1], acc)`, then `acc = fma(a[2p], b[2p], acc)`, each
+//! rounded once (to nearest even); inputs that are subnormal read as zero, and a subnormal result
+//! is flushed to zero. Each product of two bf16 values is exact in f32 (8-bit significands) unless
+//! it falls below f32's normal range, so the fused and the unfused sums differ only there.
 //!
 //! Layout: `a` `(m, k)` as rows of bf16 pairs (a `u32`: position `2p` in the low half, `2p + 1` in
 //! the high; an odd `k` padded with a zero); `B` `(n, k)` in panels of 16 rows, each pair position
@@ -31,14 +34,19 @@ pub use pack::{Bf16Panels, Bf16Rows};
 const LANES: usize = 16;
 /// Panels per task and per tile.
 const GROUP: usize = 2;
-/// Rows of `a` per register tile.
+/// Rows of `a` per register tile on AVX-512 (24 accumulators of 32).
 const ROWS: usize = 12;
+/// Rows of `a` per register tile on AVX2, each against one panel (8 accumulators of 16).
+const ROWS_AVX2: usize = 4;
 
 /// How the bf16 pair products run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bf16Dot {
     /// `vdpbf16ps` on AVX-512 registers.
     Avx512Bf16,
+    /// `vfmadd` on AVX2 registers, each pair widened to two f32, with MXCSR's DAZ and FTZ set for
+    /// the kernel: the instruction's bits at the rate of f32 products (AVX2 and FMA).
+    Avx2Fma,
     /// Plain Rust, as the instruction defines it: any CPU, the same bits.
     Emulated,
 }
@@ -61,9 +69,21 @@ impl Bf16Dot {
             {
                 out.push(Bf16Dot::Avx512Bf16);
             }
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                out.push(Bf16Dot::Avx2Fma);
+            }
             out.push(Bf16Dot::Emulated);
             out
         })
+    }
+
+    /// Rows of `a` in one register tile.
+    fn tile_rows(self) -> usize {
+        match self {
+            Bf16Dot::Avx2Fma => ROWS_AVX2,
+            _ => ROWS,
+        }
     }
 }
 
@@ -108,8 +128,8 @@ fn pair(lo: f32, hi: f32) -> u32 {
 /// `acc` after one pair of products, as `vdpbf16ps` computes one lane.
 #[inline(always)]
 fn dot_pair(acc: f32, a: u32, b: u32) -> f32 {
-    let hi = flush(acc + widen((a >> 16) as u16) * widen((b >> 16) as u16));
-    flush(hi + widen(a as u16) * widen(b as u16))
+    let hi = flush(widen((a >> 16) as u16).mul_add(widen((b >> 16) as u16), flush(acc)));
+    flush(widen(a as u16).mul_add(widen(b as u16), hi))
 }
 
 /// `a @ B^T` for operands read in place, rounded to bf16: `(a.rows, b.rows)` in f32.
@@ -120,6 +140,8 @@ pub fn product(a: Operand, b: Operand, dot: Bf16Dot) -> candle_core::Result<Vec<
 /// All rows of `a` times two panels (output columns `col0..col0 + cols`).
 struct Task {
     a: *const u32,
+    /// Words from one row of `a` to the next: `kp` pairs, or `2 * kp` widened to f32 (AVX2).
+    lda: usize,
     m: usize,
     kp: usize,
     /// The first of the task's two panels; the second follows at `kp * 16` pairs.
@@ -138,18 +160,22 @@ impl Task {
     /// available.
     unsafe fn run(&self, dot: Bf16Dot) {
         // Tiles of (nearly) equal height: 16 rows as 8 + 8, not 12 + 4.
-        let tiles = self.m.div_ceil(ROWS);
+        let tiles = self.m.div_ceil(dot.tile_rows());
         let (height, taller) = (self.m / tiles, self.m % tiles);
+        #[cfg(target_arch = "x86_64")]
+        let _flush = (dot == Bf16Dot::Avx2Fma).then(x86::FlushSubnormals::new);
         let mut r0 = 0;
         for tile in 0..tiles {
             let rows = height + usize::from(tile < taller);
             // SAFETY: rows `r0..r0 + rows` of `a` and `y`, within the caller's contract.
             unsafe {
-                let a = self.a.add(r0 * self.kp);
+                let a = self.a.add(r0 * self.lda);
                 let y = self.y.add(r0 * self.ldy);
                 match dot {
                     #[cfg(target_arch = "x86_64")]
                     Bf16Dot::Avx512Bf16 => x86::tile_rows(a, rows, self, y),
+                    #[cfg(target_arch = "x86_64")]
+                    Bf16Dot::Avx2Fma => x86::tile_rows_avx2(a, rows, self, y),
                     _ => tile_emulated(a, rows, self, y),
                 }
             }
@@ -352,6 +378,62 @@ mod tests {
                 assert_eq!(alone, want[..n].to_vec(), "{dot:?}: batch invariance");
             }
         }
+    }
+
+    /// Values whose products and sums fall below f32's normal range, where the instruction's
+    /// DAZ and FTZ decide the bits: every kernel this CPU runs gives the emulation's bits, for a
+    /// product and for one that continues from subnormal outputs. The case is not vacuous: the
+    /// same chains without the flushes give other bits.
+    #[test]
+    fn products_below_the_normal_range_flush_as_the_instruction_does() {
+        let (m, k, n) = (5, 37, 40);
+        let scale = |v: Vec<f32>, s: i32| v.into_iter().map(|x| x * 2f32.powi(s)).collect::<Vec<_>>();
+        let (a, b) = (scale(random(m * k, 7), -60), scale(random(n * k, 8), -66));
+        let start: Vec<f32> = (0..m * n)
+            .map(|i| f32::from_bits(i as u32 * 0x0001_3579 % 0x0080_0000) * if i % 3 == 0 { -1.0 } else { 1.0 })
+            .collect();
+        let (ra, pb) = (
+            Bf16Rows::new(Operand::rows(&a, m, k)),
+            Bf16Panels::new(Operand::rows(&b, n, k)),
+        );
+        let run = |dot| {
+            let mut y = start.clone();
+            pb.matmul_add(&ra, dot, &mut y).unwrap();
+            (pb.matmul(&ra, dot).unwrap(), y)
+        };
+        let want = run(Bf16Dot::Emulated);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for &dot in Bf16Dot::available() {
+            let got = run(dot);
+            assert_eq!(bits(&got.0), bits(&want.0), "{dot:?}: product");
+            assert_eq!(bits(&got.1), bits(&want.1), "{dot:?}: continued from subnormals");
+        }
+        // The same chains with subnormals kept.
+        let kept: Vec<f32> = (0..m * n)
+            .map(|o| {
+                let (i, j) = (o / n, o % n);
+                let r = |x: f32| f32::from_bits((to_bf16(x) as u32) << 16);
+                let mut acc = 0f32;
+                for p in (0..k).step_by(2) {
+                    for c in [p + 1, p].into_iter().filter(|&c| c < k) {
+                        acc = r(a[i * k + c]).mul_add(r(b[j * k + c]), acc);
+                    }
+                }
+                acc
+            })
+            .collect();
+        assert!(
+            kept.iter().any(|x| x.is_subnormal()),
+            "no subnormal sums: the case tests nothing"
+        );
+        assert_ne!(bits(&kept), bits(&want.0));
+        assert!(want.0.iter().chain(&want.1).all(|x| !x.is_subnormal()));
+        // The pool's threads are back in IEEE mode: f32 products keep their subnormals.
+        let f32s = crate::train::product::product(Operand::rows(&a, m, k), Operand::rows(&b, n, k), Default::default());
+        assert!(
+            f32s.unwrap().iter().any(|x| x.is_subnormal()),
+            "MXCSR left with FTZ set"
+        );
     }
 
     fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {

@@ -245,18 +245,24 @@ impl Bf16Panels {
         if y.is_empty() {
             return Ok(());
         }
-        let blocks = ProductBlocks::new(m, n.div_ceil(LANES * GROUP), kp * LANES * GROUP * 4, kp * 4);
-        let (a_at, w_at, y_at) = (
-            a.pairs.as_ptr() as usize,
-            self.pairs.as_ptr() as usize,
-            y.as_mut_ptr() as usize,
-        );
+        // On AVX2 each pair of `a` is widened once to its two f32, the high one (added first)
+        // before the low one, so that the tiles broadcast them straight from memory.
+        let wide;
+        let (a_at, lda) = if dot == Bf16Dot::Avx2Fma {
+            wide = widen_pairs(&a.pairs);
+            (wide.as_ptr() as usize, 2 * kp)
+        } else {
+            (a.pairs.as_ptr() as usize, kp)
+        };
+        let blocks = ProductBlocks::new(m, n.div_ceil(LANES * GROUP), kp * LANES * GROUP * 4, lda * 4);
+        let (w_at, y_at) = (self.pairs.as_ptr() as usize, y.as_mut_ptr() as usize);
         candle_core::utils::barrier_pool().execute_chunked(blocks.items(), |range| {
             for item in range {
                 let (task, r0, rows) = blocks.item(item);
                 let col0 = task * LANES * GROUP;
                 let t = Task {
-                    a: (a_at + r0 * kp * 4) as *const u32,
+                    a: (a_at + r0 * lda * 4) as *const u32,
+                    lda,
                     m: rows,
                     kp,
                     w: (w_at + col0 * kp * 4) as *const u32,
@@ -274,6 +280,23 @@ impl Bf16Panels {
         });
         Ok(())
     }
+}
+
+/// Each pair `(lo, hi)` of bf16 as the bits of two f32, `hi` first.
+fn widen_pairs(pairs: &[u32]) -> Vec<u32> {
+    let mut wide = vec![0u32; 2 * pairs.len()];
+    crate::parallel::chunks_mut(
+        &mut wide,
+        crate::parallel::GRAIN,
+        #[inline(always)]
+        |start, out| {
+            for (o, &p) in out.chunks_exact_mut(2).zip(&pairs[start / 2..]) {
+                o[0] = p & 0xffff_0000;
+                o[1] = p << 16;
+            }
+        },
+    );
+    wide
 }
 
 /// `b` `(n, k)` into `out` as panels, on this CPU's fastest rounding.

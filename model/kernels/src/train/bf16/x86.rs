@@ -136,3 +136,111 @@ unsafe fn tile<const R: usize>(a: *const u32, t: &Task, y: *mut f32) {
         }
     }
 }
+
+/// MXCSR's DAZ (subnormal inputs read as zero) and FTZ (subnormal results flushed to zero) set
+/// on this thread while it lives, and the previous value back when it drops: `vdpbf16ps`'s
+/// arithmetic for the f32 instructions of [`tile_rows_avx2`], without a compare and blend after
+/// every multiply-add. (Rust's `_mm_setcsr` is deprecated; the two instructions are written with
+/// `asm!`.)
+pub(crate) struct FlushSubnormals(u32);
+
+impl FlushSubnormals {
+    const DAZ: u32 = 1 << 6;
+    const FTZ: u32 = 1 << 15;
+
+    pub(crate) fn new() -> Self {
+        let mut old = 0u32;
+        // SAFETY: `stmxcsr` writes the 4 bytes at the pointer; every x86-64 CPU has SSE.
+        unsafe { std::arch::asm!("stmxcsr [{}]", in(reg) &mut old, options(nostack, preserves_flags)) };
+        let new = old | Self::DAZ | Self::FTZ;
+        // SAFETY: `ldmxcsr` reads the 4 bytes at the pointer, a valid MXCSR value (the old one
+        // with two mode bits set, which every CPU with SSE2 has).
+        unsafe { std::arch::asm!("ldmxcsr [{}]", in(reg) &new, options(nostack, preserves_flags, readonly)) };
+        Self(old)
+    }
+}
+
+impl Drop for FlushSubnormals {
+    fn drop(&mut self) {
+        // SAFETY: as in `new`: the value read there.
+        unsafe { std::arch::asm!("ldmxcsr [{}]", in(reg) &self.0, options(nostack, preserves_flags, readonly)) };
+    }
+}
+
+/// [`Bf16Dot::Avx2Fma`](super::Bf16Dot)'s tile of `rows` (1 to 4) rows, `a` widened (the
+/// task's `lda` f32 a row, each pair's high value first).
+///
+/// # Safety
+/// As [`Task::run`]; AVX2 and FMA available; a [`FlushSubnormals`] alive on this thread (else
+/// the bits differ where values fall below f32's normal range).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn tile_rows_avx2(a: *const u32, rows: usize, t: &Task, y: *mut f32) {
+    // SAFETY: the caller's contract, for the rows given.
+    unsafe {
+        for panel in 0..GROUP {
+            let cols = t.cols.saturating_sub(panel * LANES).min(LANES);
+            if cols == 0 {
+                break;
+            }
+            let (w, y) = (t.w.add(panel * t.kp * LANES), y.add(panel * LANES));
+            match rows {
+                4 => tile_avx2::<4>(a as *const f32, w, t, y, cols),
+                3 => tile_avx2::<3>(a as *const f32, w, t, y, cols),
+                2 => tile_avx2::<2>(a as *const f32, w, t, y, cols),
+                _ => tile_avx2::<1>(a as *const f32, w, t, y, cols),
+            }
+        }
+    }
+}
+
+/// `R` widened rows from `a` times one panel `w`, into the first `cols` columns at `y`, on AVX2:
+/// at each pair position the panel's high halves (the odd positions, which the instruction adds
+/// first) widened to f32 (`x & 0xffff0000`), then its low halves (`x << 16`), and one fused
+/// multiply-add per product.
+///
+/// # Safety
+/// As [`tile_rows_avx2`]; `w` one of the task's panels, `y` its columns.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
+unsafe fn tile_avx2<const R: usize>(a: *const f32, w: *const u32, t: &Task, y: *mut f32, cols: usize) {
+    let kp = t.kp;
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    // SAFETY: the caller's contract: `R` rows of `2 * kp` values at `a`, a panel of `kp * 16`
+    // pairs at `w`, `R` rows of `cols` columns at `y`.
+    unsafe {
+        if t.accumulate {
+            for i in 0..R {
+                let start = start_cols(y.add(i * t.ldy), cols, true);
+                acc[i] = [_mm256_loadu_ps(start.as_ptr()), _mm256_loadu_ps(start.as_ptr().add(8))];
+            }
+        }
+        let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+        for p in 0..kp {
+            let at = w.add(p * LANES) as *const __m256i;
+            let (w0, w1) = (_mm256_loadu_si256(at), _mm256_loadu_si256(at.add(1)));
+            let hi = [_mm256_and_si256(w0, high), _mm256_and_si256(w1, high)].map(|v| _mm256_castsi256_ps(v));
+            for i in 0..R {
+                let x = _mm256_broadcast_ss(&*a.add(i * t.lda + 2 * p));
+                acc[i] = [
+                    _mm256_fmadd_ps(x, hi[0], acc[i][0]),
+                    _mm256_fmadd_ps(x, hi[1], acc[i][1]),
+                ];
+            }
+            let lo = [_mm256_slli_epi32::<16>(w0), _mm256_slli_epi32::<16>(w1)].map(|v| _mm256_castsi256_ps(v));
+            for i in 0..R {
+                let x = _mm256_broadcast_ss(&*a.add(i * t.lda + 2 * p + 1));
+                acc[i] = [
+                    _mm256_fmadd_ps(x, lo[0], acc[i][0]),
+                    _mm256_fmadd_ps(x, lo[1], acc[i][1]),
+                ];
+            }
+        }
+        for i in 0..R {
+            let mut out = [0f32; LANES * GROUP];
+            _mm256_storeu_ps(out.as_mut_ptr(), acc[i][0]);
+            _mm256_storeu_ps(out.as_mut_ptr().add(8), acc[i][1]);
+            store_cols(&out, y.add(i * t.ldy), cols);
+        }
+    }
+}
