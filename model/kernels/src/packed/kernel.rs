@@ -365,7 +365,8 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
     // which run ahead within a packed panel, are left to the hardware's stride prefetcher, and
     // every tile reads the whole of `k` (the chunks' offsets count packed blocks).
     let strided = F::IN_PLACE && t.block_bytes != F::BLOCK_BYTES;
-    if t.m <= V::ROWS {
+    let most = tile_height::<V>();
+    if t.m <= most {
         let mut at = tile_at(0, 0);
         if strided {
             at.prefetch = 0;
@@ -376,7 +377,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
         return;
     }
     // Tiles of (nearly) equal height: 16 rows as 8 + 8, not 12 + 4.
-    let tiles = t.m.div_ceil(V::ROWS);
+    let tiles = t.m.div_ceil(most);
     let (height, taller) = (t.m / tiles, t.m % tiles);
     if F::IN_PLACE && (tiles > 2 || strided) {
         // Prefill: f32 panels are read in place over the whole of `k`, the first tile
@@ -510,7 +511,17 @@ unsafe fn widen<F: Format, V: Vec16>(t: &Task, k0: usize, kc: usize, out: *mut f
 /// Rows in a tile at most, on any lanes.
 const MAX_ROWS: usize = 12;
 
-/// One tile of `rows` rows (at most `V::ROWS`).
+/// Rows per register tile on `V`: [`Vec16::PANEL_ROWS`] where it tiles one panel at a time.
+#[inline(always)]
+fn tile_height<V: Vec16>() -> usize {
+    if V::PANEL_ROWS > 0 {
+        V::PANEL_ROWS
+    } else {
+        V::ROWS
+    }
+}
+
+/// One tile of `rows` rows (at most [`tile_height`]).
 ///
 /// A task with fewer than 32 columns (the matrix's last, when `n` is not a multiple of 32)
 /// goes through a full-width buffer, so that [`tile`] reads and writes whole vectors only: its
@@ -519,13 +530,13 @@ const MAX_ROWS: usize = 12;
 /// a step of nanoGPT's CPU recipe).
 ///
 /// # Safety
-/// `rows <= V::ROWS`; `t.x` holds `rows` rows of `t.kc` positions (row stride or, with `XT`,
+/// `rows <= tile_height::<V>()`; `t.x` holds `rows` rows of `t.kc` positions (row stride or, with `XT`,
 /// column stride `t.ldx`), `t.w` two panels of `t.kc` positions `t.panel_stride` bytes apart,
 /// `t.y` `rows` rows of `t.cols` columns (`t.ldy` apart) that no other thread touches; `V`'s
 /// instructions run on this CPU.
 #[inline(always)]
 unsafe fn tile_rows<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: usize) {
-    debug_assert!(rows <= MAX_ROWS && V::ROWS <= MAX_ROWS);
+    debug_assert!(rows <= tile_height::<V>() && tile_height::<V>() <= MAX_ROWS);
     if t.cols < GROUP * LANES {
         const WIDTH: usize = GROUP * LANES;
         let mut buf = [0f32; MAX_ROWS * WIDTH];
@@ -563,47 +574,71 @@ unsafe fn tile_rows<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: usize) 
 /// As [`tile_rows`], with `t.cols` 32.
 #[inline(always)]
 unsafe fn tile_rows_whole<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: usize) {
+    if V::PANEL_ROWS > 0 {
+        for j in 0..GROUP {
+            // SAFETY: panel `j < GROUP` of the tile, and its 16 columns of `y`.
+            let (w, y) = unsafe { (t.w.add(j * t.panel_stride), t.y.add(j * LANES)) };
+            let one = Tile {
+                w,
+                y,
+                ahead: [t.ahead[j]; GROUP],
+                ..*t
+            };
+            // SAFETY: `rows <= PANEL_ROWS` (6); the caller's contract, for one panel.
+            unsafe {
+                match rows {
+                    6 => tile::<F, V, 6, XT, 1>(&one),
+                    5 => tile::<F, V, 5, XT, 1>(&one),
+                    4 => tile::<F, V, 4, XT, 1>(&one),
+                    3 => tile::<F, V, 3, XT, 1>(&one),
+                    2 => tile::<F, V, 2, XT, 1>(&one),
+                    _ => tile::<F, V, 1, XT, 1>(&one),
+                }
+            }
+        }
+        return;
+    }
     // SAFETY: `rows` is one of `tile`'s instances (1 to 12); the caller's contract is `tile`'s.
     unsafe {
         match rows {
-            12 => tile::<F, V, 12, XT>(t),
-            11 => tile::<F, V, 11, XT>(t),
-            10 => tile::<F, V, 10, XT>(t),
-            9 => tile::<F, V, 9, XT>(t),
-            8 => tile::<F, V, 8, XT>(t),
-            7 => tile::<F, V, 7, XT>(t),
-            6 => tile::<F, V, 6, XT>(t),
-            5 => tile::<F, V, 5, XT>(t),
-            4 => tile::<F, V, 4, XT>(t),
-            3 => tile::<F, V, 3, XT>(t),
-            2 => tile::<F, V, 2, XT>(t),
-            _ => tile::<F, V, 1, XT>(t),
+            12 => tile::<F, V, 12, XT, GROUP>(t),
+            11 => tile::<F, V, 11, XT, GROUP>(t),
+            10 => tile::<F, V, 10, XT, GROUP>(t),
+            9 => tile::<F, V, 9, XT, GROUP>(t),
+            8 => tile::<F, V, 8, XT, GROUP>(t),
+            7 => tile::<F, V, 7, XT, GROUP>(t),
+            6 => tile::<F, V, 6, XT, GROUP>(t),
+            5 => tile::<F, V, 5, XT, GROUP>(t),
+            4 => tile::<F, V, 4, XT, GROUP>(t),
+            3 => tile::<F, V, 3, XT, GROUP>(t),
+            2 => tile::<F, V, 2, XT, GROUP>(t),
+            _ => tile::<F, V, 1, XT, GROUP>(t),
         }
     }
 }
 
-/// `R` rows times two panels over the tile's positions.
+/// `R` rows times `P` panels (two, or one) over the tile's positions.
 ///
 /// # Safety
 /// As [`tile_rows_whole`], with `R` rows.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
-unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool>(t: &Tile) {
+unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool, const P: usize>(t: &Tile) {
     // SAFETY: the caller's contract: `R` rows of `x` from `t.x` over `kc` positions, the two
     // panels' blocks from `t.w`, `R` rows of 32 columns of `y`, and `V` runs here. Prefetches
     // past a panel's end read nothing and never fault.
     unsafe {
-        let mut acc = [[V::zero(); GROUP]; R];
+        let mut acc = [[V::zero(); P]; R];
         if t.accumulate {
             for i in 0..R {
-                for j in 0..GROUP {
+                for j in 0..P {
                     acc[i][j] = V::load_f32(t.y.add(i * t.ldy + j * LANES) as *const u8);
                 }
             }
         }
         // No closures here: they would not inherit the caller's target features.
-        let (mut block, mut scale) = ([t.w; GROUP], [V::zero(); GROUP]);
-        let mut w = [[V::zero(); 2]; GROUP];
+        let (mut block, mut scale) = ([t.w; P], [V::zero(); P]);
+        let mut w = [[V::zero(); 2]; P];
         let blocks = t.kc / F::BLOCK;
         // `ahead_lines` spread over `blocks` steps: a line whenever the count passes `blocks`.
         let (mut line, mut count) = (0, 0);
@@ -611,14 +646,14 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool>(t: &Tile) {
             if t.prefetch == 0 {
                 count += t.ahead_lines;
                 while count >= blocks && line < t.ahead_lines {
-                    for j in 0..GROUP {
+                    for j in 0..P {
                         V::prefetch(t.ahead[j].wrapping_add(64 * line));
                     }
                     line += 1;
                     count -= blocks;
                 }
             }
-            for j in 0..GROUP {
+            for j in 0..P {
                 let step = if F::IN_PLACE { t.block_bytes } else { F::BLOCK_BYTES };
                 block[j] = t.w.add(j * t.panel_stride + b * step);
                 scale[j] = F::scale(block[j]);
@@ -629,14 +664,14 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool>(t: &Tile) {
                 }
             }
             for s in 0..F::STEPS {
-                for j in 0..GROUP {
+                for j in 0..P {
                     w[j] = F::weights(block[j], s, scale[j]);
                 }
                 for h in 0..F::PER_STEP {
                     let c = b * F::BLOCK + F::pos(s, h);
                     for i in 0..R {
                         let xv = V::splat(t.x.add(if XT { c * t.ldx + i } else { i * t.ldx + c }));
-                        for j in 0..GROUP {
+                        for j in 0..P {
                             acc[i][j] = V::fma(xv, w[j][h], acc[i][j]);
                         }
                     }
@@ -645,7 +680,7 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool>(t: &Tile) {
         }
         for i in 0..R {
             let y = t.y.add(i * t.ldy);
-            for j in 0..GROUP {
+            for j in 0..P {
                 acc[i][j].store(y.add(j * LANES));
             }
         }

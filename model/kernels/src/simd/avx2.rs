@@ -13,13 +13,15 @@ pub(super) unsafe fn run<K: Kernel>(k: K) -> K::Output {
     k.run::<Y2>()
 }
 
-/// Two AVX2 registers (16 registers in all: tiles of 2 rows).
+/// Two AVX2 registers (16 registers in all: tiles of 2 rows by two panels, or of 6 rows by one:
+/// 12 accumulators, the panel's two registers and a broadcast).
 #[derive(Clone, Copy)]
 pub(crate) struct Y2(__m256, __m256);
 
 // SAFETY: as for AVX-512, two 8-lane halves; they run where `Simd::Avx2` does (AVX2, FMA, F16C).
 unsafe impl Vec16 for Y2 {
     const ROWS: usize = 2;
+    const PANEL_ROWS: usize = 6;
     #[inline(always)]
     unsafe fn zero() -> Self {
         // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.

@@ -149,6 +149,9 @@ pub(crate) trait Kernel {
 pub(crate) unsafe trait Vec16: Copy {
     /// Activation rows per register tile of the packed kernel.
     const ROWS: usize;
+    /// Rows per tile of one panel (16 columns) instead of two, where that fits the register
+    /// file better; 0: two-panel tiles of [`Vec16::ROWS`] rows.
+    const PANEL_ROWS: usize = 0;
     /// # Safety
     /// As the trait.
     unsafe fn zero() -> Self;
