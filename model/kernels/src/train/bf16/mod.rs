@@ -6,7 +6,8 @@
 //! this project's EPYC). Elsewhere the same arithmetic runs as the instruction defines it, so a
 //! run gives the same bits on every CPU: on AVX2 as f32 fused multiply-adds of the pairs widened
 //! to f32 under the instruction's DAZ and FTZ ([`Bf16Dot::Avx2Fma`]), else in plain Rust
-//! ([`Bf16Dot::Emulated`]). The tests check each against the plain Rust, bit for bit.
+//! ([`Bf16Dot::Emulated`]). The tests check each against the plain Rust, bit for bit: the
+//! instruction on normal values, the AVX2 kernel below f32's normal range too.
 //!
 //! The instruction, per output lane (Intel's definition: "FP32 FMA with DAZ in, FTZ out and RNE
 //! rounding"): `acc = fma(a[2p+1], b[2p+1], acc)`, then `acc = fma(a[2p], b[2p], acc)`, each
@@ -381,9 +382,11 @@ mod tests {
     }
 
     /// Values whose products and sums fall below f32's normal range, where the instruction's
-    /// DAZ and FTZ decide the bits: every kernel this CPU runs gives the emulation's bits, for a
-    /// product and for one that continues from subnormal outputs. The case is not vacuous: the
-    /// same chains without the flushes give other bits.
+    /// DAZ and FTZ decide the bits: the AVX2 kernel gives the emulation's bits, for a product and
+    /// for one that continues from subnormal outputs. The case is not vacuous: the same chains
+    /// without the flushes give other bits. (`vdpbf16ps` itself is left out: whether the
+    /// hardware follows Intel's definition this far below the normal range has not been
+    /// checked on a CPU that has it, and the tests above compare it on normal values only.)
     #[test]
     fn products_below_the_normal_range_flush_as_the_instruction_does() {
         let (m, k, n) = (5, 37, 40);
@@ -403,7 +406,7 @@ mod tests {
         };
         let want = run(Bf16Dot::Emulated);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for &dot in Bf16Dot::available() {
+        for &dot in Bf16Dot::available().iter().filter(|&&d| d != Bf16Dot::Avx512Bf16) {
             let got = run(dot);
             assert_eq!(bits(&got.0), bits(&want.0), "{dot:?}: product");
             assert_eq!(bits(&got.1), bits(&want.1), "{dot:?}: continued from subnormals");
