@@ -7,7 +7,7 @@ use super::epilogue::{epilogue, Epilogue};
 use super::WeightFormat;
 use super::{PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
 use crate::parallel::ProductBlocks;
-use crate::simd::{Kernel, Vec16};
+use crate::simd::{tile_height, Kernel, Vec16};
 
 /// How one format's panel yields weight vectors: in blocks of `BLOCK` positions along `k`,
 /// `STEPS` loads per block, each giving `PER_STEP` vectors, in ascending positions (so that the
@@ -511,16 +511,6 @@ unsafe fn widen<F: Format, V: Vec16>(t: &Task, k0: usize, kc: usize, out: *mut f
 /// Rows in a tile at most, on any lanes.
 const MAX_ROWS: usize = 12;
 
-/// Rows per register tile on `V`: [`Vec16::PANEL_ROWS`] where it tiles one panel at a time.
-#[inline(always)]
-fn tile_height<V: Vec16>() -> usize {
-    if V::PANEL_ROWS > 0 {
-        V::PANEL_ROWS
-    } else {
-        V::ROWS
-    }
-}
-
 /// One tile of `rows` rows (at most [`tile_height`]).
 ///
 /// A task with fewer than 32 columns (the matrix's last, when `n` is not a multiple of 32)
@@ -624,8 +614,8 @@ unsafe fn tile_rows_whole<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: u
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
 unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool, const P: usize>(t: &Tile) {
-    // SAFETY: the caller's contract: `R` rows of `x` from `t.x` over `kc` positions, the two
-    // panels' blocks from `t.w`, `R` rows of 32 columns of `y`, and `V` runs here. Prefetches
+    // SAFETY: the caller's contract: `R` rows of `x` from `t.x` over `kc` positions, the `P`
+    // panels' blocks from `t.w`, `R` rows of `16 P` columns of `y`, and `V` runs here. Prefetches
     // past a panel's end read nothing and never fault.
     unsafe {
         let mut acc = [[V::zero(); P]; R];

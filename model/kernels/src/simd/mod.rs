@@ -19,6 +19,17 @@ mod portable;
 
 use std::sync::OnceLock;
 
+/// Rows per register tile of the packed kernel on `V`: [`Vec16::PANEL_ROWS`] where it tiles one
+/// panel at a time, else [`Vec16::ROWS`].
+#[inline(always)]
+pub(crate) fn tile_height<V: Vec16>() -> usize {
+    if V::PANEL_ROWS > 0 {
+        V::PANEL_ROWS
+    } else {
+        V::ROWS
+    }
+}
+
 /// f32 lanes of a [`Vec16`].
 pub(crate) const LANES: usize = 16;
 
@@ -66,16 +77,16 @@ impl Simd {
         Self::available().contains(&self)
     }
 
-    /// Rows of `a` in one register tile of the packed kernel on these lanes (12 on AVX-512, 2
-    /// on AVX2 and the portable lanes): how much of each cache line a tile uses where it reads
+    /// Rows of `a` in one register tile of the packed kernel on these lanes (12 on AVX-512, 6
+    /// on AVX2, 2 on the portable lanes): how much of each cache line a tile uses where it reads
     /// `a`'s columns.
     pub fn tile_rows(self) -> usize {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512 => <std::arch::x86_64::__m512 as Vec16>::ROWS,
+            Simd::Avx512 => tile_height::<std::arch::x86_64::__m512>(),
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => <avx2::Y2 as Vec16>::ROWS,
-            _ => <[f32; LANES] as Vec16>::ROWS,
+            Simd::Avx2 => tile_height::<avx2::Y2>(),
+            _ => tile_height::<[f32; LANES]>(),
         }
     }
 
