@@ -328,24 +328,15 @@ impl World {
         }
     }
 
-    /// `recv` = this rank's block of `Σ over ranks of send`, the blocks `recv.len()` values each.
-    fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32]) {
+    /// Sends `send` to rank `to` and receives `recv` from rank `from` at once (a process alone
+    /// is both: `recv` is `send`).
+    fn exchange_f32(&self, to: usize, send: &[f32], from: usize, recv: &mut [f32]) {
         #[cfg(feature = "mpi")]
         if let Some(comm) = self.comm() {
-            comm.reduce_scatter_f32(send, recv);
+            comm.exchange_f32(to, send, from, recv);
             return;
         }
-        let n = recv.len();
-        recv.copy_from_slice(&send[self.rank * n..(self.rank + 1) * n]);
-    }
-
-    /// `recv` = every rank's `send`, in rank order.
-    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
-        #[cfg(feature = "mpi")]
-        if let Some(comm) = self.comm() {
-            comm.all_gather_f32(send, recv);
-            return;
-        }
+        let _ = (to, from);
         recv.copy_from_slice(send);
     }
 }

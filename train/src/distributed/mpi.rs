@@ -63,10 +63,12 @@ impl Comm {
         }
     }
 
-    /// `recv` = this rank's block of `Σ over ranks of send` (blocks of `recv.len()` values, at
-    /// most `MAX_COUNT`).
-    pub fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32]) {
-        self.world.reduce_scatter_block_into(send, recv, SystemOperation::sum());
+    /// Sends `send` to rank `to` while receiving `recv` from rank `from` (MPI's sendrecv; at
+    /// most `MAX_COUNT` values each way).
+    pub fn exchange_f32(&self, to: usize, send: &[f32], from: usize, recv: &mut [f32]) {
+        let to = self.world.process_at_rank(i32::try_from(to).unwrap_or(0));
+        let from = self.world.process_at_rank(i32::try_from(from).unwrap_or(0));
+        mpi::point_to_point::send_receive_into(send, &to, recv, &from);
     }
 
     /// `Σ over ranks of send` into `recv` on rank `root` (which passes `Some`; the others pass
@@ -97,11 +99,6 @@ impl Comm {
     /// The number of hosts the job spans (groups of ranks that share memory).
     pub fn hosts(&self) -> usize {
         self.hosts
-    }
-
-    /// `recv` = every rank's `send` (at most `MAX_COUNT` values), in rank order.
-    pub fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
-        self.world.all_gather_into(send, recv);
     }
 
     pub fn all_gather_f64(&self, values: &[f64]) -> Vec<f64> {
