@@ -1,11 +1,12 @@
-//! q8_0 products on integers, as llama.cpp takes them: the activations quantized to q8_0 too
-//! (per row and block of 32 positions, `d = max|x| / 127` and codes `q = round(x · (1/d))`, half
-//! away from zero), each block's product `Σ q·w` summed exactly in 32-bit integers, then
+//! q8_0 and q4_0 products on integers, as llama.cpp takes them: the activations quantized to
+//! q8_0 (per row and block of 32 positions, `d = max|x| / 127` and codes `q = round(x · (1/d))`,
+//! half away from zero), each block's product `Σ q·w` summed exactly in 32-bit integers, then
 //! `y += Σ q·w · (d_x · d_w)` in f32, block after block along `k` (`Σ q·w · s` as one fused
 //! multiply-add, `s = d_x · d_w` rounded first). An integer dot product takes 64 byte products per
 //! AVX512-VNNI instruction (`vpdpbusd`) against 16 f32 ones per fused multiply-add, and the weights
 //! are never widened: at 16-64 rows (batched decode, prefill) the f32-activation kernel was slower
-//! with q8_0 weights than with f32 ones (`BENCHMARKS.md`).
+//! with q8_0 weights than with f32 ones, and at one row on AVX2 it was bound by dequantizing q4_0
+//! to f32 (`BENCHMARKS.md`).
 //!
 //! Every instruction set gives the same bits: the integer sums are exact (at most 32 · 255 · 127 in
 //! magnitude) and exact in f32 (under 2^24), and the f32 steps are the same operations in the same
@@ -14,11 +15,14 @@
 //! Layout (set by `PackedMatrix::from_qtensor`): in a q8_0 block of a panel, the 16 columns'
 //! codes for positions `4g..4g + 4` are one 64-byte line, column after column, each column's four
 //! positions adjacent (byte `64g + 4c + r` is column `c` at position `4g + r`): the order in which
-//! `vpdpbusd` sums four byte products into each 32-bit lane. The 16 f16 scales follow.
+//! `vpdpbusd` sums four byte products into each 32-bit lane. The 16 f16 scales follow. A q4_0
+//! block has four such lines: byte `64g + 4c + r` holds GGML's pair of codes, positions
+//! `t = 4g + r` (low nibble) and `t + 16` (high), so that its low nibbles are q8_0's lines 0..4
+//! and its high ones lines 4..8, each a mask (and a shift) away.
 //!
-//! `vpdpbusd` multiplies unsigned bytes by signed ones; the weights are read as `w + 128` (their
-//! top bit flipped in the register) and `128 · Σq`, computed with the activations' codes, is taken
-//! off where each block's sum starts.
+//! `vpdpbusd` multiplies unsigned bytes by signed ones. q8_0's weights are read as `w + 128` (their
+//! top bit flipped in the register) and q4_0's as their codes `w + 8` (0..16); `128 · Σq` or
+//! `8 · Σq`, from the activations' codes, is taken off where each block's sum starts.
 
 use std::mem::MaybeUninit;
 
@@ -26,10 +30,24 @@ use super::epilogue::Epilogue;
 use super::{PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
 use crate::simd::{Kernel, Vec16};
 
-/// Bytes of a q8_0 block in a panel: 16 columns x 32 codes, then 16 f16 scales.
-const BLOCK_BYTES: usize = LANES * BLOCK + 2 * LANES;
+/// Bytes of a block in a panel: 16 columns x 32 codes (q4_0: two codes a byte), then 16 f16
+/// scales.
+const fn block_bytes(q4: bool) -> usize {
+    LANES * BLOCK / if q4 { 2 } else { 1 } + 2 * LANES
+}
 
-/// Byte offset, within its block, of the code of column `lane` at position `t` (`0..32`).
+/// What weight codes are offset by, to read them as unsigned bytes: q8_0's `w + 128` in the VNNI
+/// kernel (its AVX2 kernel takes signed codes), q4_0's stored `w + 8`.
+const fn code_bias(q4: bool) -> i32 {
+    if q4 {
+        8
+    } else {
+        128
+    }
+}
+
+/// Byte offset, within its block, of the code of column `lane` at position `t` (`0..32`); in a
+/// q4_0 block, of the pair of positions `t` and `t + 16` (`t` in `0..16`).
 pub(super) fn code_offset(t: usize, lane: usize) -> usize {
     t / 4 * 64 + lane * 4 + t % 4
 }
@@ -39,8 +57,8 @@ pub(super) struct Q8Rows {
     codes: Vec<i8>,
     /// `d` per row and block.
     scales: Vec<f32>,
-    /// `-128 · Σq` per row and block: where the unsigned-weight sum starts.
-    offsets: Vec<i32>,
+    /// `Σq` per row and block: `-bias · Σq` is where an unsigned-weight sum starts.
+    sums: Vec<i32>,
 }
 
 impl Q8Rows {
@@ -51,7 +69,7 @@ impl Q8Rows {
         let mut q = Self {
             codes: vec![0i8; x.len()],
             scales: vec![0f32; blocks],
-            offsets: vec![0i32; blocks],
+            sums: vec![0i32; blocks],
         };
         simd.run(Quantize { x, q: &mut q });
         q
@@ -71,12 +89,12 @@ impl Kernel for Quantize<'_> {
     fn run<V: Vec16>(self) {
         let q = self.q;
         let blocks = self.x.chunks_exact(BLOCK).zip(q.codes.chunks_exact_mut(BLOCK));
-        for ((block, codes), (scale, offset)) in blocks.zip(q.scales.iter_mut().zip(q.offsets.iter_mut())) {
+        for ((block, codes), (scale, total)) in blocks.zip(q.scales.iter_mut().zip(q.sums.iter_mut())) {
             let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
             let finite = block.iter().fold(true, |a, v| a & v.is_finite());
             if !finite {
                 // The product is not a number, as in f32 (codes stay zero: `0 · NaN` is NaN).
-                (*scale, *offset) = (f32::NAN, 0);
+                (*scale, *total) = (f32::NAN, 0);
                 continue;
             }
             let d = amax / 127.0;
@@ -87,7 +105,7 @@ impl Kernel for Quantize<'_> {
                 *c = code as i8;
                 sum += code;
             }
-            (*scale, *offset) = (d, -128 * sum);
+            (*scale, *total) = (d, sum);
         }
     }
 }
@@ -112,6 +130,8 @@ struct Task<'a> {
     panel_bytes: usize,
     col0: usize,
     accumulate: bool,
+    /// q4_0 weights (else q8_0).
+    q4: bool,
 }
 
 /// Blocks along `k` per chunk when several row tiles share a task's panels: the two panels' chunk
@@ -159,6 +179,7 @@ pub(super) fn run(
     let groups = w.n.div_ceil(LANES * GROUP);
     let (y_at, w_at) = (y.as_mut_ptr() as usize, w.bytes().as_ptr() as usize);
     let vnni = simd == Simd::Avx512 && vnni();
+    let q4 = w.format == super::WeightFormat::Q4_0;
     candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
         for g in range {
             let t = Task {
@@ -171,6 +192,7 @@ pub(super) fn run(
                 panel_bytes,
                 col0: g * GROUP * LANES,
                 accumulate,
+                q4,
             };
             // Tasks write disjoint columns of `y`; the panels of group `g` exist (the matrix is
             // padded to whole groups).
@@ -178,11 +200,21 @@ pub(super) fn run(
             if vnni {
                 // SAFETY: AVX-512 and VNNI available (checked once above); the task's operands
                 // lie within `q`, the panels and `y`, its columns its own.
-                unsafe { avx512_vnni::task(&t) };
+                unsafe {
+                    match q4 {
+                        true => avx512_vnni::task::<true>(&t),
+                        false => avx512_vnni::task::<false>(&t),
+                    }
+                }
             } else if simd != Simd::Portable {
                 // SAFETY: AVX2, FMA and F16C come with either x86 instruction set; the task as
                 // above.
-                unsafe { avx2::task(&t) };
+                unsafe {
+                    match q4 {
+                        true => avx2::task::<true>(&t),
+                        false => avx2::task::<false>(&t),
+                    }
+                }
             } else {
                 simd.run(Portable(&t));
             }
@@ -213,7 +245,7 @@ impl Kernel for Portable<'_, '_> {
                 }
                 // SAFETY: panel `j` of this task holds `blocks` blocks (the `Task` that `run` built).
                 let panel =
-                    unsafe { std::slice::from_raw_parts(t.panels.add(j * t.panel_bytes), blocks * BLOCK_BYTES) };
+                    unsafe { std::slice::from_raw_parts(t.panels.add(j * t.panel_bytes), blocks * block_bytes(t.q4)) };
                 // SAFETY: row `i`'s columns of this task, its own.
                 let y = unsafe { t.y.add(i * t.n + t.col0 + j * LANES) };
                 let lanes = (cols - j * LANES).min(LANES);
@@ -222,18 +254,27 @@ impl Kernel for Portable<'_, '_> {
                     // SAFETY: as above; initialised when accumulating (`run`'s contract).
                     unsafe { std::ptr::copy_nonoverlapping(y, acc.as_mut_ptr(), lanes) };
                 }
-                for (b, block) in panel.chunks_exact(BLOCK_BYTES).enumerate() {
+                for (b, block) in panel.chunks_exact(block_bytes(t.q4)).enumerate() {
                     let x = &codes[b * BLOCK..(b + 1) * BLOCK];
+                    // Column `c`'s weight at position `4g + r`.
+                    let w = |g: usize, c: usize, r: usize| -> i32 {
+                        if t.q4 {
+                            let pair = block[64 * (g % 4) + 4 * c + r];
+                            i32::from(if g < 4 { pair & 15 } else { pair >> 4 }) - 8
+                        } else {
+                            i32::from(block[64 * g + 4 * c + r] as i8)
+                        }
+                    };
                     let mut dots = [0i32; LANES];
-                    for (g, line) in block[..LANES * BLOCK].chunks_exact(64).enumerate() {
+                    for g in 0..BLOCK / 4 {
                         for (c, dot) in dots.iter_mut().enumerate() {
                             for r in 0..4 {
-                                *dot += x[4 * g + r] as i32 * line[4 * c + r] as i8 as i32;
+                                *dot += i32::from(x[4 * g + r]) * w(g, c, r);
                             }
                         }
                     }
                     let dx = t.q.scales[i * blocks + b];
-                    let scales = &block[LANES * BLOCK..];
+                    let scales = &block[block_bytes(t.q4) - 2 * LANES..];
                     for c in 0..LANES {
                         let dw = half::f16::from_le_bytes([scales[2 * c], scales[2 * c + 1]]).to_f32();
                         acc[c] = (dots[c] as f32).mul_add(dx * dw, acc[c]);
@@ -258,19 +299,20 @@ impl Kernel for Portable<'_, '_> {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Task, BLOCK, BLOCK_BYTES, GROUP, LANES};
+    use super::{block_bytes, code_bias, Task, BLOCK, GROUP, LANES};
 
     /// Rows per register tile, one panel at a time: `R x 2` f32 accumulators and as many integer
-    /// sums, the weights and their magnitudes, a broadcast and the ones: 14 of the 16 registers
-    /// at 2.
+    /// sums, the weights and their magnitudes (q4_0: low and high codes), a broadcast and the
+    /// ones: 14 of the 16 registers at 2.
     const ROWS: usize = 2;
 
-    /// Every row of one task ([`super::for_each_tile`]), one panel after the other.
+    /// Every row of one task ([`super::for_each_tile`]), one panel after the other; `Q4`: q4_0
+    /// weights.
     ///
     /// # Safety
     /// AVX2, FMA and F16C available; the task's operands valid, its columns its own.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn task(t: &Task) {
+    pub(super) unsafe fn task<const Q4: bool>(t: &Task) {
         let cols = (t.n - t.col0).min(GROUP * LANES);
         super::for_each_tile(t, ROWS, |i0, rows, span, prefetch| {
             for j in 0..GROUP {
@@ -281,8 +323,8 @@ mod avx2 {
                 // SAFETY: the caller's contract; rows `i0..i0 + rows` and panel `j` exist.
                 unsafe {
                     match rows {
-                        2 => rows_tile::<2>(t, i0, (j, lanes), span, prefetch),
-                        _ => rows_tile::<1>(t, i0, (j, lanes), span, prefetch),
+                        2 => rows_tile::<2, Q4>(t, i0, (j, lanes), span, prefetch),
+                        _ => rows_tile::<1, Q4>(t, i0, (j, lanes), span, prefetch),
                     }
                 }
             }
@@ -296,7 +338,7 @@ mod avx2 {
     /// As [`task`]'s, with rows `i0..i0 + R` among the task's and `b0 <= b1 <=` its blocks.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // acc[i][h] reads as the formula
-    unsafe fn rows_tile<const R: usize>(
+    unsafe fn rows_tile<const R: usize, const Q4: bool>(
         t: &Task,
         i0: usize,
         (j, lanes): (usize, usize),
@@ -304,6 +346,7 @@ mod avx2 {
         prefetch: usize,
     ) {
         let blocks = t.k / BLOCK;
+        let size = block_bytes(Q4);
         // SAFETY: the caller's contract (`task`'s): every pointer below is within the rows of the
         // quantized activations, the task's panel `j`, or its columns of `y`.
         unsafe {
@@ -318,32 +361,60 @@ mod avx2 {
                 }
             }
             let codes = t.q.codes.as_ptr().add(i0 * t.k);
-            let scales = t.q.scales.as_ptr().add(i0 * blocks);
+            let (scales, sums) = (t.q.scales.as_ptr().add(i0 * blocks), t.q.sums.as_ptr().add(i0 * blocks));
+            // The activations' four codes at positions `p..p + 4` of block `b`, in every lane.
+            let x4 = |i: usize, b: usize, p: usize| {
+                _mm256_set1_epi32((codes.add(i * t.k + b * BLOCK + p) as *const i32).read_unaligned())
+            };
             let panel = t.panels.add(j * t.panel_bytes);
             for b in b0..b1 {
-                let block = panel.add(b * BLOCK_BYTES);
+                let block = panel.add(b * size);
                 if prefetch > 0 {
-                    for line in 0..BLOCK_BYTES.div_ceil(64) {
+                    for line in 0..size.div_ceil(64) {
                         _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(prefetch + 64 * line) as *const i8);
                     }
                 }
                 let mut dots = [[_mm256_setzero_si256(); 2]; R];
-                for g in 0..BLOCK / 4 {
-                    // Columns 0..8 and 8..16, four positions each.
-                    let w: [__m256i; 2] =
-                        std::array::from_fn(|h| _mm256_loadu_si256(block.add(64 * g + 32 * h) as *const _));
-                    let magnitude = w.map(|w| _mm256_abs_epi8(w));
+                if Q4 {
+                    // Codes 0..16 times the activations' codes: each 16-bit sum of two pairs of
+                    // products at most 4 · 15 · 127 = 7620, exact. `-8 · Σq` is added below.
+                    let low = _mm256_set1_epi8(15);
+                    for g in 0..BLOCK / 8 {
+                        // Columns 0..8 and 8..16, positions 4g.. (low codes) and 16 + 4g.. (high).
+                        let pairs: [__m256i; 2] =
+                            std::array::from_fn(|h| _mm256_loadu_si256(block.add(64 * g + 32 * h) as *const _));
+                        let lo = pairs.map(|p| _mm256_and_si256(p, low));
+                        let hi = pairs.map(|p| _mm256_and_si256(_mm256_srli_epi16::<4>(p), low));
+                        for i in 0..R {
+                            let (xl, xh) = (x4(i, b, 4 * g), x4(i, b, 16 + 4 * g));
+                            for h in 0..2 {
+                                let four =
+                                    _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl), _mm256_maddubs_epi16(hi[h], xh));
+                                dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(four, ones));
+                            }
+                        }
+                    }
                     for i in 0..R {
-                        let x =
-                            _mm256_set1_epi32((codes.add(i * t.k + b * BLOCK + 4 * g) as *const i32).read_unaligned());
-                        for h in 0..2 {
-                            let pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(x, w[h]));
-                            dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(pairs, ones));
+                        let start = _mm256_set1_epi32(-code_bias(true) * *sums.add(i * blocks + b));
+                        dots[i] = dots[i].map(|d| _mm256_add_epi32(d, start));
+                    }
+                } else {
+                    for g in 0..BLOCK / 4 {
+                        // Columns 0..8 and 8..16, four positions each.
+                        let w: [__m256i; 2] =
+                            std::array::from_fn(|h| _mm256_loadu_si256(block.add(64 * g + 32 * h) as *const _));
+                        let magnitude = w.map(|w| _mm256_abs_epi8(w));
+                        for i in 0..R {
+                            let x = x4(i, b, 4 * g);
+                            for h in 0..2 {
+                                let pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(x, w[h]));
+                                dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(pairs, ones));
+                            }
                         }
                     }
                 }
                 let dw: [__m256; 2] = std::array::from_fn(|h| {
-                    _mm256_cvtph_ps(_mm_loadu_si128(block.add(LANES * BLOCK + 16 * h) as *const _))
+                    _mm256_cvtph_ps(_mm_loadu_si128(block.add(size - 2 * LANES + 16 * h) as *const _))
                 });
                 for i in 0..R {
                     let dx = _mm256_set1_ps(*scales.add(i * blocks + b));
@@ -367,28 +438,28 @@ mod avx2 {
 mod avx512_vnni {
     use std::arch::x86_64::*;
 
-    use super::{Task, BLOCK, BLOCK_BYTES, GROUP, LANES};
+    use super::{block_bytes, code_bias, Task, BLOCK, GROUP, LANES};
 
     /// Rows per register tile: `R x 2` f32 accumulators and as many integer sums, two weight
     /// vectors and a broadcast: 29 of the 32 registers at 6.
     const ROWS: usize = 6;
 
-    /// Every row of one task ([`super::for_each_tile`]).
+    /// Every row of one task ([`super::for_each_tile`]); `Q4`: q4_0 weights.
     ///
     /// # Safety
     /// AVX-512F/BW, VNNI, F16C available; the task's operands valid, its columns its own.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn task(t: &Task) {
+    pub(super) unsafe fn task<const Q4: bool>(t: &Task) {
         super::for_each_tile(t, ROWS, |i0, rows, span, prefetch| {
             // SAFETY: the caller's contract; rows `i0..i0 + rows` exist.
             unsafe {
                 match rows {
-                    6 => rows_tile::<6>(t, i0, span, prefetch),
-                    5 => rows_tile::<5>(t, i0, span, prefetch),
-                    4 => rows_tile::<4>(t, i0, span, prefetch),
-                    3 => rows_tile::<3>(t, i0, span, prefetch),
-                    2 => rows_tile::<2>(t, i0, span, prefetch),
-                    _ => rows_tile::<1>(t, i0, span, prefetch),
+                    6 => rows_tile::<6, Q4>(t, i0, span, prefetch),
+                    5 => rows_tile::<5, Q4>(t, i0, span, prefetch),
+                    4 => rows_tile::<4, Q4>(t, i0, span, prefetch),
+                    3 => rows_tile::<3, Q4>(t, i0, span, prefetch),
+                    2 => rows_tile::<2, Q4>(t, i0, span, prefetch),
+                    _ => rows_tile::<1, Q4>(t, i0, span, prefetch),
                 }
             }
         });
@@ -401,7 +472,7 @@ mod avx512_vnni {
     /// As [`task`]'s, with rows `i0..i0 + R` among the task's and `b0 <= b1 <=` its blocks.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
-    unsafe fn rows_tile<const R: usize>(
+    unsafe fn rows_tile<const R: usize, const Q4: bool>(
         t: &Task,
         i0: usize,
         (b0, b1, accumulate): (usize, usize, bool),
@@ -409,10 +480,11 @@ mod avx512_vnni {
     ) {
         let cols = (t.n - t.col0).min(GROUP * LANES);
         let blocks = t.k / BLOCK;
+        let size = block_bytes(Q4);
         // SAFETY: the caller's contract (`task`'s): every pointer below is within the rows of the
         // quantized activations, the task's panels, or its columns of `y`.
         unsafe {
-            let flip = _mm512_set1_epi8(-128);
+            let (flip, low) = (_mm512_set1_epi8(-128), _mm512_set1_epi8(15));
             let mut acc = [[_mm512_setzero_ps(); GROUP]; R];
             let y = |i: usize| t.y.add((i0 + i) * t.n + t.col0);
             if accumulate {
@@ -423,39 +495,54 @@ mod avx512_vnni {
                 }
             }
             let codes = t.q.codes.as_ptr().add(i0 * t.k);
-            let (scales, offsets) = (
-                t.q.scales.as_ptr().add(i0 * blocks),
-                t.q.offsets.as_ptr().add(i0 * blocks),
-            );
+            let (scales, sums) = (t.q.scales.as_ptr().add(i0 * blocks), t.q.sums.as_ptr().add(i0 * blocks));
+            // The activations' four codes at positions `p..p + 4` of block `b`, in every lane.
+            let x4 = |i: usize, b: usize, p: usize| {
+                _mm512_set1_epi32((codes.add(i * t.k + b * BLOCK + p) as *const i32).read_unaligned())
+            };
             for b in b0..b1 {
-                let block: [*const u8; GROUP] =
-                    std::array::from_fn(|j| t.panels.add(j * t.panel_bytes + b * BLOCK_BYTES));
+                let block: [*const u8; GROUP] = std::array::from_fn(|j| t.panels.add(j * t.panel_bytes + b * size));
                 if prefetch > 0 {
                     for p in block {
-                        for line in 0..BLOCK_BYTES.div_ceil(64) {
+                        for line in 0..size.div_ceil(64) {
                             _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(prefetch + 64 * line) as *const i8);
                         }
                     }
                 }
                 let mut dots = [[_mm512_setzero_si512(); GROUP]; R];
                 for i in 0..R {
-                    let start = _mm512_set1_epi32(*offsets.add(i * blocks + b));
+                    let start = _mm512_set1_epi32(-code_bias(Q4) * *sums.add(i * blocks + b));
                     dots[i] = [start; GROUP];
                 }
-                for g in 0..BLOCK / 4 {
-                    let w: [__m512i; GROUP] = std::array::from_fn(|j| {
-                        _mm512_xor_si512(_mm512_loadu_si512(block[j].add(64 * g) as *const _), flip)
-                    });
-                    for i in 0..R {
-                        let x =
-                            _mm512_set1_epi32((codes.add(i * t.k + b * BLOCK + 4 * g) as *const i32).read_unaligned());
-                        for j in 0..GROUP {
-                            dots[i][j] = _mm512_dpbusd_epi32(dots[i][j], w[j], x);
+                if Q4 {
+                    for g in 0..BLOCK / 8 {
+                        // Positions 4g.. (low codes) and 16 + 4g.. (high) of each panel.
+                        let pairs: [__m512i; GROUP] =
+                            std::array::from_fn(|j| _mm512_loadu_si512(block[j].add(64 * g) as *const _));
+                        let lo = pairs.map(|p| _mm512_and_si512(p, low));
+                        let hi = pairs.map(|p| _mm512_and_si512(_mm512_srli_epi16::<4>(p), low));
+                        for i in 0..R {
+                            let (xl, xh) = (x4(i, b, 4 * g), x4(i, b, 16 + 4 * g));
+                            for j in 0..GROUP {
+                                dots[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dots[i][j], lo[j], xl), hi[j], xh);
+                            }
+                        }
+                    }
+                } else {
+                    for g in 0..BLOCK / 4 {
+                        let w: [__m512i; GROUP] = std::array::from_fn(|j| {
+                            _mm512_xor_si512(_mm512_loadu_si512(block[j].add(64 * g) as *const _), flip)
+                        });
+                        for i in 0..R {
+                            let x = x4(i, b, 4 * g);
+                            for j in 0..GROUP {
+                                dots[i][j] = _mm512_dpbusd_epi32(dots[i][j], w[j], x);
+                            }
                         }
                     }
                 }
                 let dw: [__m512; GROUP] = std::array::from_fn(|j| {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(block[j].add(LANES * BLOCK) as *const _))
+                    _mm512_cvtph_ps(_mm256_loadu_si256(block[j].add(size - 2 * LANES) as *const _))
                 });
                 for i in 0..R {
                     let dx = _mm512_set1_ps(*scales.add(i * blocks + b));

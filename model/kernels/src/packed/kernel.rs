@@ -5,7 +5,7 @@ use std::mem::MaybeUninit;
 
 use super::epilogue::{epilogue, Epilogue};
 use super::WeightFormat;
-use super::{PackedMatrix, Simd, BLOCK, GROUP, LANES, PREFETCH};
+use super::{PackedMatrix, Simd, GROUP, LANES, PREFETCH};
 use crate::parallel::ProductBlocks;
 use crate::simd::{tile_height, Kernel, Vec16};
 
@@ -37,7 +37,6 @@ pub(super) trait Format {
 pub(super) struct F32;
 pub(super) struct F16;
 pub(super) struct Bf16;
-pub(super) struct Q4_0;
 
 macro_rules! dense_format {
     ($name:ident, $bytes:expr, $load:ident) => {
@@ -68,36 +67,6 @@ macro_rules! dense_format {
 dense_format!(F32, 4, load_f32);
 dense_format!(F16, 2, load_f16);
 dense_format!(Bf16, 2, load_bf16);
-
-impl Format for Q4_0 {
-    const BLOCK: usize = BLOCK;
-    const BLOCK_BYTES: usize = LANES * BLOCK / 2 + 2 * LANES;
-    const STEPS: usize = BLOCK / 2;
-    const PER_STEP: usize = 2;
-    /// Byte `t` holds positions `2t` (low) and `2t + 1` (high).
-    #[inline(always)]
-    fn pos(t: usize, h: usize) -> usize {
-        2 * t + h
-    }
-    #[inline(always)]
-    unsafe fn scale<V: Vec16>(block: *const u8) -> V {
-        // SAFETY: a q4_0 block ends with its lanes' `LANES` f16 scales, at this offset, inside the
-        // block the trait's contract names.
-        unsafe { V::load_f16(block.add(LANES * BLOCK / 2)) }
-    }
-    #[inline(always)]
-    unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2] {
-        // (q - 8) * scale as q * scale - 8 * scale: one rounding of an exact value, so the
-        // same weight, in one instruction fewer (`-8 * scale` is computed once per block).
-        // SAFETY: `t < STEPS = BLOCK / 2`, so byte `t` of each lane's codes lies inside the block
-        // (the trait's contract).
-        unsafe {
-            let (lo, hi) = V::load_nibbles(block.add(t * LANES));
-            let offset = V::mul(scale, V::set1(-8.0));
-            [V::fma(lo, scale, offset), V::fma(hi, scale, offset)]
-        }
-    }
-}
 
 /// One task's operands: output columns `col0..col0 + 32` (two panels from `panels`) of
 /// every row.
@@ -138,8 +107,7 @@ pub(super) fn run(
         WeightFormat::F16 => run_format::<F16, false>,
         WeightFormat::Bf16 => run_format::<Bf16, false>,
         // Integer products on activations quantized to q8_0 (`int8.rs`).
-        WeightFormat::Q8_0 => return super::int8::run(w, x, y, m, simd, ep, accumulate),
-        WeightFormat::Q4_0 => run_format::<Q4_0, false>,
+        WeightFormat::Q8_0 | WeightFormat::Q4_0 => return super::int8::run(w, x, y, m, simd, ep, accumulate),
     };
     run(w.panels(), x, w.k, y, m, simd, ep, accumulate)
 }
@@ -333,7 +301,7 @@ struct Tile {
 /// multiply-adds over the same weight values either way, so the bits do not depend on the row
 /// count (batch invariance), only the cost does: the dequantization is shared by all tiles, and
 /// reading the next chunk from memory overlaps the arithmetic on this one (batch 16 decodes
-/// 3-10% faster than with whole-`k` tiles, q8_0 and q4_0 prefill 10-25%).
+/// 3-10% faster than with whole-`k` tiles).
 ///
 /// # Safety
 /// As [`Task`] describes; `V`'s instructions available.
@@ -454,9 +422,8 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
     }
 }
 
-/// Format `F`'s weights widened to f32 by [`widen`]: one vector per position. The layout of
-/// [`F32`] panels, in `F`'s blocks: the tile's loop then runs a whole block (32 positions for
-/// q8_0 and q4_0) per iteration, measured 2-4% faster at 128 rows than [`F32`]'s one position.
+/// Format `F`'s weights widened to f32 by [`widen`]: one vector per position, the layout of
+/// [`F32`] panels, in `F`'s blocks.
 struct Widened<F>(std::marker::PhantomData<F>);
 
 impl<F: Format> Format for Widened<F> {

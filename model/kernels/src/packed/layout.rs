@@ -134,12 +134,8 @@ impl PackedMatrix {
                 let lane = r % LANES;
                 let bytes = packed.bytes_mut();
                 // GGML's block: the f16 scale, then the codes (`codes / 16` bytes per row).
-                let src_codes = match format {
-                    WeightFormat::Q4_0 => q4_pairs(&src[2..]),
-                    _ => src[2..].to_vec(),
-                };
-                for (t, &code) in src_codes.iter().enumerate() {
-                    bytes[at + code_offset(format, t, lane)] = code;
+                for (t, &code) in src[2..].iter().enumerate() {
+                    bytes[at + int8::code_offset(t, lane)] = code;
                 }
                 bytes[at + codes + 2 * lane..][..2].copy_from_slice(&src[..2]);
             }
@@ -168,11 +164,7 @@ impl PackedMatrix {
                 let lane = r % LANES;
                 dst[..2].copy_from_slice(&bytes[at + codes + 2 * lane..][..2]);
                 for (t, code) in dst[2..].iter_mut().enumerate() {
-                    *code = bytes[at + code_offset(self.format, t, lane)];
-                }
-                if self.format == WeightFormat::Q4_0 {
-                    let ggml = ggml_q4_halves(&dst[2..]);
-                    dst[2..].copy_from_slice(&ggml);
+                    *code = bytes[at + int8::code_offset(t, lane)];
                 }
             }
         }
@@ -228,43 +220,16 @@ impl PackedMatrix {
                 let scale = f16::from_le_bytes(read2(at + codes + 2 * lane)).to_f32();
                 let j = c % BLOCK;
                 let q = if self.format == WeightFormat::Q8_0 {
-                    bytes[at + code_offset(self.format, j, lane)] as i8 as f32
+                    bytes[at + int8::code_offset(j, lane)] as i8 as f32
                 } else {
-                    let byte = bytes[at + code_offset(self.format, j / 2, lane)];
-                    (if j.is_multiple_of(2) { byte & 15 } else { byte >> 4 }) as f32 - 8.0
+                    // GGML's pairs: byte `t` holds positions `t` (low) and `t + 16` (high).
+                    let byte = bytes[at + int8::code_offset(j % 16, lane)];
+                    (if j < 16 { byte & 15 } else { byte >> 4 }) as f32 - 8.0
                 };
                 q * scale
             }
         }
     }
-}
-
-/// Byte offset, within its block, of code byte `t` of column `lane`: q8_0 in the order of the
-/// integer kernel (`int8.rs`), q4_0's 16 pair bytes a 16-byte row each.
-pub(super) fn code_offset(format: WeightFormat, t: usize, lane: usize) -> usize {
-    match format {
-        WeightFormat::Q8_0 => int8::code_offset(t, lane),
-        _ => t * LANES + lane,
-    }
-}
-
-/// A q4_0 block's 16 code bytes from GGML's order (byte `t`: positions `t` low, `t + 16` high)
-/// to this layout's (byte `t`: positions `2t` low, `2t + 1` high).
-pub(super) fn q4_pairs(ggml: &[u8]) -> Vec<u8> {
-    let code = |j: usize| if j < 16 { ggml[j] & 15 } else { ggml[j - 16] >> 4 };
-    (0..16).map(|t| code(2 * t) | code(2 * t + 1) << 4).collect()
-}
-
-/// The inverse of [`q4_pairs`].
-pub(super) fn ggml_q4_halves(pairs: &[u8]) -> Vec<u8> {
-    let code = |j: usize| {
-        if j.is_multiple_of(2) {
-            pairs[j / 2] & 15
-        } else {
-            pairs[j / 2] >> 4
-        }
-    };
-    (0..16).map(|t| code(t) | code(t + 16) << 4).collect()
 }
 
 /// Bytes of one dense weight.

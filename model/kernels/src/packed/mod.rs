@@ -1,6 +1,6 @@
 //! Weight matrices packed for the CPU's inference products `y = x @ W^T`, in f32, f16, bf16,
-//! q8_0 or q4_0, with f32 activations and f32 accumulation; q8_0 weights take the activations
-//! quantized to q8_0 too and sum each block's products in integers (`int8.rs`).
+//! q8_0 or q4_0, with f32 activations and f32 accumulation; q8_0 and q4_0 weights take the
+//! activations quantized to q8_0 and sum each block's products in integers (`int8.rs`).
 //!
 //! Why not candle's kernels: decoding reads every weight once per step, so its limit is memory
 //! bandwidth, which candle's gemm reaches at about half (its one-row path) and its quantized
@@ -12,10 +12,8 @@
 //! along `k`, its 16 weights side by side, so a panel is read front to back as a stream of
 //! 16-wide vectors (64 bytes in f32). Quantized panels keep GGML's blocks of 32 along `k`: each
 //! block is its 16 x 32 codes followed by the 16 columns' f16 scales. GGML's codes are moved,
-//! never requantized, so a GGUF file round-trips exactly (q8_0's codes in the integer kernel's
-//! order, `int8.rs`); q4_0's two codes per byte are regrouped
-//! on the way (GGML pairs positions `t` and `t + 16`, here a byte holds `2t` and `2t + 1`) so that
-//! every format yields its weights in ascending positions.
+//! never requantized, so a GGUF file round-trips exactly; their code bytes are in the integer
+//! kernel's order (`int8.rs`), q4_0's each holding GGML's pair of positions `t` and `t + 16`.
 //! Columns are padded with zeros to a multiple of 32 (two panels: a task).
 //!
 //! The kernel is the classic outer-product form: a tile of up to 12 activation rows times 2

@@ -46,11 +46,6 @@ unsafe impl Vec16 for Y2 {
         unsafe { Y2(_mm256_fmadd_ps(a.0, b.0, c.0), _mm256_fmadd_ps(a.1, b.1, c.1)) }
     }
     #[inline(always)]
-    unsafe fn mul(a: Self, b: Self) -> Self {
-        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
-        unsafe { Y2(_mm256_mul_ps(a.0, b.0), _mm256_mul_ps(a.1, b.1)) }
-    }
-    #[inline(always)]
     unsafe fn load_f32(p: *const u8) -> Self {
         // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
         unsafe {
@@ -77,21 +72,6 @@ unsafe impl Vec16 for Y2 {
             let a = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)));
             let b = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(1))));
             Y2(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b))
-        }
-    }
-    #[inline(always)]
-    unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
-        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
-        unsafe {
-            let v = _mm_loadu_si128(p as *const __m128i);
-            let (a, b) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v)));
-            let fifteen = _mm256_set1_epi32(15);
-            let (a_lo, b_lo) = (_mm256_and_si256(a, fifteen), _mm256_and_si256(b, fifteen));
-            let (a_hi, b_hi) = (_mm256_srli_epi32::<4>(a), _mm256_srli_epi32::<4>(b));
-            (
-                Y2(_mm256_cvtepi32_ps(a_lo), _mm256_cvtepi32_ps(b_lo)),
-                Y2(_mm256_cvtepi32_ps(a_hi), _mm256_cvtepi32_ps(b_hi)),
-            )
         }
     }
     #[inline(always)]

@@ -43,11 +43,6 @@ unsafe impl Vec16 for __m512 {
         unsafe { _mm512_fmadd_ps(a, b, c) }
     }
     #[inline(always)]
-    unsafe fn mul(a: Self, b: Self) -> Self {
-        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
-        unsafe { _mm512_mul_ps(a, b) }
-    }
-    #[inline(always)]
     unsafe fn load_f32(p: *const u8) -> Self {
         // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
         unsafe { _mm512_loadu_ps(p as *const f32) }
@@ -64,15 +59,6 @@ unsafe impl Vec16 for __m512 {
         unsafe {
             let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
-        }
-    }
-    #[inline(always)]
-    unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
-        // SAFETY: the trait's contract: this instruction set is available (`Simd::run` checked it) and the memory at the pointer holds the lanes read or written.
-        unsafe {
-            let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
-            let lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
-            (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)))
         }
     }
     #[inline(always)]

@@ -178,9 +178,6 @@ pub(crate) unsafe trait Vec16: Copy {
     /// As the trait.
     unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
     /// # Safety
-    /// As the trait.
-    unsafe fn mul(a: Self, b: Self) -> Self;
-    /// # Safety
     /// `p` valid for 64 bytes.
     unsafe fn load_f32(p: *const u8) -> Self;
     /// # Safety
@@ -189,10 +186,6 @@ pub(crate) unsafe trait Vec16: Copy {
     /// # Safety
     /// `p` valid for 32 bytes.
     unsafe fn load_bf16(p: *const u8) -> Self;
-    /// 16 bytes of two 4-bit codes each: (low, high).
-    /// # Safety
-    /// `p` valid for 16 bytes.
-    unsafe fn load_nibbles(p: *const u8) -> (Self, Self);
     /// # Safety
     /// `p` valid for writing 16 f32.
     unsafe fn store(self, p: *mut f32);

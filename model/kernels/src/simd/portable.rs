@@ -21,9 +21,6 @@ unsafe impl Vec16 for [f32; LANES] {
     unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
         std::array::from_fn(|l| a[l].mul_add(b[l], c[l]))
     }
-    unsafe fn mul(a: Self, b: Self) -> Self {
-        std::array::from_fn(|l| a[l] * b[l])
-    }
     unsafe fn load_f32(p: *const u8) -> Self {
         // SAFETY: the trait's contract: the memory at the pointer holds the lanes read or written.
         std::array::from_fn(|l| unsafe { (p as *const f32).add(l).read_unaligned() })
@@ -35,14 +32,6 @@ unsafe impl Vec16 for [f32; LANES] {
     unsafe fn load_bf16(p: *const u8) -> Self {
         // SAFETY: the trait's contract: the memory at the pointer holds the lanes read or written.
         std::array::from_fn(|l| unsafe { (p as *const half::bf16).add(l).read_unaligned() }.to_f32())
-    }
-    unsafe fn load_nibbles(p: *const u8) -> (Self, Self) {
-        // SAFETY: the trait's contract: the memory at the pointer holds the lanes read or written.
-        let byte = |l: usize| unsafe { *p.add(l) };
-        (
-            std::array::from_fn(|l| (byte(l) & 15) as f32),
-            std::array::from_fn(|l| (byte(l) >> 4) as f32),
-        )
     }
     unsafe fn store(self, p: *mut f32) {
         // SAFETY: the trait's contract: the memory at the pointer holds the lanes read or written.
