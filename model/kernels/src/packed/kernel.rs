@@ -9,29 +9,20 @@ use super::{PackedMatrix, Simd, GROUP, LANES, PREFETCH};
 use crate::parallel::ProductBlocks;
 use crate::simd::{tile_height, Kernel, Vec16};
 
-/// How one format's panel yields weight vectors: in blocks of `BLOCK` positions along `k`,
-/// `STEPS` loads per block, each giving `PER_STEP` vectors, in ascending positions (so that the
-/// same products, widened to f32 by [`widen`], run in the same order).
+/// How one dense format's panel yields weight vectors: each position along `k` is one line of
+/// `BLOCK_BYTES`, its 16 weights (so that the same products, widened to f32 by [`widen`], run in
+/// the same order). Quantized formats take the integer kernel (`int8.rs`).
 pub(super) trait Format {
     /// Panels already in f32, read where they are.
     const IN_PLACE: bool = false;
-    const BLOCK: usize;
+    /// Bytes of one position's 16 weights.
     const BLOCK_BYTES: usize;
-    const STEPS: usize;
-    const PER_STEP: usize;
-    /// The position within its block of vector `h` of step `t`.
-    fn pos(t: usize, h: usize) -> usize;
-    /// The block's scales (quantized formats).
+    /// The 16 weights at `p`, in f32.
     ///
     /// # Safety
-    /// `block` points at one whole block of this format's panel (`BLOCK_BYTES` readable bytes),
-    /// and `V`'s instructions run on this CPU.
-    unsafe fn scale<V: Vec16>(block: *const u8) -> V;
-    /// Step `t`'s vectors of the block (`PER_STEP` of the two are used).
-    ///
-    /// # Safety
-    /// As [`Format::scale`], and `t < STEPS`.
-    unsafe fn weights<V: Vec16>(block: *const u8, t: usize, scale: V) -> [V; 2];
+    /// `p` points at one position's weights in this format's panel (`BLOCK_BYTES` readable
+    /// bytes), and `V`'s instructions run on this CPU.
+    unsafe fn load<V: Vec16>(p: *const u8) -> V;
 }
 
 pub(super) struct F32;
@@ -42,24 +33,11 @@ macro_rules! dense_format {
     ($name:ident, $bytes:expr, $load:ident) => {
         impl Format for $name {
             const IN_PLACE: bool = $bytes == 4;
-            const BLOCK: usize = 1;
             const BLOCK_BYTES: usize = LANES * $bytes;
-            const STEPS: usize = 1;
-            const PER_STEP: usize = 1;
             #[inline(always)]
-            fn pos(_: usize, _: usize) -> usize {
-                0
-            }
-            #[inline(always)]
-            unsafe fn scale<V: Vec16>(_: *const u8) -> V {
-                // SAFETY: `V::zero` reads no memory, and `V`'s instructions run here (the trait's contract).
-                unsafe { V::zero() }
-            }
-            #[inline(always)]
-            unsafe fn weights<V: Vec16>(block: *const u8, _: usize, _: V) -> [V; 2] {
-                // SAFETY: `block` is one whole block of this format's panel (the trait's contract): its
-                // `LANES` weights.
-                unsafe { [V::$load(block), V::zero()] }
+            unsafe fn load<V: Vec16>(p: *const u8) -> V {
+                // SAFETY: `p` holds one position's `LANES` weights (the trait's contract).
+                unsafe { V::$load(p) }
             }
         }
     };
@@ -81,8 +59,8 @@ pub(super) struct Task {
     pub k: usize,
     pub panels: *const u8,
     pub panel_bytes: usize,
-    /// Bytes from one block of a panel to the next: `F::BLOCK_BYTES` for packed panels; for f32
-    /// read in place from a row-major matrix ([`run_f32_rows_in_place`]), its row's bytes.
+    /// Bytes from one position of a panel to the next: `F::BLOCK_BYTES` for packed panels; for
+    /// f32 read in place from a row-major matrix ([`run_f32_rows_in_place`]), its row's bytes.
     pub block_bytes: usize,
     pub col0: usize,
     /// Add the products to the outputs already in `y` instead of writing them.
@@ -174,7 +152,7 @@ pub(super) unsafe fn run_f32_rows_in_place(
 }
 
 /// The right operand as the kernel reads it: `n` rows (the outputs) of `k` positions in panels
-/// of 16 rows, panel `p` at `base + p * panel_bytes`, its blocks `block_bytes` apart.
+/// of 16 rows, panel `p` at `base + p * panel_bytes`, its positions `block_bytes` apart.
 pub(super) struct Panels {
     pub base: *const u8,
     pub n: usize,
@@ -311,7 +289,7 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
     // SAFETY: `j < GROUP`: the task's panels are `GROUP` panels of `panel_bytes` each (`Task`).
     let panel = |j: usize| unsafe { t.panels.add(j * t.panel_bytes) };
     // Bytes of `F`'s panel holding positions `0..k`.
-    let span = |k: usize| k / F::BLOCK * F::BLOCK_BYTES;
+    let span = |k: usize| k * F::BLOCK_BYTES;
     let tile_at = |i0: usize, k0: usize| Tile {
         // SAFETY: `i0 < m` and `k0 < k` index the task's own rows of `x` (`Task`).
         x: unsafe { t.x.add(if XT { k0 * t.ldx + i0 } else { i0 * t.ldx + k0 }) },
@@ -329,9 +307,9 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
         ahead: [t.panels; GROUP],
         ahead_lines: 0,
     };
-    // f32 read in place from a row-major matrix: its blocks a row apart, so the prefetches,
+    // f32 read in place from a row-major matrix: its positions a row apart, so the prefetches,
     // which run ahead within a packed panel, are left to the hardware's stride prefetcher, and
-    // every tile reads the whole of `k` (the chunks' offsets count packed blocks).
+    // every tile reads the whole of `k` (the chunks' offsets count packed positions).
     let strided = F::IN_PLACE && t.block_bytes != F::BLOCK_BYTES;
     let most = tile_height::<V>();
     if t.m <= most {
@@ -422,29 +400,16 @@ pub(super) unsafe fn task<F: Format, V: Vec16, const XT: bool>(t: &Task) {
     }
 }
 
-/// Format `F`'s weights widened to f32 by [`widen`]: one vector per position, the layout of
-/// [`F32`] panels, in `F`'s blocks.
+/// Format `F`'s weights widened to f32 by [`widen`]: the layout of [`F32`] panels, in the
+/// scratch.
 struct Widened<F>(std::marker::PhantomData<F>);
 
 impl<F: Format> Format for Widened<F> {
-    const BLOCK: usize = F::BLOCK;
-    const BLOCK_BYTES: usize = F::BLOCK * LANES * 4;
-    const STEPS: usize = F::STEPS * F::PER_STEP;
-    const PER_STEP: usize = 1;
+    const BLOCK_BYTES: usize = LANES * 4;
     #[inline(always)]
-    fn pos(t: usize, _: usize) -> usize {
-        t
-    }
-    #[inline(always)]
-    unsafe fn scale<V: Vec16>(_: *const u8) -> V {
-        // SAFETY: `V::zero` reads no memory, and `V`'s instructions run here (the trait's contract).
-        unsafe { V::zero() }
-    }
-    #[inline(always)]
-    unsafe fn weights<V: Vec16>(block: *const u8, t: usize, _: V) -> [V; 2] {
-        // SAFETY: `block` is a block of the widened scratch (the trait's contract): `STEPS`
-        // vectors of f32, and `t < STEPS`.
-        unsafe { [V::load_f32(block.add(t * LANES * 4)), V::zero()] }
+    unsafe fn load<V: Vec16>(p: *const u8) -> V {
+        // SAFETY: `p` is a position of the widened scratch, `LANES` f32 (the trait's contract).
+        unsafe { V::load_f32(p) }
     }
 }
 
@@ -457,19 +422,12 @@ impl<F: Format> Format for Widened<F> {
 #[inline(always)]
 unsafe fn widen<F: Format, V: Vec16>(t: &Task, k0: usize, kc: usize, out: *mut f32) {
     for j in 0..GROUP {
-        for b in k0 / F::BLOCK..(k0 + kc) / F::BLOCK {
-            // SAFETY: block `b` (below `(k0 + kc) / BLOCK`) of panel `j < GROUP` exists (the
-            // caller's contract), and `out` holds `GROUP * CHUNK` vectors, `c < kc <= CHUNK`.
+        for c in 0..kc {
+            // SAFETY: position `k0 + c < k` of panel `j < GROUP` exists (the caller's contract),
+            // and `out` holds `GROUP * CHUNK` vectors, `c < kc <= CHUNK`.
             unsafe {
-                let block = t.panels.add(j * t.panel_bytes + b * F::BLOCK_BYTES);
-                let scale = F::scale::<V>(block);
-                for s in 0..F::STEPS {
-                    let w = F::weights::<V>(block, s, scale);
-                    for (h, v) in w.iter().enumerate().take(F::PER_STEP) {
-                        let c = b * F::BLOCK + F::pos(s, h) - k0;
-                        v.store(out.add((j * CHUNK + c) * LANES));
-                    }
-                }
+                let w = F::load::<V>(t.panels.add(j * t.panel_bytes + (k0 + c) * F::BLOCK_BYTES));
+                w.store(out.add((j * CHUNK + c) * LANES));
             }
         }
     }
@@ -582,7 +540,7 @@ unsafe fn tile_rows_whole<F: Format, V: Vec16, const XT: bool>(t: &Tile, rows: u
 #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
 unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool, const P: usize>(t: &Tile) {
     // SAFETY: the caller's contract: `R` rows of `x` from `t.x` over `kc` positions, the `P`
-    // panels' blocks from `t.w`, `R` rows of `16 P` columns of `y`, and `V` runs here. Prefetches
+    // panels' positions from `t.w`, `R` rows of `16 P` columns of `y`, and `V` runs here. Prefetches
     // past a panel's end read nothing and never fault.
     unsafe {
         let mut acc = [[V::zero(); P]; R];
@@ -594,44 +552,34 @@ unsafe fn tile<F: Format, V: Vec16, const R: usize, const XT: bool, const P: usi
             }
         }
         // No closures here: they would not inherit the caller's target features.
-        let (mut block, mut scale) = ([t.w; P], [V::zero(); P]);
-        let mut w = [[V::zero(); 2]; P];
-        let blocks = t.kc / F::BLOCK;
-        // `ahead_lines` spread over `blocks` steps: a line whenever the count passes `blocks`.
+        let mut w = [V::zero(); P];
+        let step = if F::IN_PLACE { t.block_bytes } else { F::BLOCK_BYTES };
+        // `ahead_lines` spread over the `kc` positions: a line whenever the count passes `kc`.
         let (mut line, mut count) = (0, 0);
-        for b in 0..blocks {
+        for c in 0..t.kc {
             if t.prefetch == 0 {
                 count += t.ahead_lines;
-                while count >= blocks && line < t.ahead_lines {
+                while count >= t.kc && line < t.ahead_lines {
                     for j in 0..P {
                         V::prefetch(t.ahead[j].wrapping_add(64 * line));
                     }
                     line += 1;
-                    count -= blocks;
+                    count -= t.kc;
                 }
             }
             for j in 0..P {
-                let step = if F::IN_PLACE { t.block_bytes } else { F::BLOCK_BYTES };
-                block[j] = t.w.add(j * t.panel_stride + b * step);
-                scale[j] = F::scale(block[j]);
+                let at = t.w.add(j * t.panel_stride + c * step);
                 if t.prefetch > 0 {
                     for line in 0..F::BLOCK_BYTES.div_ceil(64) {
-                        V::prefetch(block[j].wrapping_add(t.prefetch + 64 * line));
+                        V::prefetch(at.wrapping_add(t.prefetch + 64 * line));
                     }
                 }
+                w[j] = F::load(at);
             }
-            for s in 0..F::STEPS {
+            for i in 0..R {
+                let xv = V::splat(t.x.add(if XT { c * t.ldx + i } else { i * t.ldx + c }));
                 for j in 0..P {
-                    w[j] = F::weights(block[j], s, scale[j]);
-                }
-                for h in 0..F::PER_STEP {
-                    let c = b * F::BLOCK + F::pos(s, h);
-                    for i in 0..R {
-                        let xv = V::splat(t.x.add(if XT { c * t.ldx + i } else { i * t.ldx + c }));
-                        for j in 0..P {
-                            acc[i][j] = V::fma(xv, w[j][h], acc[i][j]);
-                        }
-                    }
+                    acc[i][j] = V::fma(xv, w[j], acc[i][j]);
                 }
             }
         }
