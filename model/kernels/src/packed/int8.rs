@@ -292,9 +292,9 @@ impl Kernel for Portable<'_, '_> {
 /// `vpmaddwd` two of those into 32. `vpmaddubsw` multiplies unsigned bytes by signed ones and
 /// saturates its 16-bit sums, so for q8_0 it takes `|w|` (at most 128, unsigned) times the
 /// activations' codes with `w`'s sign (`vpsignb`; codes lie in -127..=127, so the sign never
-/// overflows): each 16-bit sum is at most 2 · 128 · 127 = 32512, exact. q4_0's codes are
-/// unsigned already. The same integer sums, so the same bits as every other path. The portable loop ran at ~15 GFLOP/s a core's pair here, under a tenth of
-/// the f32 kernel's rate.
+/// overflows): each 16-bit sum is at most 2 · 128 · 127 = 32512, exact. q4_0's codes are unsigned
+/// already. The same integer sums, so the same bits as every other path. The portable loop ran at
+/// ~15 GFLOP/s a core's pair here, under a tenth of the f32 kernel's rate.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;

@@ -90,8 +90,9 @@ enum Right<'a> {
 /// Whether the kernel on `simd` reads an operand in place where it has to step across rows or
 /// columns (a transposed left operand, a right operand from its row-major transpose) rather than
 /// from a row-major copy or packed panels: each value read so serves one register tile's rows, 12
-/// on AVX-512 and 6 on AVX2 (2 when this was measured). In place paid on AVX-512 (GPT-2 small's f32 step 5% faster with the
-/// transposed left operands, nanoGPT's CPU recipe's `x @ W` 4-16% with the right ones; EPYC-Zen4).
+/// on AVX-512 and 6 on AVX2 (2 when this was measured). In place paid on AVX-512 (GPT-2 small's f32
+/// step 5% faster with the transposed left operands, nanoGPT's CPU recipe's `x @ W` 4-16% with the
+/// right ones; EPYC-Zen4).
 /// On AVX2 it cost half the rate (EPYC, Zen 3, one thread, `DTYPE=f32 [SHAPE=recipe] cargo bench
 /// -p gpt --bench train_products`): GPT-2 small's weight gradients `dW = dY^T x` ran at 31-43
 /// GFLOP/s against 67-79 from the copy, and the recipe's products took 70 ms a step against 49
