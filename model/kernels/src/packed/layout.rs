@@ -60,6 +60,7 @@ impl PackedMatrix {
         // position by position, the panel's 16 rows: 16 sequential streams from a row-major
         // source, one contiguous run of 16 from a transposed one.
         let panel = (k * LANES).max(1);
+        let simd = crate::simd::Simd::detect();
         let per_chunk = (crate::parallel::GRAIN / panel).max(1);
         crate::parallel::chunks_mut(
             out,
@@ -70,7 +71,28 @@ impl PackedMatrix {
                     let p = start / panel + i;
                     let rows = n.saturating_sub(p * LANES).min(LANES);
                     let base = offset + p * LANES * strides.0;
-                    for (c, lanes) in out.chunks_exact_mut(LANES).enumerate() {
+                    // A row-major source's whole panel: blocks of 8 positions, each two 8 x 8
+                    // transposes (rows 0-7 into lanes 0-7, rows 8-15 into lanes 8-15).
+                    let end = base + (LANES - 1) * strides.0 + k / 8 * 8;
+                    let blocked = if strides.1 == 1 && rows == LANES && end <= data.len() {
+                        k / 8 * 8
+                    } else {
+                        0
+                    };
+                    for c0 in (0..blocked).step_by(8) {
+                        for half in 0..2 {
+                            // SAFETY: rows `8 half..8 half + 8` of the panel at positions
+                            // `c0..c0 + 8` end before `end` (checked above); lanes `8 half..`
+                            // of positions `c0..c0 + 8` of this panel in `out` (`k * LANES`
+                            // values); `MaybeUninit<f32>` has `f32`'s layout.
+                            unsafe {
+                                let src = data.as_ptr().add(base + 8 * half * strides.0 + c0);
+                                let dst = out.as_mut_ptr().add(c0 * LANES + 8 * half) as *mut f32;
+                                crate::simd::transpose8(simd, src, strides.0, dst, LANES);
+                            }
+                        }
+                    }
+                    for (c, lanes) in out.chunks_exact_mut(LANES).enumerate().skip(blocked) {
                         let at = base + c * strides.1;
                         let (values, padding) = lanes.split_at_mut(rows);
                         if rows == 0 {

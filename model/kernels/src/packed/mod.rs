@@ -385,7 +385,7 @@ mod tests {
     /// sources and transposed views, whole and partial panels, and an offset.
     #[test]
     fn strided_packing_matches_packing_the_dense_copy() -> Result<()> {
-        for (n, k) in [(37, 53), (32, 48), (16, 16), (70, 5), (5, 33)] {
+        for (n, k) in [(37, 53), (32, 48), (16, 16), (70, 5), (5, 33), (48, 7)] {
             let values: Vec<f32> = (0..n * k + 3).map(|i| (i as f32 * 0.37).sin()).collect();
             let dense = Tensor::from_slice(&values[3..], (n, k), &candle_core::Device::Cpu)?;
             let want = PackedMatrix::from_dense(&dense, WeightFormat::F32)?;
@@ -397,6 +397,13 @@ mod tests {
                 .collect();
             let transposed = PackedMatrix::from_strided_f32(&t, 0, (n, k), (1, n));
             assert_eq!(transposed.bytes(), want.bytes(), "{n}x{k} transposed");
+            // Rows further apart than their length (a view of the first k columns of wider rows).
+            let ld = k + 5;
+            let wide: Vec<f32> = (0..n * ld)
+                .map(|i| values[3 + i / ld * k + (i % ld).min(k - 1)])
+                .collect();
+            let wide = PackedMatrix::from_strided_f32(&wide, 0, (n, k), (ld, 1));
+            assert_eq!(wide.bytes(), want.bytes(), "{n}x{k} rows {ld} apart");
         }
         Ok(())
     }

@@ -83,3 +83,42 @@ unsafe impl Vec16 for Y2 {
         }
     }
 }
+
+/// [`super::transpose8`] with AVX's in-lane unpacks and shuffles and a swap of 128-bit halves.
+///
+/// # Safety
+/// AVX is available; as [`super::transpose8`].
+#[target_feature(enable = "avx")]
+pub(super) unsafe fn transpose8(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+    // SAFETY: the caller's contract: 8 rows of 8 readable at `src`, writable at `dst`.
+    unsafe {
+        let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(src.add(i * src_stride)));
+        // Pairs of rows interleaved: (r0 r1) in t[0] (columns 0, 1 | 4, 5) and t[1] (2, 3 | 6, 7).
+        let t: [__m256; 8] = std::array::from_fn(|i| {
+            let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+            if i % 2 == 0 {
+                _mm256_unpacklo_ps(a, b)
+            } else {
+                _mm256_unpackhi_ps(a, b)
+            }
+        });
+        // Four rows of one column per 128-bit half: s[2q + h] holds column 2q + h (low half)
+        // and 2q + h + 4 (high half) of rows 0-3 (s[0..4]) or rows 4-7 (s[4..8]).
+        let s: [__m256; 8] = std::array::from_fn(|i| {
+            let (rows, q, h) = (i / 4 * 4, i % 4 / 2, i % 2);
+            let (a, b) = (t[rows + q], t[rows + 2 + q]);
+            if h == 0 {
+                _mm256_shuffle_ps::<0x44>(a, b)
+            } else {
+                _mm256_shuffle_ps::<0xEE>(a, b)
+            }
+        });
+        for c in 0..4 {
+            _mm256_storeu_ps(dst.add(c * dst_stride), _mm256_permute2f128_ps::<0x20>(s[c], s[4 + c]));
+            _mm256_storeu_ps(
+                dst.add((c + 4) * dst_stride),
+                _mm256_permute2f128_ps::<0x31>(s[c], s[4 + c]),
+            );
+        }
+    }
+}

@@ -140,6 +140,31 @@ pub fn vectorised_on<R>(simd: Simd, f: impl FnOnce() -> R) -> R {
     simd.run(Plain(f))
 }
 
+/// Writes the transpose of the 8 x 8 block of f32 at `src` (rows `src_stride` values apart) to
+/// `dst` (rows `dst_stride` apart), on `simd`: the operands' transposed copies and the packing of
+/// row-major weights go through it. Compilers do not turn the element-by-element copy into
+/// register shuffles; it moved ~4.7 GB/s (EPYC, Zen 3), a quarter of a small weight gradient's
+/// product.
+///
+/// # Safety
+/// `src` readable and `dst` writable at 8 rows of 8 values each; the blocks do not overlap.
+#[inline]
+pub(crate) unsafe fn transpose8(simd: Simd, src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+    match simd {
+        // SAFETY: both imply AVX (detected), and the caller's contract is `transpose8`'s.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 | Simd::Avx2 => unsafe { avx2::transpose8(src, src_stride, dst, dst_stride) },
+        _ => {
+            for r in 0..8 {
+                for c in 0..8 {
+                    // SAFETY: within the two blocks (the caller's contract).
+                    unsafe { *dst.add(c * dst_stride + r) = *src.add(r * src_stride + c) };
+                }
+            }
+        }
+    }
+}
+
 /// A computation written once for any [`Vec16`], run by [`Simd::run`] on one instruction set.
 /// Its `run` should be `#[inline(always)]` (and so should what it calls), so that it compiles
 /// inside the instruction set's function; a kernel of plain Rust can ignore `V` and still be
@@ -193,4 +218,28 @@ pub(crate) unsafe trait Vec16: Copy {
     /// # Safety
     /// None beyond the trait's: a prefetch does not fault on any address.
     unsafe fn prefetch(_p: *const u8) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every instruction set's 8 x 8 transpose moves each value of a block read from wider rows
+    /// into its transposed place in wider rows, and nothing else.
+    #[test]
+    fn transpose8_moves_each_value_to_its_transposed_place() {
+        let (src_stride, dst_stride) = (11, 13);
+        let src: Vec<f32> = (0..8 * src_stride).map(|i| i as f32).collect();
+        for &simd in Simd::available() {
+            let mut dst = vec![-1f32; 8 * dst_stride];
+            // SAFETY: 8 rows of `src_stride` and of `dst_stride` values, 8 used of each.
+            unsafe { transpose8(simd, src.as_ptr(), src_stride, dst.as_mut_ptr(), dst_stride) };
+            for r in 0..8 {
+                for c in 0..dst_stride {
+                    let want = if c < 8 { src[c * src_stride + r] } else { -1.0 };
+                    assert_eq!(dst[r * dst_stride + c], want, "{simd:?} row {r} column {c}");
+                }
+            }
+        }
+    }
 }
