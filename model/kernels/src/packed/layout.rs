@@ -98,10 +98,14 @@ impl PackedMatrix {
                         if rows == 0 {
                             // A padding panel: zeros only.
                         } else if strides.0 == 1 {
-                            // A transposed source: the panel's 16 rows are adjacent.
-                            for (v, &x) in values.iter_mut().zip(&data[at..at + rows]) {
-                                v.write(x);
-                            }
+                            // A transposed source: the panel's 16 rows are adjacent, one copy
+                            // (value by value, ~5 GB/s).
+                            let from = &data[at..at + rows];
+                            // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; `values` and
+                            // `from` are `rows` long and do not overlap (`out` is new).
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(from.as_ptr(), values.as_mut_ptr() as *mut f32, rows)
+                            };
                         } else {
                             for (lane, v) in values.iter_mut().enumerate() {
                                 v.write(data[at + lane * strides.0]);
