@@ -75,14 +75,19 @@ pub(super) unsafe fn gemm<V: Vec16>(
     causal: Causal,
 ) {
     debug_assert!(n.is_multiple_of(LANES));
-    // AVX-512's 32 registers hold 6 x 2 accumulators beside the operands; two AVX2 registers
-    // make one `Vec16`, and 16 of them hold 2 x 2.
+    // AVX-512's 32 registers hold 6 x 2 accumulators beside the operands. Two AVX2 registers
+    // make one `Vec16`, and 16 of them hold 6 x 1 (12 accumulators, as the packed kernel's
+    // tiles there): with 2 x 2 (8), two FMA pipes of latency 4 had no slack, and each step
+    // loaded 4 vectors for 8 FMAs against 2 for 12.
     if V::ROWS >= 8 {
         // SAFETY: the caller's contract.
-        unsafe { gemm_rows::<V, 6>(m, n, k, a, b, c, acc, causal) }
+        unsafe { gemm_rows::<V, 6, 2>(m, n, k, a, b, c, acc, causal) }
+    } else if V::PANEL_ROWS >= 6 {
+        // SAFETY: the caller's contract.
+        unsafe { gemm_rows::<V, 6, 1>(m, n, k, a, b, c, acc, causal) }
     } else {
         // SAFETY: the caller's contract.
-        unsafe { gemm_rows::<V, 2>(m, n, k, a, b, c, acc, causal) }
+        unsafe { gemm_rows::<V, 2, 2>(m, n, k, a, b, c, acc, causal) }
     }
 }
 
@@ -101,13 +106,14 @@ pub(super) enum Causal {
     QuerySums(usize),
 }
 
-/// [`gemm`] with tiles of `R` rows (at most 6; the bottom edge's fewer).
+/// [`gemm`] with tiles of `R` rows (at most 6; the bottom edge's fewer) by `16 W` columns (`W`
+/// 1 or 2; 16 at the right edge).
 ///
 /// # Safety
 /// As [`gemm`].
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(super) unsafe fn gemm_rows<V: Vec16, const R: usize>(
+pub(super) unsafe fn gemm_rows<V: Vec16, const R: usize, const W: usize>(
     m: usize,
     n: usize,
     k: usize,
@@ -132,7 +138,7 @@ pub(super) unsafe fn gemm_rows<V: Vec16, const R: usize>(
         let (a, c) = unsafe { (a.ptr.add(i * a.ld), c.ptr.add(i * c.ld)) };
         let mut j = 0;
         while j < n {
-            let width = if j + 2 * LANES <= n { 2 } else { 1 };
+            let width = if W == 2 && j + 2 * LANES <= n { 2 } else { 1 };
             let k_start = match causal {
                 Causal::QuerySums(i0) => j.saturating_sub(i0).min(k_end),
                 _ => 0,
