@@ -484,12 +484,29 @@ unsafe fn backward_head<V: Vec16>(
             out.copy_from_slice(&ws.out[r * d.hsp..][..hs]);
         }
     }
-    for j in 0..d.t {
-        for (col0, src) in [(d.c, &ws.dkt), (2 * d.c, &ws.dvt)] {
+    // The key and value gradients transposed back into this head's columns of the window's rows:
+    // 8 x 8 blocks ([`crate::simd::transpose8`]), the edges value by value.
+    let (rows, cols) = (d.t / 8 * 8, hs / 8 * 8);
+    for (col0, src) in [(d.c, &ws.dkt), (2 * d.c, &ws.dvt)] {
+        // Row 0 of the window, this head's first key (or value) column.
+        let first = b * d.t * c3 + col0 + h * hs;
+        for j0 in (0..rows).step_by(8) {
+            for e0 in (0..cols).step_by(8) {
+                // SAFETY: rows `e0..e0 + 8` of `src` `(hs, tp)` at columns `j0..j0 + 8` (`j0 + 8
+                // <= t <= tp`); rows `j0..j0 + 8` of the window, columns `e0..e0 + 8` of this
+                // head's: the caller's contract.
+                unsafe {
+                    let to = dqkv.add(first + j0 * c3 + e0);
+                    crate::simd::transpose8(op.simd, src.as_ptr().add(e0 * d.tp + j0), d.tp, to, c3)
+                };
+            }
+        }
+        for j in 0..d.t {
             // SAFETY: the caller's contract: this head's key and value columns of this window's
             // rows.
-            let out = unsafe { std::slice::from_raw_parts_mut(dqkv.add((b * d.t + j) * c3 + col0 + h * hs), hs) };
-            for (e, o) in out.iter_mut().enumerate() {
+            let out = unsafe { std::slice::from_raw_parts_mut(dqkv.add(first + j * c3), hs) };
+            let done = if j < rows { cols } else { 0 };
+            for (e, o) in out.iter_mut().enumerate().skip(done) {
                 *o = src[e * d.tp + j];
             }
         }
