@@ -165,6 +165,41 @@ pub(crate) unsafe fn transpose8(simd: Simd, src: *const f32, src_stride: usize, 
     }
 }
 
+/// Writes the transpose of the `rows x cols` matrix at `src` (rows `src_stride` values apart)
+/// to `dst` (`cols x rows`, rows `dst_stride` apart), on `simd`: 8 x 8 blocks by [`transpose8`],
+/// the edges value by value.
+///
+/// # Safety
+/// `src` readable at `rows` rows of `cols` values, `dst` writable at `cols` rows of `rows`; they
+/// do not overlap.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn transpose(
+    simd: Simd,
+    src: *const f32,
+    src_stride: usize,
+    dst: *mut f32,
+    dst_stride: usize,
+    rows: usize,
+    cols: usize,
+) {
+    let (whole_rows, whole_cols) = (rows / 8 * 8, cols / 8 * 8);
+    // SAFETY: every block and edge value lies within the two matrices (the caller's contract).
+    unsafe {
+        for r0 in (0..whole_rows).step_by(8) {
+            for c0 in (0..whole_cols).step_by(8) {
+                let at = src.add(r0 * src_stride + c0);
+                transpose8(simd, at, src_stride, dst.add(c0 * dst_stride + r0), dst_stride);
+            }
+        }
+        for r in 0..rows {
+            let done = if r < whole_rows { whole_cols } else { 0 };
+            for c in done..cols {
+                *dst.add(c * dst_stride + r) = *src.add(r * src_stride + c);
+            }
+        }
+    }
+}
+
 /// A computation written once for any [`Vec16`], run by [`Simd::run`] on one instruction set.
 /// Its `run` should be `#[inline(always)]` (and so should what it calls), so that it compiles
 /// inside the instruction set's function; a kernel of plain Rust can ignore `V` and still be

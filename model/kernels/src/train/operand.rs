@@ -150,39 +150,22 @@ impl<'a> Operand<'a> {
         std::borrow::Cow::Owned(out)
     }
 
-    /// Rows `r0..r0 + rows` of a column-major operand (`stride.0 == 1`) into `out`, row-major, in
-    /// blocks of 8 x 8 ([`crate::simd::transpose8`]).
+    /// Rows `r0..r0 + rows` of a column-major operand (`stride.0 == 1`) into `out`, row-major
+    /// ([`crate::simd::transpose`]: its columns are rows of `ld` apart).
     #[inline(always)]
     fn transpose_into(&self, r0: usize, rows: usize, out: &mut [std::mem::MaybeUninit<f32>]) {
         let (cols, ld) = (self.cols, self.stride.1);
-        let (whole_rows, whole_cols) = (rows / 8 * 8, cols / 8 * 8);
-        let simd = crate::simd::Simd::detect();
-        // One past the last value the blocks read.
-        let end = self.offset + (r0 + whole_rows) + whole_cols.saturating_sub(1) * ld;
-        let blocked = if end <= self.data.len() && out.len() >= rows * cols {
-            whole_cols
-        } else {
-            0
-        };
-        if whole_rows > 0 && blocked > 0 {
-            for rb in (0..whole_rows).step_by(8) {
-                for cb in (0..whole_cols).step_by(8) {
-                    // SAFETY: the block's 8 columns of 8 values end before `end` (checked
-                    // above), its 8 rows of 8 in `out` within `rows * cols`; `MaybeUninit<f32>`
-                    // has `f32`'s layout.
-                    unsafe {
-                        let src = self.data.as_ptr().add(self.offset + r0 + rb + cb * ld);
-                        let dst = out.as_mut_ptr().add(rb * cols + cb) as *mut f32;
-                        crate::simd::transpose8(simd, src, ld, dst, cols);
-                    }
-                }
-            }
+        if rows == 0 || cols == 0 {
+            return;
         }
-        for r in 0..rows {
-            let from = if r < whole_rows { blocked } else { 0 };
-            for c in from..cols {
-                out[r * cols + c].write(self.at(r0 + r, c));
-            }
+        let first = self.offset + r0;
+        let columns = &self.data[first..first + (cols - 1) * ld + rows];
+        let out = &mut out[..rows * cols];
+        // SAFETY: `columns` holds `cols` columns of `rows` values `ld` apart, `out` `rows` rows of
+        // `cols` (`MaybeUninit<f32>` has `f32`'s layout); distinct buffers.
+        unsafe {
+            let to = out.as_mut_ptr() as *mut f32;
+            crate::simd::transpose(crate::simd::Simd::detect(), columns.as_ptr(), ld, to, cols, cols, rows)
         }
     }
 }

@@ -191,26 +191,14 @@ fn gather(src: &[f32], ld: usize, col0: usize, d: Dims, b: usize, rows: &mut [f3
 /// nanoGPT's CPU recipe), the edges value by value.
 fn gather_transposed(simd: Simd, src: &[f32], ld: usize, col0: usize, d: Dims, b: usize, trans: &mut [f32]) {
     let first = b * d.t * ld + col0;
-    let (mut rows, mut cols) = (d.t / 8 * 8, d.hs / 8 * 8);
-    if rows == 0 || cols == 0 || first + (rows - 1) * ld + cols > src.len() || (cols - 1) * d.tp + rows > trans.len() {
-        (rows, cols) = (0, 0);
-    }
-    for i0 in (0..rows).step_by(8) {
-        for e0 in (0..cols).step_by(8) {
-            // SAFETY: rows `i0..i0 + 8` of `src` at columns `col0 + e0..+ 8`, and rows
-            // `e0..e0 + 8` of `trans` at columns `i0..i0 + 8`, lie within the bounds checked above.
-            unsafe {
-                let from = src.as_ptr().add(first + i0 * ld + e0);
-                crate::simd::transpose8(simd, from, ld, trans.as_mut_ptr().add(e0 * d.tp + i0), d.tp);
-            }
-        }
-    }
-    for i in 0..d.t {
-        let done = if i < rows { cols } else { 0 };
-        for (e, &x) in src[(b * d.t + i) * ld + col0..][..d.hs].iter().enumerate().skip(done) {
-            trans[e * d.tp + i] = x;
-        }
-    }
+    let rows = &src[first..first + (d.t - 1) * ld + d.hs];
+    assert!(
+        trans.len() >= d.hs.saturating_sub(1) * d.tp + d.t,
+        "window-attention: transposed buffer"
+    );
+    // SAFETY: `rows` holds the window's `t` rows of `hs` values `ld` apart, `trans` `hs` rows of
+    // `t` values `tp` apart (checked above); distinct buffers.
+    unsafe { crate::simd::transpose(simd, rows.as_ptr(), ld, trans.as_mut_ptr(), d.tp, d.t, d.hs) }
 }
 
 /// One pass (forward or backward) over every (sequence, head), each task on the lanes that
@@ -484,32 +472,14 @@ unsafe fn backward_head<V: Vec16>(
             out.copy_from_slice(&ws.out[r * d.hsp..][..hs]);
         }
     }
-    // The key and value gradients transposed back into this head's columns of the window's rows:
-    // 8 x 8 blocks ([`crate::simd::transpose8`]), the edges value by value.
-    let (rows, cols) = (d.t / 8 * 8, hs / 8 * 8);
+    // The key and value gradients transposed back into this head's columns of the window's rows.
     for (col0, src) in [(d.c, &ws.dkt), (2 * d.c, &ws.dvt)] {
-        // Row 0 of the window, this head's first key (or value) column.
-        let first = b * d.t * c3 + col0 + h * hs;
-        for j0 in (0..rows).step_by(8) {
-            for e0 in (0..cols).step_by(8) {
-                // SAFETY: rows `e0..e0 + 8` of `src` `(hs, tp)` at columns `j0..j0 + 8` (`j0 + 8
-                // <= t <= tp`); rows `j0..j0 + 8` of the window, columns `e0..e0 + 8` of this
-                // head's: the caller's contract.
-                unsafe {
-                    let to = dqkv.add(first + j0 * c3 + e0);
-                    crate::simd::transpose8(op.simd, src.as_ptr().add(e0 * d.tp + j0), d.tp, to, c3)
-                };
-            }
-        }
-        for j in 0..d.t {
-            // SAFETY: the caller's contract: this head's key and value columns of this window's
-            // rows.
-            let out = unsafe { std::slice::from_raw_parts_mut(dqkv.add(first + j * c3), hs) };
-            let done = if j < rows { cols } else { 0 };
-            for (e, o) in out.iter_mut().enumerate().skip(done) {
-                *o = src[e * d.tp + j];
-            }
-        }
+        // SAFETY: `src` holds `hs` rows of `tp >= t` values; the window's rows from this head's
+        // first key (or value) column, `t` rows of `hs` values: the caller's contract.
+        unsafe {
+            let to = dqkv.add(b * d.t * c3 + col0 + h * hs);
+            crate::simd::transpose(op.simd, src.as_ptr(), d.tp, to, c3, hs, d.t)
+        };
     }
 }
 
