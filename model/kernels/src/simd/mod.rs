@@ -141,10 +141,9 @@ pub fn vectorised_on<R>(simd: Simd, f: impl FnOnce() -> R) -> R {
 }
 
 /// Writes the transpose of the 8 x 8 block of f32 at `src` (rows `src_stride` values apart) to
-/// `dst` (rows `dst_stride` apart), on `simd`: the operands' transposed copies and the packing of
-/// row-major weights go through it. Compilers do not turn the element-by-element copy into
-/// register shuffles; it moved ~4.7 GB/s (EPYC, Zen 3), a quarter of a small weight gradient's
-/// product.
+/// `dst` (rows `dst_stride` apart), on `simd`: the blocks of [`transpose`]. Compilers do not turn
+/// the element-by-element copy into register shuffles; it moved ~4.7 GB/s (EPYC, Zen 3), a
+/// quarter of a small weight gradient's product.
 ///
 /// # Safety
 /// `src` readable and `dst` writable at 8 rows of 8 values each; the blocks do not overlap.

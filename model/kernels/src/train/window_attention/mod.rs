@@ -186,9 +186,8 @@ fn gather(src: &[f32], ld: usize, col0: usize, d: Dims, b: usize, rows: &mut [f3
     }
 }
 
-/// The same columns as [`gather`], transposed into `trans`, `(hs, tp)`: in blocks of 8 x 8
-/// ([`crate::simd::transpose8`]; value by value this was about a sixth of the attention's time in
-/// nanoGPT's CPU recipe), the edges value by value.
+/// The same columns as [`gather`], transposed into `trans`, `(hs, tp)` ([`crate::simd::transpose`];
+/// value by value this was about a sixth of the attention's time in nanoGPT's CPU recipe).
 fn gather_transposed(simd: Simd, src: &[f32], ld: usize, col0: usize, d: Dims, b: usize, trans: &mut [f32]) {
     let first = b * d.t * ld + col0;
     let rows = &src[first..first + (d.t - 1) * ld + d.hs];
