@@ -184,14 +184,29 @@ impl Sampler {
         Ok((token, kept))
     }
 
-    /// What sampling draws from at one position: greedy's token, or the row after penalties,
-    /// bias, suppression and `min_p`, shifted so that its largest value is 0.
-    fn prepare(&self, logits: &[f32], prompt: &[u32], output: &[u32], suppress: &[u32]) -> Result<Prepared> {
+    /// Whether the next token is the row's argmax ([`greedy`]) whatever the row: greedy decoding
+    /// with no penalty or bias that would change the row first. A caller that knows this (and
+    /// suppresses no token) may take the argmax where the logits are, on a GPU, and hand the token
+    /// to [`Sampler::take`] instead of the row to [`Sampler::sample_row`].
+    pub fn is_argmax(&self) -> bool {
         let p = &self.params;
         let unpenalised = p.repetition_penalty == 1.0
             && p.logit_bias.is_empty()
             && ((p.presence_penalty == 0.0 && p.frequency_penalty == 0.0) || self.counts.is_empty());
-        if p.temperature < 1e-7 && unpenalised {
+        p.temperature < 1e-7 && unpenalised
+    }
+
+    /// Records `token`, chosen as [`Sampler::is_argmax`] allows, as [`Sampler::sample_row`]
+    /// records its own choice (for the frequency and presence penalties' counts).
+    pub fn take(&mut self, token: u32) -> u32 {
+        *self.counts.entry(token).or_insert(0) += 1;
+        token
+    }
+
+    /// What sampling draws from at one position: greedy's token, or the row after penalties,
+    /// bias, suppression and `min_p`, shifted so that its largest value is 0.
+    fn prepare(&self, logits: &[f32], prompt: &[u32], output: &[u32], suppress: &[u32]) -> Result<Prepared> {
+        if self.is_argmax() {
             // Greedy on the raw row: one pass, no copy (the general path below picks the same).
             let token =
                 argmax(logits, suppress).ok_or(crate::Error::EmptyInput("every token is excluded from sampling"))?;
@@ -327,6 +342,13 @@ fn draw(weights: &[f32], rng: &mut StdRng) -> Option<u32> {
         }
     }
     last
+}
+
+/// Greedy decoding's choice from a raw row, as [`Sampler::sample_row`] makes it when
+/// [`Sampler::is_argmax`] holds and nothing is suppressed: the first of equal maxima, NaN never
+/// chosen; `None` when every logit is -inf or NaN.
+pub fn greedy(logits: &[f32]) -> Option<u32> {
+    argmax(logits, &[])
 }
 
 /// Greedy choice, as `LogitsProcessor`'s argmax: the first of equal maxima, NaN never chosen,

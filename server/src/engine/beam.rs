@@ -79,6 +79,7 @@ impl BeamGroup {
                 prompt_logprobs: r.prompt_top_k(),
                 verify: false,
                 adapter: r.lora(),
+                greedy: false,
             }],
             Some(tokens) => self
                 .caches
@@ -90,6 +91,7 @@ impl BeamGroup {
                     prompt_logprobs: None,
                     verify: false,
                     adapter: r.lora(),
+                    greedy: false,
                 })
                 .collect(),
         };

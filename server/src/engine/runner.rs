@@ -5,7 +5,7 @@
 //! (`LogitsFor::All`). The LM head runs in chunks of rows, so long prompts never hold a whole
 //! `(tokens, vocab)` logits matrix.
 
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use gpt::{Gpt, KvCache, LogitsFor, SeqStep};
 use gpt_kernels::log_sum_exp;
 
@@ -24,6 +24,10 @@ pub struct StepInput<'a> {
     pub verify: bool,
     /// The sequence's LoRA adapter, if any: its updates apply to the sequence's rows only.
     pub adapter: Option<&'a gpt::Adapter>,
+    /// Only the last row's greedy choice is wanted ([`StepOutput::greedy`]), not its logits:
+    /// on a GPU the argmax is taken there, and a token comes back instead of a row the size of
+    /// the vocabulary (at batch 64 with GPT-2's, 13 MB a step through the host).
+    pub greedy: bool,
 }
 
 /// The log-probability of a token at one position, and the `k` most likely tokens there.
@@ -38,8 +42,13 @@ pub struct PositionLogprob {
 
 #[derive(Debug, Clone)]
 pub struct StepOutput {
-    /// Raw logits of the last new token, `(vocab,)`.
+    /// Raw logits of the last new token, `(vocab,)`; empty where [`StepOutput::greedy`] holds
+    /// the choice instead.
     pub last: Vec<f32>,
+    /// For `greedy`: the last row's most likely token, as `gpt::sampling::greedy` picks it (on
+    /// a GPU, of equal maxima the one the device's argmax finds first). `None` where the row came
+    /// back whole instead (`last`): a row with no finite value, left to the sampler to report.
+    pub greedy: Option<u32>,
     /// For `prompt_logprobs`: positions 1.. of the new tokens (the first has no predecessor).
     pub prompt_logprobs: Vec<PositionLogprob>,
     /// For `verify`: the raw logits of every new token but the last, in order.
@@ -48,11 +57,14 @@ pub struct StepOutput {
 
 pub struct Runner {
     model: Gpt,
+    /// Greedy rows reduced to their argmax where the logits are (a GPU) rather than on the host.
+    device_argmax: bool,
 }
 
 impl Runner {
     pub fn new(model: Gpt) -> Self {
-        Self { model }
+        let device_argmax = !model.device().is_cpu();
+        Self { model, device_argmax }
     }
 
     pub fn model(&self) -> &Gpt {
@@ -142,6 +154,7 @@ impl Runner {
             .iter()
             .map(|s| StepOutput {
                 last: Vec::new(),
+                greedy: None,
                 prompt_logprobs: Vec::with_capacity(if s.prompt_logprobs.is_some() {
                     s.tokens.len() - 1
                 } else {
@@ -153,13 +166,39 @@ impl Runner {
         let vocab = self.model.config().vocab_size;
         for start in (0..owners.len()).step_by(LM_HEAD_ROWS) {
             let rows = LM_HEAD_ROWS.min(owners.len() - start);
-            // (rows, V) f32, brought to the host in one copy: on a GPU a copy per row would be a
-            // synchronisation per row.
-            let logits = self
-                .model
-                .logits(&hidden.narrow(0, start, rows)?)?
-                .to_device(&Device::Cpu)?
-                .contiguous()?;
+            let logits = self.model.logits(&hidden.narrow(0, start, rows)?)?;
+            // On a GPU, the last rows of greedy inputs are reduced there to their argmax; only
+            // the other rows come to the host (in one copy: a copy per row would be a
+            // synchronisation per row).
+            let owners = &owners[start..start + rows];
+            let greedy = |&(i, pos): &(usize, usize)| inputs[i].greedy && pos + 1 == inputs[i].tokens.len();
+            let (logits, owners) = if !self.device_argmax || !owners.iter().any(greedy) {
+                (logits, owners.to_vec())
+            } else {
+                let picked: Vec<u32> = (0..rows as u32).filter(|&r| greedy(&owners[r as usize])).collect();
+                let picked_rows = Tensor::new(picked.as_slice(), logits.device())?;
+                let chosen = logits.index_select(&picked_rows, 0)?;
+                let tokens = chosen.argmax(1)?.to_vec1::<u32>()?;
+                let maxima = chosen.max(1)?.to_vec1::<f32>()?;
+                let mut whole: Vec<u32> = (0..rows as u32).filter(|&r| !greedy(&owners[r as usize])).collect();
+                for ((&r, token), max) in picked.iter().zip(tokens).zip(maxima) {
+                    // NaN or -inf everywhere: the sampler's error for it, from the whole row.
+                    match max > f32::NEG_INFINITY {
+                        true => outputs[owners[r as usize].0].greedy = Some(token),
+                        false => whole.push(r),
+                    }
+                }
+                whole.sort_unstable();
+                if whole.is_empty() {
+                    continue;
+                }
+                let rest = logits.index_select(&Tensor::new(whole.as_slice(), logits.device())?, 0)?;
+                (rest, whole.iter().map(|&r| owners[r as usize]).collect())
+            };
+            let rows = owners.len();
+            let owners = &owners[..];
+            // (rows, V) f32 on the host.
+            let logits = logits.to_device(&Device::Cpu)?.contiguous()?;
             // Read in place (at 40 prompt positions a copy is 8 MB, ~3% of the request).
             let (storage, layout) = logits.storage_and_layout();
             let candle_core::Storage::Cpu(storage) = &*storage else {
@@ -168,7 +207,6 @@ impl Runner {
             let logits = gpt_kernels::f32_slice(storage, layout, "LM head")?;
             // Prompt positions' log-probabilities: a pass over the vocabulary each, independent,
             // so spread over candle's thread pool.
-            let owners = &owners[start..start + rows];
             let positions: Vec<std::sync::OnceLock<PositionLogprob>> =
                 owners.iter().map(|_| Default::default()).collect();
             candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
@@ -189,7 +227,11 @@ impl Runner {
             });
             for ((row, &(i, pos)), position) in logits.chunks_exact(vocab).zip(owners).zip(positions) {
                 if pos + 1 == inputs[i].tokens.len() {
-                    outputs[i].last = row.to_vec();
+                    // Greedy on the host: the sampler's own pick, without copying the row.
+                    match inputs[i].greedy.then(|| gpt::sampling::greedy(row)).flatten() {
+                        Some(token) => outputs[i].greedy = Some(token),
+                        None => outputs[i].last = row.to_vec(),
+                    }
                 } else if inputs[i].verify {
                     outputs[i].drafted.push(row.to_vec());
                 } else if let Some(p) = position.into_inner() {
@@ -259,6 +301,7 @@ mod tests {
                 prompt_logprobs: Some(2),
                 verify: false,
                 adapter: None,
+                greedy: false,
             },
             StepInput {
                 tokens: &bad,
@@ -266,6 +309,7 @@ mod tests {
                 prompt_logprobs: None,
                 verify: false,
                 adapter: None,
+                greedy: false,
             },
             StepInput {
                 tokens: &good[..1],
@@ -273,6 +317,7 @@ mod tests {
                 prompt_logprobs: None,
                 verify: false,
                 adapter: None,
+                greedy: false,
             },
         ];
         let out = runner.step(&mut inputs);
@@ -302,6 +347,7 @@ mod tests {
             prompt_logprobs: None,
             verify: false,
             adapter: None,
+            greedy: false,
         }]);
         let alone = alone[0].as_ref().expect("runs");
         let diff = alone
@@ -311,6 +357,67 @@ mod tests {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         assert!(diff < 1e-4, "{diff}");
+    }
+
+    /// Greedy inputs get the argmax of the row the others get whole, in one step with prompt
+    /// logprobs and a prefill beside them: on the host, and reduced where the logits are (the GPU
+    /// path, taken here on the CPU).
+    #[test]
+    fn greedy_inputs_get_the_argmax_of_their_row() -> gpt::Result<()> {
+        let prompts: [&[u32]; 4] = [&[5, 6, 7], &[9], &[11, 12], &[300, 2, 40, 41]];
+        for device_argmax in [false, true] {
+            let mut runner = Runner::new(fixture_model());
+            runner.device_argmax = device_argmax;
+            let model = runner.model();
+            // Each prompt alone, its last row whole: the reference.
+            let mut rows = Vec::new();
+            for tokens in prompts {
+                let mut cache = model.new_cache();
+                let out = runner.step(&mut [StepInput {
+                    tokens,
+                    cache: &mut cache,
+                    prompt_logprobs: None,
+                    verify: false,
+                    adapter: None,
+                    greedy: false,
+                }]);
+                rows.push(out.into_iter().next().ok_or(gpt::Error::EmptyInput("no output"))??.last);
+            }
+            let mut caches: Vec<KvCache> = prompts.iter().map(|_| model.new_cache()).collect();
+            let greedy = [true, false, true, true];
+            let mut inputs: Vec<StepInput> = (prompts.iter().zip(&mut caches).zip(greedy))
+                .enumerate()
+                .map(|(i, ((tokens, cache), greedy))| StepInput {
+                    tokens,
+                    cache,
+                    prompt_logprobs: (i == 0).then_some(2),
+                    verify: false,
+                    adapter: None,
+                    greedy,
+                })
+                .collect();
+            let outs = runner.step(&mut inputs);
+            for (i, out) in outs.into_iter().enumerate() {
+                let out = out?;
+                let want = gpt::sampling::greedy(&rows[i]);
+                if greedy[i] {
+                    assert!(want.is_some());
+                    assert_eq!(
+                        (out.greedy, out.last.len()),
+                        (want, 0),
+                        "input {i}, on the device: {device_argmax}"
+                    );
+                } else {
+                    assert_eq!((out.greedy, out.last.len()), (None, 320), "input {i}");
+                    let diff = (out.last.iter().zip(&rows[i]))
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(diff < 1e-4, "input {i}: {diff}");
+                }
+                assert_eq!(out.prompt_logprobs.len(), if i == 0 { 2 } else { 0 });
+            }
+        }
+        Ok(())
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! cache per choice), so a prompt is prefilled once however many choices it has. Each sequence
 //! sends its own events on its request's channel.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -55,6 +56,21 @@ pub struct Sequence {
     last_token_at: Option<Instant>,
     /// Speculative decoding's state (see `speculate`).
     spec: SeqSpeculation,
+}
+
+/// A position's logits as a sequence gets them: the raw row, or greedy decoding's token taken
+/// where the row was computed (`StepOutput::greedy`).
+#[derive(Clone, Copy)]
+enum Row<'a> {
+    Logits(&'a [f32]),
+    Greedy(u32),
+}
+
+/// What [`Sequence::choose`] made of a row: the token (with the row as the grammar masked it,
+/// if it did), or the choice's end.
+enum Chosen {
+    Token(u32, Option<Vec<f32>>),
+    Done(Status),
 }
 
 /// After a token: go on, or the choice is complete.
@@ -148,12 +164,23 @@ impl Sequence {
                 &ids[self.cache.len().min(ids.len().saturating_sub(1))..]
             }
         };
+        // The token is the argmax of the raw row: no grammar, suppressed token, penalty or
+        // logprob needs the row itself.
+        let r = &self.request;
+        let greedy = !verify
+            && self.constraint.is_none()
+            && self.sampler.is_argmax()
+            && self.output.len() >= r.min_tokens
+            && r.allowed_token_ids.is_none()
+            && r.logprobs.is_none()
+            && r.best_of <= r.n;
         let input = StepInput {
             tokens,
             cache: &mut self.cache,
             prompt_logprobs,
             verify,
-            adapter: self.request.lora(),
+            adapter: r.lora(),
+            greedy,
         };
         (input, self.constraint.as_mut())
     }
@@ -241,7 +268,11 @@ impl Sequence {
     ) -> gpt::Result<Status> {
         let proposal = std::mem::take(&mut self.spec.proposal);
         if proposal.is_empty() {
-            return self.next_token(&out.last, None, &mut false, tokenizer, model, metrics);
+            let row = match out.greedy {
+                Some(token) => Row::Greedy(token),
+                None => Row::Logits(&out.last),
+            };
+            return self.next_token(row, None, &mut false, tokenizer, model, metrics);
         }
         if out.drafted.len() != proposal.len() {
             // (The runner returns a row per proposal; without them the cache could not be
@@ -257,7 +288,14 @@ impl Sequence {
         let mut status = Status::Running;
         for (row, proposed) in rows.zip(proposal.iter().map(Some).chain([None])) {
             let mut kept = false;
-            status = self.next_token(row, proposed.copied(), &mut kept, tokenizer, model, metrics)?;
+            status = self.next_token(
+                Row::Logits(row),
+                proposed.copied(),
+                &mut kept,
+                tokenizer,
+                model,
+                metrics,
+            )?;
             if status != Status::Running || !kept {
                 break;
             }
@@ -274,11 +312,11 @@ impl Sequence {
         Ok(status)
     }
 
-    /// One position: its token sampled from `logits` (or `proposed` checked against them, `kept`
-    /// set when the sampler keeps it) and what it adds sent.
+    /// One position: its token sampled from the row (`proposed` checked against it, `kept` set
+    /// when the sampler keeps it), or greedy's token taken on the device, and what it adds sent.
     fn next_token(
         &mut self,
-        logits: &[f32],
+        row: Row<'_>,
         proposed: Option<u32>,
         kept: &mut bool,
         tokenizer: &Tokenizer,
@@ -286,65 +324,13 @@ impl Sequence {
         metrics: &Metrics,
     ) -> gpt::Result<Status> {
         let r = self.request.clone();
-        // Under a grammar, what it does not allow next is out before anything else (sampling,
-        // logprobs): `masked` holds the row with those at -inf.
-        let masked;
-        let logits = match &mut self.constraint {
-            None => logits,
-            Some(c) => {
-                let mut row = logits.to_vec();
-                let left = c.mask(&mut row).map_err(grammar_error)?;
-                if left == 0 {
-                    // Nothing of this vocabulary may follow: the grammar is complete (a vocabulary
-                    // without an end token has none to choose), or a dead end, such as a
-                    // character vocabulary that lacks the character the grammar needs next; the
-                    // output is then cut short, as at max_tokens.
-                    let reason = match c.may_end().map_err(grammar_error)? {
-                        true => FinishReason::Stop,
-                        false => dead_end(self.output.len()),
-                    };
-                    return self.finish(Vec::new(), String::new(), reason, None, tokenizer);
-                }
-                masked = row;
-                &masked[..]
-            }
+        let (token, logits) = match row {
+            Row::Greedy(token) => (self.sampler.take(token), None),
+            Row::Logits(logits) => match self.choose(logits, proposed, kept, tokenizer, model)? {
+                Chosen::Token(token, masked) => (token, Some(masked.map_or(Cow::Borrowed(logits), Cow::Owned))),
+                Chosen::Done(status) => return Ok(status),
+            },
         };
-        // Before min_tokens, neither the end-of-text token nor a stop token may be chosen; with
-        // `allowed_token_ids`, nothing else may.
-        let mut suppress: Vec<u32> = if self.output.len() < r.min_tokens {
-            model.eos.iter().chain(&r.stop_token_ids).copied().collect()
-        } else {
-            Vec::new()
-        };
-        if self.constraint.is_some()
-            && !suppress.is_empty()
-            && (logits.iter().enumerate()).all(|(i, v)| !v.is_finite() || suppress.contains(&(i as u32)))
-        {
-            suppress.clear(); // the grammar allows only an end here: it wins over min_tokens
-        }
-        if let Some(allowed) = &r.allowed_token_ids {
-            // Only ending tokens allowed before min_tokens: the allowed ones win (something must
-            // be sampled).
-            if allowed.iter().all(|id| suppress.contains(id)) {
-                suppress.clear();
-            }
-            suppress.extend((0..logits.len() as u32).filter(|id| allowed.binary_search(id).is_err()));
-        }
-        let prompt = &r.prompts[self.prompt].ids;
-        let token = match proposed {
-            None => self.sampler.sample_row(logits, prompt, &self.output, &suppress)?,
-            Some(p) => {
-                let (token, accepted) = self.sampler.verify(logits, prompt, &self.output, &suppress, p)?;
-                *kept = accepted;
-                token
-            }
-        };
-        if let Some(c) = &mut self.constraint {
-            if !c.accepts(token) {
-                let reason = dead_end(self.output.len());
-                return self.finish(Vec::new(), String::new(), reason, None, tokenizer);
-            }
-        }
         let now = Instant::now();
         match self.last_token_at {
             None => metrics
@@ -356,7 +342,8 @@ impl Sequence {
         metrics.generated_tokens.inc();
 
         let mut logprobs = Vec::new();
-        if r.logprobs.is_some() || r.best_of > r.n {
+        if let Some(logits) = logits.filter(|_| r.logprobs.is_some() || r.best_of > r.n) {
+            let logits = &logits[..];
             let lse = log_sum_exp(logits);
             let logprob = logits[token as usize] - lse;
             self.cumulative_logprob += f64::from(logprob);
@@ -396,12 +383,96 @@ impl Sequence {
             // The grammar is complete and allows nothing more.
             return self.finish(logprobs, text, FinishReason::Stop, None, tokenizer);
         }
-        let at_limit = self.output.len() >= r.max_tokens || prompt.len() + self.output.len() >= model.context;
+        let at_limit =
+            self.output.len() >= r.max_tokens || self.prompt_ids().len() + self.output.len() >= model.context;
         if at_limit {
             return self.finish(logprobs, text, FinishReason::Length, None, tokenizer);
         }
         self.send_text(text, logprobs);
         Ok(Status::Running)
+    }
+
+    /// The token sampled from a raw row (under a grammar, from the row masked by it, which is
+    /// returned too), or the end of the choice where the grammar allows nothing more.
+    fn choose(
+        &mut self,
+        logits: &[f32],
+        proposed: Option<u32>,
+        kept: &mut bool,
+        tokenizer: &Tokenizer,
+        model: ModelInfo,
+    ) -> gpt::Result<Chosen> {
+        let r = self.request.clone();
+        // Under a grammar, what it does not allow next is out before anything else (sampling,
+        // logprobs): `masked` holds the row with those at -inf.
+        let mut masked = None;
+        let logits = match &mut self.constraint {
+            None => logits,
+            Some(c) => {
+                let mut row = logits.to_vec();
+                let left = c.mask(&mut row).map_err(grammar_error)?;
+                if left == 0 {
+                    // Nothing of this vocabulary may follow: the grammar is complete (a vocabulary
+                    // without an end token has none to choose), or a dead end, such as a
+                    // character vocabulary that lacks the character the grammar needs next; the
+                    // output is then cut short, as at max_tokens.
+                    let reason = match c.may_end().map_err(grammar_error)? {
+                        true => FinishReason::Stop,
+                        false => dead_end(self.output.len()),
+                    };
+                    return self.ended(reason, tokenizer);
+                }
+                &masked.insert(row)[..]
+            }
+        };
+        // Before min_tokens, neither the end-of-text token nor a stop token may be chosen; with
+        // `allowed_token_ids`, nothing else may.
+        let mut suppress: Vec<u32> = if self.output.len() < r.min_tokens {
+            model.eos.iter().chain(&r.stop_token_ids).copied().collect()
+        } else {
+            Vec::new()
+        };
+        if self.constraint.is_some()
+            && !suppress.is_empty()
+            && (logits.iter().enumerate()).all(|(i, v)| !v.is_finite() || suppress.contains(&(i as u32)))
+        {
+            suppress.clear(); // the grammar allows only an end here: it wins over min_tokens
+        }
+        if let Some(allowed) = &r.allowed_token_ids {
+            // Only ending tokens allowed before min_tokens: the allowed ones win (something must
+            // be sampled).
+            if allowed.iter().all(|id| suppress.contains(id)) {
+                suppress.clear();
+            }
+            suppress.extend((0..logits.len() as u32).filter(|id| allowed.binary_search(id).is_err()));
+        }
+        let prompt = &r.prompts[self.prompt].ids;
+        let token = match proposed {
+            None => self.sampler.sample_row(logits, prompt, &self.output, &suppress)?,
+            Some(p) => {
+                let (token, accepted) = self.sampler.verify(logits, prompt, &self.output, &suppress, p)?;
+                *kept = accepted;
+                token
+            }
+        };
+        if let Some(c) = &mut self.constraint {
+            if !c.accepts(token) {
+                let reason = dead_end(self.output.len());
+                return self.ended(reason, tokenizer);
+            }
+        }
+        Ok(Chosen::Token(token, masked))
+    }
+
+    /// [`Sequence::choose`]'s end of the choice with no token, where the grammar allows none.
+    fn ended(&mut self, reason: FinishReason, tokenizer: &Tokenizer) -> gpt::Result<Chosen> {
+        Ok(Chosen::Done(self.finish(
+            Vec::new(),
+            String::new(),
+            reason,
+            None,
+            tokenizer,
+        )?))
     }
 
     /// Ends the choice: the held text (a partial stop string, an unfinished character) is sent.

@@ -143,6 +143,8 @@ fn draft_proposals(runner: &Runner, seqs: &mut [&mut Sequence], wants: &[usize])
                             // The draft proposes as the base would; the check applies the
                             // sequence's adapter, so output is the adapter's either way.
                             adapter: None,
+                            // The draft's own greedy pick is its proposal.
+                            greedy: true,
                         });
                     }
                 }
@@ -150,7 +152,9 @@ fn draft_proposals(runner: &Runner, seqs: &mut [&mut Sequence], wants: &[usize])
             runner.step(&mut steps)
         };
         for (&i, out) in active.iter().zip(outputs) {
-            let next = out.ok().and_then(|o| gpt_kernels::argmax(&o.last)).map(|t| t as u32);
+            let next = out
+                .ok()
+                .and_then(|o| o.greedy.or_else(|| gpt_kernels::argmax(&o.last).map(|t| t as u32)));
             match next {
                 Some(token) => {
                     seqs[i].speculation().proposal.push(token);
