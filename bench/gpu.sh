@@ -35,7 +35,7 @@ fi
 for f in .gpu/*.txt.zst .gpu/*.json.zst; do
   [[ -e "$bin/$(basename "$f" .zst)" ]] || zstd -q -d -f "$f" -o "$bin/$(basename "$f" .zst)"
 done
-chmod +x $bin/gpt-train $bin/gpt-server $bin/cuda-tests $bin/inference $bin/train-step
+chmod +x $bin/gpt-train $bin/gpt-server $bin/cuda-tests $bin/nccl-tests $bin/inference $bin/train-step
 corpus=$bin/corpus.txt
 export RUST_LOG=${RUST_LOG:-info}
 dev=${RUN_DEVICE:-cuda}
@@ -218,12 +218,12 @@ train)
   ;;
 session)
   # One lease's whole experiment, most valuable first, each stage bounded so that the whole ends
-  # within SESSION_SECS (default 540): the CPU-vs-CUDA tests (a failing new kernel is switched off
-  # for the rest), the training step's speed with each new piece off in turn, gpt-train on
-  # nanoGPT's shakespeare-char configuration (the default model's candidate), a per-kernel
-  # profile of the step (ncu), nanoGPT's train.py on the same machine, GPT-2-small steps against
-  # nanoGPT's model.py, and serving. $OUT gets session.log, ncu.csv and model.tar.part*.
-  deadline=$(( $(date +%s) + ${SESSION_SECS:-540} ))
+  # within SESSION_SECS (default 480): the CPU-vs-CUDA tests with the GPU's tape (GPT_CUDA_TAPE=1)
+  # and without, NCCL with one rank, the shakespeare-char step on the tape and off it, serving 64
+  # streams against the engine's own batch-64 decode, nanoGPT's train.py (eager, compiled) on
+  # the same machine, GPT-2-small steps, and a per-kernel profile of the step (ncu). $OUT gets
+  # session.log and ncu.csv.
+  deadline=$(( $(date +%s) + ${SESSION_SECS:-480} ))
   left() { echo $(( deadline - $(date +%s) )); }
   bounded() { # bounded SECS CMD...: CMD with at most SECS, or not at all when too little is left
     local secs=$1; shift
@@ -233,51 +233,31 @@ session)
   }
   exec > >(tee "$OUT/session.log") 2>&1
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  log "CPU vs CUDA (tests/cuda.rs)"
-  bounded 150 $bin/cuda-tests --test-threads 1 > $bin/tests.log 2>&1
-  grep -E '^test |test result|differs|panicked' $bin/tests.log
-  if grep -q 'window_attention.* FAILED' $bin/tests.log; then
-    export GPT_CUDA_ATTENTION=0; echo "the window-attention kernels FAILED: off for the rest"
-    bounded 60 $bin/cuda-tests --test-threads 1 a_training_step | grep -E '^test '
-  fi
-  if grep -q 'a_training_step.* FAILED' $bin/tests.log && [[ ${GPT_CUDA_ATTENTION:-1} != 0 ]]; then
-    export GPT_CUDA_ADAMW=0; echo "the training step FAILED: clipped AdamW kernels off for the rest"
-  fi
+  log "CPU vs CUDA (tests/cuda.rs), with the GPU's tape (GPT_CUDA_TAPE=1), then a training step without"
+  GPT_CUDA_TAPE=1 bounded 150 $bin/cuda-tests --test-threads 1 > $bin/tests.log 2>&1
+  grep -E '^test |test result|differs|panicked|rror' $bin/tests.log
+  bounded 60 $bin/cuda-tests --test-threads 1 a_training_step 2>&1 | grep -E '^test |differs|panicked'
 
-  log "training step, shakespeare-char shape (64 x 256, no dropout): as built; attention kernels off; AdamW kernels off; events on"
-  for env in "X=1" "GPT_CUDA_ATTENTION=0" "GPT_CUDA_ADAMW=0" "GPT_CUDA_EVENTS=1"; do
-    echo "$env: $(export "$env" DEVICE=$dev; bounded 60 $bin/train-step shakespeare-char 64 256 20)"
+  log "NCCL with one rank (gpt-train's tests, feature nccl)"
+  nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2> /dev/null)
+  [[ -n $nccl_lib ]] || nccl_lib=$(dirname "$(find /usr /opt -name 'libnccl.so.2*' 2> /dev/null | head -n 1)" 2> /dev/null)
+  echo "libnccl from: ${nccl_lib:-the loader path}"
+  LD_LIBRARY_PATH="$PWD/.gpu/mpi:${nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    bounded 60 $bin/nccl-tests --test-threads 1 --nocapture nccl 2>&1 | grep -E '^test |test result|NCCL|panicked|error'
+
+  log "training step, shakespeare-char shape (64 x 256, no dropout): on the GPU's tape, candle's backward, the tape again"
+  for env in "GPT_CUDA_TAPE=1" "X=1" "GPT_CUDA_TAPE=1"; do
+    echo "$env: $(export "$env" DEVICE=$dev; bounded 60 $bin/train-step shakespeare-char 64 256 30)"
   done
 
-  log "gpt-train train: nanoGPT's shakespeare-char configuration (6 x 6 x 384, block 256, batch 64, 5000 iters, dropout 0.2)"
-  run=$bin/shakespeare-char
-  start=$(date +%s)
-  # Ctrl-C (SIGINT) stops gpt-train cleanly with a checkpoint: given once 120 s remain.
-  secs=$(( $(left) - 120 )); (( secs < 30 )) && secs=30
-  timeout -s INT -k 60 $secs \
-    $bin/gpt-train train --data "$corpus" --out $run --device "$dev" --log-interval 250 ${TRAIN_FLAGS:-}
-  echo "wall: $(( $(date +%s) - start )) s"
-  ckpt=$run/best; [[ -d $ckpt ]] || ckpt=$run
-  $bin/gpt-train export --checkpoint $ckpt --out $bin/model --dtype f16 && {
-    tail -c 111540 "$corpus" > $bin/val.txt
-    $bin/gpt-train eval --checkpoint $bin/model --data $bin/val.txt --device "$dev" --json
-    cp $run/metrics.jsonl $run/loss.svg $bin/model/
-    tar -C $bin -cf - model | split -b 15M -d - "$OUT/model.tar.part"
-    start_server --checkpoint $bin/model && {
-      for p in "ROMEO:" "JULIET:\nO Romeo" "First Citizen:"; do
-        complete "{\"prompt\":\"$p\",\"max_tokens\":200,\"temperature\":0.8,\"seed\":42}" \
-          | python3 -c 'import json,sys; d=json.load(sys.stdin); print(json.dumps(d["choices"][0]["text"] if "choices" in d else d))'
-      done
-      stop_server
-    }
-  }
-
-  log "per-kernel GPU time of the shakespeare-char step (ncu; train-step runs 3 steps)"
-  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
-  export DEVICE=$dev
-  bounded 90 "$ncu_bin" --clock-control none --metrics gpu__time_duration.sum --csv --page raw \
-    --log-file "$OUT/ncu.csv" $bin/train-step shakespeare-char 64 256 1
-  python3 bench/ncu_summary.py "$OUT/ncu.csv" 3
+  log "serving: the engine's batch-64 decode (inference bench), then gpt-server with 1, 16, 64 streams (GPT-2-small shape, f32)"
+  python3 bench/make_random_gpt2.py $bin/gpt2-tokenizer.json $bin/gpt2-random > /dev/null
+  (export DEVICE=$dev DTYPE=f32 BATCH=64 NEW_TOKENS=256; bounded 60 $bin/inference)
+  if start_server --checkpoint $bin/gpt2-random --dtype f32 --max-batch-size 64 --max-queue 256; then
+    bounded 90 python3 bench/serve_streams.py --url http://localhost:18080 --concurrency 1 16 64 --requests 2
+    curl -s localhost:18080/metrics | grep -E '^gpt_(batch_size|requests_total)'
+    stop_server
+  fi
 
   if [[ -d .gpu/nanogpt ]]; then
     log "nanoGPT train.py, shakespeare-char config, 300 iterations: eager, then torch.compile"
@@ -285,31 +265,22 @@ session)
     rm -rf $ng && cp -r .gpu/nanogpt $ng
     for compile in False True; do
       echo "compile=$compile"
-      (cd $ng && bounded 100 python3 train.py config/train_shakespeare_char.py --compile=$compile --max_iters=300 \
+      (cd $ng && bounded 90 python3 train.py config/train_shakespeare_char.py --compile=$compile --max_iters=300 \
         --lr_decay_iters=5000 --eval_interval=100000 --eval_iters=1 --log_interval=50 \
         --out_dir=$ng/out 2>&1 | grep -E "^iter|rror")
     done
   fi
 
-  log "training step, GPT-2-small shape, 8 x 1024: candle f32+TF32 and bf16; nanoGPT model.py bf16 and f32"
-  bounded 60 $bin/train-step gpt2 8 1024 10
-  (export AUTOCAST=bf16; bounded 60 $bin/train-step gpt2 8 1024 10)
-  if [[ -d .gpu/nanogpt ]]; then
-    for dtype in bfloat16 float32; do
-      bounded 60 python3 bench/nanogpt_throughput.py .gpu/nanogpt --device "$dev" --dtype $dtype \
-        --batch-size 8 --block-size 1024 --max-iters 10 2>&1 | grep tokens/s
-    done
-  fi
+  log "training step, GPT-2-small shape, 8 x 1024, f32 (TF32): on the GPU's tape, then candle's backward"
+  (export DEVICE=$dev GPT_CUDA_TAPE=1; bounded 45 $bin/train-step gpt2 8 1024 10)
+  (export DEVICE=$dev; bounded 45 $bin/train-step gpt2 8 1024 10)
 
-  log "gpt-server --device $dev, GPT-2-small shape (random weights): 1, 16, 64 concurrent streams"
-  python3 bench/make_random_gpt2.py $bin/gpt2-tokenizer.json $bin/gpt2-random > /dev/null
-  for dtype in f32 bf16; do
-    (( $(left) > 40 )) || break
-    start_server --checkpoint $bin/gpt2-random --dtype $dtype --max-batch-size 64 --max-queue 256 || continue
-    echo "dtype $dtype"
-    bounded 60 python3 bench/serve_streams.py --url http://localhost:18080 --concurrency 1 16 64 --requests 2
-    stop_server
-  done
+  log "per-kernel GPU time of the shakespeare-char step on the tape (ncu; train-step runs 3 steps)"
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
+  export DEVICE=$dev GPT_CUDA_TAPE=1
+  bounded 90 "$ncu_bin" --clock-control none --metrics gpu__time_duration.sum --csv --page raw \
+    --log-file "$OUT/ncu.csv" $bin/train-step shakespeare-char 64 256 1 > /dev/null
+  python3 bench/ncu_summary.py "$OUT/ncu.csv" 3
   log "done, $(left) s to spare"
   ;;
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the CUDA binaries on a machine without a GPU and packs them into .gpu/ (git-ignored) for
 # a GPU machine without a Rust toolchain, where bench/gpu.sh unpacks and runs them:
-#   gpt-train, gpt-server, the CPU-vs-CUDA test binary (tests/cuda.rs), and the inference and
-#   training-step benchmarks, all with `--features cuda`; plus the corpus (compressed), and when
+#   gpt-train, gpt-server, the CPU-vs-CUDA test binary (tests/cuda.rs), gpt-train's tests with
+#   NCCL, and the inference and training-step benchmarks, all with `--features cuda`; plus the corpus (compressed), and when
 #   they are at hand, GPT-2's tokenizer.json (for gpu.sh serve; GPT2_TOKENIZER, default
 #   target/gpt2-tokenizer/tokenizer.json) and nanoGPT's own code and shakespeare_char data (for
 #   gpu.sh nanogpt and speed; NANOGPT_DIR, a checkout of github.com/karpathy/nanoGPT).
@@ -32,12 +32,14 @@ paths = [m["executable"] for m in map(json.loads, sys.stdin)
 print(paths[-1])' "$name"
 }
 tests=$(executable cuda test --release -p gpt-e2e --test cuda)
+# gpt-train's own tests with NCCL (its one-rank check; MPI's libraries travel in .gpu/mpi).
+nccl_tests=$(executable gpt_train test --release -p gpt-train --lib --features nccl)
 inference=$(executable inference bench -p gpt --bench inference)
 train_step=$(executable train_step bench -p gpt-train --bench train_step)
 
 rm -rf .gpu && mkdir -p .gpu/bin
 for pair in "gpt-train:$target/release/gpt-train" "gpt-server:$target/release/gpt-server" \
-            "cuda-tests:$tests" "inference:$inference" "train-step:$train_step"; do
+            "cuda-tests:$tests" "nccl-tests:$nccl_tests" "inference:$inference" "train-step:$train_step"; do
   name=${pair%%:*} path=${pair#*:}
   strip -o ".gpu/bin/$name" "$path"
 done
@@ -57,6 +59,12 @@ if [[ -n ${NANOGPT_DIR:-} ]]; then
   cp "$NANOGPT_DIR"/config/train_shakespeare_char.py .gpu/nanogpt/config/
   cp "$data"/{train.bin,val.bin,meta.pkl} .gpu/nanogpt/data/shakespeare_char/
 fi
+# The MPI libraries the NCCL build links (GPU images may have no MPI; the one-rank check starts
+# no MPI job, so the libraries alone do).
+mkdir -p .gpu/mpi
+for lib in $(ldd "$nccl_tests" | awk '/libmpi|libopen-|libhwloc|libevent|libpmix|libfabric|libudev|libltdl|libz\./ {print $3}'); do
+  cp -L "$lib" .gpu/mpi/
+done
 # zstd itself, for GPU machines without it (gpu.sh uses it when there is none there).
 mkdir -p .gpu/tools
 cp "$(command -v zstd)" .gpu/tools/

@@ -219,6 +219,48 @@ fn a_training_step_matches_the_cpu() {
     }
 }
 
+/// With `GPT_CUDA_TAPE=1`, training's backward pass on the GPU runs on the tape (the residual
+/// stream as rows, every op the tape's, the LM head and loss as one candle entry): with dropout
+/// at every site, its gradients are those of candle's backward over the same pass on the GPU, for
+/// every variable. (`bench/gpu.sh session` runs these tests with it set, and without.)
+#[test]
+fn the_tape_on_the_gpu_gives_candles_gradients() {
+    if !gpt_kernels::cuda_tape() {
+        eprintln!("GPT_CUDA_TAPE is not 1: the GPU's tape is not checked in this run");
+        return;
+    }
+    let cfg = gpt::Config {
+        n_positions: 64,
+        n_embd: 96,
+        n_layer: 2,
+        n_head: 4,
+        resid_pdrop: 0.1,
+        embd_pdrop: 0.1,
+        attn_pdrop: 0.1,
+        ..gpt::Config::tiny(80)
+    };
+    let dev = gpu();
+    let (model, named) = seeded_model(&cfg, &dev);
+    assert!(model.trains_on_tape(), "f32 on the GPU trains on the tape");
+    let leaves: Vec<&Tensor> = named.iter().map(|(_, v)| v.as_tensor()).collect();
+    let tokens: Vec<u32> = (0..4 * 65).map(|i| ((i * 29 + i / 5) % 80) as u32).collect();
+    let data = Tensor::from_vec(tokens, (4, 65), &dev).unwrap();
+    let (x, y) = (data.narrow(1, 0, 64).unwrap(), data.narrow(1, 1, 64).unwrap());
+    let train = Some(gpt::Dropout { key: 5, first_row: 2 });
+    let mut candle = model.loss(&x, &y, train, 0.1).unwrap().backward().unwrap();
+    let (loss, tape) = gpt_kernels::tape::record(|| model.loss(&x, &y, train, 0.1)).unwrap();
+    let on_tape = tape.backward(&loss, 1.0, &leaves).unwrap();
+    for ((name, var), got) in named.iter().zip(on_tape) {
+        let got = got.unwrap_or_else(|| panic!("{name}: no gradient on the tape"));
+        let want = candle
+            .remove(var.as_tensor())
+            .unwrap_or_else(|| panic!("{name}: no gradient from candle"));
+        let scale = max_abs(&want);
+        let d = max_diff(&got, &want);
+        assert!(scale > 0.0 && d <= 1e-5 * scale, "{name}: differs by {d} of {scale}");
+    }
+}
+
 /// Logits of the fixture model for `ids`, whole and then through the KV cache one token at a
 /// time, on `dev`.
 fn fixture_logits(ids: &[u32], dev: &Device) -> (Tensor, Tensor) {

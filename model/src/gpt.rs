@@ -311,7 +311,16 @@ impl Gpt {
             });
         }
         let tok = self.wte.rows(&idx.flatten_all()?, self.dtype())?; // (B*T, C)
-        let fused_rows = tok.device().is_cpu() && gpt_kernels::fused(&tok);
+
+        // The residual stream as rows (every op then one of the tape's): f32 on the CPU, or with
+        // `GPT_CUDA_TAPE=1` on a GPU whose attention kernel takes the heads (not packed windows:
+        // it has no segments).
+        let head_dim = self.cfg.n_embd / self.cfg.n_head.max(1);
+        let fused_rows = gpt_kernels::fused(&tok)
+            && (tok.device().is_cpu()
+                || (gpt_kernels::cuda_tape()
+                    && positions.is_none()
+                    && gpt_kernels::window_attention_runs_on(&tok, head_dim)));
         let (pos, segments) = match positions {
             None => (gpt_kernels::tape::first_rows(&self.wpe, seq_len)?, None), // (T, C)
             Some(positions) => {
@@ -340,8 +349,8 @@ impl Gpt {
         };
         let segments = segments.as_ref();
         if fused_rows {
-            // f32 on the CPU: the residual stream as rows (`Block::forward_rows`); the
-            // embeddings' masks count elements from the shard's first window.
+            // The residual stream as rows (`Block::forward_rows`); the embeddings' masks count
+            // elements from the shard's first window.
             let x = gpt_kernels::add_tiled(&tok, &pos)?;
             let mut x = dropout(
                 x,

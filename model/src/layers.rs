@@ -331,14 +331,17 @@ impl Conv1D {
     }
 
     /// `x @ W + b`, then GELU if `gelu`, as one fused node ([`gpt_kernels::affine`],
-    /// [`gpt_kernels::affine_gelu`]) where it applies: f32 on the CPU, 2-D `x` (the residual
-    /// stream as rows), the `(in, out)` tensor at hand; products under the layer's autocast.
+    /// [`gpt_kernels::affine_gelu`]) where it applies: f32, 2-D `x` (the residual stream as
+    /// rows), the `(in, out)` tensor at hand; on the CPU products under the layer's autocast and
+    /// LoRA updates on the tape too; with `GPT_CUDA_TAPE=1` on a GPU, f32 products (cuBLAS)
+    /// without an adapter.
     fn fused_affine(&self, x: &Tensor, gelu: bool, lora_x: Option<&Tensor>) -> Option<candle_core::Result<Tensor>> {
+        let on_gpu = || gpt_kernels::cuda_tape() && self.lora.is_none() && self.autocast == Autocast::Off;
         match &self.in_out {
             Some(w)
                 if x.rank() == 2
-                    && x.device().is_cpu()
                     && gpt_kernels::fused(x)
+                    && (x.device().is_cpu() || on_gpu())
                     && w.dtype() == DType::F32
                     && self.bias.dtype() == DType::F32 =>
             {

@@ -205,6 +205,46 @@ fn an_op_outside_the_tape_is_refused() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A piece of the pass in candle's ops (`tape::candle_ops`: the LM head and its loss on a GPU),
+/// between the tape's ops, reading a weight that a tape op reads too (a tied one) and running a
+/// tape op of its own unrecorded: every gradient is candle's backward's over the same pass, and
+/// nothing is refused.
+#[test]
+fn candle_ops_on_the_tape_give_candles_gradients() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let init = candle_nn::Init::Randn { mean: 0.0, stdev: 1.0 };
+    let w = varmap.get((8, 8), "w", init, DType::F32, &dev)?;
+    let b = varmap.get(8, "b", candle_nn::Init::Const(0.5), DType::F32, &dev)?;
+    let x = Tensor::randn(0f32, 1.0, (4, 8), &dev)?;
+    let targets = Tensor::new(&[1u32, 2, 3, 4], &dev)?;
+    let forward = || -> candle_core::Result<Tensor> {
+        let h = gpt_kernels::gelu(&gpt_kernels::affine(&x, &w, &b, Autocast::Off)?)?;
+        gpt_kernels::tape::candle_ops(&[&h, &w], |a| {
+            let logits = (a[0].matmul(&a[1].t()?)?.relu()? * 3.0)?; // relu: no tape op
+            gpt_kernels::cross_entropy(&logits, &targets, 0.1) // a tape op, unrecorded here
+        })
+    };
+    let leaves = [&w, &b];
+    let mut grads = (forward()? * 0.25)?.backward()?;
+    let (loss, tape) = gpt_kernels::tape::record(forward)?;
+    let on_tape = tape.backward(&loss, 0.25, &leaves)?;
+    for (leaf, got) in leaves.iter().zip(on_tape) {
+        let got = got.ok_or_else(|| anyhow::anyhow!("no gradient on the tape"))?;
+        let want = grads
+            .remove(leaf)
+            .ok_or_else(|| anyhow::anyhow!("no gradient from candle"))?;
+        let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            scale > 0.0 && diff <= 1e-6 * scale,
+            "{:?}: {diff} of {scale}",
+            leaf.shape()
+        );
+    }
+    Ok(())
+}
+
 /// The activations that the tape does not record keep candle's backward.
 #[test]
 fn other_activations_train_on_candles_backward() -> anyhow::Result<()> {

@@ -237,7 +237,8 @@ pub fn accumulate_grads_handing_over(
         }
     }
     let n_workers = shards.clamp(1, pieces.len().max(1));
-    let on_tape = model.trains_on_tape();
+    // Packed windows on a GPU take candle's ops (its attention kernel has no segments).
+    let on_tape = model.trains_on_tape() && (model.device().is_cpu() || batches.iter().all(|b| b.positions.is_none()));
     let leaves: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
     // With one worker on the tape, its last piece's backward pass hands the gradients over as
     // they are final; otherwise they are handed over once all are computed.

@@ -84,3 +84,11 @@ pub fn cuda_fused() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     switch_on(&ON, "GPT_CUDA_FUSED")
 }
+
+/// `GPT_CUDA_TAPE` is `1`: training on a CUDA GPU takes the residual stream as rows and runs its
+/// backward pass on the tape ([`tape`]). Off unless asked for until it has run on a GPU (its
+/// checks are `tests/cuda.rs` and `bench/gpu.sh session`).
+pub fn cuda_tape() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("GPT_CUDA_TAPE").is_ok_and(|v| v == "1"))
+}

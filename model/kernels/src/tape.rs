@@ -63,6 +63,13 @@ enum Entry {
     },
     /// `out = segment(x)`, run without recording (see [`checkpoint`]).
     Checkpoint(Segment, Tensor, Tensor),
+    /// `out`, made by candle's ops from `vars`, leaves of their own that share `args`' storage
+    /// (see [`candle_ops`]).
+    Candle {
+        args: Vec<Tensor>,
+        vars: Vec<Tensor>,
+        out: Tensor,
+    },
 }
 
 impl Entry {
@@ -74,7 +81,8 @@ impl Entry {
             | Self::Add(_, out)
             | Self::FirstRows(_, out)
             | Self::Embedding { out, .. }
-            | Self::Checkpoint(_, _, out) => out,
+            | Self::Checkpoint(_, _, out)
+            | Self::Candle { out, .. } => out,
         }
     }
 
@@ -85,6 +93,7 @@ impl Entry {
             Self::Op2(_, args, _) | Self::Add(args, _) => args.iter().collect(),
             Self::Op3(_, args, _) => args.iter().collect(),
             Self::Embedding { table, ids, .. } => vec![table, ids],
+            Self::Candle { args, .. } => args.iter().collect(),
         }
     }
 
@@ -97,6 +106,7 @@ impl Entry {
             Self::FirstRows(..) => "narrow",
             Self::Embedding { .. } => "embedding",
             Self::Checkpoint(..) => "checkpoint",
+            Self::Candle { .. } => "candle-ops",
         }
     }
 }
@@ -148,22 +158,31 @@ pub fn record<R, E: From<candle_core::Error>>(forward: impl FnOnce() -> Result<R
 /// backward pass runs `segment` on `x` again. `segment` must compute the same values every time
 /// and run on the tape's ops alone (no op outside the tape that the gradient must cross).
 pub fn checkpoint(x: &Tensor, segment: Segment) -> Result<Tensor> {
-    let Some(tape) = TAPE.with_borrow_mut(Option::take) else {
+    let Some(suspended) = Suspended::take() else {
         return segment(x);
     };
-    /// Puts the tape back however the segment ends.
-    struct Resume(Option<Tape>);
-    impl Drop for Resume {
-        fn drop(&mut self) {
-            let tape = self.0.take();
-            TAPE.with_borrow_mut(|t| *t = tape);
-        }
-    }
-    let resume = Resume(Some(tape));
     let out = segment(x)?.detach();
-    drop(resume);
+    drop(suspended);
     push(|| Entry::Checkpoint(segment, x.clone(), out.clone()));
     Ok(out)
+}
+
+/// This thread's tape, taken off it while a piece of the pass runs unrecorded, and put back when
+/// this is dropped (however the piece ends).
+struct Suspended(Option<Tape>);
+
+impl Suspended {
+    /// `None` when no tape records.
+    fn take() -> Option<Self> {
+        TAPE.with_borrow_mut(Option::take).map(|tape| Self(Some(tape)))
+    }
+}
+
+impl Drop for Suspended {
+    fn drop(&mut self) {
+        let tape = self.0.take();
+        TAPE.with_borrow_mut(|t| *t = tape);
+    }
 }
 
 fn push(entry: impl FnOnce() -> Entry) {
@@ -212,10 +231,36 @@ pub fn first_rows(table: &Tensor, len: usize) -> Result<Tensor> {
     Ok(out)
 }
 
+/// `f(args)` computed by candle's ops, on the tape while one records: as one entry whose
+/// backward rule is candle's `backward` over those ops alone (they read copies of `args` made
+/// leaves: views of the same storage, so nothing is copied). For the pieces of a pass that have
+/// no op of the tape's own, such as the LM head and its loss on a GPU; candle's backward then
+/// gives the zeroed buffers and adds of its graph to those ops only.
+pub fn candle_ops(args: &[&Tensor], f: impl FnOnce(&[Tensor]) -> Result<Tensor>) -> Result<Tensor> {
+    // `f`'s own ops are not recorded (a tape op among them is one of candle's graph here).
+    let Some(suspended) = Suspended::take() else {
+        return f(&args.iter().map(|&a| a.clone()).collect::<Vec<_>>());
+    };
+    let vars = (args.iter())
+        .map(|a| match a.track_op() {
+            true => Ok(candle_core::Var::from_tensor(&a.detach())?.as_tensor().clone()),
+            false => Ok((*a).clone()), // a constant stays one
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let out = f(&vars)?;
+    drop(suspended);
+    push(|| Entry::Candle {
+        args: args.iter().map(|&a| a.clone()).collect(),
+        vars,
+        out: out.clone(),
+    });
+    Ok(out)
+}
+
 /// Rows `ids` (1-D) of `table`, on the tape while one records.
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     if OneHotGradEmbedding::applies(table, ids)? {
-        return table.apply_op2(ids, OneHotGradEmbedding);
+        return op2(table, ids, OneHotGradEmbedding);
     }
     let out = table.embedding(ids)?;
     push(|| Entry::Embedding {
@@ -439,6 +484,12 @@ impl Tape {
                         grads.insert(id, sum);
                     }
                     return Ok(());
+                }
+                Entry::Candle { args, vars, out } => {
+                    // candle's backward from `out` weighted by its gradient, down to `vars`.
+                    let mut store = (out * grad.detach())?.sum_all()?.backward()?;
+                    let gs = vars.iter().map(|v| store.remove(v)).collect();
+                    (args, gs)
                 }
                 Entry::Embedding { table, ids, .. } => {
                     // Added into the table's gradient so far, row by row, as candle does.

@@ -12,16 +12,34 @@ use crate::layers::{Autocast, Dropout, Weight};
 
 impl Gpt {
     /// Whether [`Gpt::loss`]'s backward pass can run on a tape ([`gpt_kernels::tape::record`],
-    /// then [`gpt_kernels::tape::Tape::backward`]) instead of candle's `backward`: the fused CPU
-    /// path in f32 (dense weights), with GPT-2's GELU. Elsewhere the forward pass runs candle ops
-    /// that the tape does not record (the tape's backward pass would refuse them).
-    /// `GPT_CPU_TAPE=0` in the environment turns it off, to compare.
+    /// then [`gpt_kernels::tape::Tape::backward`]) instead of candle's `backward`: the fused path
+    /// in f32 (dense weights), with GPT-2's GELU; on a CUDA GPU, with `GPT_CUDA_TAPE=1`
+    /// ([`gpt_kernels::cuda_tape`]), also f32 products (no autocast), no LoRA adapter, heads the
+    /// GPU's attention kernel takes, and windows that are not packed ([`Gpt::loss`], not
+    /// [`Gpt::loss_at`]: the kernel has no segments). Elsewhere the forward pass runs candle ops
+    /// that the tape does not record (its backward pass would refuse them). `GPT_CPU_TAPE=0` in
+    /// the environment turns it off on the CPU, to compare.
     pub fn trains_on_tape(&self) -> bool {
-        gpt_kernels::tape::enabled()
-            && self.device().is_cpu()
+        let on_cpu = || self.device().is_cpu() && gpt_kernels::tape::enabled();
+        let on_gpu = || {
+            let head_dim = self.cfg.n_embd / self.cfg.n_head.max(1);
+            self.device().is_cuda()
+                && gpt_kernels::cuda_tape()
+                && self.autocast == Autocast::Off
+                && !self.has_adapter()
+                && gpt_kernels::window_attention_runs_on(&self.wpe, head_dim)
+        };
+        (on_cpu() || on_gpu())
             && gpt_kernels::fused(&self.wpe)
             && self.cfg.activation_function == Activation::GeluNew
             && matches!(&self.wte, Weight::Dense(w) if w.dtype() == DType::F32)
+    }
+
+    /// Whether any layer carries a LoRA adapter.
+    fn has_adapter(&self) -> bool {
+        (self.blocks.iter())
+            .flat_map(|b| [&b.attn.c_attn, &b.attn.c_proj, &b.mlp.c_fc, &b.mlp.c_proj])
+            .any(|c| c.lora.is_some())
     }
 
     /// Mean next-token cross-entropy of `(B, T)` windows `idx` against `targets` `(B, T)` (u32),
@@ -72,6 +90,14 @@ impl Gpt {
                     self.autocast,
                 )?)
             }
+            // On a GPU, the LM head and the loss are candle's ops, one entry on a recording
+            // tape (their backward candle's).
+            Weight::Dense(w) => Ok(gpt_kernels::tape::candle_ops(&[&hidden, w], |a| {
+                let logits = Weight::Dense(a[1].clone())
+                    .forward(&a[0], self.autocast)?
+                    .to_dtype(DType::F32)?; // (B*T, V)
+                gpt_kernels::cross_entropy(&logits, &targets, eps)
+            })?),
             _ => {
                 let logits = self.wte.forward(&hidden, self.autocast)?.to_dtype(DType::F32)?; // (B*T, V)
                 Ok(gpt_kernels::cross_entropy(&logits, &targets, eps)?)

@@ -356,4 +356,36 @@ mod tests {
         assert_eq!(world.all_gather_f64(&[1.5]), vec![1.5]);
         Ok(())
     }
+
+    /// NCCL's path on a GPU with one rank (a machine with one GPU cannot hold two): NCCL loads,
+    /// a communicator of one forms, and the grouped sums, queued on candle's stream, of whole
+    /// tensors, a transposed one (made contiguous first) and a part of one leave every value as
+    /// it was and the rest of the tensor untouched. Run where a GPU is (`bench/gpu.sh nccl`);
+    /// without one it says so and passes.
+    #[cfg(feature = "nccl")]
+    #[test]
+    fn nccl_sums_of_one_rank_keep_the_gradients() -> Result<()> {
+        let Ok(device) = candle_core::Device::new_cuda(0) else {
+            eprintln!("no CUDA device: NCCL not checked");
+            return Ok(());
+        };
+        let world = World::single();
+        let whole = Tensor::arange(0f32, 3000.0, &device)?.reshape((30, 100))?;
+        let before = whole.to_vec2::<f32>()?;
+        let transposed = (Tensor::arange(0f32, 600.0, &device)?.reshape((20, 30))? * 0.5)?.t()?;
+        let transposed_before = transposed.to_vec2::<f32>()?;
+        let parent = Tensor::arange(0f32, 500.0, &device)?;
+        let part = parent.narrow(0, 100, 300)?;
+        let mut grads = vec![whole.clone(), transposed, part.clone()];
+        for round in 0..2 {
+            // The second round reuses the communicator.
+            world.sum_grads_cuda(&mut grads)?;
+            assert_eq!(grads[0].to_vec2::<f32>()?, before, "round {round}");
+            assert!(grads[1].is_contiguous());
+            assert_eq!(grads[1].to_vec2::<f32>()?, transposed_before, "round {round}");
+            assert_eq!(parent.to_vec1::<f32>()?, (0..500).map(|i| i as f32).collect::<Vec<_>>());
+        }
+        assert!(world.nccl.get().is_some(), "the sums ran through NCCL");
+        Ok(())
+    }
 }

@@ -53,7 +53,7 @@ pub fn add_dropout(x: &Tensor, h: &Tensor, p: f32, key: u64, first_row: usize) -
         return tape::add(x, h);
     }
     if !(fused(h) && h.device().is_cpu()) {
-        return x + dropout(h, p, key, first_row)?;
+        return tape::add(x, &dropout(h, p, key, first_row)?);
     }
     let per_row = h.elem_count() / h.dim(0)?.max(1);
     let op = dropout::AddDropout(Dropout {

@@ -110,6 +110,21 @@ pub fn affine_gelu(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast) -> Re
 }
 
 fn affine_op(x: &Tensor, w: &Tensor, b: &Tensor, autocast: Autocast, gelu: bool, weight_grad: bool) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        // On a GPU the product is cuBLAS's (f32, or TF32 where candle allows it) and the bias
+        // add a kernel of its own; the GELU is its own op there (the op keeps no
+        // pre-activation on the device).
+        if autocast != Autocast::Off {
+            candle_core::bail!("packed-affine: mixed precision runs on the CPU only")
+        }
+        let op = Affine {
+            autocast,
+            gelu: None,
+            weight_grad,
+        };
+        let y = crate::tape::op3(&x.contiguous()?, w, &b.contiguous()?, op)?;
+        return if gelu { crate::gelu(&y) } else { Ok(y) };
+    }
     let op = Affine {
         autocast,
         gelu: gelu.then(OnceLock::new),
@@ -192,6 +207,32 @@ impl CustomOp3 for Affine {
         Ok((CpuStorage::F32(g), Shape::from((m, n))))
     }
 
+    /// `x @ W + b` on a CUDA GPU: cuBLAS's product (candle's), then the bias added over the rows.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sw: &candle_core::CudaStorage,
+        lw: &Layout,
+        sb: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        if self.gelu.is_some() || self.autocast != Autocast::Off {
+            candle_core::bail!("packed-affine on CUDA: f32 products without the GELU only")
+        }
+        let ((m, k), (kw, n)) = (lx.shape().dims2()?, lw.shape().dims2()?);
+        if k != kw || lb.shape().elem_count() != n {
+            candle_core::bail!(
+                "packed-affine: x is ({m}, {k}), the weight ({kw}, {n}), the bias {:?}",
+                lb.dims()
+            )
+        }
+        let y = sx.matmul(sw, (1, m, n, k), lx, lw)?;
+        crate::elementwise::add::cuda::add_tiled(&y, &Layout::contiguous((m, n)), sb, lb)
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -201,6 +242,20 @@ impl CustomOp3 for Affine {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let mut dy = dy.contiguous()?;
+        if !dy.device().is_cpu() {
+            // candle's products (cuBLAS) on views that track nothing: dx = dy @ W^T,
+            // dW = x^T @ dy in the variable's (in, out) layout, db the column sums of dy.
+            let (x, w, dy) = (x.detach(), w.detach(), dy.detach());
+            let dx = dy.matmul(&w.t()?)?;
+            if !self.weight_grad {
+                return Ok((Some(dx), None, None));
+            }
+            let dw = x.t()?.matmul(&dy)?;
+            let db = dy.apply_op1_no_bwd(&crate::elementwise::add::TileSum {
+                shape: Shape::from(dy.dim(1)?),
+            })?;
+            return Ok((Some(dx), Some(dw), Some(db)));
+        }
         if let Some(pre) = &self.gelu {
             let pre = pre
                 .get()
