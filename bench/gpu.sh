@@ -234,7 +234,7 @@ session)
   exec > >(tee "$OUT/session.log") 2>&1
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   log "CPU vs CUDA (tests/cuda.rs), with the GPU's tape (GPT_CUDA_TAPE=1), then a training step without"
-  GPT_CUDA_TAPE=1 bounded 150 $bin/cuda-tests --test-threads 1 > $bin/tests.log 2>&1
+  (export GPT_CUDA_TAPE=1; bounded 150 $bin/cuda-tests --test-threads 1 > $bin/tests.log 2>&1)
   grep -E '^test |test result|differs|panicked|rror' $bin/tests.log
   bounded 60 $bin/cuda-tests --test-threads 1 a_training_step 2>&1 | grep -E '^test |differs|panicked'
 
@@ -242,8 +242,8 @@ session)
   nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2> /dev/null)
   [[ -n $nccl_lib ]] || nccl_lib=$(dirname "$(find /usr /opt -name 'libnccl.so.2*' 2> /dev/null | head -n 1)" 2> /dev/null)
   echo "libnccl from: ${nccl_lib:-the loader path}"
-  LD_LIBRARY_PATH="$PWD/.gpu/mpi:${nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    bounded 60 $bin/nccl-tests --test-threads 1 --nocapture nccl 2>&1 | grep -E '^test |test result|NCCL|panicked|error'
+  (export LD_LIBRARY_PATH="$PWD/.gpu/mpi:${nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    bounded 60 $bin/nccl-tests --test-threads 1 --nocapture nccl 2>&1 | grep -E '^test |test result|NCCL|panicked|error')
 
   log "training step, shakespeare-char shape (64 x 256, no dropout): on the GPU's tape, candle's backward, the tape again"
   for env in "GPT_CUDA_TAPE=1" "X=1" "GPT_CUDA_TAPE=1"; do
