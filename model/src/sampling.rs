@@ -377,6 +377,47 @@ mod tests {
         assert_eq!(s.sample(&logits(), &[], &[], &[]).unwrap(), 1);
     }
 
+    /// `is_argmax` holds exactly where the pick is the raw row's argmax: greedy without a
+    /// penalty or bias that changes the row, a presence or frequency penalty only once a token
+    /// was taken (`take` counts it as `sample_row` does).
+    #[test]
+    fn the_argmax_alone_decides_only_for_unpenalised_greedy() {
+        let row = [1.0f32, 3.0, 2.0, 0.5, 2.9];
+        assert!(Sampler::new(SamplingParams::default()).is_argmax());
+        let sampled = SamplingParams {
+            temperature: 0.7,
+            ..Default::default()
+        };
+        assert!(!Sampler::new(sampled).is_argmax());
+        for params in [
+            SamplingParams {
+                repetition_penalty: 1.3,
+                ..Default::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(3, 10.0)],
+                ..Default::default()
+            },
+        ] {
+            let mut s = Sampler::new(params);
+            assert!(!s.is_argmax());
+            // And the row's argmax is indeed not what it picks.
+            assert_ne!(Some(s.sample_row(&row, &[1], &[], &[]).unwrap()), greedy(&row));
+        }
+        let mut s = Sampler::new(SamplingParams {
+            frequency_penalty: 5.0,
+            ..Default::default()
+        });
+        assert!(s.is_argmax(), "nothing generated yet: nothing to penalise");
+        assert_eq!(s.take(1), 1);
+        assert!(!s.is_argmax());
+        assert_eq!(
+            s.sample_row(&row, &[], &[1], &[]).unwrap(),
+            4,
+            "the taken token was counted"
+        );
+    }
+
     #[test]
     fn same_seed_same_tokens_and_top_k_restricts() {
         let params = SamplingParams {
