@@ -240,7 +240,10 @@ session)
 
   log "NCCL with one rank (gpt-train's tests, feature nccl)"
   nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2> /dev/null)
-  [[ -n $nccl_lib ]] || nccl_lib=$(dirname "$(find /usr /opt -name 'libnccl.so.2*' 2> /dev/null | head -n 1)" 2> /dev/null)
+  if [[ -z $nccl_lib ]]; then
+    found=$(find /usr /opt -name 'libnccl.so.2*' 2> /dev/null | head -n 1)
+    [[ -n $found ]] && nccl_lib=$(dirname "$found")
+  fi
   echo "libnccl from: ${nccl_lib:-the loader path}"
   (export LD_LIBRARY_PATH="$PWD/.gpu/mpi:${nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     bounded 60 $bin/nccl-tests --test-threads 1 --nocapture nccl 2>&1 | grep -E '^test |test result|NCCL|panicked|error')
