@@ -5,6 +5,8 @@
 //! (`LogitsFor::All`). The LM head runs in chunks of rows, so long prompts never hold a whole
 //! `(tokens, vocab)` logits matrix.
 
+use std::borrow::Cow;
+
 use candle_core::{Device, Tensor};
 use gpt::{Gpt, KvCache, LogitsFor, SeqStep};
 use gpt_kernels::log_sum_exp;
@@ -128,7 +130,7 @@ impl Runner {
             })
             .collect();
         // Which input and position each hidden row belongs to.
-        let mut owners: Vec<(usize, usize)> = Vec::new();
+        let mut owners: Vec<Owner> = Vec::new();
         for (i, (input, w)) in inputs.iter().zip(&which).enumerate() {
             match w {
                 LogitsFor::All => owners.extend((0..input.tokens.len()).map(|pos| (i, pos))),
@@ -167,33 +169,14 @@ impl Runner {
         for start in (0..owners.len()).step_by(LM_HEAD_ROWS) {
             let rows = LM_HEAD_ROWS.min(owners.len() - start);
             let logits = self.model.logits(&hidden.narrow(0, start, rows)?)?;
-            // On a GPU, the last rows of greedy inputs are reduced there to their argmax; only
-            // the other rows come to the host (in one copy: a copy per row would be a
-            // synchronisation per row).
             let owners = &owners[start..start + rows];
-            let greedy = |&(i, pos): &(usize, usize)| inputs[i].greedy && pos + 1 == inputs[i].tokens.len();
-            let (logits, owners) = if !self.device_argmax || !owners.iter().any(greedy) {
-                (logits, owners.to_vec())
-            } else {
-                let picked: Vec<u32> = (0..rows as u32).filter(|&r| greedy(&owners[r as usize])).collect();
-                let picked_rows = Tensor::new(picked.as_slice(), logits.device())?;
-                let chosen = logits.index_select(&picked_rows, 0)?;
-                let tokens = chosen.argmax(1)?.to_vec1::<u32>()?;
-                let maxima = chosen.max(1)?.to_vec1::<f32>()?;
-                let mut whole: Vec<u32> = (0..rows as u32).filter(|&r| !greedy(&owners[r as usize])).collect();
-                for ((&r, token), max) in picked.iter().zip(tokens).zip(maxima) {
-                    // NaN or -inf everywhere: the sampler's error for it, from the whole row.
-                    match max > f32::NEG_INFINITY {
-                        true => outputs[owners[r as usize].0].greedy = Some(token),
-                        false => whole.push(r),
-                    }
-                }
-                whole.sort_unstable();
-                if whole.is_empty() {
-                    continue;
-                }
-                let rest = logits.index_select(&Tensor::new(whole.as_slice(), logits.device())?, 0)?;
-                (rest, whole.iter().map(|&r| owners[r as usize]).collect())
+            let greedy = |&(i, pos): &Owner| inputs[i].greedy && pos + 1 == inputs[i].tokens.len();
+            let (logits, owners) = match self.device_argmax && owners.iter().any(greedy) {
+                false => (logits, Cow::Borrowed(owners)),
+                true => match reduce_greedy_rows(&logits, owners, greedy, &mut outputs)? {
+                    Some((rest, whole)) => (rest, Cow::Owned(whole)),
+                    None => continue,
+                },
             };
             let rows = owners.len();
             let owners = &owners[..];
@@ -241,6 +224,41 @@ impl Runner {
         }
         Ok(outputs)
     }
+}
+
+/// Which input a row of logits is of, and its position among the input's tokens.
+type Owner = (usize, usize);
+
+/// On a GPU: the rows of `logits` that `greedy` picks (`owners[r]` says whose row `r` is)
+/// reduced there to their argmax, written to those inputs' outputs, so that only the other rows
+/// come to the host (in one copy: a copy per row would be a synchronisation per row). Returns
+/// those other rows and their owners, `None` if there are none. A picked row with no finite
+/// value stays among them (the sampler reports it).
+fn reduce_greedy_rows(
+    logits: &Tensor,
+    owners: &[Owner],
+    greedy: impl Fn(&Owner) -> bool,
+    outputs: &mut [StepOutput],
+) -> gpt::Result<Option<(Tensor, Vec<Owner>)>> {
+    let picked: Vec<u32> = (0..owners.len() as u32)
+        .filter(|&r| greedy(&owners[r as usize]))
+        .collect();
+    let chosen = logits.index_select(&Tensor::new(picked.as_slice(), logits.device())?, 0)?;
+    let tokens = chosen.argmax(1)?.to_vec1::<u32>()?;
+    let maxima = chosen.max(1)?.to_vec1::<f32>()?;
+    let mut reduced = vec![false; owners.len()];
+    for ((&r, token), max) in picked.iter().zip(tokens).zip(maxima) {
+        if max > f32::NEG_INFINITY {
+            outputs[owners[r as usize].0].greedy = Some(token);
+            reduced[r as usize] = true;
+        }
+    }
+    let whole: Vec<u32> = (0..owners.len() as u32).filter(|&r| !reduced[r as usize]).collect();
+    if whole.is_empty() {
+        return Ok(None);
+    }
+    let rest = logits.index_select(&Tensor::new(whole.as_slice(), logits.device())?, 0)?;
+    Ok(Some((rest, whole.iter().map(|&r| owners[r as usize]).collect())))
 }
 
 /// The rank of token `id` in a logits row: how many tokens are at least as likely (so >= 1),
