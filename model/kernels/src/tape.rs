@@ -185,6 +185,11 @@ impl Drop for Suspended {
     }
 }
 
+/// Whether a tape records on this thread (its ops' backward rules will run).
+pub(crate) fn recording() -> bool {
+    TAPE.with_borrow(Option::is_some)
+}
+
 fn push(entry: impl FnOnce() -> Entry) {
     TAPE.with_borrow_mut(|tape| {
         if let Some(tape) = tape {

@@ -104,8 +104,14 @@ pub fn window_attention(
         first: (first_row * n_head * t * t) as u64,
         p,
     });
+    let qkv = qkv.contiguous()?;
+    // The probabilities are kept for a backward pass where one will run (a tape records, or
+    // candle tracks `qkv`) and the CPU's caches hold them (see `KEEP_PROBS_MAX`).
+    let keep = qkv.device().is_cpu()
+        && (tape::recording() || qkv.track_op())
+        && window_attention::keeps_probs(qkv.dim(0)?, t, n_head);
     tape::op1(
-        &qkv.contiguous()?,
+        &qkv,
         WindowAttention {
             t,
             n_head,
@@ -113,6 +119,7 @@ pub fn window_attention(
             dropout,
             simd,
             starts: segments,
+            probs: keep.then(Default::default),
         },
     )
 }

@@ -2,9 +2,10 @@
 //! f32, forward and backward, tiled as FlashAttention does (Dao et al., 2022): per (sequence,
 //! head), a block of [`BLOCK`] queries at a time against the keys it sees, its scores, causal
 //! softmax and dropout in one `(BLOCK, T)` scratch that stays in cache. The `(B, nh, T, T)`
-//! scores and probabilities are never stored: the backward pass recomputes them block by block
-//! (the whole row of a block's scores fits, so the softmax is taken directly, with no running
-//! maximum to carry).
+//! scores are never stored, and the probabilities only where they stay in the CPU's caches
+//! ([`keeps_probs`]: short windows, as nanoGPT's CPU recipe trains): otherwise the backward pass
+//! recomputes them block by block (the whole row of a block's scores fits, so the softmax is
+//! taken directly, with no running maximum to carry).
 //!
 //! Why not candle's ops: they transpose q, k and v into copies, write the `(B, nh, T, T)` scores,
 //! their softmax and its dropout as tensors of their own (three passes over memory, kept alive for
@@ -22,7 +23,7 @@
 //! `(B, nh, T, T)` probabilities' elements: the same masks as dropout applied to those
 //! probabilities, so this op and candle's composite agree under dropout too (tested).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
@@ -33,6 +34,21 @@ use tiles::{gemm, AsMat, Causal};
 /// Queries per block: a block's `(64, T)` scores are 64 KiB at T = 256, in L2 beside the
 /// head's keys and values.
 const BLOCK: usize = 64;
+
+/// The most bytes of probabilities a forward pass keeps for its backward pass (2 MiB: with a
+/// few layers and threads, what the L3 cache holds beside the rest). Reading them back costs
+/// a copy of each block's `(BLOCK, T)` rows; recomputing them, a product of the block's queries
+/// and keys and a softmax per row, a third of the backward pass of nanoGPT's CPU recipe (4
+/// heads of 64 positions, 6 windows a thread: 384 KiB a layer). Larger probabilities (GPT-2
+/// small's 4 x 12 x 256 x 256 are 12 MiB a layer) would come back from memory, as slow as
+/// recomputing them.
+const KEEP_PROBS_MAX: usize = 2 << 20;
+
+/// Whether a forward pass over `rows` rows of windows of `t` with `n_head` heads keeps its
+/// probabilities for the backward pass ([`KEEP_PROBS_MAX`]).
+pub(crate) fn keeps_probs(rows: usize, t: usize, n_head: usize) -> bool {
+    t > 0 && (rows / t) * n_head * t * t.next_multiple_of(LANES) * 4 <= KEEP_PROBS_MAX
+}
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -54,6 +70,10 @@ pub(crate) struct WindowAttention {
     /// Packed windows: `starts[b * T + i]` is the first key row `i` of window `b` sees (its
     /// sequence's first position, at most `i`); `None`: every row sees the window from 0.
     pub(crate) starts: Option<Arc<[u32]>>,
+    /// Where the forward pass keeps the probabilities (softmax, before dropout), `(B, nh, T,
+    /// tp)`, for the backward pass to read instead of recomputing them: the same values, so the
+    /// same bits. `None`: not kept ([`keeps_probs`], or no backward pass will run).
+    pub(crate) probs: Option<Arc<OnceLock<Vec<f32>>>>,
 }
 
 /// The shape of one call: `b` windows of `t` positions, `c = nh * hs` channels; `tp` and `hsp`
@@ -100,6 +120,17 @@ impl WindowAttention {
     #[inline(always)]
     fn start(&self, d: Dims, b: usize, i: usize) -> usize {
         self.starts.as_ref().map_or(0, |s| s[b * d.t + i] as usize)
+    }
+
+    /// Index, in the kept `(B, nh, T, tp)` probabilities, of row `i`'s first weight.
+    fn kept_index(d: Dims, b: usize, h: usize, i: usize) -> usize {
+        ((b * d.nh + h) * d.t + i) * d.tp
+    }
+
+    /// The probabilities the forward pass kept for this shape, if it kept them.
+    fn kept(&self, d: Dims) -> Option<&[f32]> {
+        let kept = self.probs.as_ref()?.get()?;
+        (kept.len() == d.b * d.nh * d.t * d.tp).then_some(kept.as_slice())
     }
 
     /// Element index, in the `(B, nh, T, T)` probabilities, of row `i`'s first weight.
@@ -235,37 +266,56 @@ fn forward(op: &WindowAttention, d: Dims, qkv: &[f32]) -> Vec<f32> {
         d: Dims,
         qkv: &'a [f32],
         y: usize,
+        /// The kept probabilities' buffer, or 0.
+        kept: usize,
     }
     impl HeadPass for Forward<'_> {
         #[inline(always)]
         unsafe fn head<V: Vec16>(&self, b: usize, h: usize, ws: &mut Workspace) {
-            // SAFETY: the trait's contract; `y` is `(B * T, C)`.
-            unsafe { forward_head::<V>(self.op, self.d, self.qkv, self.y as *mut f32, b, h, ws) }
+            let kept = (self.kept != 0).then_some(self.kept as *mut f32);
+            // SAFETY: the trait's contract; `y` is `(B * T, C)`, `kept` `(B, nh, T, tp)`.
+            unsafe { forward_head::<V>(self.op, self.d, self.qkv, self.y as *mut f32, kept, b, h, ws) }
         }
     }
-    // Not zeroed first: the heads write every output.
+    // Neither zeroed first: the heads write every output, and every kept row whole.
     let len = d.b * d.t * d.c;
     let mut y = Vec::with_capacity(len);
+    let kept_len = d.b * d.nh * d.t * d.tp;
+    let mut kept: Vec<f32> = Vec::with_capacity(if op.probs.is_some() { kept_len } else { 0 });
     let pass = Forward {
         op,
         d,
         qkv,
         y: y.as_mut_ptr() as usize,
+        kept: if op.probs.is_some() {
+            kept.as_mut_ptr() as usize
+        } else {
+            0
+        },
     };
     run_pass(op, d, &pass);
     // SAFETY: every (window, head) wrote its columns of its rows: all `len` values.
     unsafe { y.set_len(len) };
+    if let Some(probs) = &op.probs {
+        // SAFETY: every (window, head) wrote its `t` rows of `tp` probabilities.
+        unsafe { kept.set_len(kept_len) };
+        // Set once: an op runs its forward pass once.
+        let _ = probs.set(kept);
+    }
     y
 }
 
 /// # Safety
-/// `y` is `(B * T, C)`; no other thread touches head `h`'s columns of window `b`'s rows.
+/// `y` is `(B * T, C)` and `kept` (if any) `(B, nh, T, tp)`; no other thread touches head `h`'s
+/// columns of window `b`'s rows, or its rows of `kept`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn forward_head<V: Vec16>(
     op: &WindowAttention,
     d: Dims,
     qkv: &[f32],
     y: *mut f32,
+    kept: Option<*mut f32>,
     b: usize,
     h: usize,
     ws: &mut Workspace,
@@ -281,6 +331,17 @@ unsafe fn forward_head<V: Vec16>(
         for r in 0..m {
             let row = &mut ws.p[r * d.tp..][..n];
             softmax_row(row, op.start(d, b, i0 + r), i0 + r + 1, op.scale);
+            if let Some(kept) = kept {
+                // The whole row of `tp` (past `n`, values of earlier rows, never read), so that
+                // every kept value is written.
+                let from = &ws.p[r * d.tp..][..d.tp];
+                // SAFETY: the caller's contract: this head's rows of `kept`, `tp` each.
+                unsafe {
+                    let to = kept.add(WindowAttention::kept_index(d, b, h, i0 + r));
+                    std::ptr::copy_nonoverlapping(from.as_ptr(), to, d.tp)
+                };
+            }
+            let row = &mut ws.p[r * d.tp..][..n];
             if let Some(drop) = op.dropout {
                 let mask = drop_mask(drop, op.row_index(d, b, h, i0 + r), &mut ws.mask[..=i0 + r]);
                 row.iter_mut().zip(mask).for_each(|(p, &m)| *p *= m);
@@ -365,8 +426,21 @@ fn backward(op: &WindowAttention, d: Dims, qkv: &[f32], dy: &[f32]) -> Vec<f32> 
     impl HeadPass for Backward<'_> {
         #[inline(always)]
         unsafe fn head<V: Vec16>(&self, b: usize, h: usize, ws: &mut Workspace) {
+            let kept = self.op.kept(self.d);
             // SAFETY: the trait's contract; `dqkv` is `(B * T, 3C)`.
-            unsafe { backward_head::<V>(self.op, self.d, self.qkv, self.dy, self.dqkv as *mut f32, b, h, ws) }
+            unsafe {
+                backward_head::<V>(
+                    self.op,
+                    self.d,
+                    self.qkv,
+                    self.dy,
+                    kept,
+                    self.dqkv as *mut f32,
+                    b,
+                    h,
+                    ws,
+                )
+            }
         }
     }
     // Not zeroed first: the heads write every gradient.
@@ -400,6 +474,7 @@ unsafe fn backward_head<V: Vec16>(
     d: Dims,
     qkv: &[f32],
     dy: &[f32],
+    kept: Option<&[f32]>,
     dqkv: *mut f32,
     b: usize,
     h: usize,
@@ -420,7 +495,15 @@ unsafe fn backward_head<V: Vec16>(
     for i0 in (0..d.t).step_by(BLOCK) {
         let m = BLOCK.min(d.t - i0);
         let n = (i0 + m).next_multiple_of(LANES);
-        ws.scores::<V>(d, i0, m, n);
+        match kept {
+            Some(kept) => {
+                for r in 0..m {
+                    let from = &kept[WindowAttention::kept_index(d, b, h, i0 + r)..][..n];
+                    ws.p[r * d.tp..][..n].copy_from_slice(from);
+                }
+            }
+            None => ws.scores::<V>(d, i0, m, n),
+        }
         // SAFETY: `dy`'s rows of the block and `vᵀ`'s first `n` columns (zero past `t`).
         unsafe {
             gemm::<V>(
@@ -438,7 +521,9 @@ unsafe fn backward_head<V: Vec16>(
             let len = i0 + r + 1;
             let p = &mut ws.p[r * d.tp..][..n];
             let dp = &mut ws.dp[r * d.tp..][..n];
-            softmax_row(p, op.start(d, b, i0 + r), len, op.scale);
+            if kept.is_none() {
+                softmax_row(p, op.start(d, b, i0 + r), len, op.scale);
+            }
             let mask = op
                 .dropout
                 .map(|drop| drop_mask(drop, op.row_index(d, b, h, i0 + r), &mut ws.mask[..len]));
@@ -670,5 +755,52 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A backward pass that reads the probabilities its forward pass kept gives the bits of one
+    /// that recomputes them, and the forward pass's output is the same either way: several
+    /// query blocks with a partial last one, dropout, packed windows, one-row windows, on every
+    /// instruction set this CPU has.
+    #[test]
+    fn kept_probabilities_give_the_recomputed_gradients_bit_for_bit() -> Result<()> {
+        for &simd in Simd::available() {
+            for (b, t, nh, hs, p, packed) in [
+                (2, 150, 2, 24, 0.0, false),
+                (2, 70, 3, 16, 0.2, true),
+                (3, 1, 1, 16, 0.0, false),
+            ] {
+                let c = nh * hs;
+                let values = |len: usize, seed: usize| -> Vec<f32> {
+                    (0..len).map(|i| ((i * seed % 1000) as f32 - 500.0) / 250.0).collect()
+                };
+                let (qkv, dy) = (values(b * t * 3 * c, 7919), values(b * t * c, 104_729));
+                // Packed: each window holds a sequence of t / 3 rows, then one of the rest.
+                let starts: Option<Arc<[u32]>> = packed.then(|| {
+                    (0..b * t)
+                        .map(|r| if r % t < t / 3 { 0 } else { (t / 3) as u32 })
+                        .collect()
+                });
+                let op = |probs| WindowAttention {
+                    t,
+                    n_head: nh,
+                    scale: 1.0 / (hs as f32).sqrt(),
+                    dropout: (p > 0.0).then_some(Dropout { key: 7, first: 11, p }),
+                    simd,
+                    starts: starts.clone(),
+                    probs,
+                };
+                let d = Dims::of(&Layout::contiguous((b * t, 3 * c)), t, nh)?;
+                let what = format!("{simd:?} ({b}, {t}, {nh} x {hs}) p {p} packed {packed}");
+                let (recomputes, keeps) = (op(None), op(Some(Arc::default())));
+                let (y, y_kept) = (forward(&recomputes, d, &qkv), forward(&keeps, d, &qkv));
+                assert!(recomputes.kept(d).is_none() && keeps.kept(d).is_some(), "{what}");
+                let (g, g_kept) = (backward(&recomputes, d, &qkv, &dy), backward(&keeps, d, &qkv, &dy));
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&y), bits(&y_kept), "{what}: forward");
+                assert_eq!(bits(&g), bits(&g_kept), "{what}: gradient");
+                assert!(g.iter().any(|&v| v != 0.0), "{what}: a gradient of zeros tests nothing");
+            }
+        }
+        Ok(())
     }
 }
