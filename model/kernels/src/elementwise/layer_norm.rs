@@ -179,12 +179,17 @@ impl CustomOp3 for LayerNormGrad {
                 let (xr, gr) = (&x[row * c..(row + 1) * c], &g[row * c..(row + 1) * c]);
                 let (mean, rstd) = moments(xr, self.eps);
                 *stat = (mean, rstd);
-                let sum_ghat = lane_sum([gr, gamma], |[g, w]| g * w);
-                let sum_ghat_xhat = lane_sum([gr, gamma, xr], |[g, w, x]| g * w * ((x - mean) * rstd));
+                // ĝ first, in dx's row; then each sum over at most two rows, and dx from ĝ. (Sums
+                // over three rows, and a loop indexing four, ran value by value: the backward
+                // pass took 4x the forward's time.)
+                for ((gh, &g), &w) in dxr.iter_mut().zip(gr).zip(gamma) {
+                    *gh = g * w;
+                }
+                let sum_ghat = lane_sum([dxr], |[gh]| gh);
+                let sum_ghat_xhat = lane_sum([dxr, xr], |[gh, x]| gh * ((x - mean) * rstd));
                 let (m1, m2) = (sum_ghat / c as f32, sum_ghat_xhat / c as f32);
-                for j in 0..c {
-                    let (xhat, ghat) = ((xr[j] - mean) * rstd, gr[j] * gamma[j]);
-                    dxr[j] = rstd * (ghat - m1 - xhat * m2);
+                for (dx, &x) in dxr.iter_mut().zip(xr) {
+                    *dx = rstd * (*dx - m1 - ((x - mean) * rstd) * m2);
                 }
             },
         );
