@@ -47,7 +47,10 @@ const KEEP_PROBS_MAX: usize = 2 << 20;
 /// Whether a forward pass over `rows` rows of windows of `t` with `n_head` heads keeps its
 /// probabilities for the backward pass ([`KEEP_PROBS_MAX`]).
 pub(crate) fn keeps_probs(rows: usize, t: usize, n_head: usize) -> bool {
-    t > 0 && (rows / t) * n_head * t * t.next_multiple_of(LANES) * 4 <= KEEP_PROBS_MAX
+    let bytes = [n_head, t, t.next_multiple_of(LANES), 4]
+        .into_iter()
+        .fold(rows.checked_div(t).unwrap_or(0), usize::saturating_mul);
+    t > 0 && bytes <= KEEP_PROBS_MAX
 }
 
 #[cfg(feature = "cuda")]
@@ -794,6 +797,7 @@ mod tests {
                 let (recomputes, keeps) = (op(None), op(Some(Arc::default())));
                 let (y, y_kept) = (forward(&recomputes, d, &qkv), forward(&keeps, d, &qkv));
                 assert!(recomputes.kept(d).is_none() && keeps.kept(d).is_some(), "{what}");
+                assert!(keeps_probs(b * t, t, nh), "{what}: small enough to keep");
                 let (g, g_kept) = (backward(&recomputes, d, &qkv, &dy), backward(&keeps, d, &qkv, &dy));
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&y), bits(&y_kept), "{what}: forward");
@@ -802,5 +806,21 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// The probabilities are kept up to [`KEEP_PROBS_MAX`] bytes a call, and a size too large to
+    /// count is too large to keep.
+    #[test]
+    fn probabilities_are_kept_up_to_the_limit() {
+        // nanoGPT's CPU recipe a thread: 6 windows of 64, 4 heads (384 KiB).
+        assert!(keeps_probs(6 * 64, 64, 4));
+        // GPT-2 small's 4 windows of 256 with 12 heads (12 MiB).
+        assert!(!keeps_probs(4 * 256, 256, 12));
+        // Exactly the limit, and one window more.
+        let per_window = 64 * 64 * 4 * 4;
+        let windows = KEEP_PROBS_MAX / per_window;
+        assert!(keeps_probs(windows * 64, 64, 4) && !keeps_probs((windows + 1) * 64, 64, 4));
+        assert!(!keeps_probs(usize::MAX / 2, 1 << 20, 1 << 10));
+        assert!(!keeps_probs(0, 0, 4));
     }
 }
