@@ -284,22 +284,18 @@ fn forward(op: &WindowAttention, d: Dims, qkv: &[f32]) -> Vec<f32> {
     let len = d.b * d.t * d.c;
     let mut y = Vec::with_capacity(len);
     let kept_len = d.b * d.nh * d.t * d.tp;
-    let mut kept: Vec<f32> = Vec::with_capacity(if op.probs.is_some() { kept_len } else { 0 });
+    let mut kept: Option<Vec<f32>> = op.probs.as_ref().map(|_| Vec::with_capacity(kept_len));
     let pass = Forward {
         op,
         d,
         qkv,
         y: y.as_mut_ptr() as usize,
-        kept: if op.probs.is_some() {
-            kept.as_mut_ptr() as usize
-        } else {
-            0
-        },
+        kept: kept.as_mut().map_or(0, |k| k.as_mut_ptr() as usize),
     };
     run_pass(op, d, &pass);
     // SAFETY: every (window, head) wrote its columns of its rows: all `len` values.
     unsafe { y.set_len(len) };
-    if let Some(probs) = &op.probs {
+    if let (Some(probs), Some(mut kept)) = (&op.probs, kept) {
         // SAFETY: every (window, head) wrote its `t` rows of `tp` probabilities.
         unsafe { kept.set_len(kept_len) };
         // Set once: an op runs its forward pass once.
