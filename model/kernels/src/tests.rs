@@ -357,7 +357,7 @@ fn lm_head_loss_matches_the_head_then_the_cross_entropy() -> anyhow::Result<()> 
 /// The tiled window attention against candle's composite (q kᵀ, additive mask, softmax, the
 /// same dropout masks as a tensor, the product with v), forward and the gradient of `qkv`, on
 /// every instruction set this CPU has: several query blocks with a partial last one, head sizes
-/// that are and are not whole vectors, with and without dropout.
+/// that are and are not whole vectors (read where they are, or copied), with and without dropout.
 #[test]
 fn window_attention_matches_candles_composite() -> anyhow::Result<()> {
     let dev = &Device::Cpu;
@@ -365,6 +365,8 @@ fn window_attention_matches_candles_composite() -> anyhow::Result<()> {
         for (b, t, nh, hs, p) in [
             (2, 150, 2, 24, 0.0),
             (2, 150, 2, 24, 0.3),
+            (2, 150, 2, 32, 0.0),
+            (2, 150, 2, 32, 0.3),
             (1, 40, 3, 64, 0.1),
             (3, 1, 1, 16, 0.0),
         ] {

@@ -12,7 +12,8 @@
 //! the backward pass with their gradients), and multiply with the `gemm` crate's AVX2 path. At
 //! nanoGPT's baby-GPT shape (6 heads, T = 256, 32 sequences a core) those tensors are 50 MB each
 //! per layer. Here the products are a small register-tiled kernel on [`Vec16`] lanes
-//! ([`gemm`]) over per-head copies laid out for it; each (sequence, head) is one task on
+//! ([`gemm`]) over the heads' rows where they are (heads of whole vectors, [`in_place`]) and
+//! per-head transposed copies laid out for it; each (sequence, head) is one task on
 //! candle's thread pool and computes in a fixed order, so results do not depend on the threads.
 //!
 //! Packed windows (several sequences one after another in a window, as chat fine-tuning packs
@@ -29,7 +30,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 
 use crate::elementwise::dropout::Dropout;
 use crate::simd::{Kernel, Simd, Vec16, LANES};
-use tiles::{gemm, AsMat, Causal};
+use tiles::{gemm, AsMat, Causal, Mat};
 
 /// Queries per block: a block's `(64, T)` scores are 64 KiB at T = 256, in L2 beside the
 /// head's keys and values.
@@ -320,40 +321,77 @@ unsafe fn forward_head<V: Vec16>(
     ws: &mut Workspace,
 ) {
     let (c3, hs) = (3 * d.c, d.hs);
-    gather(qkv, c3, h * hs, d, b, &mut ws.q, hs);
+    let first = b * d.t * c3 + h * hs; // the window's first query of this head
     gather_transposed(op.simd, qkv, c3, d.c + h * hs, d, b, &mut ws.kt);
-    gather(qkv, c3, 2 * d.c + h * hs, d, b, &mut ws.v, d.hsp);
+    let (q, v) = if in_place(d) {
+        (qkv[first..].at(c3), qkv[first + 2 * d.c..].at(c3))
+    } else {
+        gather(qkv, c3, h * hs, d, b, &mut ws.q, hs);
+        gather(qkv, c3, 2 * d.c + h * hs, d, b, &mut ws.v, d.hsp);
+        (ws.q.at(hs), ws.v.at(d.hsp))
+    };
     for i0 in (0..d.t).step_by(BLOCK) {
         let m = BLOCK.min(d.t - i0);
         let n = (i0 + m).next_multiple_of(LANES); // keys this block sees, in whole vectors
-        ws.scores::<V>(d, i0, m, n);
+                                                  // The probabilities go straight into the kept rows, unless dropout is to change them.
+        let p = match kept {
+            // SAFETY: the caller's contract: this head's rows of `kept`, `tp` each.
+            Some(kept) if op.dropout.is_none() => unsafe { kept.add(WindowAttention::kept_index(d, b, h, i0)) },
+            _ => ws.p.as_mut_ptr(),
+        };
+        // SAFETY: `q`'s rows of the block, `kᵀ` `(hs, tp)` with `n <= tp` (zero past `t`), `p` `m`
+        // rows of `tp`.
+        unsafe { tiles::scores::<V>(d, i0, m, n, q.rows_from(i0), ws.kt.at(d.tp), Mat::new(p, d.tp)) };
         for r in 0..m {
-            let row = &mut ws.p[r * d.tp..][..n];
-            softmax_row(row, op.start(d, b, i0 + r), i0 + r + 1, op.scale);
-            if let Some(kept) = kept {
-                // The whole row of `tp` (past `n`, values of earlier rows, never read), so that
-                // every kept value is written.
-                let from = &ws.p[r * d.tp..][..d.tp];
-                // SAFETY: the caller's contract: this head's rows of `kept`, `tp` each.
-                unsafe {
-                    let to = kept.add(WindowAttention::kept_index(d, b, h, i0 + r));
-                    std::ptr::copy_nonoverlapping(from.as_ptr(), to, d.tp)
-                };
+            // SAFETY: row `r` of `p`, whole (`tp`), in `ws.p` or this head's rows of `kept`.
+            let row = unsafe { std::slice::from_raw_parts_mut(p.add(r * d.tp), d.tp) };
+            softmax_row(&mut row[..n], op.start(d, b, i0 + r), i0 + r + 1, op.scale);
+            match kept {
+                // Kept in place: what lies past `n` (never read) is written too.
+                Some(_) if op.dropout.is_none() => row[n..].fill(0.0),
+                Some(kept) => {
+                    // SAFETY: as above: this head's row of `kept`, `tp` long; `row` is in `ws.p`.
+                    unsafe {
+                        let to = kept.add(WindowAttention::kept_index(d, b, h, i0 + r));
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), to, d.tp)
+                    }
+                }
+                None => {}
             }
-            let row = &mut ws.p[r * d.tp..][..n];
             if let Some(drop) = op.dropout {
                 let mask = drop_mask(drop, op.row_index(d, b, h, i0 + r), &mut ws.mask[..=i0 + r]);
                 row.iter_mut().zip(mask).for_each(|(p, &m)| *p *= m);
             }
         }
-        // SAFETY: `p` holds the block's `(m, n)` weights, `v` has `tp >= n` rows (zero past `t`).
-        unsafe { weights_times_rows::<V>(d, i0, m, n, &ws.p, &ws.v, &mut ws.out) };
-        for r in 0..m {
+        // The block's output rows, in this head's columns of `y`, or through `ws.out`.
+        let out = if in_place(d) {
             // SAFETY: the caller's contract: this head's columns of this window's rows.
-            let out = unsafe { std::slice::from_raw_parts_mut(y.add((b * d.t + i0 + r) * d.c + h * hs), hs) };
-            out.copy_from_slice(&ws.out[r * d.hsp..][..hs]);
+            unsafe { Mat::new(y.add((b * d.t + i0) * d.c + h * hs), d.c) }
+        } else {
+            ws.out.at_mut(d.hsp)
+        };
+        // SAFETY: `p` holds the block's `(m, n)` weights, `v` the window's rows (the sums stop at
+        // each row's last key, within the window), `out` `m` rows of `hsp`.
+        unsafe { weights_times_rows::<V>(d, i0, m, n, Mat::new(p.cast_const(), d.tp), v, out) };
+        if !in_place(d) {
+            for r in 0..m {
+                // SAFETY: the caller's contract: this head's columns of this window's rows.
+                let out = unsafe { std::slice::from_raw_parts_mut(y.add((b * d.t + i0 + r) * d.c + h * hs), hs) };
+                out.copy_from_slice(&ws.out[r * d.hsp..][..hs]);
+            }
         }
     }
+}
+
+/// Whether a head's rows are read and written where they are (`qkv`, `y` and their gradients,
+/// with their row strides) rather than through the workspace's copies: heads of whole vectors
+/// (GPT-2's 64, nanoGPT's CPU recipe's 32), whose tiles' full-width loads and stores stay
+/// within the head's columns. The copies (a call to `memcpy` per row, 128 bytes in the recipe)
+/// and those the backward pass made without reading them were 13% of the recipe's attention
+/// forward and 18% backward (one thread).
+#[inline(always)]
+fn in_place(d: Dims) -> bool {
+    d.hs == d.hsp
 }
 
 /// Fills `mask` with the dropout's factors (0, or 1/(1-p) where kept) for the weights at
@@ -480,36 +518,62 @@ unsafe fn backward_head<V: Vec16>(
     ws: &mut Workspace,
 ) {
     let (c3, hs) = (3 * d.c, d.hs);
-    for (src, ld, col0, rows, ld_rows, trans) in [
-        (qkv, c3, h * hs, &mut ws.q, hs, &mut ws.qt),
-        (qkv, c3, d.c + h * hs, &mut ws.k, d.hsp, &mut ws.kt),
-        (qkv, c3, 2 * d.c + h * hs, &mut ws.v, d.hsp, &mut ws.vt),
-        (dy, d.c, h * hs, &mut ws.dy, hs, &mut ws.dyt),
+    let (first, first_dy) = (b * d.t * c3 + h * hs, b * d.t * d.c + h * hs);
+    for (src, ld, col0, trans) in [
+        (qkv, c3, h * hs, &mut ws.qt),
+        (qkv, c3, 2 * d.c + h * hs, &mut ws.vt),
+        (dy, d.c, h * hs, &mut ws.dyt),
     ] {
-        gather(src, ld, col0, d, b, rows, ld_rows);
         gather_transposed(op.simd, src, ld, col0, d, b, trans);
+    }
+    // Rows: the output gradient's and the keys' (and the queries' where the scores are computed
+    // again), where they are or copied.
+    let (q, k, dy_rows) = if in_place(d) {
+        (qkv[first..].at(c3), qkv[first + d.c..].at(c3), dy[first_dy..].at(d.c))
+    } else {
+        if kept.is_none() {
+            gather(qkv, c3, h * hs, d, b, &mut ws.q, hs);
+        }
+        gather(qkv, c3, d.c + h * hs, d, b, &mut ws.k, d.hsp);
+        gather(dy, d.c, h * hs, d, b, &mut ws.dy, hs);
+        (ws.q.at(hs), ws.k.at(d.hsp), ws.dy.at(hs))
+    };
+    if kept.is_none() {
+        gather_transposed(op.simd, qkv, c3, d.c + h * hs, d, b, &mut ws.kt);
     }
     ws.dkt.fill(0.0);
     ws.dvt.fill(0.0);
     for i0 in (0..d.t).step_by(BLOCK) {
         let m = BLOCK.min(d.t - i0);
         let n = (i0 + m).next_multiple_of(LANES);
-        match kept {
+        // The block's probabilities: read where the forward pass kept them, unless dropout is to
+        // change them (then in `ws.p`, as when computed again).
+        let p: *const f32 = match kept {
+            Some(kept) if op.dropout.is_none() => kept[WindowAttention::kept_index(d, b, h, i0)..].as_ptr(),
             Some(kept) => {
                 for r in 0..m {
                     let from = &kept[WindowAttention::kept_index(d, b, h, i0 + r)..][..n];
                     ws.p[r * d.tp..][..n].copy_from_slice(from);
                 }
+                ws.p.as_ptr()
             }
-            None => ws.scores::<V>(d, i0, m, n),
-        }
+            None => {
+                // SAFETY: `q`'s rows of the block, `kᵀ` `(hs, tp)` (zero past `t`), `p` `(BLOCK,
+                // tp)`.
+                unsafe { tiles::scores::<V>(d, i0, m, n, q.rows_from(i0), ws.kt.at(d.tp), ws.p.at_mut(d.tp)) };
+                for r in 0..m {
+                    softmax_row(&mut ws.p[r * d.tp..][..n], op.start(d, b, i0 + r), i0 + r + 1, op.scale);
+                }
+                ws.p.as_ptr()
+            }
+        };
         // SAFETY: `dy`'s rows of the block and `vᵀ`'s first `n` columns (zero past `t`).
         unsafe {
             gemm::<V>(
                 m,
                 n,
                 hs,
-                ws.dy[i0 * hs..].at(hs),
+                dy_rows.rows_from(i0),
                 ws.vt.at(d.tp),
                 ws.dp.at_mut(d.tp),
                 false,
@@ -518,41 +582,52 @@ unsafe fn backward_head<V: Vec16>(
         };
         for r in 0..m {
             let len = i0 + r + 1;
-            let p = &mut ws.p[r * d.tp..][..n];
             let dp = &mut ws.dp[r * d.tp..][..n];
-            if kept.is_none() {
-                softmax_row(p, op.start(d, b, i0 + r), len, op.scale);
-            }
             let mask = op
                 .dropout
                 .map(|drop| drop_mask(drop, op.row_index(d, b, h, i0 + r), &mut ws.mask[..len]));
             if let Some(mask) = mask {
                 dp[..len].iter_mut().zip(mask).for_each(|(dp, &m)| *dp *= m);
             }
-            let dot = dot(&p[..len], &dp[..len]);
-            for (j, (dp, &p)) in dp.iter_mut().zip(&*p).enumerate() {
-                *dp = masked(j, len, p * (*dp - dot) * op.scale);
+            {
+                // SAFETY: row `r` of the block's probabilities, `n` of them; written below only
+                // through `ws.p`, after this borrow ends.
+                let p = unsafe { std::slice::from_raw_parts(p.add(r * d.tp), n) };
+                let dot = dot(&p[..len], &dp[..len]);
+                for (j, (dp, &p)) in dp.iter_mut().zip(p).enumerate() {
+                    *dp = masked(j, len, p * (*dp - dot) * op.scale);
+                }
             }
             if let Some(mask) = mask {
-                p[..len].iter_mut().zip(mask).for_each(|(p, &m)| *p *= m);
+                // With dropout `p` is `ws.p` (above).
+                ws.p[r * d.tp..][..len].iter_mut().zip(mask).for_each(|(p, &m)| *p *= m);
             }
         }
         // SAFETY: the transposed operands from column `i0` of `(hs, tp)`, the block's `(m, n)`
-        // weights and scores' gradient, `k`'s first `n` rows (zero past `t`).
+        // weights and scores' gradient, `k`'s rows (the sums stop at each row's last key, within
+        // the window).
         unsafe {
             let sums = [
-                (ws.dyt[i0..].at(d.tp), ws.p.at(d.tp), ws.dvt.at_mut(d.tp)), // dvᵀ += dyᵀ S
-                (ws.qt[i0..].at(d.tp), ws.dp.at(d.tp), ws.dkt.at_mut(d.tp)), // dkᵀ += qᵀ dZ
+                (ws.dyt[i0..].at(d.tp), Mat::new(p, d.tp), ws.dvt.at_mut(d.tp)), // dvᵀ += dyᵀ S
+                (ws.qt[i0..].at(d.tp), ws.dp.at(d.tp), ws.dkt.at_mut(d.tp)),     // dkᵀ += qᵀ dZ
             ];
             for (a, b, c) in sums {
                 gemm::<V>(hs, n, m, a, b, c, true, Causal::QuerySums(i0));
             }
-            weights_times_rows::<V>(d, i0, m, n, &ws.dp, &ws.k, &mut ws.out); // dq = dZ k
+            // dq = dZ k, into this head's query columns of `dqkv` or through `ws.out`.
+            let out = if in_place(d) {
+                Mat::new(dqkv.add((b * d.t + i0) * c3 + h * hs), c3)
+            } else {
+                ws.out.at_mut(d.hsp)
+            };
+            weights_times_rows::<V>(d, i0, m, n, ws.dp.at(d.tp), k, out);
         }
-        for r in 0..m {
-            // SAFETY: the caller's contract: this head's query columns of this window's rows.
-            let out = unsafe { std::slice::from_raw_parts_mut(dqkv.add((b * d.t + i0 + r) * c3 + h * hs), hs) };
-            out.copy_from_slice(&ws.out[r * d.hsp..][..hs]);
+        if !in_place(d) {
+            for r in 0..m {
+                // SAFETY: the caller's contract: this head's query columns of this window's rows.
+                let out = unsafe { std::slice::from_raw_parts_mut(dqkv.add((b * d.t + i0 + r) * c3 + h * hs), hs) };
+                out.copy_from_slice(&ws.out[r * d.hsp..][..hs]);
+            }
         }
     }
     // The key and value gradients transposed back into this head's columns of the window's rows.
@@ -566,27 +641,25 @@ unsafe fn backward_head<V: Vec16>(
     }
 }
 
-/// `out = w x` for a block's `(m, n)` weights `w` (`P` or `dZ`, rows of `tp`) and the first `n`
-/// rows of `x` `(tp, hsp)` (`v` or `k`): a row of `out` (of `hsp`) per query of the block, each
-/// summed over the keys its query sees.
+/// `out = w x` for a block's `(m, n)` weights `w` (`P` or `dZ`, rows of `tp`) and the rows of
+/// `x` (`v` or `k`, `hsp` columns): a row of `out` (of `hsp`) per query of the block, each summed
+/// over the keys its query sees.
 ///
 /// # Safety
-/// `w` holds `m` rows of `tp >= n`, `x` `n` rows of `hsp`, `out` `m` rows of `hsp`.
+/// `w` holds `m` rows of `n`, `x` the rows of the keys the block's queries see (`i0 + m`), `out`
+/// `m` rows of `hsp`; `out` overlaps neither.
 #[inline(always)]
-unsafe fn weights_times_rows<V: Vec16>(d: Dims, i0: usize, m: usize, n: usize, w: &[f32], x: &[f32], out: &mut [f32]) {
+unsafe fn weights_times_rows<V: Vec16>(
+    d: Dims,
+    i0: usize,
+    m: usize,
+    n: usize,
+    w: Mat<*const f32>,
+    x: Mat<*const f32>,
+    out: Mat<*mut f32>,
+) {
     // SAFETY: the caller's contract.
-    unsafe {
-        gemm::<V>(
-            m,
-            d.hsp,
-            n,
-            w.at(d.tp),
-            x.at(d.hsp),
-            out.at_mut(d.hsp),
-            false,
-            Causal::KeySums(i0),
-        )
-    }
+    unsafe { gemm::<V>(m, d.hsp, n, w, x, out, false, Causal::KeySums(i0)) }
 }
 
 /// `a · b` in 16 partial sums (vectorisable), then added in a fixed order.

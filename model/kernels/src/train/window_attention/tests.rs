@@ -43,13 +43,15 @@ fn softmax_rows_keep_their_bits_whatever_lies_past_them() {
 
 /// A backward pass that reads the probabilities its forward pass kept gives the bits of one
 /// that recomputes them, and the forward pass's output is the same either way: several
-/// query blocks with a partial last one, dropout, packed windows, one-row windows, on every
-/// instruction set this CPU has.
+/// query blocks with a partial last one, heads read where they are and copied, dropout, packed
+/// windows, one-row windows, on every instruction set this CPU has.
 #[test]
 fn kept_probabilities_give_the_recomputed_gradients_bit_for_bit() -> Result<()> {
     for &simd in Simd::available() {
         for (b, t, nh, hs, p, packed) in [
             (2, 150, 2, 24, 0.0, false),
+            (2, 150, 2, 32, 0.0, true),
+            (2, 130, 2, 16, 0.2, false),
             (2, 70, 3, 16, 0.2, true),
             (3, 1, 1, 16, 0.0, false),
         ] {

@@ -1,7 +1,7 @@
 //! The register-tiled products of the CPU's window attention (`q kᵀ`, `P v` and their
 //! gradients' products), on [`Vec16`] lanes, skipping the terms the causal mask makes zero.
 
-use super::{Dims, Workspace};
+use super::Dims;
 use crate::simd::{Vec16, LANES};
 
 /// A row-major matrix operand of [`gemm`]: its first element and its row stride.
@@ -29,25 +29,42 @@ impl AsMat for [f32] {
     }
 }
 
-impl Workspace {
-    /// The block's unscaled scores `q kᵀ`, rows `i0..i0 + m` against keys `..n`, into `p`.
-    #[inline(always)]
-    pub(super) fn scores<V: Vec16>(&mut self, d: Dims, i0: usize, m: usize, n: usize) {
-        // SAFETY: `q` holds rows `i0..i0 + m` of `hs`, `kᵀ` `(hs, tp)` with `n <= tp` (zero
-        // past `t`), `p` `(BLOCK, tp)` with `m <= BLOCK`.
-        unsafe {
-            gemm::<V>(
-                m,
-                n,
-                d.hs,
-                self.q[i0 * d.hs..].at(d.hs),
-                self.kt.at(d.tp),
-                self.p.at_mut(d.tp),
-                false,
-                Causal::KeyColumns(i0),
-            )
-        }
+impl<P: Copy> Mat<P> {
+    /// The matrix at `ptr` with rows `ld` values apart.
+    pub(super) fn new(ptr: P, ld: usize) -> Self {
+        Self { ptr, ld }
     }
+}
+
+impl Mat<*const f32> {
+    /// The same matrix from row `i` on.
+    ///
+    /// # Safety
+    /// Row `i` lies within the memory the matrix names.
+    pub(super) unsafe fn rows_from(self, i: usize) -> Self {
+        // SAFETY: the caller's contract.
+        Self::new(unsafe { self.ptr.add(i * self.ld) }, self.ld)
+    }
+}
+
+/// A block's unscaled scores `q kᵀ`, rows `i0..i0 + m` against keys `..n`, into `p`: `q` the
+/// block's first query row (`hs` columns), `kᵀ` `(hs, tp)`, `p` `(m, tp)`.
+///
+/// # Safety
+/// `q` holds the block's `m` rows of `hs`, `kᵀ` `hs` rows of `n <= tp` keys (zero past `t`), `p`
+/// `m` rows of `n`; `p` overlaps neither.
+#[inline(always)]
+pub(super) unsafe fn scores<V: Vec16>(
+    d: Dims,
+    i0: usize,
+    m: usize,
+    n: usize,
+    q: Mat<*const f32>,
+    kt: Mat<*const f32>,
+    p: Mat<*mut f32>,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { gemm::<V>(m, n, d.hs, q, kt, p, false, Causal::KeyColumns(i0)) }
 }
 
 /// `c = a @ b` (or `c += a @ b` when `accumulate`) for `a` `(m, k)`, `b` `(k, n)` with `n` a
