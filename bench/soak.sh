@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The soak run (bench/soak.py): gpt-server on a checkpoint, its saturation on the mix measured
-# with 32 clients in a closed loop, then MINUTES of the mixed load at 80% of it; the report goes
-# to target/soak/.
-#   [MINUTES=30] [CALIBRATE_SECS=60] [PREFIX_CACHE_MIB=16] bash bench/soak.sh [CHECKPOINT]
+# with 32 clients in a closed loop, then MINUTES of the mixed load at LOAD (default 0.8) of it; the
+# report goes to target/soak/.
+#   [MINUTES=30] [CALIBRATE_SECS=60] [LOAD=0.8] [PREFIX_CACHE_MIB=16] bash bench/soak.sh [CHECKPOINT]
 # (default: weights/; the prefix cache small enough that the run fills it to its bound)
 # For a GPT-2-small-shaped checkpoint: python bench/make_random_gpt2.py TOKENIZER_JSON DIR, then bash
 # bench/soak.sh DIR. CI runs MINUTES=3 CALIBRATE_SECS=30 GATE="no 5xx,counters agree"
@@ -52,7 +52,7 @@ fi
 url=http://127.0.0.1:$port
 rate=$(python3 bench/soak.py "$url" --pid $server --model soak --calibrate \
   --minutes "$(python3 -c "print($calibrate / 60)")" | python3 -c "import json,sys; print(json.load(sys.stdin)['saturation_rps'])")
-soak_rate=$(python3 -c "print(round(0.8 * $rate, 3))")
+soak_rate=$(python3 -c "print(round(${LOAD:-0.8} * $rate, 3))")
 echo "saturation ${rate} requests/s; soaking ${minutes} min at ${soak_rate} requests/s"
 status=0
 python3 bench/soak.py "$url" --pid $server --model soak --rate "$soak_rate" --minutes "$minutes" \
