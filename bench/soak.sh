@@ -5,7 +5,7 @@
 #   [MINUTES=30] [CALIBRATE_SECS=60] [LOAD=0.8] [PREFIX_CACHE_MIB=16] bash bench/soak.sh [CHECKPOINT]
 # (default: weights/; the prefix cache small enough that the run fills it to its bound)
 # For a GPT-2-small-shaped checkpoint: python bench/make_random_gpt2.py TOKENIZER_JSON DIR, then bash
-# bench/soak.sh DIR. CI runs MINUTES=3 CALIBRATE_SECS=30 GATE="no 5xx,counters agree"
+# bench/soak.sh DIR. CI runs MINUTES=3 CALIBRATE_SECS=30 LOAD=0.6 GATE="no 5xx,counters agree"
 # PROBE_MINUTES=0 on the default model (GATE: the checks that decide the exit status; all by
 # default). The drift probe (bench/soak_probe.py, PROBE_MINUTES, default 3) compares servers of
 # different histories, each pair measured at the same time under the same load: a server
