@@ -9,10 +9,13 @@
 //! `DTYPE=f32` times the f32 products alone (the bf16 ones are slow where they run emulated,
 //! without AVX512-BF16).
 //!
+//! `GPT_BF16_DOT=Avx512Bf16` (or `Avx512Fma`, `Avx2Fma`, `Emulated`) runs the bf16 products on
+//! that kernel rather than the one `Bf16Dot::detect` picks (it says which in the totals' line).
+//!
 //! `SHAPE=recipe` takes nanoGPT's CPU recipe's sizes instead (12 x 64 tokens, 4 layers of 128,
 //! 65 characters).
 //!
-//!     [SHAPE=recipe] [DTYPE=f32] cargo bench -p gpt --bench train_products
+//!     [SHAPE=recipe] [DTYPE=f32] [GPT_BF16_DOT=..] cargo bench -p gpt --bench train_products
 
 mod common;
 
@@ -26,6 +29,7 @@ fn values(len: usize, seed: usize, scale: f32) -> Vec<f32> {
 fn main() -> anyhow::Result<()> {
     gpt::device::tune_cpu_allocator();
     gpt::device::fix_cpu_thread_count();
+    Bf16Dot::from_env().map_err(|e| anyhow::anyhow!(e))?;
     let dot = Bf16Dot::detect();
     let recipe = std::env::var("SHAPE").is_ok_and(|s| s == "recipe");
     let bf16 = !std::env::var("DTYPE").is_ok_and(|s| s == "f32");
@@ -59,16 +63,16 @@ fn main() -> anyhow::Result<()> {
             let (mut pack_a, mut pack_b, mut multiply) = (f64::NAN, f64::NAN, f64::NAN);
             if bf16 {
                 pack_a = common::median_secs(repeats, || {
-                    Bf16Rows::new(a);
+                    Bf16Rows::new(a, dot);
                     Ok(())
                 })?;
                 pack_b = common::median_secs(repeats, || {
-                    Bf16Panels::new(b);
+                    Bf16Panels::new(b, dot);
                     Ok(())
                 })?;
-                let (rows, panels) = (Bf16Rows::new(a), Bf16Panels::new(b));
+                let (rows, panels) = (Bf16Rows::new(a, dot), Bf16Panels::new(b, dot));
                 multiply = common::median_secs(repeats, || {
-                    panels.matmul(&rows, dot)?;
+                    panels.matmul(&rows)?;
                     Ok(())
                 })?;
             }
@@ -94,7 +98,7 @@ fn main() -> anyhow::Result<()> {
     }
     println!(
         "{}",
-        serde_json::json!({"step_ms": {"pack_a": total[0] * 1e3, "pack_b": total[1] * 1e3, "multiply": total[2] * 1e3, "f32_whole": total[3] * 1e3}})
+        serde_json::json!({"bf16_dot": format!("{dot:?}"), "step_ms": {"pack_a": total[0] * 1e3, "pack_b": total[1] * 1e3, "multiply": total[2] * 1e3, "f32_whole": total[3] * 1e3}})
     );
     Ok(())
 }

@@ -127,6 +127,8 @@ fn main() -> anyhow::Result<()> {
             "shape": shape,
             "device": gpt::device_name(&device),
             "autocast_bf16": model.autocast() == gpt::Autocast::Bf16,
+            "bf16_dot": (model.autocast() == gpt::Autocast::Bf16 && device.is_cpu())
+                .then(|| format!("{:?}", gpt_kernels::Bf16Dot::detect())),
             "threads": if device.is_cpu() { threads } else { 0 },
             "parallel": format!("{parallel:?}").to_lowercase(),
             "batch_size": batch,

@@ -152,6 +152,10 @@ impl<'w> Trainer<'w> {
         }
         let varmap = VarMap::new();
         let autocast = args.dtype.unwrap_or_default().autocast();
+        if autocast == gpt::Autocast::Bf16 && !device.is_cuda() {
+            Bf16Dot::from_env().map_err(|e| anyhow::anyhow!(e))?;
+            tracing::info!("bf16 products on {:?}", Bf16Dot::detect());
+        }
         if autocast == gpt::Autocast::Bf16 && !device.is_cuda() && Bf16Dot::detect() == Bf16Dot::Emulated {
             tracing::warn!(
                 "--dtype bf16: this CPU has neither AVX512-BF16 nor AVX2 with FMA, so the bf16 products run \

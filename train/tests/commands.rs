@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::process::Output;
 
-use common::{fails, gpt_train, stderr, train, write};
+use common::{fails, gpt_train, stderr, train, train_args, write, BIN};
 use gpt_test_support as support;
 use safetensors::SafeTensors;
 use support::shakespeare;
@@ -523,6 +523,33 @@ fn every_command_takes_a_run_directory_for_its_best_checkpoint() -> anyhow::Resu
         err.contains(dir.path().to_str().unwrap_or_default()) && err.contains("not a checkpoint"),
         "{err}"
     );
+    Ok(())
+}
+
+/// `GPT_BF16_DOT` picks the kernel of the bf16 products: a kind this CPU lacks, or no kind at
+/// all, stops the run at start with an error that names the variable and the kinds there are;
+/// the slowest kind, which every CPU runs, trains.
+#[test]
+fn bf16_kernel_named_in_the_environment_is_checked() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(20_000)?)?;
+    let run_with = |kind: &str, out: &str| -> anyhow::Result<std::process::Output> {
+        let args = train_args(&corpus, &dir.path().join(out), &["--max-iters", "1", "--dtype", "bf16"]);
+        Ok(std::process::Command::new(BIN)
+            .args(&args)
+            .env("RUST_LOG", "warn")
+            .env("GPT_BF16_DOT", kind)
+            .output()?)
+    };
+    let bad = run_with("Avx1024", "bad")?;
+    assert!(!bad.status.success(), "{}", stderr(&bad));
+    assert!(
+        stderr(&bad).contains("GPT_BF16_DOT=Avx1024") && stderr(&bad).contains("Emulated"),
+        "{}",
+        stderr(&bad)
+    );
+    let slow = run_with("Emulated", "slow")?;
+    assert!(slow.status.success(), "{}", stderr(&slow));
     Ok(())
 }
 

@@ -87,7 +87,7 @@ pub(super) fn run(
         // Integer products on activations quantized to q8_0 (`int8.rs`).
         WeightFormat::Q8_0 | WeightFormat::Q4_0 => return super::int8::run(w, x, y, m, simd, ep, accumulate),
     };
-    run(w.panels(), x, w.k, y, m, simd, ep, accumulate)
+    run(w.panels(), x, w.k, y, m, simd, ep, accumulate, Flush::Ieee)
 }
 
 /// [`run`] for f32 panels with `x` `(m, k)` read where it is: row `i`, position `c` at
@@ -103,14 +103,33 @@ pub(super) fn run_f32_in_place(
     accumulate: bool,
 ) {
     debug_assert!(w.format == WeightFormat::F32);
+    debug_assert!(if x.transposed {
+        m <= x.ldx && x.values.len() >= (w.k - 1) * x.ldx + m
+    } else {
+        w.k <= x.ldx && x.values.len() >= (m - 1) * x.ldx + w.k
+    });
+    run_f32(w.panels(), x, y, m, simd, accumulate)
+}
+
+/// f32 panels times `x` read where it is, either layout.
+fn run_f32(panels: Panels, x: super::InPlace, y: &mut [MaybeUninit<f32>], m: usize, simd: Simd, accumulate: bool) {
     let run = if x.transposed {
-        debug_assert!(m <= x.ldx && x.values.len() >= (w.k - 1) * x.ldx + m);
         run_format::<F32, true>
     } else {
-        debug_assert!(w.k <= x.ldx && x.values.len() >= (m - 1) * x.ldx + w.k);
         run_format::<F32, false>
     };
-    run(w.panels(), x.values, x.ldx, y, m, simd, Epilogue::default(), accumulate)
+    let (values, ldx) = (x.values, x.ldx);
+    run(
+        panels,
+        values,
+        ldx,
+        y,
+        m,
+        simd,
+        Epilogue::default(),
+        accumulate,
+        Flush::Ieee,
+    )
 }
 
 /// `y = x @ B` (or with `accumulate`, `y += x @ B`) for `B` `(k, n)` a row-major f32 matrix
@@ -143,12 +162,59 @@ pub(super) unsafe fn run_f32_rows_in_place(
         block_bytes: ldb * 4,
         span: k * LANES * 4,
     };
-    let run = if x.transposed {
-        run_format::<F32, true>
-    } else {
-        run_format::<F32, false>
+    run_f32(panels, x, y, m, simd, accumulate)
+}
+
+/// How the tasks treat values below f32's normal range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Flush {
+    /// As IEEE 754 defines (the f32 products).
+    Ieee,
+    /// Read as zero and flushed to zero (MXCSR's DAZ and FTZ, x86 only): `vdpbf16ps`'s
+    /// arithmetic, for the bf16 products on this kernel ([`run_bf16_split_in_place`]).
+    Subnormals,
+}
+
+/// `y = x @ W^T` (or with `accumulate`, `y += x @ W^T`) for `W` `(n, k)` given as bf16 panels
+/// of this module's layout (`n` rounded up to whole tasks, each panel `k` positions of 16 bf16,
+/// 16-bit aligned), `x` row-major f32 read where it is, under MXCSR's DAZ and FTZ: the bf16
+/// products of training ([`crate::train::bf16`]) on this kernel, which widens each chunk of the
+/// panels once for all the row tiles.
+///
+/// # Safety
+/// `panels` holds `n.div_ceil(32) * 2` panels of `k * 16` values; `k > 0`; `x` holds `m` rows
+/// of `k` values `x.ldx` apart (not transposed); `y` holds `m * n` values; x86-64.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn run_bf16_split_in_place(
+    panels: &[u16],
+    (n, k): (usize, usize),
+    x: super::InPlace,
+    y: &mut [MaybeUninit<f32>],
+    m: usize,
+    simd: Simd,
+    accumulate: bool,
+) {
+    debug_assert!(k > 0 && !x.transposed && panels.len() >= n.div_ceil(GROUP * LANES) * GROUP * k * LANES);
+    let panel_bytes = k * LANES * 2;
+    let panels = Panels {
+        base: panels.as_ptr() as *const u8,
+        n,
+        k,
+        panel_bytes,
+        block_bytes: LANES * 2,
+        span: panel_bytes,
     };
-    run(panels, x.values, x.ldx, y, m, simd, Epilogue::default(), accumulate)
+    run_format::<Bf16, false>(
+        panels,
+        x.values,
+        x.ldx,
+        y,
+        m,
+        simd,
+        Epilogue::default(),
+        accumulate,
+        Flush::Subnormals,
+    )
 }
 
 /// The right operand as the kernel reads it: `n` rows (the outputs) of `k` positions in panels
@@ -191,6 +257,7 @@ fn run_format<F: Format, const XT: bool>(
     simd: Simd,
     ep: Epilogue,
     accumulate: bool,
+    flush: Flush,
 ) {
     debug_assert!(y.len() == m * w.n);
     let panel_bytes = w.panel_bytes;
@@ -198,6 +265,10 @@ fn run_format<F: Format, const XT: bool>(
     let blocks = ProductBlocks::new(m, groups, GROUP * w.span, w.k * 4);
     let (x_at, y_at, w_at) = (x.as_ptr() as usize, y.as_mut_ptr() as usize, w.base as usize);
     candle_core::utils::barrier_pool().execute_chunked(blocks.items(), |range| {
+        #[cfg(target_arch = "x86_64")]
+        let _flush = (flush == Flush::Subnormals).then(crate::simd::FlushSubnormals::new);
+        #[cfg(not(target_arch = "x86_64"))]
+        debug_assert!(flush == Flush::Ieee, "MXCSR's flushes are x86's");
         for item in range {
             let (g, r0, rows) = blocks.item(item);
             let t = Task {

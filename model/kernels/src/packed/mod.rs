@@ -328,6 +328,41 @@ pub(crate) fn matmul_rows_in_place(
     Ok(())
 }
 
+/// `y = x @ W^T`, or with `accumulate` `y += x @ W^T` (then `y` must be initialised), for `W`
+/// `(n, k)` given as bf16 panels in this module's layout (`n` rounded up to whole tasks, each
+/// panel `k` positions of 16 values) and `x` `(m, k)` row-major f32 read where it is, with
+/// values below f32's normal range read as and flushed to zero (MXCSR's DAZ and FTZ): training's
+/// bf16 products ([`crate::train::bf16`]) on this kernel.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn matmul_bf16_panels_flushed(
+    panels: &[u16],
+    (n, k): (usize, usize),
+    x: InPlace,
+    m: usize,
+    simd: Simd,
+    y: &mut [MaybeUninit<f32>],
+    accumulate: bool,
+) -> Result<()> {
+    if panels.len() < n.div_ceil(GROUP * LANES) * GROUP * k * LANES
+        || x.transposed
+        || !x.holds(m, k)
+        || y.len() != m * n
+    {
+        candle_core::bail!(
+            "bf16-panels matmul: x ({m}, {k}) {}, B ({n}, {k}) in {} values, y {} values",
+            x.describe(),
+            panels.len(),
+            y.len()
+        )
+    }
+    if !nothing_to_multiply(y, k, accumulate) {
+        // SAFETY: checked above: the panels hold whole tasks of `k` positions, `k > 0`, `x`
+        // and `y` hold theirs; x86-64.
+        unsafe { kernel::run_bf16_split_in_place(panels, (n, k), x, y, m, simd, accumulate) };
+    }
+    Ok(())
+}
+
 /// Whether a product into `y` over `k` positions is done before the kernel: `y` empty, or `k`
 /// 0 (then its sums are zeros, written unless `accumulate`).
 fn nothing_to_multiply(y: &mut [MaybeUninit<f32>], k: usize, accumulate: bool) -> bool {

@@ -40,7 +40,7 @@ impl Rhs {
                 (b.rows, b.cols),
                 b.stride,
             )),
-            Autocast::Bf16 => Self::Bf16(Bf16Panels::new(b)),
+            Autocast::Bf16 => Self::Bf16(Bf16Panels::new(b, Bf16Dot::detect())),
         }
     }
 
@@ -54,7 +54,7 @@ impl Rhs {
     pub fn matmul_into(&self, a: Operand, y: &mut [MaybeUninit<f32>]) -> Result<()> {
         match self {
             Self::F32(w) => f32_product(Right::Packed(w), a, y, false),
-            Self::Bf16(w) => w.matmul_into(&Bf16Rows::new(a), Bf16Dot::detect(), y),
+            Self::Bf16(w) => w.matmul_into(&Bf16Rows::new(a, w.dot()), y),
         }
     }
 
@@ -76,7 +76,7 @@ impl Rhs {
                 let y = unsafe { &mut *(y as *mut [f32] as *mut [MaybeUninit<f32>]) };
                 f32_product(Right::Packed(w), a, y, true)
             }
-            Self::Bf16(w) => w.matmul_add(&Bf16Rows::new(a), Bf16Dot::detect(), y),
+            Self::Bf16(w) => w.matmul_add(&Bf16Rows::new(a, w.dot()), y),
         }
     }
 }

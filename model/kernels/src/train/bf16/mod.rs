@@ -2,12 +2,15 @@
 //! to bf16 (to nearest, ties to even) and the products summed in f32, pair by pair: what
 //! `torch.autocast(dtype=torch.bfloat16)` asks of a matrix product. On CPUs with AVX512-BF16
 //! (AMD Zen 4 and later; Intel Cooper Lake, Sapphire Rapids and later) one `vdpbf16ps` takes 32
-//! such products, twice the rate of f32 fused multiply-adds (224 against 116 GFLOP/s a core on
-//! this project's EPYC). Elsewhere the same arithmetic runs as the instruction defines it, so a
-//! run gives the same bits on every CPU: on AVX2 as f32 fused multiply-adds of the pairs widened
-//! to f32 under the instruction's DAZ and FTZ ([`Bf16Dot::Avx2Fma`]), else in plain Rust
-//! ([`Bf16Dot::Emulated`]). The tests check each against the plain Rust, bit for bit: the
-//! instruction on normal values, the AVX2 kernel below f32's normal range too.
+//! such products, twice the rate of f32 fused multiply-adds on AMD Zen 4 (224 against 116 GFLOP/s
+//! a core on this project's EPYC) but half of it on Intel Emerald Rapids (70-83 against 120-157).
+//! Elsewhere, and where it is slower, the same arithmetic runs as the instruction defines it, so a
+//! run gives the same bits on every CPU: as f32 fused multiply-adds of the pairs widened to f32
+//! under the instruction's DAZ and FTZ, on the f32 packed kernel with AVX-512
+//! ([`Bf16Dot::Avx512Fma`]) or on AVX2 tiles ([`Bf16Dot::Avx2Fma`]), else in plain Rust
+//! ([`Bf16Dot::Emulated`]); [`Bf16Dot::detect`] times the two AVX-512 kinds once. The tests check
+//! each against the plain Rust, bit for bit: the instruction on normal values, the others below
+//! f32's normal range too.
 //!
 //! The instruction, per output lane (Intel's definition: "FP32 FMA with DAZ in, FTZ out and RNE
 //! rounding"): `acc = fma(a[2p+1], b[2p+1], acc)`, then `acc = fma(a[2p], b[2p], acc)`, each
@@ -21,7 +24,10 @@
 //! whole tasks of two panels. The kernel: a tile of up to 12 rows of `a` times two panels (24
 //! accumulators), at each position one broadcast per row and one register per panel. Every output
 //! is one chain along `k` in one order, whatever the tile, the rows or the threads: repeatable,
-//! and the same for a row alone or in a batch.
+//! and the same for a row alone or in a batch. For the kernels on f32 multiply-adds, `a`'s rows
+//! hold each pair as two f32, the high one first; [`Bf16Dot::Avx512Fma`]'s panels hold at each
+//! pair position its 16 high values, then its 16 low ones: the f32 packed kernel's bf16 panels,
+//! with the positions in the instruction's order.
 
 use crate::parallel::ProductBlocks;
 use crate::simd::{Kernel, Simd, Vec16};
@@ -45,6 +51,12 @@ const ROWS_AVX2: usize = 4;
 pub enum Bf16Dot {
     /// `vdpbf16ps` on AVX-512 registers.
     Avx512Bf16,
+    /// The f32 packed kernel ([`crate::packed`]) on AVX-512, under MXCSR's DAZ and FTZ: `a`'s
+    /// pairs widened to f32 once, `B` packed as bf16 panels that the kernel widens a chunk at a
+    /// time for all its row tiles, each pair's high value at the position before its low one.
+    /// The instruction's bits at the rate of f32 products, where `vdpbf16ps` runs at half of
+    /// it (Intel Emerald Rapids: 70-83 against 120-157 GFLOP/s a core).
+    Avx512Fma,
     /// `vfmadd` on AVX2 registers, each pair widened to two f32, with MXCSR's DAZ and FTZ set for
     /// the kernel: the instruction's bits at the rate of f32 products (AVX2 and FMA).
     Avx2Fma,
@@ -53,12 +65,45 @@ pub enum Bf16Dot {
 }
 
 impl Bf16Dot {
-    /// The fastest this CPU runs (detected once).
+    /// The fastest this CPU runs, measured once: where it has both AVX-512 kinds, whichever
+    /// takes a product of training's size sooner (`vdpbf16ps` doubles f32's rate on AMD Zen 4
+    /// and halves it on Intel Emerald Rapids); else the first [`Self::available`]. Every kind
+    /// gives the same bits, so the pick changes only the time. `GPT_BF16_DOT` ([`Self::from_env`])
+    /// overrides it.
     pub fn detect() -> Self {
-        Self::available()[0]
+        static FASTEST: std::sync::OnceLock<Bf16Dot> = std::sync::OnceLock::new();
+        *FASTEST.get_or_init(|| {
+            if let Ok(Some(named)) = Self::from_env() {
+                return named;
+            }
+            let avx512: Vec<Bf16Dot> = Self::available()
+                .iter()
+                .copied()
+                .filter(|d| matches!(d, Bf16Dot::Avx512Bf16 | Bf16Dot::Avx512Fma))
+                .collect();
+            if avx512.len() < 2 {
+                return Self::available()[0];
+            }
+            fastest(&avx512)
+        })
     }
 
-    /// Every one this CPU runs, fastest first.
+    /// The kind the environment's `GPT_BF16_DOT` names (`Avx512Bf16`, `Avx512Fma`, `Avx2Fma` or
+    /// `Emulated`), if it is set; an error that lists this CPU's kinds if it names none of them.
+    pub fn from_env() -> Result<Option<Self>, String> {
+        let Ok(name) = std::env::var("GPT_BF16_DOT") else {
+            return Ok(None);
+        };
+        match Self::available().iter().find(|d| format!("{d:?}") == name) {
+            Some(&dot) => Ok(Some(dot)),
+            None => Err(format!(
+                "GPT_BF16_DOT={name}: this CPU runs the bf16 products as one of {:?}",
+                Self::available()
+            )),
+        }
+    }
+
+    /// Every one this CPU runs, widest first.
     pub fn available() -> &'static [Self] {
         static AVAILABLE: std::sync::OnceLock<Vec<Bf16Dot>> = std::sync::OnceLock::new();
         AVAILABLE.get_or_init(|| {
@@ -69,6 +114,10 @@ impl Bf16Dot {
                 && std::is_x86_feature_detected!("avx512bf16")
             {
                 out.push(Bf16Dot::Avx512Bf16);
+            }
+            #[cfg(target_arch = "x86_64")]
+            if Simd::Avx512.is_available() {
+                out.push(Bf16Dot::Avx512Fma);
             }
             #[cfg(target_arch = "x86_64")]
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
@@ -86,6 +135,41 @@ impl Bf16Dot {
             _ => ROWS,
         }
     }
+
+    /// Whether `B` is packed as positions of 16 bf16 (each pair's high value, then its low one:
+    /// the f32 kernel's layout), rather than as 16 pairs.
+    fn splits_pairs(self) -> bool {
+        self == Bf16Dot::Avx512Fma
+    }
+
+    /// Whether `a` is packed as rows of f32 (each pair's two values widened, the high one
+    /// first), which the kernels on f32 multiply-adds broadcast from memory.
+    fn widens_rows(self) -> bool {
+        matches!(self, Bf16Dot::Avx512Fma | Bf16Dot::Avx2Fma)
+    }
+}
+
+/// Whichever of `dots` takes a product of training's size (256 x 512 by 512 x 512, both
+/// operands packed) soonest, each timed at its best of three, alternating.
+fn fastest(dots: &[Bf16Dot]) -> Bf16Dot {
+    let (m, k, n) = (256, 512, 512);
+    let values = |len: usize| {
+        (0..len)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 512.0)
+            .collect::<Vec<_>>()
+    };
+    let (a, b) = (values(m * k), values(n * k));
+    let mut best = vec![std::time::Duration::MAX; dots.len()];
+    for _ in 0..3 {
+        for (best, &dot) in best.iter_mut().zip(dots) {
+            let start = std::time::Instant::now();
+            let y = product(Operand::rows(&a, m, k), Operand::rows(&b, n, k), dot);
+            *best = (*best).min(start.elapsed());
+            std::hint::black_box(y.ok());
+        }
+    }
+    let at = (0..dots.len()).min_by_key(|&i| best[i]).unwrap_or(0);
+    dots[at]
 }
 
 /// `x` rounded to bf16 (to nearest, ties to even), as bits, as `vcvtne2ps2bf16` rounds: a NaN
@@ -135,7 +219,7 @@ fn dot_pair(acc: f32, a: u32, b: u32) -> f32 {
 
 /// `a @ B^T` for operands read in place, rounded to bf16: `(a.rows, b.rows)` in f32.
 pub fn product(a: Operand, b: Operand, dot: Bf16Dot) -> candle_core::Result<Vec<f32>> {
-    Bf16Panels::new(b).matmul(&Bf16Rows::new(a), dot)
+    Bf16Panels::new(b, dot).matmul(&Bf16Rows::new(a, dot))
 }
 
 /// All rows of `a` times two panels (output columns `col0..col0 + cols`).
@@ -164,7 +248,7 @@ impl Task {
         let tiles = self.m.div_ceil(dot.tile_rows());
         let (height, taller) = (self.m / tiles, self.m % tiles);
         #[cfg(target_arch = "x86_64")]
-        let _flush = (dot == Bf16Dot::Avx2Fma).then(x86::FlushSubnormals::new);
+        let _flush = (dot == Bf16Dot::Avx2Fma).then(crate::simd::FlushSubnormals::new);
         let mut r0 = 0;
         for tile in 0..tiles {
             let rows = height + usize::from(tile < taller);
@@ -279,7 +363,7 @@ mod tests {
     }
 
     /// Packing on `vcvtne2ps2bf16` gives the bits of the plain rounding, for both operands in
-    /// every layout, with values that round every way: ties, NaNs, infinities, subnormals,
+    /// every source layout and both packed ones (pairs; widened rows and split panels), with values that round every way: ties, NaNs, infinities, subnormals,
     /// values that round up to infinity.
     #[test]
     fn packing_on_the_instruction_gives_the_plain_roundings_bits() {
@@ -314,15 +398,23 @@ mod tests {
                     // SAFETY: initialised above.
                     out.iter().map(|v| unsafe { v.assume_init() }).collect::<Vec<u32>>()
                 };
-                let plain = pack(&|out| pack_rows::<Scalar>(a, out), m * kp);
+                let plain = pack(&|out| pack_rows::<Scalar, false>(a, out), m * kp);
                 // SAFETY: the CPU has AVX512-BF16 (checked above).
-                let fast = pack(&|out| unsafe { x86::pack_rows(a, out) }, m * kp);
+                let fast = pack(&|out| unsafe { x86::pack_rows::<false>(a, out) }, m * kp);
                 assert_eq!(plain, fast, "rows ({m}, {k}) stride {:?}", a.stride);
-                let len = m.div_ceil(LANES * GROUP) * GROUP * kp * LANES;
-                let plain = pack(&|out| pack_panels::<Scalar>(a, out), len);
+                let plain = pack(&|out| pack_rows::<Scalar, true>(a, out), 2 * m * kp);
                 // SAFETY: as above.
-                let fast = pack(&|out| unsafe { x86::pack_panels(a, out) }, len);
+                let fast = pack(&|out| unsafe { x86::pack_rows::<true>(a, out) }, 2 * m * kp);
+                assert_eq!(plain, fast, "widened rows ({m}, {k}) stride {:?}", a.stride);
+                let len = m.div_ceil(LANES * GROUP) * GROUP * kp * LANES;
+                let plain = pack(&|out| pack_panels::<Scalar, false>(a, out), len);
+                // SAFETY: as above.
+                let fast = pack(&|out| unsafe { x86::pack_panels::<false>(a, out) }, len);
                 assert_eq!(plain, fast, "panels ({m}, {k}) stride {:?}", a.stride);
+                let plain = pack(&|out| pack_panels::<Scalar, true>(a, out), len);
+                // SAFETY: as above.
+                let fast = pack(&|out| unsafe { x86::pack_panels::<true>(a, out) }, len);
+                assert_eq!(plain, fast, "split panels ({m}, {k}) stride {:?}", a.stride);
             }
         }
     }
@@ -395,14 +487,12 @@ mod tests {
         let start: Vec<f32> = (0..m * n)
             .map(|i| f32::from_bits(i as u32 * 0x0001_3579 % 0x0080_0000) * if i % 3 == 0 { -1.0 } else { 1.0 })
             .collect();
-        let (ra, pb) = (
-            Bf16Rows::new(Operand::rows(&a, m, k)),
-            Bf16Panels::new(Operand::rows(&b, n, k)),
-        );
         let run = |dot| {
+            let ra = Bf16Rows::new(Operand::rows(&a, m, k), dot);
+            let pb = Bf16Panels::new(Operand::rows(&b, n, k), dot);
             let mut y = start.clone();
-            pb.matmul_add(&ra, dot, &mut y).unwrap();
-            (pb.matmul(&ra, dot).unwrap(), y)
+            pb.matmul_add(&ra, &mut y).unwrap();
+            (pb.matmul(&ra).unwrap(), y)
         };
         let want = run(Bf16Dot::Emulated);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

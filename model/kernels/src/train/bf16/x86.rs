@@ -38,6 +38,35 @@ impl Round for Cvt {
             std::mem::transmute(_mm512_permutexvar_epi16(order, both))
         }
     }
+
+    #[inline(always)]
+    fn split(pairs: [u32; LANES]) -> [u32; LANES] {
+        // SAFETY: 16 words; the callers' functions enable AVX512BW.
+        unsafe {
+            // Word 2j + 1 of the pairs is pair j's high value, 2j its low one.
+            let order = _mm512_set_epi16(
+                30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11,
+                9, 7, 5, 3, 1,
+            );
+            std::mem::transmute(_mm512_permutexvar_epi16(
+                order,
+                std::mem::transmute::<[u32; LANES], __m512i>(pairs),
+            ))
+        }
+    }
+
+    #[inline(always)]
+    fn split_interleaved(lo: &[f32], hi: &[f32]) -> [u32; LANES] {
+        let (lo, hi) = (&lo[..LANES], &hi[..LANES]);
+        // SAFETY: 16 values each; the callers' functions enable AVX512-BF16.
+        unsafe {
+            // The high values' 16 bf16 first, then the low ones'.
+            std::mem::transmute(_mm512_cvtne2ps_pbh(
+                _mm512_loadu_ps(lo.as_ptr()),
+                _mm512_loadu_ps(hi.as_ptr()),
+            ))
+        }
+    }
 }
 
 /// [`super::pack_rows`] on `vcvtne2ps2bf16`.
@@ -45,8 +74,8 @@ impl Round for Cvt {
 /// # Safety
 /// AVX512-BF16 available.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(crate) unsafe fn pack_rows(a: Operand, out: &mut [MaybeUninit<u32>]) {
-    super::pack_rows::<Cvt>(a, out)
+pub(crate) unsafe fn pack_rows<const WIDE: bool>(a: Operand, out: &mut [MaybeUninit<u32>]) {
+    super::pack_rows::<Cvt, WIDE>(a, out)
 }
 
 /// [`super::pack_panels`] on `vcvtne2ps2bf16`.
@@ -54,8 +83,8 @@ pub(crate) unsafe fn pack_rows(a: Operand, out: &mut [MaybeUninit<u32>]) {
 /// # Safety
 /// AVX512-BF16 available.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(crate) unsafe fn pack_panels(b: Operand, out: &mut [MaybeUninit<u32>]) {
-    super::pack_panels::<Cvt>(b, out)
+pub(crate) unsafe fn pack_panels<const SPLIT: bool>(b: Operand, out: &mut [MaybeUninit<u32>]) {
+    super::pack_panels::<Cvt, SPLIT>(b, out)
 }
 
 /// [`Bf16Dot::Avx512Bf16`](super::Bf16Dot)'s tile of `rows` (1 to 12) rows.
@@ -137,41 +166,11 @@ unsafe fn tile<const R: usize>(a: *const u32, t: &Task, y: *mut f32) {
     }
 }
 
-/// MXCSR's DAZ (subnormal inputs read as zero) and FTZ (subnormal results flushed to zero) set
-/// on this thread while it lives, and the previous value back when it drops: `vdpbf16ps`'s
-/// arithmetic for the f32 instructions of [`tile_rows_avx2`], without a compare and blend after
-/// every multiply-add. (Rust's `_mm_setcsr` is deprecated; the two instructions are written with
-/// `asm!`.)
-pub(crate) struct FlushSubnormals(u32);
-
-impl FlushSubnormals {
-    const DAZ: u32 = 1 << 6;
-    const FTZ: u32 = 1 << 15;
-
-    pub(crate) fn new() -> Self {
-        let mut old = 0u32;
-        // SAFETY: `stmxcsr` writes the 4 bytes at the pointer; every x86-64 CPU has SSE.
-        unsafe { std::arch::asm!("stmxcsr [{}]", in(reg) &mut old, options(nostack, preserves_flags)) };
-        let new = old | Self::DAZ | Self::FTZ;
-        // SAFETY: `ldmxcsr` reads the 4 bytes at the pointer, a valid MXCSR value (the old one
-        // with two mode bits set, which every CPU with SSE2 has).
-        unsafe { std::arch::asm!("ldmxcsr [{}]", in(reg) &new, options(nostack, preserves_flags, readonly)) };
-        Self(old)
-    }
-}
-
-impl Drop for FlushSubnormals {
-    fn drop(&mut self) {
-        // SAFETY: as in `new`: the value read there.
-        unsafe { std::arch::asm!("ldmxcsr [{}]", in(reg) &self.0, options(nostack, preserves_flags, readonly)) };
-    }
-}
-
 /// [`Bf16Dot::Avx2Fma`](super::Bf16Dot)'s tile of `rows` (1 to 4) rows, `a` widened (the
 /// task's `lda` f32 a row, each pair's high value first).
 ///
 /// # Safety
-/// As [`Task::run`]; AVX2 and FMA available; a [`FlushSubnormals`] alive on this thread (else
+/// As [`Task::run`]; AVX2 and FMA available; a [`crate::simd::FlushSubnormals`] alive on this thread (else
 /// the bits differ where values fall below f32's normal range).
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn tile_rows_avx2(a: *const u32, rows: usize, t: &Task, y: *mut f32) {
