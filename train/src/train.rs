@@ -154,13 +154,14 @@ impl<'w> Trainer<'w> {
         let autocast = args.dtype.unwrap_or_default().autocast();
         if autocast == gpt::Autocast::Bf16 && !device.is_cuda() {
             Bf16Dot::from_env().map_err(|e| anyhow::anyhow!(e))?;
-            tracing::info!("bf16 products on {:?}", Bf16Dot::detect());
-        }
-        if autocast == gpt::Autocast::Bf16 && !device.is_cuda() && Bf16Dot::detect() == Bf16Dot::Emulated {
-            tracing::warn!(
-                "--dtype bf16: this CPU has neither AVX512-BF16 nor AVX2 with FMA, so the bf16 products run \
-                 emulated in plain Rust (the same bits, far slower than f32's); --dtype f32 trains faster here"
-            );
+            let dot = Bf16Dot::detect();
+            tracing::info!("bf16 products on {dot:?}");
+            if dot == Bf16Dot::Emulated {
+                tracing::warn!(
+                    "--dtype bf16: this CPU has neither AVX512-BF16 nor AVX2 with FMA, so the bf16 products run \
+                     emulated in plain Rust (the same bits, far slower than f32's); --dtype f32 trains faster here"
+                );
+            }
         }
         let (model, adapter) = match &run.lora {
             None => {

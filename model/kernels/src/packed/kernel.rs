@@ -118,11 +118,10 @@ fn run_f32(panels: Panels, x: super::InPlace, y: &mut [MaybeUninit<f32>], m: usi
     } else {
         run_format::<F32, false>
     };
-    let (values, ldx) = (x.values, x.ldx);
     run(
         panels,
-        values,
-        ldx,
+        x.values,
+        x.ldx,
         y,
         m,
         simd,

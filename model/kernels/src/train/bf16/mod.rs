@@ -76,15 +76,12 @@ impl Bf16Dot {
             if let Ok(Some(named)) = Self::from_env() {
                 return named;
             }
-            let avx512: Vec<Bf16Dot> = Self::available()
-                .iter()
-                .copied()
-                .filter(|d| matches!(d, Bf16Dot::Avx512Bf16 | Bf16Dot::Avx512Fma))
-                .collect();
-            if avx512.len() < 2 {
-                return Self::available()[0];
+            let avx512 = [Bf16Dot::Avx512Bf16, Bf16Dot::Avx512Fma];
+            if avx512.iter().all(|d| Self::available().contains(d)) {
+                fastest(&avx512)
+            } else {
+                Self::available()[0]
             }
-            fastest(&avx512)
         })
     }
 
@@ -363,8 +360,9 @@ mod tests {
     }
 
     /// Packing on `vcvtne2ps2bf16` gives the bits of the plain rounding, for both operands in
-    /// every source layout and both packed ones (pairs; widened rows and split panels), with values that round every way: ties, NaNs, infinities, subnormals,
-    /// values that round up to infinity.
+    /// every source layout and both packed ones (pairs; widened rows and split panels), with
+    /// values that round every way: ties, NaNs, infinities, subnormals, values that round up to
+    /// infinity.
     #[test]
     fn packing_on_the_instruction_gives_the_plain_roundings_bits() {
         let specials = [

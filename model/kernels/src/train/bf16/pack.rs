@@ -22,8 +22,9 @@ impl Bf16Rows {
     pub fn new(a: Operand, dot: Bf16Dot) -> Self {
         let (m, k, wide) = (a.rows, a.cols, dot.widens_rows());
         let row = k.div_ceil(2) * if wide { 2 } else { 1 };
-        let mut words: Vec<u32> = Vec::with_capacity(m * row);
-        let out = &mut words.spare_capacity_mut()[..m * row];
+        let len = m * row;
+        let mut words: Vec<u32> = Vec::with_capacity(len);
+        let out = &mut words.spare_capacity_mut()[..len];
         // Blocks of whole 16-row groups over the pool, each packed as an operand of its own.
         let row = row.max(1);
         let rows = crate::parallel::rows_per_chunk(row).next_multiple_of(LANES);
@@ -40,15 +41,10 @@ impl Bf16Rows {
                 pack_rows_here(a, out, wide);
             },
         );
-        // SAFETY: `PackRows` writes every one of the `m * row` words.
-        unsafe { words.set_len(out_len(m, k, wide)) };
+        // SAFETY: `PackRows` writes every one of the `len` words.
+        unsafe { words.set_len(len) };
         Self { m, k, words, wide }
     }
-}
-
-/// Words of [`Bf16Rows`] for `(m, k)`.
-fn out_len(m: usize, k: usize, wide: bool) -> usize {
-    m * k.div_ceil(2) * if wide { 2 } else { 1 }
 }
 
 /// Writes pair `v` as the `i`th of `out`'s pairs, or `WIDE`, as its two values widened to f32,
