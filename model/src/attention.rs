@@ -1,4 +1,7 @@
-//! Multi-head causal self-attention ("Attention Is All You Need", §3.2).
+//! Multi-head causal self-attention ("Attention Is All You Need", §3.2), with the variants of the
+//! families in [`crate::arch`]: fewer key/value heads than query heads (grouped-query attention,
+//! Ainslie et al., 2023), rotary positions (Su et al., 2021) and a per-head RMSNorm of q and k,
+//! all applied to the rows of the one fused q, k, v projection ([`CausalSelfAttention::rotate`]).
 //!
 //! Two entry points share the weights: [`CausalSelfAttention::forward_t`] for whole `(B, T)`
 //! windows (training, evaluation; differentiable), and [`CausalSelfAttention::forward_packed`]
@@ -23,31 +26,166 @@ pub(crate) struct Segments {
     pub(crate) starts: Arc<[u32]>,
     /// The same as an additive `(B, 1, T, T)` mask, for candle's composite (built only for it).
     pub(crate) mask: Option<Tensor>,
+    /// Each row's position in its own sequence, `(B * T)` u32: the rotations' angles.
+    pub(crate) positions: Tensor,
+}
+
+/// The rotary embedding's cos and sin tables, `(n_positions, head_dim / 2)` in the activations'
+/// dtype, shared by every layer.
+#[derive(Debug)]
+pub(crate) struct RopeTables {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RopeTables {
+    /// The tables of `cfg`'s rotary embedding, if it has one. The angles are computed as
+    /// `transformers` computes them, in f32 (inverse frequencies, then position times frequency),
+    /// so that long positions round as they do there.
+    pub(crate) fn new(
+        cfg: &Config,
+        dtype: candle_core::DType,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Option<Arc<Self>>> {
+        let Some(rope) = &cfg.variant.rope else { return Ok(None) };
+        let inv_freq: Vec<f32> = rope.inv_freq(cfg.head_dim()).into_iter().map(|f| f as f32).collect();
+        let half = inv_freq.len();
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(cfg.n_positions * half),
+            Vec::with_capacity(cfg.n_positions * half),
+        );
+        for pos in 0..cfg.n_positions {
+            for &f in &inv_freq {
+                let angle = (pos as f32 * f) as f64;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let table = |v: Vec<f32>| Tensor::from_vec(v, (cfg.n_positions, half), device)?.to_dtype(dtype);
+        Ok(Some(Arc::new(Self {
+            cos: table(cos)?,
+            sin: table(sin)?,
+        })))
+    }
 }
 
 #[derive(Debug, Clone)]
 pub struct CausalSelfAttention {
+    /// q, k and v side by side: `(n_head + 2 n_kv_head) head_dim` outputs.
     pub(crate) c_attn: Conv1D,
     pub(crate) c_proj: Conv1D,
     n_head: usize,
+    n_kv_head: usize,
     head_dim: usize,
     attn_pdrop: f32,
     resid_pdrop: f32,
     pub(crate) autocast: Autocast,
+    rope: Option<Arc<RopeTables>>,
+    /// The per-head RMSNorm gains of q and k `(head_dim)` (QK-norm), with their epsilon.
+    pub(crate) qk_norm: Option<(Tensor, Tensor, f32)>,
 }
 
 impl CausalSelfAttention {
+    /// GPT-2's attention from `vb` (`c_attn`, `c_proj`), created with its initialisation where
+    /// `vb` is backed by a `VarMap`.
     pub fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
         let c = cfg.n_embd;
-        Ok(Self {
-            c_attn: Conv1D::load(vb.pp("c_attn"), c, 3 * c, cfg)?,
-            c_proj: Conv1D::load_with_std(vb.pp("c_proj"), c, c, 0.02 / (2.0 * cfg.n_layer as f64).sqrt(), cfg)?,
+        let c_attn = Conv1D::load(vb.pp("c_attn"), c, 3 * c, cfg)?;
+        let c_proj = Conv1D::load_with_std(vb.pp("c_proj"), c, c, 0.02 / (2.0 * cfg.n_layer as f64).sqrt(), cfg)?;
+        Ok(Self::new(c_attn, c_proj, cfg, None, None))
+    }
+
+    /// The attention of `cfg` from its layers: `c_attn` with q, k and v side by side, the
+    /// rotary tables where `cfg` has them, and QK-norm's gains.
+    pub(crate) fn new(
+        c_attn: Conv1D,
+        c_proj: Conv1D,
+        cfg: &Config,
+        rope: Option<Arc<RopeTables>>,
+        qk_norm: Option<(Tensor, Tensor)>,
+    ) -> Self {
+        Self {
+            c_attn,
+            c_proj,
             n_head: cfg.n_head,
+            n_kv_head: cfg.n_kv_head(),
             head_dim: cfg.head_dim(),
             attn_pdrop: cfg.attn_pdrop,
             resid_pdrop: cfg.resid_pdrop,
             autocast: Autocast::Off,
-        })
+            rope,
+            qk_norm: qk_norm.map(|(q, k)| (q, k, cfg.layer_norm_epsilon as f32)),
+        }
+    }
+
+    /// Whether this is GPT-2's attention: as many key/value heads as query heads, no rotations,
+    /// no norms of the heads (what the fused training kernels and the GPU's decode kernel take).
+    pub(crate) fn is_plain(&self) -> bool {
+        self.rope.is_none() && self.qk_norm.is_none() && self.n_kv_head == self.n_head
+    }
+
+    /// The widths of q, and of k and of v, in `c_attn`'s output.
+    fn widths(&self) -> (usize, usize) {
+        (self.n_head * self.head_dim, self.n_kv_head * self.head_dim)
+    }
+
+    /// The rows `(N, q + 2 kv)` of the fused projection with q and k normalised per head
+    /// (QK-norm) and rotated to each row's position (`positions` `(N)` u32), as `transformers`'
+    /// `apply_rotary_pos_emb` does (the two halves of each head as the pairs); v unchanged.
+    pub(crate) fn rotate(&self, qkv: &Tensor, positions: &Tensor) -> candle_core::Result<Tensor> {
+        if self.rope.is_none() && self.qk_norm.is_none() {
+            return Ok(qkv.clone());
+        }
+        let (n, _) = qkv.dims2()?;
+        let (qw, kvw) = self.widths();
+        let hd = self.head_dim;
+        let q = qkv.narrow(1, 0, qw)?.reshape((1, n, self.n_head, hd))?.contiguous()?; // (1, N, nh, hs)
+        let k = qkv
+            .narrow(1, qw, kvw)?
+            .reshape((1, n, self.n_kv_head, hd))?
+            .contiguous()?; // (1, N, nkv, hs)
+        let v = qkv.narrow(1, qw + kvw, kvw)?; // (N, kv)
+        let (q, k) = match &self.qk_norm {
+            Some((qn, kn, eps)) => (
+                candle_nn::ops::rms_norm(&q, qn, *eps)?,
+                candle_nn::ops::rms_norm(&k, kn, *eps)?,
+            ),
+            None => (q, k),
+        };
+        let (q, k) = match &self.rope {
+            Some(rope) => {
+                let positions = positions.to_dtype(candle_core::DType::U32)?;
+                let cos = rope.cos.index_select(&positions, 0)?; // (N, hs / 2)
+                let sin = rope.sin.index_select(&positions, 0)?;
+                (
+                    candle_nn::rotary_emb::rope_thd(&q, &cos, &sin)?,
+                    candle_nn::rotary_emb::rope_thd(&k, &cos, &sin)?,
+                )
+            }
+            None => (q, k),
+        };
+        Tensor::cat(&[q.reshape((n, qw))?, k.reshape((n, kvw))?, v.contiguous()?], 1)
+        // (N, q + 2 kv)
+    }
+
+    /// Key/value heads `(.., n_kv_head, T, hs)` repeated for their groups of query heads:
+    /// `(.., n_head, T, hs)` (`transformers`' `repeat_kv`).
+    fn repeat_kv(&self, x: Tensor) -> candle_core::Result<Tensor> {
+        let group = self.n_head / self.n_kv_head.max(1);
+        if group == 1 {
+            return Ok(x);
+        }
+        let dims = x.dims().to_vec();
+        let r = dims.len();
+        let (t, hs) = (dims[r - 2], dims[r - 1]);
+        let mut expanded = dims[..r - 2].to_vec();
+        expanded.extend([group, t, hs]);
+        let mut out = dims[..r - 3].to_vec();
+        out.extend([self.n_head, t, hs]);
+        x.unsqueeze(r - 2)?
+            .broadcast_as(expanded.as_slice())?
+            .contiguous()?
+            .reshape(out)
     }
 
     fn scale(&self) -> f64 {
@@ -72,12 +210,16 @@ impl CausalSelfAttention {
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
         let (b_sz, seq_len, n_embd) = x.dims3()?;
-        if gpt_kernels::fused(x) && x.device().is_cpu() {
+        if gpt_kernels::fused(x) && x.device().is_cpu() && self.is_plain() {
             let rows = x.reshape((b_sz * seq_len, n_embd))?;
             let y = self.forward_rows(&rows, seq_len, train, segments, record)?;
             return dropout(y, self.resid_pdrop, train.map(|d| d.site(1)))?.reshape((b_sz, seq_len, n_embd));
         }
-        if gpt_kernels::fused(x) && gpt_kernels::window_attention_runs_on(x, self.head_dim) && segments.is_none() {
+        if gpt_kernels::fused(x)
+            && gpt_kernels::window_attention_runs_on(x, self.head_dim)
+            && segments.is_none()
+            && self.is_plain()
+        {
             // f32 on a CUDA GPU: the same op (its kernels in ops.cu), one product for q, k and v;
             // the residual dropout over (B, T, C) as below (its masks count whole windows).
             // Packed windows take candle's ops below: the GPU's kernel has no segments.
@@ -89,24 +231,43 @@ impl CausalSelfAttention {
                 train.map(|d| d.site(1)),
             );
         }
+        let (qw, kvw) = self.widths();
         // Inference multiplies once and splits the product (quantized weights cannot be split);
-        // training splits the weight (see `forward_cols`).
+        // training GPT-2 splits the weight (see `forward_cols`). The other families rotate the
+        // rows of the whole product.
         let qkv = match train {
-            None => Some(self.c_attn.forward(x)?), // (B, T, 3C)
+            None => Some(self.c_attn.forward(x)?), // (B, T, q + 2 kv)
+            Some(_) if !self.is_plain() => Some(self.c_attn.forward_t(x, train.map(|d| d.site(3)))?),
             Some(_) => None,
+        };
+        let qkv = match qkv {
+            Some(qkv) if !self.is_plain() => {
+                let positions = match segments {
+                    Some(s) => s.positions.clone(),
+                    None => Tensor::arange(0u32, seq_len as u32, x.device())?.repeat(b_sz)?,
+                };
+                let rows = qkv.reshape((b_sz * seq_len, qw + 2 * kvw))?;
+                Some(self.rotate(&rows, &positions)?.reshape((b_sz, seq_len, qw + 2 * kvw))?)
+            }
+            other => other,
         };
         // A LoRA update's input dropout (sites 3 and 4 of the layer's key), one mask for q, k, v.
         let lora_x = self.c_attn.lora_input(x, train.map(|d| d.site(3)))?;
         let heads = |i: usize| -> candle_core::Result<Tensor> {
+            let (start, width, n) = match i {
+                0 => (0, qw, self.n_head),
+                1 => (qw, kvw, self.n_kv_head),
+                _ => (qw + kvw, kvw, self.n_kv_head),
+            };
             match &qkv {
-                Some(qkv) => qkv.narrow(2, i * n_embd, n_embd)?,
-                None => self.c_attn.forward_cols(x, i * n_embd, n_embd, lora_x.as_ref())?,
-            } // (B, T, C): q, k or v
-            .reshape((b_sz, seq_len, self.n_head, self.head_dim))? // (B, T, nh, hs)
-            .transpose(1, 2)? // (B, nh, T, hs)
+                Some(qkv) => qkv.narrow(2, start, width)?,
+                None => self.c_attn.forward_cols(x, start, width, lora_x.as_ref())?,
+            } // (B, T, width): q, k or v
+            .reshape((b_sz, seq_len, n, self.head_dim))? // (B, T, n, hs)
+            .transpose(1, 2)? // (B, n, T, hs)
             .contiguous()
         };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let (q, k, v) = (heads(0)?, self.repeat_kv(heads(1)?)?, self.repeat_kv(heads(2)?)?); // (B, nh, T, hs)
         let mut att = (matmul(&q, &k.t()?, self.autocast)? * self.scale())?; // (B, nh, T, T)
         if let Some(segments) = segments {
             let Some(mask) = &segments.mask else {
@@ -120,7 +281,7 @@ impl CausalSelfAttention {
         }
         let att = dropout(att, self.attn_pdrop, train.map(|d| d.site(0)))?;
         let y = matmul(&att, &v, self.autocast)?; // (B, nh, T, hs)
-        let y = y.transpose(1, 2)?.reshape((b_sz, seq_len, n_embd))?; // (B, T, C)
+        let y = y.transpose(1, 2)?.reshape((b_sz, seq_len, qw))?; // (B, T, nh * hs)
         dropout(
             self.c_proj.forward_t(&y, train.map(|d| d.site(4)))?,
             self.resid_pdrop,
@@ -142,6 +303,9 @@ impl CausalSelfAttention {
         segments: Option<&Segments>,
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
+        if !self.is_plain() {
+            candle_core::bail!("attention: the fused window attention takes GPT-2's heads only")
+        }
         // A LoRA update's input dropout (sites 3 and 4), its masks counted in rows.
         let rows = train.map(|d| Dropout {
             first_row: d.first_row * seq_len,
@@ -185,18 +349,21 @@ impl CausalSelfAttention {
     }
 
     /// Inference on packed rows: `x` is `(N, C)`, the new tokens of each sequence in turn,
-    /// `lens[s]` of them for sequence `s`, whose cache for this layer is `caches[s]`. Appends the
+    /// `lens[s]` of them for sequence `s` (at `positions` `(N)` u32 of their sequences), whose
+    /// cache for this layer is `caches[s]`. Appends the
     /// new keys and values to each cache. The adapters' updates of `c_attn` and `c_proj` apply
     /// to their rows ([`Conv1D::forward_updated`]).
     pub(crate) fn forward_packed(
         &self,
         x: &Tensor,
         lens: &[usize],
+        positions: &Tensor,
         caches: &mut [&mut LayerKv],
         (attn_updates, proj_updates): (&[RowUpdate<'_>], &[RowUpdate<'_>]),
     ) -> candle_core::Result<Tensor> {
-        let (_n_rows, n_embd) = x.dims2()?;
-        let qkv = self.c_attn.forward_updated(x, attn_updates)?; // (N, 3C): one matmul for every sequence
+        let (qw, kvw) = self.widths();
+        let qkv = self.c_attn.forward_updated(x, attn_updates)?; // (N, q + 2 kv): one matmul for every sequence
+        let qkv = self.rotate(&qkv, positions)?; // q and k at their positions
         if gpt_kernels::fused(&qkv) && qkv.device().is_cpu() {
             // On the CPU in f32: the new keys and values go straight from `qkv` into the caches,
             // and one fused op attends for every sequence at once (ops/attention.rs).
@@ -210,13 +377,13 @@ impl CausalSelfAttention {
                 let mut start = 0;
                 let mut kv = Vec::with_capacity(lens.len());
                 for (&len, cache) in lens.iter().zip(caches.iter_mut()) {
-                    cache.reserve(len, self.n_head, self.head_dim, qkv.dtype(), qkv.device())?;
-                    kv.push(cache.write_rows(rows, n_embd, start, len)?); // (nh, offset + t, hs)
+                    cache.reserve(len, self.n_kv_head, self.head_dim, qkv.dtype(), qkv.device())?;
+                    kv.push(cache.write_rows(rows, qw + 2 * kvw, qw, start, len)?); // (nkv, offset + t, hs)
                     start += len;
                 }
                 kv
             };
-            let y = gpt_kernels::cached_attention(&qkv, lens, &kv, self.n_head, self.scale() as f32)?; // (N, C)
+            let y = gpt_kernels::grouped_attention(&qkv, lens, &kv, self.n_head, self.n_kv_head, self.scale() as f32)?; // (N, q)
             return self.c_proj.forward_updated(&y, proj_updates);
         }
         #[cfg(feature = "cuda")]
@@ -226,20 +393,21 @@ impl CausalSelfAttention {
         let mut outputs = Vec::with_capacity(lens.len());
         let mut start = 0;
         for (&len, cache) in lens.iter().zip(caches.iter_mut()) {
-            let rows = qkv.narrow(0, start, len)?; // (t, 3C)
+            let rows = qkv.narrow(0, start, len)?; // (t, q + 2 kv)
             start += len;
-            let heads = |i: usize| -> candle_core::Result<Tensor> {
-                rows.narrow(1, i * n_embd, n_embd)? // (t, C)
-                    .reshape((len, self.n_head, self.head_dim))? // (t, nh, hs)
-                    .transpose(0, 1)? // (nh, t, hs)
+            let heads = |col: usize, width: usize, n: usize| -> candle_core::Result<Tensor> {
+                rows.narrow(1, col, width)? // (t, n * hs)
+                    .reshape((len, n, self.head_dim))? // (t, n, hs)
+                    .transpose(0, 1)? // (n, t, hs)
                     .contiguous()
             };
-            let (k, v) = cache.append(&heads(1)?, &heads(2)?)?; // (nh, offset + t, hs)
-            let q = heads(0)?;
+            let (k, v) = cache.append(&heads(qw, kvw, self.n_kv_head)?, &heads(qw + kvw, kvw, self.n_kv_head)?)?; // (nkv, offset + t, hs)
+            let (k, v) = (self.repeat_kv(k.contiguous()?)?, self.repeat_kv(v.contiguous()?)?); // (nh, offset + t, hs)
+            let q = heads(0, qw, self.n_head)?;
             let att = (q.matmul(&k.t()?)? * self.scale())?; // (nh, t, offset + t)
             let att = gpt_kernels::causal_softmax(&att, false)?; // new token i sees keys ..= offset + i
             let y = att.matmul(&v.contiguous()?)?; // (nh, t, hs)
-            outputs.push(y.transpose(0, 1)?.reshape((len, n_embd))?); // (t, C)
+            outputs.push(y.transpose(0, 1)?.reshape((len, qw))?); // (t, nh * hs)
         }
         self.c_proj.forward_updated(&Tensor::cat(&outputs, 0)?, proj_updates) // (N, C)
     }
@@ -257,7 +425,7 @@ impl CausalSelfAttention {
         lens: &[usize],
         caches: &mut [&mut LayerKv],
     ) -> candle_core::Result<Option<Tensor>> {
-        if !qkv.device().is_cuda() || !gpt_kernels::cuda_fused() || lens.iter().any(|&t| t != 1) {
+        if !qkv.device().is_cuda() || !gpt_kernels::cuda_fused() || lens.iter().any(|&t| t != 1) || !self.is_plain() {
             return Ok(None);
         }
         let mut buffers = Vec::with_capacity(caches.len());

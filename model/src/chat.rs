@@ -158,7 +158,28 @@ impl ChatTemplate {
     /// `tokenizer_config.json` (a string, or Hugging Face's list of named templates: `default`),
     /// with its `bos_token` and `eos_token`; else [`ChatTemplate::fallback`]. An error names the
     /// file.
+    ///
+    /// A llama.cpp GGUF file's template is its `tokenizer.chat_template`.
     pub fn for_checkpoint(checkpoint: &Path, file: Option<&Path>) -> Result<Self> {
+        if crate::llamacpp::is_gguf_file(checkpoint) {
+            let (source, bos, eos) = match crate::llamacpp::chat_template(checkpoint)? {
+                Some((source, bos, eos)) => (Some(source), bos, eos),
+                None => (None, None, None),
+            };
+            let source = match file {
+                Some(file) => Some(std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?),
+                None => source,
+            };
+            return match source {
+                Some(source) => Self::new(source, Vec::new(), bos, eos).map_err(|e| match e {
+                    Error::ChatTemplate { reason, .. } => {
+                        Error::InvalidConfig(format!("{}: {reason}", file.unwrap_or(checkpoint).display()))
+                    }
+                    other => other,
+                }),
+                None => Self::fallback(),
+            };
+        }
         let config_path = checkpoint.join(crate::tokenizer::TOKENIZER_CONFIG_FILE);
         let config = read_config(&config_path)?;
         // A special token is a string, or an object with its `content`.

@@ -65,11 +65,18 @@ pub struct Resolved {
 }
 
 /// The checkpoint that `named` names, as every command takes one and as `from_pretrained`
-/// decides: a path that exists is a checkpoint or run directory ([`resolve_dir`]); anything else
+/// decides: a llama.cpp GGUF file; a path that exists is a checkpoint or run directory ([`resolve_dir`]); anything else
 /// is a Hub id (`gpt2`, `org/name`, `org/name@revision`), found in the Hub cache or downloaded
 /// into it ([`fetch_model`]).
 pub fn resolve(named: &str) -> Result<Resolved> {
     let path = Path::new(named);
+    if crate::llamacpp::is_gguf_file(path) {
+        // A llama.cpp GGUF file holds the model, its config and its tokenizer.
+        return Ok(Resolved {
+            dir: path.to_path_buf(),
+            hub_id: None,
+        });
+    }
     if path.exists() {
         return Ok(Resolved {
             dir: resolve_dir(path)?,
@@ -334,7 +341,12 @@ pub fn load_tokenizer(dir: &Path, model_vocab: usize) -> Result<Tokenizer> {
 /// Loads a checkpoint directory for inference with its weight matrices in `format` (`None`: as
 /// stored, f32 for safetensors). On the CPU, activations are f32 whatever the format; on a GPU,
 /// f16 and bf16 run the whole network in that dtype, as `load_dir` does.
+///
+/// `dir` may also be a llama.cpp GGUF file ([`crate::llamacpp`]).
 pub fn load_dir_as(dir: &Path, format: Option<WeightFormat>, device: &Device) -> Result<(Gpt, Tokenizer)> {
+    if crate::llamacpp::is_gguf_file(dir) {
+        return crate::llamacpp::load(dir, format, device);
+    }
     require_dir(dir)?;
     let model = match format {
         Some(f) if !device.is_cpu() && f.ggml().is_none() => load_model(dir, f.dtype(), device)?,

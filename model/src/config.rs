@@ -1,4 +1,6 @@
-//! Model hyper-parameters, read from and written to a Hugging Face GPT-2 `config.json`.
+//! Model hyper-parameters: GPT-2's `config.json` fields, and the [`Variant`] by which the other
+//! families' decoders differ from it (read from and written to their own `config.json` by their
+//! files in [`crate::arch`]).
 
 use std::path::Path;
 
@@ -17,6 +19,9 @@ pub enum Activation {
     Gelu,
     #[serde(rename = "relu")]
     Relu,
+    /// SiLU (swish), the gate of Llama's MLP.
+    #[serde(rename = "silu", alias = "swish")]
+    Silu,
 }
 
 /// How positions enter the model. `transformers` knows only the learned table; a sinusoidal
@@ -29,6 +34,100 @@ pub enum PositionEmbedding {
     Learned,
     /// The fixed sin/cos encoding of "Attention Is All You Need" (Vaswani et al., 2017), §3.5.
     Sinusoidal,
+    /// Rotary embeddings of the queries and keys (Su et al., 2021, "RoFormer"), no table added to
+    /// the input: [`Variant::rope`] holds their frequencies.
+    Rope,
+}
+
+/// What sets a family's decoder apart from GPT-2's (whose values are the defaults). Not part of
+/// GPT-2's `config.json`: each family's file in [`crate::arch`] reads and writes its own.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Variant {
+    pub family: crate::arch::Family,
+    /// Key and value heads (grouped-query attention, Ainslie et al., 2023); `None`: one per
+    /// query head.
+    pub n_kv_head: Option<usize>,
+    /// The width of a head; `None`: n_embd / n_head.
+    pub head_dim: Option<usize>,
+    /// RMSNorm (Zhang and Sennrich, 2019) in place of LayerNorm: no mean removed, no bias.
+    pub rms_norm: bool,
+    /// The MLP's up projection gated by a second one, `down(act(gate x) * up x)` (Shazeer, 2020).
+    pub gated_mlp: bool,
+    /// Rotary embeddings, with [`PositionEmbedding::Rope`].
+    pub rope: Option<Rope>,
+    /// Biases on q, k and v even where the other layers have none (Qwen2; Llama's
+    /// `attention_bias`). GPT-2's biases follow [`Config::bias`] instead.
+    pub qkv_bias: bool,
+    /// A bias on the attention's output projection (Llama's `attention_bias`).
+    pub o_bias: bool,
+    /// Biases on the MLP's projections (Llama's `mlp_bias`).
+    pub mlp_bias: bool,
+    /// A per-head RMSNorm of the queries and keys before the rotation (Qwen3, Gemma 3).
+    pub qk_norm: bool,
+    /// Every end-of-sequence id the checkpoint names (`eos_token_id` may be a list: Llama 3).
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// The rotary embedding's frequencies.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rope {
+    /// The base of the frequencies, `rope_theta`.
+    pub theta: f64,
+    pub scaling: Option<RopeScaling>,
+}
+
+/// A rescaling of the rotary frequencies for long contexts (`rope_scaling` in `config.json`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// `rope_type: "linear"`: positions divided by `factor`.
+    Linear { factor: f64 },
+    /// `rope_type: "llama3"` (Llama 3.1 and later): low frequencies divided by `factor`, high ones
+    /// kept, a smooth blend between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+    /// Each frequency divided by its own factor (llama.cpp's `rope_freqs` tensor, which holds
+    /// Llama 3's rescaling so).
+    PerFrequency(Vec<f64>),
+}
+
+impl Rope {
+    /// The `head_dim / 2` inverse frequencies, as `transformers`' `ROPE_INIT_FUNCTIONS` compute
+    /// them (`_compute_default_rope_parameters`, `_compute_llama3_parameters`).
+    pub fn inv_freq(&self, head_dim: usize) -> Vec<f64> {
+        let base: Vec<f64> = (0..head_dim / 2)
+            .map(|i| 1.0 / self.theta.powf((2 * i) as f64 / head_dim as f64))
+            .collect();
+        match self.scaling.as_ref() {
+            None => base,
+            Some(&RopeScaling::Linear { factor }) => base.into_iter().map(|f| f / factor).collect(),
+            Some(RopeScaling::PerFrequency(factors)) => base.iter().zip(factors).map(|(f, d)| f / d).collect(),
+            Some(&RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            }) => {
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                base.into_iter()
+                    .map(|f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
 }
 
 /// The fields of GPT-2's `config.json` that shape the network. Other keys of the file (task
@@ -75,6 +174,9 @@ pub struct Config {
     /// nanoGPT's `bias=False`. The zeros are saved, so `transformers` loads the same model.
     #[serde(default = "default_true")]
     pub bias: bool,
+    /// How the family's decoder differs from GPT-2's (GPT-2's own by default).
+    #[serde(skip)]
+    pub variant: Variant,
 }
 
 fn default_eps() -> f64 {
@@ -114,6 +216,7 @@ impl Config {
             eos_token_id: None,
             position_embedding: PositionEmbedding::Learned,
             bias: true,
+            variant: Variant::default(),
         }
     }
 
@@ -167,7 +270,47 @@ impl Config {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.n_embd / self.n_head
+        self.variant.head_dim.unwrap_or(self.n_embd / self.n_head.max(1))
+    }
+
+    /// Key and value heads: `n_head` but with grouped-query attention.
+    pub fn n_kv_head(&self) -> usize {
+        self.variant.n_kv_head.unwrap_or(self.n_head)
+    }
+
+    /// The width of the queries, `n_head * head_dim` (GPT-2's: `n_embd`).
+    pub fn q_width(&self) -> usize {
+        self.n_head * self.head_dim()
+    }
+
+    /// The width of the keys, and of the values: `n_kv_head * head_dim`.
+    pub fn kv_width(&self) -> usize {
+        self.n_kv_head() * self.head_dim()
+    }
+
+    /// The width of the fused q, k, v projection (`c_attn`'s output).
+    pub fn qkv_width(&self) -> usize {
+        self.q_width() + 2 * self.kv_width()
+    }
+
+    /// The bytes one position of one sequence takes in the KV cache, every layer's keys and
+    /// values in activations of `dtype`.
+    pub fn kv_bytes_per_token(&self, dtype: candle_core::DType) -> usize {
+        2 * self.n_layer * self.kv_width() * dtype.size_in_bytes()
+    }
+
+    /// Whether this is GPT-2's own decoder (multi-head attention without rotations or norms of
+    /// the heads, LayerNorm, an ungated MLP): the one the fused training paths run.
+    pub fn is_gpt2_shaped(&self) -> bool {
+        self.variant.family.is_gpt2()
+    }
+
+    /// The end-of-sequence ids, every one the checkpoint names.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        match (&self.variant.eos_token_ids[..], self.eos_token_id) {
+            ([], Some(id)) => vec![id],
+            (ids, _) => ids.to_vec(),
+        }
     }
 
     pub fn mlp_width(&self) -> usize {
@@ -189,7 +332,7 @@ impl Config {
                 return invalid(format!("{name} must be at least 1"));
             }
         }
-        if !self.n_embd.is_multiple_of(self.n_head) {
+        if self.variant.head_dim.is_none() && !self.n_embd.is_multiple_of(self.n_head) {
             return invalid(format!(
                 "n_embd ({}) must be divisible by n_head ({})",
                 self.n_embd, self.n_head
@@ -216,8 +359,32 @@ impl Config {
                 return invalid(format!("{name} must be in [0, 1), got {p}"));
             }
         }
-        if !self.tie_word_embeddings {
-            return invalid("tie_word_embeddings = false (an untied LM head) is not supported".into());
+        let kv = self.n_kv_head();
+        if kv == 0 || !self.n_head.is_multiple_of(kv) {
+            return invalid(format!(
+                "the number of key/value heads ({kv}) must divide the number of heads ({})",
+                self.n_head
+            ));
+        }
+        if self.head_dim() == 0 {
+            return invalid("head_dim must be at least 1".into());
+        }
+        if self.variant.rope.is_some() != (self.position_embedding == PositionEmbedding::Rope) {
+            return invalid("rotary positions need their frequencies (rope_theta)".into());
+        }
+        if let Some(rope) = &self.variant.rope {
+            if !self.head_dim().is_multiple_of(2) {
+                return invalid(format!(
+                    "rotary embeddings need an even head_dim, got {}",
+                    self.head_dim()
+                ));
+            }
+            if !(rope.theta > 0.0 && rope.theta.is_finite()) {
+                return invalid(format!("rope_theta must be positive, got {}", rope.theta));
+            }
+        }
+        if !self.tie_word_embeddings && self.is_gpt2_shaped() {
+            return invalid("tie_word_embeddings = false (an untied LM head) is not supported for GPT-2".into());
         }
         if !self.scale_attn_weights || self.scale_attn_by_inverse_layer_idx {
             return invalid(
@@ -229,7 +396,8 @@ impl Config {
         Ok(())
     }
 
-    /// Parses and validates a `config.json`.
+    /// Parses and validates a `config.json`, of any family in [`crate::arch`] (by its
+    /// `model_type`).
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let file_error = |reason: String| Error::ConfigFile {
@@ -237,17 +405,7 @@ impl Config {
             reason,
         };
         let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| file_error(e.to_string()))?;
-        if let Some(kind) = value
-            .get("model_type")
-            .and_then(|t| t.as_str())
-            .filter(|&t| t != "gpt2")
-        {
-            return Err(file_error(format!(
-                "model_type `{kind}` is not GPT-2's architecture: gpt-rs runs GPT-2-layout checkpoints (model_type \
-                 gpt2, GPT2LMHeadModel)"
-            )));
-        }
-        let cfg: Config = serde_json::from_value(value).map_err(|e| file_error(e.to_string()))?;
+        let cfg = crate::arch::config_from_hf(value).map_err(file_error)?;
         cfg.validate().map_err(|e| match e {
             Error::InvalidConfig(reason) => file_error(reason),
             other => other,
@@ -255,15 +413,10 @@ impl Config {
         Ok(cfg)
     }
 
-    /// The JSON object that `transformers.GPT2Config` reads: these fields plus the model type.
+    /// The `config.json` object that `transformers` reads for this model's family (GPT-2's:
+    /// these fields plus the model type).
     pub fn to_hf_value(&self) -> Result<serde_json::Value> {
-        let mut value = serde_json::to_value(self).map_err(|e| Error::InvalidConfig(e.to_string()))?;
-        if let Some(map) = value.as_object_mut() {
-            map.insert("model_type".into(), "gpt2".into());
-            map.insert("architectures".into(), serde_json::json!(["GPT2LMHeadModel"]));
-            map.insert("n_ctx".into(), self.n_positions.into());
-        }
-        Ok(value)
+        crate::arch::config_to_hf(self).map_err(Error::InvalidConfig)
     }
 
     /// [`Config::to_hf_value`] as pretty-printed text.
@@ -313,8 +466,8 @@ mod tests {
         assert!(json.contains("\"model_type\": \"gpt2\""));
         let back: Config = serde_json::from_str(&json).unwrap();
         assert_eq!(back, cfg);
-        let bad = json.replace("gelu_new", "swish");
+        let bad = json.replace("gelu_new", "mish");
         let err = serde_json::from_str::<Config>(&bad).unwrap_err().to_string();
-        assert!(err.contains("swish"), "{err}");
+        assert!(err.contains("mish"), "{err}");
     }
 }

@@ -36,6 +36,7 @@ pub fn gguf_bytes(model: &Gpt, format: WeightFormat) -> Result<Vec<u8>> {
     for (name, weight) in model.matrices_mut() {
         let q = match &*weight {
             Weight::Packed(p) => Arc::new(p.to_qtensor()?),
+            Weight::Quant(q) => q.clone(),
             Weight::Dense(w) => Arc::new(QTensor::quantize(
                 &w.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?,
                 dense_ggml(format),

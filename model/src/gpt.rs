@@ -1,15 +1,18 @@
-//! The GPT-2 network (Radford et al., 2019, "Language Models are Unsupervised Multitask
-//! Learners"): token + position embeddings, `n_layer` pre-LayerNorm blocks of causal
-//! self-attention and a GELU MLP with residuals, a final LayerNorm and an LM head tied to the
-//! token embedding. Layer names follow `transformers`' `GPT2LMHeadModel`, so `vb.pp(..)` paths
-//! are the checkpoint's tensor names. This file holds the layers and the forward pass; the loss
+//! The decoder (GPT-2: Radford et al., 2019, "Language Models are Unsupervised Multitask
+//! Learners"): token (+ position) embeddings, `n_layer` pre-norm blocks of causal self-attention
+//! and an MLP with residuals, a final norm and an LM head, tied to the token embedding or its
+//! own. The families of [`crate::arch`] differ in the norm (LayerNorm or RMSNorm), the positions
+//! (learned or rotary), the MLP (GELU or gated SiLU) and the attention's heads
+//! ([`crate::config::Variant`]); GPT-2's layer names follow `transformers`' `GPT2LMHeadModel`, so
+//! `vb.pp(..)` paths are the checkpoint's tensor names, and the others' are mapped by their
+//! family's file. This file holds the layers and the forward pass; the loss
 //! and the rest of training's entry points are in `gpt/train.rs`, the weights' names, formats
 //! and adapters in `gpt/weights.rs`, the batched generation step in `gpt/step.rs`.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, LayerNorm, VarBuilder};
 
-use crate::attention::{CausalSelfAttention, Segments};
+use crate::attention::{CausalSelfAttention, RopeTables, Segments};
 use crate::config::{Activation, Config, PositionEmbedding};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
@@ -23,10 +26,12 @@ use step::BlockUpdates;
 pub use step::{LogitsFor, SeqStep};
 
 #[derive(Debug, Clone)]
-struct Mlp {
-    c_fc: Conv1D,
-    c_proj: Conv1D,
+pub(crate) struct Mlp {
+    /// The up projection; gated: the gate's and the up projection's outputs side by side.
+    pub(crate) c_fc: Conv1D,
+    pub(crate) c_proj: Conv1D,
     activation: Activation,
+    gated: bool,
     resid_pdrop: f32,
 }
 
@@ -37,8 +42,37 @@ impl Mlp {
             c_fc: Conv1D::load(vb.pp("c_fc"), cfg.n_embd, cfg.mlp_width(), cfg)?,
             c_proj: Conv1D::load_with_std(vb.pp("c_proj"), cfg.mlp_width(), cfg.n_embd, proj_std, cfg)?,
             activation: cfg.activation_function,
+            gated: false,
             resid_pdrop: cfg.resid_pdrop,
         })
+    }
+
+    /// The MLP of `cfg` from its layers (gated: `c_fc` the gate and the up projection side by
+    /// side).
+    pub(crate) fn new(c_fc: Conv1D, c_proj: Conv1D, cfg: &Config) -> Self {
+        Self {
+            c_fc,
+            c_proj,
+            activation: cfg.activation_function,
+            gated: cfg.variant.gated_mlp,
+            resid_pdrop: cfg.resid_pdrop,
+        }
+    }
+
+    /// `act(gate) * up` for the gated MLP's `(.., 2 I)` projection.
+    fn gate(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        let width = h.dim(candle_core::D::Minus1)? / 2;
+        let (gate, up) = (
+            h.narrow(candle_core::D::Minus1, 0, width)?,
+            h.narrow(candle_core::D::Minus1, width, width)?,
+        );
+        let gate = match self.activation {
+            Activation::Silu => candle_nn::ops::silu(&gate)?,
+            Activation::GeluNew => gate.gelu()?,
+            Activation::Gelu => gate.gelu_erf()?,
+            Activation::Relu => gate.relu()?,
+        };
+        gate * up
     }
 
     /// `train`: this layer's dropout key; the MLP's masks are its site 2.
@@ -66,31 +100,37 @@ impl Mlp {
         }
         let h = match self.activation {
             _ if fc.is_empty() => return self.c_proj.forward_updated(&self.activated(x, None)?, proj),
+            _ if self.gated => self.gate(&self.c_fc.forward_updated(x, fc)?)?,
             // The same GELU as the packed kernel's epilogue, so that rows without an update of
             // `c_fc` get what they get in a step without adapters.
             Activation::GeluNew => gpt_kernels::gelu(&self.c_fc.forward_updated(x, fc)?)?, // (N, 4C)
             Activation::Gelu => self.c_fc.forward_updated(x, fc)?.gelu_erf()?,
             Activation::Relu => self.c_fc.forward_updated(x, fc)?.relu()?,
+            Activation::Silu => candle_nn::ops::silu(&self.c_fc.forward_updated(x, fc)?)?,
         };
         self.c_proj.forward_updated(&h, proj)
     }
 
     /// `c_fc` and the activation; `drop` keys a LoRA update's input dropout.
     fn activated(&self, x: &Tensor, drop: Option<Dropout>) -> candle_core::Result<Tensor> {
+        if self.gated {
+            return self.gate(&self.c_fc.forward_t(x, drop)?); // (.., I)
+        }
         match self.activation {
             Activation::GeluNew => self.c_fc.forward_gelu_t(x, drop), // (.., 4C), tanh approximation
             Activation::Gelu => self.c_fc.forward_t(x, drop)?.gelu_erf(),
             Activation::Relu => self.c_fc.forward_t(x, drop)?.relu(),
+            Activation::Silu => candle_nn::ops::silu(&self.c_fc.forward_t(x, drop)?),
         }
     }
 }
 
 #[derive(Debug, Clone)]
-struct Block {
-    ln_1: LayerNorm,
-    attn: CausalSelfAttention,
-    ln_2: LayerNorm,
-    mlp: Mlp,
+pub(crate) struct Block {
+    pub(crate) ln_1: LayerNorm,
+    pub(crate) attn: CausalSelfAttention,
+    pub(crate) ln_2: LayerNorm,
+    pub(crate) mlp: Mlp,
 }
 
 impl Block {
@@ -160,14 +200,19 @@ impl Block {
         &self,
         x: &Tensor,
         lens: &[usize],
+        positions: &Tensor,
         caches: &mut [&mut crate::kv_cache::LayerKv],
         updates: &BlockUpdates<'_>,
     ) -> candle_core::Result<Tensor> {
         let [c_attn, attn_proj, c_fc, mlp_proj] = updates;
-        let x =
-            (x + self
-                .attn
-                .forward_packed(&layer_norm(&self.ln_1, x, false)?, lens, caches, (c_attn, attn_proj))?)?;
+        let h = self.attn.forward_packed(
+            &layer_norm(&self.ln_1, x, false)?,
+            lens,
+            positions,
+            caches,
+            (c_attn, attn_proj),
+        )?;
+        let x = (x + h)?;
         &x + self
             .mlp
             .forward_updated(&layer_norm(&self.ln_2, &x, false)?, c_fc, mlp_proj)?
@@ -176,10 +221,13 @@ impl Block {
 
 #[derive(Debug, Clone)]
 pub struct Gpt {
-    wte: Weight, // (V, C), also the LM head
-    wpe: Tensor, // (n_positions, C), learned or the fixed sinusoid table
+    wte: Weight, // (V, C), also the LM head where it is tied
+    /// `(n_positions, C)`, learned or the fixed sinusoid table; none with rotary positions.
+    wpe: Option<Tensor>,
     blocks: Vec<Block>,
     ln_f: LayerNorm,
+    /// An untied LM head `(V, C)`.
+    lm_head: Option<Weight>,
     cfg: Config,
     autocast: Autocast,
     /// Activation checkpointing of every block while training on the tape
@@ -205,14 +253,24 @@ impl Gpt {
     /// Builds the network from `vb`, rooted where GPT-2's `transformer.` module is (tensor names
     /// `wte.weight`, `h.0.attn.c_attn.weight`, ...). With a `VarMap`-backed builder the weights
     /// are created with GPT-2's initialisation.
+    ///
+    /// The other families are loaded from their checkpoints' names ([`Gpt::new_family`]).
     pub fn new(vb: VarBuilder, cfg: &Config) -> Result<Self> {
         cfg.validate()?;
+        if !cfg.is_gpt2_shaped() {
+            return Self::new_family(vb, cfg);
+        }
         let init = Init::Randn { mean: 0.0, stdev: 0.02 };
         let wte = vb.get_with_hints((cfg.vocab_size, cfg.n_embd), "wte.weight", init)?;
         let wpe = match cfg.position_embedding {
             PositionEmbedding::Learned => vb.get_with_hints((cfg.n_positions, cfg.n_embd), "wpe.weight", init)?,
             PositionEmbedding::Sinusoidal => {
                 sinusoidal_table(cfg.n_positions, cfg.n_embd, vb.device())?.to_dtype(vb.dtype())?
+            }
+            PositionEmbedding::Rope => {
+                return Err(Error::InvalidConfig(
+                    "GPT-2 with rotary positions is not a family here".into(),
+                ))
             }
         };
         let blocks = (0..cfg.n_layer)
@@ -221,13 +279,69 @@ impl Gpt {
         let ln_f = load_layer_norm(vb.pp("ln_f"), cfg)?;
         Ok(Self {
             wte: Weight::Dense(wte),
-            wpe,
+            wpe: Some(wpe),
             blocks,
             ln_f,
+            lm_head: None,
             cfg: cfg.clone(),
             autocast: Autocast::Off,
             checkpointing: false,
         })
+    }
+
+    /// A network of one of the Llama-layout families ([`crate::arch::llama`]) from `vb`, rooted
+    /// where the checkpoint's names start (`model.embed_tokens.weight`, ...), for inference.
+    fn new_family(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let weights = crate::arch::llama::weights_from_hf(&vb, cfg)?;
+        Self::from_family_weights(cfg, weights, vb.dtype(), vb.device())
+    }
+
+    /// The network of a Llama-layout family from its weights, however they were read (a
+    /// `transformers` checkpoint, a llama.cpp GGUF file); activations in `dtype` on `device`.
+    pub(crate) fn from_family_weights(
+        cfg: &Config,
+        weights: crate::arch::llama::FamilyWeights,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let rope = RopeTables::new(cfg, dtype, device)?;
+        let norm = |gain: Tensor| LayerNorm::rms_norm(gain, cfg.layer_norm_epsilon);
+        let blocks = weights
+            .layers
+            .into_iter()
+            .map(|l| Block {
+                ln_1: norm(l.attn_norm),
+                attn: CausalSelfAttention::new(
+                    Conv1D::from_weight(l.qkv.0, l.qkv.1),
+                    Conv1D::from_weight(l.o.0, l.o.1),
+                    cfg,
+                    rope.clone(),
+                    l.qk_norm,
+                ),
+                ln_2: norm(l.mlp_norm),
+                mlp: Mlp::new(
+                    Conv1D::from_weight(l.gate_up.0, l.gate_up.1),
+                    Conv1D::from_weight(l.down.0, l.down.1),
+                    cfg,
+                ),
+            })
+            .collect();
+        Ok(Self {
+            wte: weights.embed,
+            wpe: None,
+            blocks,
+            ln_f: norm(weights.final_norm),
+            lm_head: weights.head,
+            cfg: cfg.clone(),
+            autocast: Autocast::Off,
+            checkpointing: false,
+        })
+    }
+
+    /// The LM head: its own, or the token embedding where tied.
+    pub(crate) fn head(&self) -> &Weight {
+        self.lm_head.as_ref().unwrap_or(&self.wte)
     }
 
     pub fn config(&self) -> &Config {
@@ -235,13 +349,13 @@ impl Gpt {
     }
 
     pub fn device(&self) -> &Device {
-        self.wpe.device()
+        self.ln_f.weight().device()
     }
 
     /// The dtype of activations (and of the weights, unless [`Gpt::with_weight_format`] changed
     /// them).
     pub fn dtype(&self) -> DType {
-        self.wpe.dtype()
+        self.ln_f.weight().dtype()
     }
 
     /// A fresh cache for one sequence.
@@ -290,7 +404,7 @@ impl Gpt {
     ) -> Result<Tensor> {
         let (b_sz, seq_len) = idx.dims2()?;
         let x = self.forward_hidden(idx, positions, train, record)?; // (B*T, C)
-        let logits = self.wte.forward(&x, self.autocast)?; // (B*T, V)
+        let logits = self.head().forward(&x, self.autocast)?; // (B*T, V)
         Ok(logits.reshape((b_sz, seq_len, self.cfg.vocab_size))?)
     }
 
@@ -317,12 +431,19 @@ impl Gpt {
         // it has no segments).
         let head_dim = self.cfg.n_embd / self.cfg.n_head.max(1);
         let fused_rows = gpt_kernels::fused(&tok)
+            && self.cfg.is_gpt2_shaped()
             && (tok.device().is_cpu()
                 || (gpt_kernels::cuda_tape()
                     && positions.is_none()
                     && gpt_kernels::window_attention_runs_on(&tok, head_dim)));
         let (pos, segments) = match positions {
-            None => (gpt_kernels::tape::first_rows(&self.wpe, seq_len)?, None), // (T, C)
+            None => (
+                self.wpe
+                    .as_ref()
+                    .map(|wpe| gpt_kernels::tape::first_rows(wpe, seq_len))
+                    .transpose()?,
+                None,
+            ), // (T, C)
             Some(positions) => {
                 if positions.dims() != idx.dims() {
                     return Err(Error::Positions(format!(
@@ -343,15 +464,29 @@ impl Gpt {
                         self.device(),
                     )?),
                 };
-                let pos = gpt_kernels::tape::embedding(&self.wpe, &ids)?; // (B*T, C)
-                (pos, Some(Segments { starts, mask }))
+                let pos = self
+                    .wpe
+                    .as_ref()
+                    .map(|wpe| gpt_kernels::tape::embedding(wpe, &ids))
+                    .transpose()?; // (B*T, C)
+                (
+                    pos,
+                    Some(Segments {
+                        starts,
+                        mask,
+                        positions: ids,
+                    }),
+                )
             }
         };
         let segments = segments.as_ref();
         if fused_rows {
             // The residual stream as rows (`Block::forward_rows`); the embeddings' masks count
             // elements from the shard's first window.
-            let x = gpt_kernels::add_tiled(&tok, &pos)?;
+            let x = match &pos {
+                Some(pos) => gpt_kernels::add_tiled(&tok, pos)?,
+                None => tok,
+            };
             let mut x = dropout(
                 x,
                 self.cfg.embd_pdrop,
@@ -377,15 +512,12 @@ impl Gpt {
         }
         // (B, T, C). Dropout sites: the embeddings 0, block i's layer key i + 1.
         let tok = tok.reshape((b_sz, seq_len, self.cfg.n_embd))?;
-        let pos = match segments {
-            Some(_) => pos.reshape((b_sz, seq_len, self.cfg.n_embd))?,
-            None => pos,
+        let x = match (pos, segments) {
+            (Some(pos), Some(_)) => gpt_kernels::add_tiled(&tok, &pos.reshape((b_sz, seq_len, self.cfg.n_embd))?)?,
+            (Some(pos), None) => gpt_kernels::add_tiled(&tok, &pos)?,
+            (None, _) => tok,
         };
-        let mut x = dropout(
-            gpt_kernels::add_tiled(&tok, &pos)?,
-            self.cfg.embd_pdrop,
-            train.map(|d| d.site(0)),
-        )?;
+        let mut x = dropout(x, self.cfg.embd_pdrop, train.map(|d| d.site(0)))?;
         for (i, block) in self.blocks.iter().enumerate() {
             x = block.forward_t(&x, train.map(|d| d.site(i as u64 + 1)), segments, record.as_deref_mut())?;
             // (B, T, C)

@@ -129,7 +129,7 @@ impl KvCache {
 /// layouts chosen at the first allocation:
 ///
 /// - On the CPU in f32 (the fused attention's case), **blocks** of `chunk` positions, each a
-///   pair of `(n_head, chunk, head_dim)` buffers, one more as the sequence grows (the way vLLM's
+///   pair of `(n_kv_head, chunk, head_dim)` buffers, one more as the sequence grows (the way vLLM's
 ///   paged cache holds positions). Every sequence of a model then allocates buffers of one size,
 ///   which the pool of [`set_kv_pool_limit`] hands from a finished sequence to the next as they
 ///   are: a server's KV memory rises to its peak and stays there. One buffer per sequence in
@@ -323,18 +323,20 @@ impl LayerKv {
         self.held()
     }
 
-    /// Writes `t` positions from rows `row0..row0 + t` of the `(N, 3C)` projection `qkv` (keys
-    /// at columns `C..2C`, values at `2C..3C`, head after head), after [`Self::reserve`]; returns
-    /// every position held. CPU, f32.
+    /// Writes `t` positions from rows `row0..row0 + t` of the `(N, ld)` projection `qkv` (the
+    /// queries in its first `q_width` columns, then the keys and the values, `kv_width` each,
+    /// head after head), after [`Self::reserve`]; returns every position held. CPU, f32.
     pub(crate) fn write_rows(
         &mut self,
         qkv: &[f32],
-        c: usize,
+        ld: usize,
+        q_width: usize,
         row0: usize,
         t: usize,
     ) -> candle_core::Result<gpt_kernels::CachedKv> {
         let (n_head, head_dim) = self.kind().map(|(n, d, ..)| (n, d)).unwrap_or_default();
-        if self.len + t > self.room() || n_head * head_dim != c || qkv.len() < (row0 + t) * 3 * c {
+        let kv_width = n_head * head_dim;
+        if self.len + t > self.room() || q_width + 2 * kv_width != ld || qkv.len() < (row0 + t) * ld {
             candle_core::bail!(
                 "kv-cache: {t} rows at {row0} into {} of {} positions of {n_head} x {head_dim}",
                 self.len,
@@ -342,10 +344,10 @@ impl LayerKv {
             )
         }
         let write = |k: &Tensor, v: &Tensor, row0: usize, rows: usize, at: usize| {
-            for (buffer, col0) in [(k, c), (v, 2 * c)] {
+            for (buffer, col0) in [(k, q_width), (v, q_width + kv_width)] {
                 buffer.inplace_op1(&gpt_kernels::WriteRows {
                     src: qkv,
-                    ld: 3 * c,
+                    ld,
                     col0,
                     row0,
                     rows,
@@ -483,9 +485,8 @@ pub fn fill_kv_pool(
     device: &candle_core::Device,
 ) -> candle_core::Result<usize> {
     if in_blocks(dtype, device) {
-        let n_head = cfg.n_head.max(1);
         let block = KvCache::CHUNK.min(cfg.n_positions).max(1);
-        pool::fill(n_head, block, cfg.n_embd / n_head)?;
+        pool::fill(cfg.n_kv_head().max(1), block, cfg.head_dim())?;
     }
     Ok(pool::bytes())
 }
@@ -522,9 +523,9 @@ mod tests {
         let rows = qkv.flatten_all()?.to_vec1::<f32>()?;
         let mut kv = LayerKv::new(8);
         kv.reserve(5, n_head, hs, DType::F32, &dev)?;
-        kv.write_rows(&rows, c, 0, 5)?;
+        kv.write_rows(&rows, 3 * c, c, 0, 5)?;
         kv.reserve(10, n_head, hs, DType::F32, &dev)?;
-        let cached = kv.write_rows(&rows, c, 1, 10)?;
+        let cached = kv.write_rows(&rows, 3 * c, c, 1, 10)?;
         assert_eq!((cached.keys.len(), cached.len), (2, 15));
         let heads = |col: usize, from: usize, n: usize| {
             qkv.narrow(0, from, n)?
@@ -535,6 +536,19 @@ mod tests {
         let (held_k, held_v) = kv.held()?;
         assert!(same(&held_k.narrow(1, 5, 10)?, &heads(1, 1, 10)?)?);
         assert!(same(&held_v.narrow(1, 0, 5)?, &heads(2, 0, 5)?)?);
+
+        // Grouped-query: 2 key/value heads beside 6 query heads, each in its own columns.
+        let (q_width, kv_width) = (3 * c, c);
+        let qkv = Tensor::randn(0f32, 1.0, (4, q_width + 2 * kv_width), &dev)?;
+        let rows = qkv.flatten_all()?.to_vec1::<f32>()?;
+        let mut kv = LayerKv::new(8);
+        kv.reserve(4, n_head, hs, DType::F32, &dev)?;
+        kv.write_rows(&rows, q_width + 2 * kv_width, q_width, 0, 4)?;
+        let (held_k, held_v) = kv.held()?;
+        let heads = |col: usize| qkv.narrow(1, col, kv_width)?.reshape((4, n_head, hs))?.transpose(0, 1);
+        assert!(same(&held_k, &heads(q_width)?)? && same(&held_v, &heads(q_width + kv_width)?)?);
+        // A width that is not the queries' and two caches' is refused.
+        assert!(kv.write_rows(&rows, q_width + 2 * kv_width, c, 0, 1).is_err());
         Ok(())
     }
 }

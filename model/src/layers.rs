@@ -30,6 +30,9 @@ pub enum Weight {
     Dense(Tensor),
     /// Packed for the CPU's inference kernel ([`PackedMatrix`]), in any [`WeightFormat`].
     Packed(Arc<PackedMatrix>),
+    /// A llama.cpp block format the packed kernel has no form for yet (Q4_1, Q5_0, Q5_1 and the
+    /// k-quants), multiplied by candle's quantized matrices (`QMatMul`), as stored.
+    Quant(Arc<candle_core::quantized::QTensor>),
 }
 
 impl Weight {
@@ -37,7 +40,7 @@ impl Weight {
     pub(crate) fn detached(&self) -> Self {
         match self {
             Self::Dense(w) => Self::Dense(w.detach()),
-            Self::Packed(p) => Self::Packed(p.clone()),
+            other => other.clone(),
         }
     }
 
@@ -46,6 +49,7 @@ impl Weight {
         match self {
             Self::Dense(w) => matmul_wt(x, w, autocast),
             Self::Packed(p) => p.matmul(x),
+            Self::Quant(q) => candle_core::quantized::QMatMul::from_arc(q.clone())?.forward(&x.contiguous()?),
         }
     }
 
@@ -54,6 +58,7 @@ impl Weight {
         match self {
             Self::Dense(w) => w.to_dtype(dtype),
             Self::Packed(p) => p.dense()?.to_dtype(dtype),
+            Self::Quant(q) => q.dequantize(&q.device())?.to_dtype(dtype),
         }
     }
 
@@ -62,6 +67,7 @@ impl Weight {
         match self {
             Self::Dense(w) => Ok(w.clone()),
             Self::Packed(p) => self.dense(p.format().dtype()),
+            Self::Quant(_) => self.dense(DType::F32),
         }
     }
 
@@ -72,6 +78,10 @@ impl Weight {
                 (dims[0], dims[1])
             }
             Self::Packed(p) => p.dims(),
+            Self::Quant(q) => {
+                let dims = q.shape().dims();
+                (dims[0], dims.get(1).copied().unwrap_or(1))
+            }
         }
     }
 
@@ -80,6 +90,7 @@ impl Weight {
         match self {
             Self::Dense(w) => gpt_kernels::tape::embedding(w, ids)?.to_dtype(dtype),
             Self::Packed(p) => p.rows(&ids.to_vec1::<u32>()?)?.to_dtype(dtype),
+            Self::Quant(q) => q.embedding(ids)?.to_dtype(dtype),
         }
     }
 
@@ -183,6 +194,18 @@ impl Conv1D {
         })
     }
 
+    /// A layer from a checkpoint's `(out, in)` weight (PyTorch's `Linear`, as the families other
+    /// than GPT-2 store theirs; quantized in a GGUF file) and its bias, for inference.
+    pub(crate) fn from_weight(weight: Weight, bias: Tensor) -> Self {
+        Self {
+            weight,
+            bias,
+            autocast: Autocast::Off,
+            in_out: None,
+            lora: None,
+        }
+    }
+
     /// Replaces the weight (a conversion for inference), dropping the `(in, out)` tensor it no
     /// longer views.
     pub(crate) fn set_weight(&mut self, weight: Weight) {
@@ -220,7 +243,9 @@ impl Conv1D {
     ) -> candle_core::Result<Tensor> {
         let part = match &self.weight {
             Weight::Dense(w) => Weight::Dense(w.narrow(0, start, len)?),
-            Weight::Packed(_) => candle_core::bail!("forward_cols: the weight is packed for inference"),
+            Weight::Packed(_) | Weight::Quant(_) => {
+                candle_core::bail!("forward_cols: the weight is packed for inference")
+            }
         };
         let y = linear(x, &part, &self.bias.narrow(0, start, len)?, self.autocast)?;
         match &self.lora {
@@ -263,7 +288,7 @@ fn linear_act(
     };
     let y = match weight {
         Weight::Packed(p) => p.matmul_bias(&x, bias, gelu)?,
-        Weight::Dense(_) => {
+        Weight::Dense(_) | Weight::Quant(_) => {
             let y = gpt_kernels::add_tiled(&weight.forward(&x, autocast)?, bias)?; // (rows, out)
             if gelu {
                 gpt_kernels::gelu(&y)?
@@ -451,9 +476,11 @@ impl Module for Conv1D {
 
 /// LayerNorm that uses candle-nn's fused kernel at inference and the differentiable composite
 /// when training (the fused kernel has no backward pass).
+/// An RMSNorm (a `LayerNorm` that removes no mean) takes candle-nn's fused `rms_norm` at inference.
 pub(crate) fn layer_norm(ln: &LayerNorm, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
     match (train, ln.bias()) {
         (true, Some(bias)) => gpt_kernels::layer_norm(x, ln.weight(), bias, ln.eps() as f32),
+        (false, _) if !ln.remove_mean() => candle_nn::ops::rms_norm(&x.contiguous()?, ln.weight(), ln.eps() as f32),
         _ => ln.forward(&x.contiguous()?),
     }
 }
@@ -461,6 +488,9 @@ pub(crate) fn layer_norm(ln: &LayerNorm, x: &Tensor, train: bool) -> candle_core
 /// `ln` with its gain and bias detached from gradient tracking; `eps` is its epsilon (candle's
 /// `LayerNorm` does not give it back).
 pub(crate) fn detached_layer_norm(ln: &LayerNorm, eps: f64) -> LayerNorm {
+    if !ln.remove_mean() {
+        return LayerNorm::rms_norm(ln.weight().detach(), eps);
+    }
     match ln.bias() {
         Some(b) => LayerNorm::new(ln.weight().detach(), b.detach(), eps),
         None => LayerNorm::new_no_bias(ln.weight().detach(), eps),

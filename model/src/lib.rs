@@ -8,6 +8,7 @@
 //! `model.safetensors`, `tokenizer.json`), see [`checkpoint`]. The kernels underneath (products,
 //! attention, element-wise ops, on the CPU and CUDA) are the `gpt-kernels` crate.
 
+pub mod arch;
 pub mod attention;
 pub mod beam;
 pub mod chat;
@@ -23,6 +24,7 @@ pub mod hub;
 pub mod kv_cache;
 pub mod kv_pool;
 pub mod layers;
+pub mod llamacpp;
 pub mod lora;
 pub mod sampling;
 pub mod speculative;

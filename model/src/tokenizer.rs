@@ -26,6 +26,8 @@ pub struct Tokenizer {
     /// The checkpoint's chat template (`chat_template` of its `tokenizer_config.json`), kept so
     /// that a model trained from it is saved with it.
     chat_template: Option<String>,
+    /// The end-of-sequence ids the checkpoint names (a GGUF file's); empty: `<|endoftext|>`.
+    eos: Vec<u32>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -53,6 +55,15 @@ impl Tokenizer {
             inner,
             char_level,
             chat_template: None,
+            eos: Vec::new(),
+        }
+    }
+
+    /// A tokenizer built elsewhere (a GGUF file's), with the model's end-of-sequence ids.
+    pub fn from_inner(inner: tokenizers::Tokenizer, eos: Vec<u32>) -> Self {
+        Self {
+            eos,
+            ..Self::wrap(inner)
         }
     }
 
@@ -192,9 +203,13 @@ impl Tokenizer {
         self.char_level
     }
 
-    /// `<|endoftext|>`'s id, where the vocabulary has it.
+    /// The end-of-sequence id: the checkpoint's own where it names one (a GGUF file's), else
+    /// `<|endoftext|>`'s, where the vocabulary has it.
     pub fn eos_token_id(&self) -> Option<u32> {
-        self.inner.token_to_id(END_OF_TEXT)
+        self.eos
+            .first()
+            .copied()
+            .or_else(|| self.inner.token_to_id(END_OF_TEXT))
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {

@@ -126,7 +126,7 @@ pub fn default_kv_cache_bytes(
     max_batch: usize,
     prefix_cache: usize,
 ) -> usize {
-    let per_position = 2 * cfg.n_layer * cfg.n_embd * dtype.size_in_bytes();
+    let per_position = cfg.kv_bytes_per_token(dtype);
     (max_batch.max(1) * cfg.n_positions * per_position + prefix_cache).min(1 << 30)
 }
 

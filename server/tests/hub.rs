@@ -218,7 +218,7 @@ fn hub_failures_are_errors_that_name_the_id_and_leave_no_half_written_file() -> 
     bin_only.files.retain(|(f, _)| f != "model.safetensors");
     bin_only.files.push(("pytorch_model.bin".into(), b"pickle".to_vec()));
     let mut llama = tiny_repo("org/llama");
-    llama.files[0].1 = br#"{"model_type": "llama", "vocab_size": 10}"#.to_vec();
+    llama.files[0].1 = br#"{"model_type": "mamba", "vocab_size": 10}"#.to_vec();
     let mut gated = tiny_repo("org/gated");
     gated.token = Some("secret".into());
     let mut broken = tiny_repo("org/broken");
@@ -234,7 +234,7 @@ fn hub_failures_are_errors_that_name_the_id_and_leave_no_half_written_file() -> 
         "{err}"
     );
     let err = startup_error("org/llama", &env);
-    assert!(err.contains("llama") && err.contains("GPT-2"), "{err}");
+    assert!(err.contains("mamba") && err.contains("supported: gpt2, llama"), "{err}");
     assert!(
         !cache.path().join("models--org--llama/snapshots").exists()
             || std::fs::read_dir(cache.path().join("models--org--llama/snapshots"))?

@@ -172,9 +172,69 @@ fn cached_attention_matches_candle() {
     eprintln!("instruction sets checked: {:?}", Simd::available());
 }
 
+/// Grouped-query attention (fewer key/value heads than query heads, as Llama 3 and Qwen hold
+/// them) gives, bit for bit, what the same attention gives with every key/value head repeated for
+/// its group of query heads (the multi-head kernel, checked against candle's ops above), on every
+/// instruction set the host runs and for head sizes of each kernel; a head count that the
+/// key/value heads do not divide is an error.
+#[test]
+fn grouped_attention_equals_attention_with_the_kv_heads_repeated() {
+    let dev = Device::Cpu;
+    for &simd in Simd::available() {
+        for (n_head, n_kv, hs) in [(4usize, 2usize, 64usize), (6, 2, 32), (3, 1, 128), (4, 1, 24)] {
+            let (lens, cached) = ([1usize, 6, 3], [4usize, 11, 0]);
+            let n: usize = lens.iter().sum();
+            let (qw, kvw) = (n_head * hs, n_kv * hs);
+            let qkv = Tensor::randn(0f32, 1.0, (n, qw + 2 * kvw), &dev).unwrap();
+            let group = n_head / n_kv;
+            // Each key/value head repeated for its group: (.., n_kv, hs) -> (.., n_head, hs).
+            let repeat = |t: &Tensor, dim: usize| {
+                let mut dims = t.dims().to_vec();
+                let parts: Vec<Tensor> = (0..n_kv)
+                    .flat_map(|h| std::iter::repeat_n(t.narrow(dim, h, 1).unwrap(), group))
+                    .collect();
+                dims[dim] = n_head;
+                Tensor::cat(&parts, dim).unwrap()
+            };
+            let q = qkv.narrow(1, 0, qw).unwrap();
+            let k = repeat(&qkv.narrow(1, qw, kvw).unwrap().reshape((n, n_kv, hs)).unwrap(), 1);
+            let v = repeat(
+                &qkv.narrow(1, qw + kvw, kvw).unwrap().reshape((n, n_kv, hs)).unwrap(),
+                1,
+            );
+            let wide = Tensor::cat(&[q, k.reshape((n, qw)).unwrap(), v.reshape((n, qw)).unwrap()], 1).unwrap();
+            let (mut kv, mut wide_kv) = (Vec::new(), Vec::new());
+            for (&len, &offset) in lens.iter().zip(&cached) {
+                let t = offset + len;
+                let k = Tensor::randn(0f32, 1.0, (n_kv, t, hs), &dev).unwrap();
+                let v = Tensor::randn(0f32, 1.0, (n_kv, t, hs), &dev).unwrap();
+                wide_kv.push(CachedKv::whole(repeat(&k, 0), repeat(&v, 0)).unwrap());
+                kv.push(CachedKv::whole(k, v).unwrap());
+            }
+            let scale = 1.0 / (hs as f32).sqrt();
+            let got = cached_attention_on(simd, &qkv, &lens, &kv, n_head, n_kv, scale).unwrap();
+            let expected = cached_attention_on(simd, &wide, &lens, &wide_kv, n_head, n_head, scale).unwrap();
+            assert_eq!(got.dims(), [n, qw]);
+            assert_eq!(
+                max_diff(&got, &expected),
+                0.0,
+                "{simd:?}, {n_head} heads, {n_kv} kv heads of {hs}"
+            );
+        }
+    }
+    // 3 query heads and 2 key/value heads of 8 fill the width, but 2 does not divide 3.
+    let qkv = Tensor::zeros((2, (3 + 2 * 2) * 8), candle_core::DType::F32, &dev).unwrap();
+    let kv = CachedKv::whole(
+        Tensor::zeros((2, 2, 8), candle_core::DType::F32, &dev).unwrap(),
+        Tensor::zeros((2, 2, 8), candle_core::DType::F32, &dev).unwrap(),
+    )
+    .unwrap();
+    assert!(cached_attention_on(Simd::Portable, &qkv, &[2], &[kv], 3, 2, 1.0).is_err());
+}
+
 fn cached_attention_matches_candle_on(simd: Simd) {
     let cached_attention = |qkv: &Tensor, lens: &[usize], kv: &[CachedKv], n_head, scale| {
-        cached_attention_on(simd, qkv, lens, kv, n_head, scale)
+        cached_attention_on(simd, qkv, lens, kv, n_head, n_head, scale)
     };
     let dev = Device::Cpu;
     for (n_head, hs) in [(3usize, 64usize), (2, 24), (2, 32), (1, 128)] {
@@ -221,7 +281,16 @@ fn cached_attention_matches_candle_on(simd: Simd) {
         let got = cached_attention(&qkv, &lens, &kv, n_head, 1.0 / (hs as f32).sqrt()).unwrap();
         let d = max_diff(&got, &expected);
         assert!(d < 1e-5, "{simd:?}, n_head={n_head} hs={hs}: {d}");
-        let portable = cached_attention_on(Simd::Portable, &qkv, &lens, &kv, n_head, 1.0 / (hs as f32).sqrt()).unwrap();
+        let portable = cached_attention_on(
+            Simd::Portable,
+            &qkv,
+            &lens,
+            &kv,
+            n_head,
+            n_head,
+            1.0 / (hs as f32).sqrt(),
+        )
+        .unwrap();
         let d = max_diff(&got, &portable);
         assert!(
             d < 1e-6,

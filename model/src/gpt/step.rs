@@ -152,12 +152,16 @@ impl Gpt {
         let device = self.device();
         let ids = Tensor::from_vec(ids, n_rows, device)?;
         let positions = Tensor::from_vec(positions, n_rows, device)?;
-        let mut x = (self.wte.rows(&ids, self.dtype())? + self.wpe.embedding(&positions)?)?; // (N, C)
+        let mut x = self.wte.rows(&ids, self.dtype())?; // (N, C)
+        if let Some(wpe) = &self.wpe {
+            x = (x + wpe.embedding(&positions)?)?;
+        }
         let groups = adapter_rows(adapters, &lens, device)?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let mut caches: Vec<_> = seqs.iter_mut().map(|s| s.cache.layer(layer)).collect();
             let updates = block_updates(&groups, layer);
-            x = block.forward_packed(&x, &lens, &mut caches, &updates)?; // (N, C)
+            x = block.forward_packed(&x, &lens, &positions, &mut caches, &updates)?;
+            // (N, C)
         }
         for (seq, &len) in seqs.iter_mut().zip(&lens) {
             seq.cache.advance(len);
@@ -182,6 +186,6 @@ impl Gpt {
 
     /// The LM head: final hidden states `(rows, C)` → f32 logits `(rows, V)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.wte.forward(hidden, self.autocast)?.to_dtype(DType::F32)?)
+        Ok(self.head().forward(hidden, self.autocast)?.to_dtype(DType::F32)?)
     }
 }

@@ -27,10 +27,11 @@ impl Gpt {
                 && gpt_kernels::cuda_tape()
                 && self.autocast == Autocast::Off
                 && !self.has_adapter()
-                && gpt_kernels::window_attention_runs_on(&self.wpe, head_dim)
+                && gpt_kernels::window_attention_runs_on(self.ln_f.weight(), head_dim)
         };
         (on_cpu() || on_gpu())
-            && gpt_kernels::fused(&self.wpe)
+            && gpt_kernels::fused(self.ln_f.weight())
+            && self.cfg.is_gpt2_shaped()
             && self.cfg.activation_function == Activation::GeluNew
             && matches!(&self.wte, Weight::Dense(w) if w.dtype() == DType::F32)
     }
@@ -74,7 +75,7 @@ impl Gpt {
     ) -> Result<Tensor> {
         let hidden = self.forward_hidden(idx, positions, train, None)?; // (B*T, C)
         let targets = targets.flatten_all()?;
-        match &self.wte {
+        match self.head() {
             Weight::Dense(w)
                 if hidden.device().is_cpu()
                     && gpt_kernels::fused(&hidden)
@@ -99,7 +100,7 @@ impl Gpt {
                 gpt_kernels::cross_entropy(&logits, &targets, eps)
             })?),
             _ => {
-                let logits = self.wte.forward(&hidden, self.autocast)?.to_dtype(DType::F32)?; // (B*T, V)
+                let logits = self.head().forward(&hidden, self.autocast)?.to_dtype(DType::F32)?; // (B*T, V)
                 Ok(gpt_kernels::cross_entropy(&logits, &targets, eps)?)
             }
         }
@@ -136,7 +137,8 @@ impl Gpt {
         let ln = |ln: &LayerNorm| crate::layers::detached_layer_norm(ln, eps);
         Gpt {
             wte: self.wte.detached(),
-            wpe: self.wpe.detach(),
+            wpe: self.wpe.as_ref().map(Tensor::detach),
+            lm_head: self.lm_head.as_ref().map(Weight::detached),
             blocks: self
                 .blocks
                 .iter()

@@ -16,10 +16,13 @@ impl Gpt {
     /// writes them; the tied LM head is not stored separately).
     /// Quantized weights are dequantized to f32.
     pub fn named_tensors(&self) -> Result<Vec<(String, Tensor)>> {
-        let mut out = vec![
-            ("transformer.wte.weight".to_string(), self.wte.tensor()?),
-            ("transformer.wpe.weight".to_string(), self.wpe.clone()),
-        ];
+        if !self.cfg.is_gpt2_shaped() {
+            return self.family_tensors();
+        }
+        let mut out = vec![("transformer.wte.weight".to_string(), self.wte.tensor()?)];
+        if let Some(wpe) = &self.wpe {
+            out.push(("transformer.wpe.weight".to_string(), wpe.clone()));
+        }
         let mut ln = |name: String, ln: &LayerNorm| {
             out.push((format!("{name}.weight"), ln.weight().clone()));
             if let Some(b) = ln.bias() {
@@ -42,6 +45,46 @@ impl Gpt {
                 out.push((format!("{p}.{name}.weight"), conv.weight_in_out()?));
                 out.push((format!("{p}.{name}.bias"), conv.bias.clone()));
             }
+        }
+        Ok(out)
+    }
+
+    /// [`Gpt::named_tensors`] for the Llama-layout families, under `transformers`' names
+    /// ([`crate::arch::llama`]): the fused q, k, v and gate, up products split back into the
+    /// checkpoint's matrices, the biases only where the family has them.
+    fn family_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        use crate::arch::llama as names;
+        let cfg = &self.cfg;
+        let (qw, kvw, w) = (cfg.q_width(), cfg.kv_width(), cfg.mlp_width());
+        let mut out = vec![(names::EMBED.to_string(), self.wte.tensor()?)];
+        for (i, b) in self.blocks.iter().enumerate() {
+            let p = names::layer(i);
+            let mut linear = |name: &str, conv: &Conv1D, start: usize, len: usize, bias: bool| -> Result<()> {
+                let weight = conv.weight.tensor()?.narrow(0, start, len)?;
+                out.push((format!("{p}.{name}.weight"), weight));
+                if bias {
+                    out.push((format!("{p}.{name}.bias"), conv.bias.narrow(0, start, len)?));
+                }
+                Ok(())
+            };
+            let (attn, mlp, v) = (&b.attn, &b.mlp, &cfg.variant);
+            linear(names::Q, attn.c_attn(), 0, qw, v.qkv_bias)?;
+            linear(names::K, attn.c_attn(), qw, kvw, v.qkv_bias)?;
+            linear(names::V, attn.c_attn(), qw + kvw, kvw, v.qkv_bias)?;
+            linear(names::O, attn.c_proj(), 0, cfg.n_embd, v.o_bias)?;
+            linear(names::GATE, &mlp.c_fc, 0, w, v.mlp_bias)?;
+            linear(names::UP, &mlp.c_fc, w, w, v.mlp_bias)?;
+            linear(names::DOWN, &mlp.c_proj, 0, cfg.n_embd, v.mlp_bias)?;
+            out.push((format!("{p}.{}.weight", names::ATTN_NORM), b.ln_1.weight().clone()));
+            out.push((format!("{p}.{}.weight", names::MLP_NORM), b.ln_2.weight().clone()));
+            if let Some((q, k, _)) = &attn.qk_norm {
+                out.push((format!("{p}.{}.weight", names::Q_NORM), q.clone()));
+                out.push((format!("{p}.{}.weight", names::K_NORM), k.clone()));
+            }
+        }
+        out.push((names::FINAL_NORM.to_string(), self.ln_f.weight().clone()));
+        if let Some(head) = &self.lm_head {
+            out.push((names::HEAD.to_string(), head.tensor()?));
         }
         Ok(out)
     }
@@ -97,8 +140,8 @@ impl Gpt {
                 Weight::Packed(p) => std::sync::Arc::make_mut(p)
                     .set_precision(precision)
                     .map_err(|e| Error::InvalidConfig(format!("--matmul-precision {precision} for `{name}`: {e}")))?,
-                Weight::Dense(_) if precision == MatmulPrecision::Highest => {}
-                Weight::Dense(_) => {
+                Weight::Dense(_) | Weight::Quant(_) if precision == MatmulPrecision::Highest => {}
+                Weight::Dense(_) | Weight::Quant(_) => {
                     return Err(Error::InvalidConfig(format!(
                         "--matmul-precision {precision} applies to f32 or bf16 weights on the CPU; `{name}` is held \
                          as a {:?} tensor on {:?}",
@@ -119,6 +162,9 @@ impl Gpt {
             conv.in_out = None;
         }
         let mut out = vec![("transformer.wte.weight".to_string(), &mut self.wte)];
+        if let Some(head) = &mut self.lm_head {
+            out.push(("lm_head.weight".to_string(), head));
+        }
         for (name, conv) in Self::named_convs_mut(&mut self.blocks) {
             out.push((format!("{name}.weight"), &mut conv.weight));
         }
@@ -148,6 +194,7 @@ impl Gpt {
                 .into_iter()
                 .find(|f| f.ggml().is_none() && f.dtype() == w.dtype()),
             Weight::Packed(p) => Some(p.format()),
+            Weight::Quant(_) => None,
         }
     }
 
@@ -186,8 +233,12 @@ impl Gpt {
     pub fn num_parameters(&self) -> usize {
         let (v, c) = self.wte.dims();
         let mut n = v * c;
-        if self.cfg.position_embedding == PositionEmbedding::Learned {
-            n += self.wpe.elem_count();
+        if let (PositionEmbedding::Learned, Some(wpe)) = (self.cfg.position_embedding, &self.wpe) {
+            n += wpe.elem_count();
+        }
+        if let Some(head) = &self.lm_head {
+            let (v, c) = head.dims();
+            n += v * c;
         }
         let ln = |ln: &LayerNorm| {
             ln.weight().elem_count()
@@ -198,11 +249,20 @@ impl Gpt {
                 }
         };
         n += ln(&self.ln_f);
+        let var = &self.cfg.variant;
         for b in &self.blocks {
             n += ln(&b.ln_1) + ln(&b.ln_2);
-            for conv in [&b.attn.c_attn, &b.attn.c_proj, &b.mlp.c_fc, &b.mlp.c_proj] {
+            if let Some((q, k, _)) = &b.attn.qk_norm {
+                n += q.elem_count() + k.elem_count();
+            }
+            for (conv, family_bias) in [
+                (&b.attn.c_attn, var.qkv_bias),
+                (&b.attn.c_proj, var.o_bias),
+                (&b.mlp.c_fc, var.mlp_bias),
+                (&b.mlp.c_proj, var.mlp_bias),
+            ] {
                 let (out, inp) = conv.weight.dims();
-                n += out * inp + if self.cfg.bias { out } else { 0 };
+                n += out * inp + if self.cfg.bias || family_bias { out } else { 0 };
             }
         }
         n

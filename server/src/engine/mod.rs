@@ -110,7 +110,7 @@ impl Engine {
             context: model.config().n_positions,
         };
         let c = model.config();
-        let bytes_per_token = 2 * c.n_layer * c.n_embd * model.dtype().size_in_bytes();
+        let bytes_per_token = c.kv_bytes_per_token(model.dtype());
         let worker = Worker {
             prefix: PrefixStore::new(cfg.prefix_cache_bytes, bytes_per_token),
             runner: Runner::new(model),

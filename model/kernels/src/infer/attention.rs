@@ -170,10 +170,25 @@ impl candle_core::InplaceOp1 for WriteRows<'_> {
 /// tokens of each sequence in turn (`lens[s]` of them); `kv[s]` are sequence `s`'s `T` keys and
 /// values after this step's append. Returns `(N, C)`.
 pub fn cached_attention(qkv: &Tensor, lens: &[usize], kv: &[CachedKv], n_head: usize, scale: f32) -> Result<Tensor> {
-    cached_attention_on(Simd::detect(), qkv, lens, kv, n_head, scale)
+    cached_attention_on(Simd::detect(), qkv, lens, kv, n_head, n_head, scale)
 }
 
-/// [`cached_attention`] on `simd` (`x86::attend512` on AVX-512, `x86::attend` on AVX2 and FMA,
+/// [`cached_attention`] with grouped-query attention: `qkv` is `(N, (n_head + 2 n_kv_head) hs)`,
+/// the queries' heads then the keys' and the values' (`n_kv_head` each, query head `h` reading
+/// key/value head `h / (n_head / n_kv_head)`), the caches hold `n_kv_head` heads. Returns
+/// `(N, n_head hs)`.
+pub fn grouped_attention(
+    qkv: &Tensor,
+    lens: &[usize],
+    kv: &[CachedKv],
+    n_head: usize,
+    n_kv_head: usize,
+    scale: f32,
+) -> Result<Tensor> {
+    cached_attention_on(Simd::detect(), qkv, lens, kv, n_head, n_kv_head, scale)
+}
+
+/// [`grouped_attention`] on `simd` (`x86::attend512` on AVX-512, `x86::attend` on AVX2 and FMA,
 /// `Head::attend` otherwise, for head sizes 32, 64 and 128; `Head::attend` for other sizes). A
 /// given instruction set always takes the same path, so results never depend on the batch;
 /// different ones agree to rounding.
@@ -186,15 +201,25 @@ pub fn cached_attention_on(
     lens: &[usize],
     kv: &[CachedKv],
     n_head: usize,
+    n_kv_head: usize,
     scale: f32,
 ) -> Result<Tensor> {
     assert!(simd.is_available(), "{simd:?} is not available on this CPU");
     let (n_rows, width) = qkv.dims2()?;
-    let c = width / 3;
-    let hs = c / n_head.max(1);
-    if lens.iter().sum::<usize>() != n_rows || kv.len() != lens.len() || hs * n_head != c || 3 * c != width {
-        candle_core::bail!("cached-attention: {n_rows} rows of {width} for lengths {lens:?} and {n_head} heads")
+    let hs = width / (n_head + 2 * n_kv_head).max(1);
+    let c = n_head * hs;
+    if lens.iter().sum::<usize>() != n_rows
+        || kv.len() != lens.len()
+        || n_kv_head == 0
+        || !n_head.is_multiple_of(n_kv_head)
+        || hs == 0
+        || (n_head + 2 * n_kv_head) * hs != width
+    {
+        candle_core::bail!(
+            "cached-attention: {n_rows} rows of {width} for lengths {lens:?}, {n_head} heads and {n_kv_head} key/value heads"
+        )
     }
+    let group = n_head / n_kv_head;
     let qkv = qkv.contiguous()?;
     let (q_storage, q_layout) = qkv.storage_and_layout();
     let Storage::Cpu(q_cpu) = &*q_storage else {
@@ -212,8 +237,8 @@ pub fn cached_attention_on(
         if t < len {
             candle_core::bail!("cached-attention: {len} new tokens but {t} cached positions")
         }
-        let keys = Heads::new(k, t, n_head, hs)?;
-        let values = Heads::new(v, t, n_head, hs)?;
+        let keys = Heads::new(k, t, n_kv_head, hs)?;
+        let values = Heads::new(v, t, n_kv_head, hs)?;
         seqs.push((keys, values, row0, len, t));
         row0 += len;
     }
@@ -227,8 +252,10 @@ pub fn cached_attention_on(
                 keys,
                 values,
                 h: task % n_head,
+                kv_h: task % n_head / group,
                 hs,
                 c,
+                ld: width,
                 row0: *row0,
                 len: *len,
                 t: *t,
@@ -266,9 +293,13 @@ struct Head<'a> {
     q: &'a [f32],
     keys: &'a Heads<'a>,
     values: &'a Heads<'a>,
+    /// The query head, and the key/value head it reads.
     h: usize,
+    kv_h: usize,
     hs: usize,
+    /// The output's width (`n_head * hs`), and the row stride of `q`.
     c: usize,
+    ld: usize,
     row0: usize,
     len: usize,
     t: usize,
@@ -283,11 +314,11 @@ impl Head<'_> {
         let mut scores = vec![0f32; self.t];
         for i in 0..self.len {
             let row = self.row0 + i;
-            let q = &self.q[row * 3 * self.c + self.h * hs..][..hs];
+            let q = &self.q[row * self.ld + self.h * hs..][..hs];
             let keys = &mut scores[..offset + i + 1];
             let mut max = f32::NEG_INFINITY;
             for (j, s) in keys.iter_mut().enumerate() {
-                *s = dot(q, self.keys.row(self.h, j, hs)) * self.scale;
+                *s = dot(q, self.keys.row(self.kv_h, j, hs)) * self.scale;
                 max = max.max(*s);
             }
             let mut sum = 0f32;
@@ -305,7 +336,7 @@ impl Head<'_> {
                 let width = LANES.min(hs - d0);
                 let mut acc = [0f32; LANES];
                 for (j, &p) in keys.iter().enumerate() {
-                    let v = &self.values.row(self.h, j, hs)[d0..d0 + width];
+                    let v = &self.values.row(self.kv_h, j, hs)[d0..d0 + width];
                     if let Ok(v) = <&[f32; LANES]>::try_from(v) {
                         for l in 0..LANES {
                             acc[l] += p * v[l];
@@ -404,7 +435,7 @@ mod x86 {
         // SAFETY: within this function's contract (its `# Safety`): `y` is `(N, C)` and this task's head columns of its rows are its own; the keys and values hold `t` positions.
         unsafe {
             let q: [[__m512; CH]; R] = std::array::from_fn(|r| {
-                let at = head.q.as_ptr().add((head.row0 + i0 + r) * 3 * head.c + head.h * hs);
+                let at = head.q.as_ptr().add((head.row0 + i0 + r) * head.ld + head.h * hs);
                 std::array::from_fn(|c| _mm512_loadu_ps(at.add(16 * c)))
             });
             // Scores, every row against the keys of the last (a row's extra ones are unused):
@@ -422,7 +453,7 @@ mod x86 {
             // last row's bound; a row's extra scores are never read.)
             let mut j0 = 0;
             while j0 < n[R - 1] {
-                let (keys, run, stride) = head.keys.run(head.h, j0, hs);
+                let (keys, run, stride) = head.keys.run(head.kv_h, j0, hs);
                 let run = run.min(n[R - 1] - j0);
                 let full = run / 16 * 16;
                 for j in (0..full).step_by(16) {
@@ -456,7 +487,7 @@ mod x86 {
             let mut acc = [[_mm512_setzero_ps(); CH]; R];
             let mut j0 = 0;
             while j0 < n[0] {
-                let (values, run, stride) = head.values.run(head.h, j0, hs);
+                let (values, run, stride) = head.values.run(head.kv_h, j0, hs);
                 for j in j0..j0 + run.min(n[0] - j0) {
                     let v = values.add((j - j0) * stride);
                     let v: [__m512; CH] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(16 * c)));
@@ -471,7 +502,7 @@ mod x86 {
             }
             for (r, acc) in acc.iter_mut().enumerate() {
                 for j in n[0]..n[r] {
-                    let v = head.values.row(head.h, j, hs).as_ptr();
+                    let v = head.values.row(head.kv_h, j, hs).as_ptr();
                     let p = _mm512_set1_ps(scores[r * t + j]);
                     for (c, a) in acc.iter_mut().enumerate() {
                         *a = _mm512_fmadd_ps(p, _mm512_loadu_ps(v.add(16 * c)), *a);
@@ -569,7 +600,7 @@ mod x86 {
         unsafe {
             for i in 0..head.len {
                 let row = head.row0 + i;
-                let q_at = head.q.as_ptr().add(row * 3 * head.c + head.h * hs);
+                let q_at = head.q.as_ptr().add(row * head.ld + head.h * hs);
                 let mut q = [_mm256_setzero_ps(); CH];
                 for (c, v) in q.iter_mut().enumerate() {
                     *v = _mm256_loadu_ps(q_at.add(8 * c));
@@ -577,7 +608,7 @@ mod x86 {
                 let keys = &mut scores[..offset + i + 1];
                 let mut max = f32::NEG_INFINITY;
                 for (j, s) in keys.iter_mut().enumerate() {
-                    let k = head.keys.row(head.h, j, hs).as_ptr();
+                    let k = head.keys.row(head.kv_h, j, hs).as_ptr();
                     let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     for c in (0..CH).step_by(2) {
                         a = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(k.add(8 * c)), a);
@@ -597,7 +628,7 @@ mod x86 {
                 let total: f32 = keys.iter().sum();
                 let mut acc = [_mm256_setzero_ps(); CH];
                 for (j, &p) in keys.iter().enumerate() {
-                    let v = head.values.row(head.h, j, hs).as_ptr();
+                    let v = head.values.row(head.kv_h, j, hs).as_ptr();
                     let p = _mm256_set1_ps(p);
                     for (c, a) in acc.iter_mut().enumerate() {
                         *a = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add(8 * c)), *a);

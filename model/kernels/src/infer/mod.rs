@@ -4,7 +4,7 @@
 mod attention;
 mod lora;
 
-pub use attention::{cached_attention, cached_attention_on, CachedKv, WriteRows};
+pub use attention::{cached_attention, cached_attention_on, grouped_attention, CachedKv, WriteRows};
 pub use lora::lora_rows;
 #[cfg(feature = "cuda")]
 pub mod decode_attention;

@@ -1,0 +1,640 @@
+//! llama.cpp's GGUF files, as llama.cpp, Ollama and LM Studio users download them: the config
+//! from the metadata (`{arch}.block_count`, `.embedding_length`, `.attention.head_count_kv`,
+//! `.rope.freq_base`, ...), the tensors by llama.cpp's names (`token_embd`, `blk.N.attn_q`,
+//! `output`, absent where the head is tied), and the tokenizer and chat template from the file
+//! itself (`tokenizer.ggml.*`, `tokenizer.chat_template`). The file's weight matrices stay in
+//! their block formats: packed for the project's kernels where they have the format (F32, F16,
+//! BF16, Q8_0, Q4_0), else multiplied by candle's quantized matrices (Q4_1, Q5_0, Q5_1, the
+//! k-quants). The file comes from a stranger: every count, size and offset is checked against
+//! the file before anything is read or allocated, and each error names the file and the field.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use gpt_kernels::{PackedMatrix, WeightFormat};
+
+use crate::arch::llama::{FamilyWeights, LayerWeights};
+use crate::arch::Family;
+use crate::config::{Activation, Config, PositionEmbedding, Rope, RopeScaling, Variant};
+use crate::error::{Error, Result};
+use crate::layers::Weight;
+use crate::tokenizer::Tokenizer;
+use crate::Gpt;
+
+/// The `general.architecture`s loaded, and their families. llama.cpp writes Mistral's and
+/// SmolLM's checkpoints as `llama`.
+const ARCHITECTURES: [(&str, Family); 3] = [
+    ("llama", Family::Llama),
+    ("qwen2", Family::Qwen2),
+    ("qwen3", Family::Qwen3),
+];
+
+/// The longest context accepted from a file's `context_length` (the rotary tables are made for
+/// every position).
+const MAX_CONTEXT: u64 = 1 << 20;
+
+/// Whether `path` is a GGUF file (by its magic, not its name).
+pub fn is_gguf_file(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    path.is_file()
+        && std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok()
+        && &magic == b"GGUF"
+}
+
+/// A GGUF file's header, read and checked.
+struct File<'a> {
+    path: &'a Path,
+    file: std::fs::File,
+    content: Content,
+    arch: String,
+}
+
+impl<'a> File<'a> {
+    fn corrupt(&self, reason: String) -> Error {
+        corrupt(self.path, reason)
+    }
+
+    fn open(path: &'a Path) -> Result<Self> {
+        let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let file_size = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        // candle's reader checks every count and length against the file; an alignment of 0
+        // would still divide by zero in it, so a panic there is an error here too.
+        let content = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut file)))
+            .map_err(|_| corrupt(path, "the header could not be read (an alignment of 0?)".into()))?
+            .map_err(|e| corrupt(path, format!("not a GGUF file llama.cpp could read: {e}")))?;
+        let arch = match content.metadata.get("general.architecture") {
+            Some(Value::String(s)) => s.clone(),
+            Some(_) => return Err(corrupt(path, "`general.architecture` is not a string".into())),
+            None => return Err(corrupt(path, "no `general.architecture`".into())),
+        };
+        let mut gguf = Self {
+            path,
+            file,
+            content,
+            arch,
+        };
+        gguf.check_tensors(file_size)?;
+        Ok(gguf)
+    }
+
+    /// Every tensor's extent within the file, without overflow or overlap.
+    fn check_tensors(&mut self, file_size: u64) -> Result<()> {
+        let data = self.content.tensor_data_offset;
+        let mut extents = Vec::with_capacity(self.content.tensor_infos.len());
+        for (name, info) in &self.content.tensor_infos {
+            let dims = info.shape.dims();
+            let elems = dims
+                .iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d))
+                .ok_or_else(|| self.corrupt(format!("tensor `{name}`: dimensions {dims:?} overflow")))?;
+            let block = info.ggml_dtype.block_size();
+            if !elems.is_multiple_of(block) {
+                return Err(self.corrupt(format!(
+                    "tensor `{name}`: {elems} values are not whole blocks of {block} ({:?})",
+                    info.ggml_dtype
+                )));
+            }
+            let bytes = (elems / block)
+                .checked_mul(info.ggml_dtype.type_size())
+                .ok_or_else(|| self.corrupt(format!("tensor `{name}`: its size overflows")))?
+                as u64;
+            let start = data.checked_add(info.offset);
+            match start.and_then(|s| s.checked_add(bytes)) {
+                Some(end) if end <= file_size => extents.push((start.unwrap_or(0), end, name.as_str())),
+                _ => {
+                    return Err(self.corrupt(format!(
+                        "tensor `{name}`: {bytes} bytes at offset {} run past the end of the file ({file_size} bytes)",
+                        info.offset
+                    )))
+                }
+            }
+        }
+        extents.sort();
+        for pair in extents.windows(2) {
+            if pair[1].0 < pair[0].1 {
+                return Err(self.corrupt(format!("tensors `{}` and `{}` overlap", pair[0].2, pair[1].2)));
+            }
+        }
+        Ok(())
+    }
+
+    fn meta(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    /// An unsigned integer of any width (a negative or non-integer value is an error).
+    fn uint(&self, key: &str) -> Result<Option<u64>> {
+        let v = match self.meta(key) {
+            None => return Ok(None),
+            Some(v) => v,
+        };
+        let n = match *v {
+            Value::U8(n) => Some(n as u64),
+            Value::U16(n) => Some(n as u64),
+            Value::U32(n) => Some(n as u64),
+            Value::U64(n) => Some(n),
+            Value::I8(n) => u64::try_from(n).ok(),
+            Value::I16(n) => u64::try_from(n).ok(),
+            Value::I32(n) => u64::try_from(n).ok(),
+            Value::I64(n) => u64::try_from(n).ok(),
+            _ => None,
+        };
+        n.map(Some)
+            .ok_or_else(|| self.corrupt(format!("`{key}` is {v:?}, not a non-negative integer")))
+    }
+
+    fn need_uint(&self, key: &str) -> Result<u64> {
+        self.uint(key)?.ok_or_else(|| self.corrupt(format!("no `{key}`")))
+    }
+
+    /// `key` as a size of at least 1 and at most `max`.
+    fn size(&self, key: &str, max: u64) -> Result<usize> {
+        match self.need_uint(key)? {
+            n @ 1.. if n <= max => Ok(n as usize),
+            n => Err(self.corrupt(format!("`{key}` is {n}, outside 1..={max}"))),
+        }
+    }
+
+    fn float(&self, key: &str) -> Result<Option<f64>> {
+        match self.meta(key) {
+            None => Ok(None),
+            Some(Value::F32(x)) => Ok(Some(*x as f64)),
+            Some(Value::F64(x)) => Ok(Some(*x)),
+            Some(v) => Err(self.corrupt(format!("`{key}` is {v:?}, not a number"))),
+        }
+    }
+
+    fn string(&self, key: &str) -> Result<Option<&str>> {
+        match self.meta(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(self.corrupt(format!("`{key}` is not a string"))),
+        }
+    }
+
+    /// An array of strings.
+    fn strings(&self, key: &str) -> Result<Option<Vec<&str>>> {
+        match self.meta(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) => Ok(s.as_str()),
+                    _ => Err(self.corrupt(format!("`{key}`[{i}] is not a string"))),
+                })
+                .collect::<Result<_>>()
+                .map(Some),
+            Some(_) => Err(self.corrupt(format!("`{key}` is not an array"))),
+        }
+    }
+
+    /// An array of integers.
+    fn ints(&self, key: &str) -> Result<Option<Vec<i64>>> {
+        match self.meta(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match *v {
+                    Value::I32(n) => Ok(n as i64),
+                    Value::U32(n) => Ok(n as i64),
+                    Value::I8(n) => Ok(n as i64),
+                    Value::U8(n) => Ok(n as i64),
+                    _ => Err(self.corrupt(format!("`{key}`[{i}] is {v:?}, not an integer"))),
+                })
+                .collect::<Result<_>>()
+                .map(Some),
+            Some(_) => Err(self.corrupt(format!("`{key}` is not an array"))),
+        }
+    }
+
+    /// Tensor `name`, checked to be `dims` (PyTorch's order: `(out, in)` for a matrix).
+    fn tensor(&mut self, name: &str, dims: &[usize]) -> Result<QTensor> {
+        let info = self
+            .content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor {
+                path: self.path.to_path_buf(),
+                name: name.to_string(),
+            })?;
+        if info.shape.dims() != dims {
+            return Err(Error::ShapeMismatch {
+                name: format!("{name} in {}", self.path.display()),
+                expected: dims.to_vec(),
+                actual: info.shape.dims().to_vec(),
+            });
+        }
+        let path = self.path;
+        self.content
+            .tensor(&mut self.file, name, &Device::Cpu)
+            .map_err(|e| corrupt(path, format!("tensor `{name}`: {e}")))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    /// A vector (norm gain, bias) in f32.
+    fn vector(&mut self, name: &str, len: usize) -> Result<Tensor> {
+        Ok(self.tensor(name, &[len])?.dequantize(&Device::Cpu)?)
+    }
+}
+
+fn corrupt(path: &Path, reason: String) -> Error {
+    Error::CorruptCheckpoint {
+        path: path.to_path_buf(),
+        reason,
+    }
+}
+
+/// The config of the file's network, from its metadata.
+fn config(f: &File, vocab_size: usize) -> Result<Config> {
+    let family = ARCHITECTURES
+        .iter()
+        .find(|(name, _)| *name == f.arch)
+        .map(|&(_, family)| family)
+        .ok_or_else(|| {
+            f.corrupt(format!(
+                "general.architecture `{}` is not supported (supported: {})",
+                f.arch,
+                ARCHITECTURES.map(|(name, _)| name).join(", ")
+            ))
+        })?;
+    let key = |k: &str| format!("{}.{k}", f.arch);
+    const MAX: u64 = 1 << 20;
+    let n_embd = f.size(&key("embedding_length"), MAX)?;
+    let n_head = f.size(&key("attention.head_count"), 4096)?;
+    let n_kv_head = match f.uint(&key("attention.head_count_kv"))? {
+        Some(_) => f.size(&key("attention.head_count_kv"), 4096)?,
+        None => n_head,
+    };
+    let head_dim = match f.uint(&key("attention.key_length"))? {
+        Some(_) => f.size(&key("attention.key_length"), 4096)?,
+        None => n_embd / n_head,
+    };
+    let theta = f.float(&key("rope.freq_base"))?.unwrap_or(10_000.0);
+    let scaling = match f.string(&key("rope.scaling.type"))? {
+        None | Some("none") => None,
+        Some("linear") => Some(RopeScaling::Linear {
+            factor: f
+                .float(&key("rope.scaling.factor"))?
+                .ok_or_else(|| f.corrupt(format!("no `{}`", key("rope.scaling.factor"))))?,
+        }),
+        Some(other) => {
+            return Err(f.corrupt(format!(
+                "`{}` is `{other}`, which is not supported (supported: none, linear)",
+                key("rope.scaling.type")
+            )))
+        }
+    };
+    let ids = |k: &str| -> Result<Option<u32>> {
+        f.uint(k)?
+            .map(|n| u32::try_from(n).map_err(|_| f.corrupt(format!("`{k}` {n} is not a token id"))))
+            .transpose()
+    };
+    let eos = ids("tokenizer.ggml.eos_token_id")?;
+    // Llama 3's end of a turn is a token of its own beside the end of text.
+    let eot = ids("tokenizer.ggml.eot_token_id")?;
+    let eos_token_ids: Vec<u32> = eos.into_iter().chain(eot.filter(|&t| Some(t) != eos)).collect();
+    let variant = Variant {
+        family,
+        n_kv_head: Some(n_kv_head),
+        head_dim: Some(head_dim),
+        rms_norm: true,
+        gated_mlp: true,
+        rope: Some(Rope { theta, scaling }),
+        qkv_bias: f.has("blk.0.attn_q.bias"),
+        o_bias: f.has("blk.0.attn_output.bias"),
+        mlp_bias: f.has("blk.0.ffn_up.bias"),
+        qk_norm: f.has("blk.0.attn_q_norm.weight"),
+        eos_token_ids,
+    };
+    let cfg = Config {
+        vocab_size,
+        n_positions: f.size(&key("context_length"), MAX_CONTEXT)?,
+        n_embd,
+        n_layer: f.size(&key("block_count"), 4096)?,
+        n_head,
+        n_inner: Some(f.size(&key("feed_forward_length"), MAX)?),
+        layer_norm_epsilon: f.float(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+        activation_function: Activation::Silu,
+        resid_pdrop: 0.0,
+        embd_pdrop: 0.0,
+        attn_pdrop: 0.0,
+        tie_word_embeddings: !f.has("output.weight"),
+        scale_attn_weights: true,
+        scale_attn_by_inverse_layer_idx: false,
+        bos_token_id: ids("tokenizer.ggml.bos_token_id")?,
+        eos_token_id: eos,
+        position_embedding: PositionEmbedding::Rope,
+        bias: false,
+        variant,
+    };
+    cfg.validate().map_err(|e| f.corrupt(e.to_string()))?;
+    Ok(cfg)
+}
+
+/// llama.cpp's converter interleaves the two halves of each head of the Llama family's q and k
+/// rows (`LlamaModel.permute`, for its rotation of neighbouring pairs); this puts each head's
+/// rows back in `transformers`' order (the halves apart), moving whole rows of blocks, so that
+/// the one rotation of [`crate::attention`] applies.
+fn unpermute_rows(q: QTensor, n_head: usize) -> Result<QTensor> {
+    let (rows, cols) = q.shape().dims2()?;
+    let hd = rows / n_head;
+    let row_bytes = cols / q.dtype().block_size() * q.dtype().type_size();
+    let data = q.data()?;
+    let mut out = vec![0u8; data.len()];
+    for h in 0..n_head {
+        for i in 0..hd / 2 {
+            for j in 0..2 {
+                let (ours, theirs) = (h * hd + j * hd / 2 + i, h * hd + 2 * i + j);
+                out[ours * row_bytes..][..row_bytes].copy_from_slice(&data[theirs * row_bytes..][..row_bytes]);
+            }
+        }
+    }
+    Ok(qtensor_from_ggml(q.dtype(), &out, vec![rows, cols], &Device::Cpu)?)
+}
+
+/// Matrices of one block format and width stacked by rows (their blocks side by side, as they
+/// are stored): one product for q, k and v, or for gate and up. Matrices of different formats
+/// (llama.cpp's Q4_K_M keeps some in Q6_K) are dequantized to f32 first.
+fn stack(parts: Vec<QTensor>) -> Result<QTensor> {
+    let dtype = parts[0].dtype();
+    let cols = parts[0].shape().dims2()?.1;
+    let rows: usize = parts.iter().map(|p| p.shape().dims()[0]).sum();
+    if parts.iter().all(|p| p.dtype() == dtype) {
+        let mut bytes = Vec::new();
+        for p in &parts {
+            bytes.extend_from_slice(&p.data()?);
+        }
+        return Ok(qtensor_from_ggml(dtype, &bytes, vec![rows, cols], &Device::Cpu)?);
+    }
+    let dense = parts
+        .iter()
+        .map(|p| p.dequantize(&Device::Cpu))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(QTensor::quantize(&Tensor::cat(&dense, 0)?, GgmlDType::F32)?)
+}
+
+/// A matrix as inference holds it on `device`: packed for the project's kernels where they have
+/// its format, else candle's quantized matrix (the CPU only); dense in `dtype` off the CPU.
+fn weight(q: QTensor, dtype: DType, device: &Device) -> Result<Weight> {
+    if device.is_cpu() {
+        return Ok(match WeightFormat::from_ggml(q.dtype()) {
+            Some(_) => Weight::Packed(Arc::new(PackedMatrix::from_qtensor(&q)?)),
+            None => Weight::Quant(Arc::new(q)),
+        });
+    }
+    Ok(Weight::Dense(q.dequantize(device)?.to_dtype(dtype)?))
+}
+
+/// The model of a llama.cpp GGUF file and its tokenizer, on `device` (activations f32 on the CPU;
+/// the file's block formats kept unless `format` asks for another).
+pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Result<(Gpt, Tokenizer)> {
+    let mut f = File::open(path)?;
+    let embed_dims = f
+        .content
+        .tensor_infos
+        .get("token_embd.weight")
+        .map(|i| i.shape.dims().to_vec())
+        .ok_or_else(|| Error::MissingTensor {
+            path: path.to_path_buf(),
+            name: "token_embd.weight".into(),
+        })?;
+    let [vocab_size, _] = embed_dims[..] else {
+        return Err(f.corrupt(format!("token_embd.weight is {embed_dims:?}, not a matrix")));
+    };
+    let mut cfg = config(&f, vocab_size)?;
+    if let Some(factors) = rope_factors(&mut f, cfg.head_dim())? {
+        if let Some(rope) = &mut cfg.variant.rope {
+            rope.scaling = Some(RopeScaling::PerFrequency(factors));
+        }
+    }
+    let tokenizer = tokenizer(&f, &cfg)?;
+    let dtype = match device.is_cpu() {
+        true => DType::F32,
+        false => format.map_or(DType::F16, |f| f.dtype()),
+    };
+    let (c, qw, kvw, w) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.mlp_width());
+    let to = |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(dtype)?.to_device(device)?) };
+    let mut layers = Vec::with_capacity(cfg.n_layer);
+    for i in 0..cfg.n_layer {
+        let b = |name: &str| format!("blk.{i}.{name}");
+        let mut q = f.tensor(&b("attn_q.weight"), &[qw, c])?;
+        let mut k = f.tensor(&b("attn_k.weight"), &[kvw, c])?;
+        if cfg.variant.family == Family::Llama {
+            q = unpermute_rows(q, cfg.n_head)?;
+            k = unpermute_rows(k, cfg.n_kv_head())?;
+        }
+        let v = f.tensor(&b("attn_v.weight"), &[kvw, c])?;
+        let mut bias = |name: &str, len: usize, has: bool| -> Result<Tensor> {
+            match has {
+                true => to(f.vector(&b(name), len)?),
+                false => Ok(Tensor::zeros(len, dtype, device)?),
+            }
+        };
+        let qkv_bias = match cfg.variant.qkv_bias {
+            true => Tensor::cat(
+                &[
+                    bias("attn_q.bias", qw, true)?,
+                    bias("attn_k.bias", kvw, true)?,
+                    bias("attn_v.bias", kvw, true)?,
+                ],
+                0,
+            )?,
+            false => Tensor::zeros(qw + 2 * kvw, dtype, device)?,
+        };
+        let o_bias = bias("attn_output.bias", c, cfg.variant.o_bias)?;
+        let gate_up_bias = match cfg.variant.mlp_bias {
+            true => Tensor::cat(&[bias("ffn_gate.bias", w, true)?, bias("ffn_up.bias", w, true)?], 0)?,
+            false => Tensor::zeros(2 * w, dtype, device)?,
+        };
+        let down_bias = bias("ffn_down.bias", c, cfg.variant.mlp_bias)?;
+        let qk_norm = match cfg.variant.qk_norm {
+            true => Some((
+                to(f.vector(&b("attn_q_norm.weight"), cfg.head_dim())?)?,
+                to(f.vector(&b("attn_k_norm.weight"), cfg.head_dim())?)?,
+            )),
+            false => None,
+        };
+        let o = f.tensor(&b("attn_output.weight"), &[c, qw])?;
+        let gate = f.tensor(&b("ffn_gate.weight"), &[w, c])?;
+        let up = f.tensor(&b("ffn_up.weight"), &[w, c])?;
+        let down = f.tensor(&b("ffn_down.weight"), &[c, w])?;
+        layers.push(LayerWeights {
+            attn_norm: to(f.vector(&b("attn_norm.weight"), c)?)?,
+            qkv: (weight(stack(vec![q, k, v])?, dtype, device)?, qkv_bias),
+            o: (weight(o, dtype, device)?, o_bias),
+            qk_norm,
+            mlp_norm: to(f.vector(&b("ffn_norm.weight"), c)?)?,
+            gate_up: (weight(stack(vec![gate, up])?, dtype, device)?, gate_up_bias),
+            down: (weight(down, dtype, device)?, down_bias),
+        });
+    }
+    let embed = weight(f.tensor("token_embd.weight", &[vocab_size, c])?, dtype, device)?;
+    let head = match cfg.tie_word_embeddings {
+        true => None,
+        false => Some(weight(f.tensor("output.weight", &[vocab_size, c])?, dtype, device)?),
+    };
+    let weights = FamilyWeights {
+        embed,
+        layers,
+        final_norm: to(f.vector("output_norm.weight", c)?)?,
+        head,
+    };
+    let mut model = Gpt::from_family_weights(&cfg, weights, dtype, device)?;
+    if let Some(format) = format {
+        model = model.with_weight_format(format)?;
+    }
+    Ok((model, tokenizer))
+}
+
+/// A GGUF file's chat template (`tokenizer.chat_template`) with the text of its BOS and EOS
+/// tokens, which templates write as `bos_token` and `eos_token`.
+pub fn chat_template(path: &Path) -> Result<Option<(String, Option<String>, Option<String>)>> {
+    let f = File::open(path)?;
+    let Some(source) = f.string("tokenizer.chat_template")? else {
+        return Ok(None);
+    };
+    let tokens = f.strings("tokenizer.ggml.tokens")?.unwrap_or_default();
+    let token = |key: &str| -> Result<Option<String>> {
+        Ok(f.uint(key)?
+            .and_then(|id| tokens.get(id as usize))
+            .map(|t| t.to_string()))
+    };
+    Ok(Some((
+        source.to_string(),
+        token("tokenizer.ggml.bos_token_id")?,
+        token("tokenizer.ggml.eos_token_id")?,
+    )))
+}
+
+/// Llama 3.1's rescaled rotary frequencies, as llama.cpp's converter stores them: a
+/// `rope_freqs.weight` vector of `head_dim / 2` divisors.
+fn rope_factors(f: &mut File, head_dim: usize) -> Result<Option<Vec<f64>>> {
+    if !f.has("rope_freqs.weight") {
+        return Ok(None);
+    }
+    let factors = f.vector("rope_freqs.weight", head_dim / 2)?.to_vec1::<f32>()?;
+    if let Some(bad) = factors.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+        return Err(f.corrupt(format!("rope_freqs.weight holds {bad}, not a positive divisor")));
+    }
+    Ok(Some(factors.into_iter().map(f64::from).collect()))
+}
+
+/// The pre-tokenizers of llama.cpp's `tokenizer.ggml.pre` names: the regular expressions its
+/// `llama-vocab.cpp` splits text with before byte-level BPE (the same as the models'
+/// `tokenizer.json`).
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const PRE_TOKENIZERS: &str = "gpt2, default, smollm, llama3 (llama-bpe), qwen2";
+
+/// The tokenizer the file describes: `tokenizer.ggml.model` `gpt2` (byte-level BPE with its
+/// merges and the pre-tokenizer `tokenizer.ggml.pre` names), special tokens by their
+/// `token_type`, a BOS prefix where `add_bos_token`, and the chat template.
+fn tokenizer(f: &File, cfg: &Config) -> Result<Tokenizer> {
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::digits::Digits;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+    let model = f
+        .string("tokenizer.ggml.model")?
+        .ok_or_else(|| f.corrupt("no `tokenizer.ggml.model`".into()))?;
+    if model != "gpt2" {
+        return Err(f.corrupt(format!(
+            "tokenizer.ggml.model `{model}` is not supported yet (supported: gpt2, llama.cpp's byte-level BPE)"
+        )));
+    }
+    let tokens = f
+        .strings("tokenizer.ggml.tokens")?
+        .ok_or_else(|| f.corrupt("no `tokenizer.ggml.tokens`".into()))?;
+    if tokens.len() > cfg.vocab_size || tokens.len() > u32::MAX as usize {
+        return Err(f.corrupt(format!(
+            "tokenizer.ggml.tokens has {} tokens, more than the embedding's {} rows",
+            tokens.len(),
+            cfg.vocab_size
+        )));
+    }
+    let mut vocab = tokenizers::models::bpe::Vocab::default();
+    for (id, token) in tokens.iter().enumerate() {
+        vocab.entry(token.to_string()).or_insert(id as u32);
+    }
+    let merges = f
+        .strings("tokenizer.ggml.merges")?
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| f.corrupt(format!("tokenizer.ggml.merges[{i}] `{m}` is not two tokens")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let pre = f.string("tokenizer.ggml.pre")?.unwrap_or("default");
+    let bad = |e: tokenizers::Error| f.corrupt(format!("tokenizer: {e}"));
+    let split = |pattern: &str| -> Result<PreTokenizerWrapper> {
+        Ok(Split::new(
+            SplitPattern::Regex(pattern.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(bad)?
+        .into())
+    };
+    let (pre_tokenizer, ignore_merges): (PreTokenizerWrapper, bool) = match pre {
+        "gpt2" | "default" => (ByteLevel::new(false, true, true).into(), false),
+        "smollm" => (
+            Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into(),
+            false,
+        ),
+        "llama3" | "llama-bpe" | "llama-v3" => (
+            Sequence::new(vec![split(LLAMA3_SPLIT)?, ByteLevel::new(false, true, false).into()]).into(),
+            true,
+        ),
+        "qwen2" => (
+            Sequence::new(vec![split(QWEN2_SPLIT)?, ByteLevel::new(false, true, false).into()]).into(),
+            false,
+        ),
+        other => {
+            return Err(f.corrupt(format!(
+                "tokenizer.ggml.pre `{other}` is not supported (supported: {PRE_TOKENIZERS})"
+            )))
+        }
+    };
+    let bpe = tokenizers::models::bpe::BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(ignore_merges)
+        .build()
+        .map_err(|e| f.corrupt(format!("tokenizer: {e}")))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    inner.with_pre_tokenizer(Some(pre_tokenizer));
+    inner.with_decoder(Some(ByteLevel::new(false, true, true)));
+    // Control (3) and user-defined (4) tokens are matched whole before the BPE, as
+    // `tokenizer.json`'s added tokens are; control tokens are special (skipped in output).
+    let types = f.ints("tokenizer.ggml.token_type")?.unwrap_or_default();
+    let (mut special, mut user) = (Vec::new(), Vec::new());
+    for (token, &kind) in tokens.iter().zip(&types) {
+        match kind {
+            3 => special.push(AddedToken::from(token.to_string(), true)),
+            4 => user.push(AddedToken::from(token.to_string(), false)),
+            _ => {}
+        }
+    }
+    inner.add_special_tokens(special).map_err(bad)?;
+    inner.add_tokens(user).map_err(bad)?;
+    // `tokenizer.ggml.add_bos_token` is not applied: prompts are encoded as they are (the chat
+    // templates that want a BOS write it themselves).
+    let template = f.string("tokenizer.chat_template")?.map(str::to_string);
+    Ok(Tokenizer::from_inner(inner, cfg.eos_ids()).with_chat_template(template))
+}

@@ -1,0 +1,63 @@
+//! The decoder families through the server: each checkpoint of `tests/fixtures/families`
+//! (written by `transformers`, see `make_family_fixtures.py`) served as it is, its prompt
+//! logprobs equal to `transformers`' log-softmax within 1e-4 and its greedy completion the
+//! tokens `transformers` generates.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use common::{config, start};
+use serde_json::{json, Value};
+
+fn dir(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/families")
+        .join(case)
+}
+
+#[tokio::test]
+async fn every_family_serves_transformers_prompt_logprobs_and_greedy_tokens() -> anyhow::Result<()> {
+    for case in ["llama-gqa", "llama3-scaled", "qwen2-bias", "qwen3-qknorm", "mistral"] {
+        let server = start(&dir(case), config()).await?;
+        let e: Value = serde_json::from_str(&std::fs::read_to_string(dir(case).join("expected.json"))?)?;
+        let logits = candle_core::safetensors::load(dir(case).join("expected.safetensors"), &Device::Cpu)?;
+        let ids: Vec<u32> = serde_json::from_value(e["sequences"][0].clone())?;
+        let want = candle_nn::ops::log_softmax(&logits["logits_0"], 1)?.to_vec2::<f32>()?;
+        let (status, r) = server
+            .post(json!({"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}))
+            .await?;
+        assert_eq!(status, 200, "{case}: {r}");
+        let positions = r["choices"][0]["prompt_logprobs"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(positions.len(), ids.len(), "{case}");
+        for t in 1..ids.len() {
+            let got = positions[t][ids[t].to_string()]["logprob"].as_f64().unwrap_or(f64::NAN);
+            let expected = want[t - 1][ids[t] as usize] as f64;
+            assert!(
+                (got - expected).abs() < 1e-4,
+                "{case}, position {t}: {got} vs transformers {expected}"
+            );
+        }
+        let prompt: Vec<u32> = serde_json::from_value(e["greedy_prompt"].clone())?;
+        let greedy: Vec<u32> = serde_json::from_value(e["greedy"].clone())?;
+        let (status, r) = server
+            .post(
+                json!({"prompt": prompt, "max_tokens": greedy.len(), "temperature": 0, "ignore_eos": true,
+                "logprobs": 0, "return_tokens_as_token_ids": true}),
+            )
+            .await?;
+        assert_eq!(status, 200, "{case}: {r}");
+        let tokens: Vec<u32> = r["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t.as_str()?.strip_prefix("token_id:")?.parse().ok())
+            .collect();
+        assert_eq!(tokens, greedy, "{case}: greedy tokens");
+    }
+    Ok(())
+}

@@ -1,0 +1,337 @@
+//! The decoder families against `transformers`: each `tests/fixtures/families/<case>` was written
+//! by `transformers` (`make_family_fixtures.py`: Llama with grouped-query and multi-query
+//! attention, tied and untied heads and Llama 3's rotary rescaling; Qwen2's q, k, v biases;
+//! Qwen3's QK-norm and head width; Mistral), every parameter random, with the logits it computes
+//! and its greedy continuation. Each must load from the checkpoint as saved, give those logits
+//! within 1e-4 over whole windows and through the KV cache (alone and batched with another
+//! sequence), the same greedy tokens, and save back to a checkpoint with the same tensors.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use gpt::{LogitsFor, SeqStep};
+use gpt_test_support::max_abs_diff;
+
+const CASES: [&str; 5] = ["llama-gqa", "llama3-scaled", "qwen2-bias", "qwen3-qknorm", "mistral"];
+
+fn dir(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/families")
+        .join(case)
+}
+
+struct Expected {
+    sequences: Vec<Vec<u32>>,
+    logits: Vec<Tensor>,
+    greedy_prompt: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+fn expected(case: &str) -> anyhow::Result<Expected> {
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir(case).join("expected.json"))?)?;
+    let mut tensors = candle_core::safetensors::load(dir(case).join("expected.safetensors"), &Device::Cpu)?;
+    let sequences: Vec<Vec<u32>> = serde_json::from_value(json["sequences"].clone())?;
+    let logits = (0..sequences.len())
+        .map(|i| {
+            tensors
+                .remove(&format!("logits_{i}"))
+                .ok_or_else(|| anyhow::anyhow!("logits_{i}"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    Ok(Expected {
+        sequences,
+        logits,
+        greedy_prompt: serde_json::from_value(json["greedy_prompt"].clone())?,
+        greedy: serde_json::from_value(json["greedy"].clone())?,
+    })
+}
+
+fn step(model: &gpt::Gpt, cache: &mut gpt::KvCache, tokens: &[u32], which: LogitsFor) -> anyhow::Result<Tensor> {
+    Ok(model.forward_step(&mut [SeqStep { tokens, cache }], which)?)
+}
+
+/// Whole windows, the cache token by token after a prefill of half, and each sequence batched
+/// with another one in the same steps: every path within `tol` of `transformers`' logits.
+fn check_logits(model: &gpt::Gpt, case: &str, tol: f32) -> anyhow::Result<()> {
+    let e = expected(case)?;
+    for (i, (ids, want)) in e.sequences.iter().zip(&e.logits).enumerate() {
+        let full = model
+            .forward(&Tensor::new(vec![ids.clone()], &Device::Cpu)?, None)?
+            .squeeze(0)?;
+        let d = max_abs_diff(&full, want)?;
+        assert!(
+            d < tol,
+            "{case}, sequence {i}, whole window: max abs diff {d} against transformers"
+        );
+
+        let mut cache = model.new_cache();
+        let half = ids.len().div_ceil(2);
+        let mut rows = vec![step(model, &mut cache, &ids[..half], LogitsFor::All)?];
+        for id in &ids[half..] {
+            rows.push(step(model, &mut cache, std::slice::from_ref(id), LogitsFor::Last)?);
+        }
+        let d = max_abs_diff(&Tensor::cat(&rows, 0)?, want)?;
+        assert!(d < tol, "{case}, sequence {i}, through the cache: max abs diff {d}");
+    }
+    // Batched: the first sequence in the same steps as the third, which starts later.
+    let (a, b) = (&e.sequences[0], &e.sequences[2]);
+    let (mut ca, mut cb) = (model.new_cache(), model.new_cache());
+    step(model, &mut ca, &a[..4], LogitsFor::All)?;
+    let both = model.forward_step(
+        &mut [
+            SeqStep {
+                tokens: &a[4..],
+                cache: &mut ca,
+            },
+            SeqStep {
+                tokens: b,
+                cache: &mut cb,
+            },
+        ],
+        LogitsFor::All,
+    )?;
+    let d = max_abs_diff(
+        &both.narrow(0, 0, a.len() - 4)?,
+        &e.logits[0].narrow(0, 4, a.len() - 4)?,
+    )?;
+    let d2 = max_abs_diff(&both.narrow(0, a.len() - 4, b.len())?, &e.logits[2])?;
+    assert!(d.max(d2) < tol, "{case}, batched: max abs diff {d}, {d2}");
+    Ok(())
+}
+
+/// The greedy continuation, token by token through the cache.
+fn greedy(model: &gpt::Gpt, prompt: &[u32], n: usize) -> anyhow::Result<Vec<u32>> {
+    let mut cache = model.new_cache();
+    let mut logits = step(model, &mut cache, prompt, LogitsFor::Last)?;
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let next = logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
+        out.push(next);
+        logits = step(model, &mut cache, &[next], LogitsFor::Last)?;
+    }
+    Ok(out)
+}
+
+#[test]
+fn every_family_gives_transformers_logits_and_greedy_text() -> anyhow::Result<()> {
+    for case in CASES {
+        let (model, _) =
+            gpt::load_dir(&dir(case), DType::F32, &Device::Cpu).map_err(|e| anyhow::anyhow!("{case}: {e}"))?;
+        check_logits(&model, case, 1e-4)?;
+        let e = expected(case)?;
+        assert_eq!(
+            greedy(&model, &e.greedy_prompt, e.greedy.len())?,
+            e.greedy,
+            "{case}: greedy tokens"
+        );
+    }
+    Ok(())
+}
+
+/// The same checkpoints in f16 activations and weights (candle's ops rather than the fused f32
+/// kernels), within f16's rounding of the reference.
+#[test]
+fn every_family_runs_in_half_precision() -> anyhow::Result<()> {
+    for case in CASES {
+        let model = gpt::load_model(&dir(case), DType::F16, &Device::Cpu)?;
+        check_logits(&model, case, 0.05)?;
+    }
+    Ok(())
+}
+
+/// Saved back (`save_dir`), a checkpoint holds the tensors `transformers` saved under the same
+/// names and a config that loads back to the same model.
+#[test]
+fn every_family_saves_the_tensors_transformers_saved() -> anyhow::Result<()> {
+    for case in CASES {
+        let (model, tok) = gpt::load_dir(&dir(case), DType::F32, &Device::Cpu)?;
+        let out = tempfile::tempdir()?;
+        gpt::save_dir(out.path(), &model, &tok, DType::F32)?;
+        let theirs = candle_core::safetensors::load(dir(case).join("model.safetensors"), &Device::Cpu)?;
+        let ours = candle_core::safetensors::load(out.path().join("model.safetensors"), &Device::Cpu)?;
+        let mut names: Vec<_> = theirs.keys().collect();
+        names.sort();
+        let mut our_names: Vec<_> = ours.keys().collect();
+        our_names.sort();
+        assert_eq!(our_names, names, "{case}: tensor names");
+        for (name, t) in &theirs {
+            assert_eq!(max_abs_diff(&ours[name], t)?, 0.0, "{case}: {name}");
+        }
+        let again = gpt::load_model(out.path(), DType::F32, &Device::Cpu)?;
+        assert_eq!(again.config(), model.config(), "{case}: config.json round trip");
+        check_logits(&again, case, 1e-4)?;
+    }
+    Ok(())
+}
+
+/// The families' configs: an unknown `model_type` names itself and the supported ones; a field
+/// a family needs, when missing, is named.
+#[test]
+fn configs_of_unknown_families_and_missing_fields_are_errors_that_name_them() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let path = tmp.path().join("config.json");
+    std::fs::write(&path, r#"{"model_type": "mamba", "vocab_size": 10}"#)?;
+    let err = gpt::Config::from_file(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("mamba") && err.contains("qwen3") && err.contains("llama"),
+        "{err}"
+    );
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir("qwen3-qknorm").join("config.json"))?)?;
+    cfg.as_object_mut().map(|m| m.remove("num_hidden_layers"));
+    std::fs::write(&path, cfg.to_string())?;
+    let err = gpt::Config::from_file(&path).unwrap_err().to_string();
+    assert!(err.contains("num_hidden_layers"), "{err}");
+    cfg["num_hidden_layers"] = 2.into();
+    cfg["num_key_value_heads"] = 3.into();
+    std::fs::write(&path, cfg.to_string())?;
+    let err = gpt::Config::from_file(&path).unwrap_err().to_string();
+    assert!(err.contains("key/value heads (3)"), "{err}");
+    cfg["num_key_value_heads"] = 2.into();
+    cfg["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4});
+    std::fs::write(&path, cfg.to_string())?;
+    let err = gpt::Config::from_file(&path).unwrap_err().to_string();
+    assert!(err.contains("yarn"), "{err}");
+    Ok(())
+}
+
+/// The same checkpoints as llama.cpp's converter (`convert_hf_to_gguf.py`) writes them: GGUF
+/// metadata (`llama.block_count`, ...), llama.cpp's tensor names, the Llama family's q and k rows
+/// permuted as its `LlamaModel.permute` does (Qwen's left as they are), the tokenizer as
+/// `tokenizer.ggml.*`. Loaded by [`gpt::llamacpp`], each must give `transformers`' logits.
+#[test]
+fn every_family_from_a_llama_cpp_gguf_file_gives_transformers_logits() -> anyhow::Result<()> {
+    for case in CASES.into_iter().filter(|c| *c != "llama3-scaled") {
+        let file = tempfile::Builder::new().suffix(".gguf").tempfile()?;
+        write_llama_cpp_gguf(case, file.path())?;
+        let (model, tok) =
+            gpt::load_dir_as(file.path(), None, &Device::Cpu).map_err(|e| anyhow::anyhow!("{case}: {e}"))?;
+        check_logits(&model, case, 1e-4)?;
+        let (_, hf_tok) = gpt::load_dir(&dir(case), DType::F32, &Device::Cpu)?;
+        let text = "First Citizen:\nBefore we proceed any further, hear me speak. 0123";
+        assert_eq!(
+            tok.encode(text)?,
+            hf_tok.encode(text)?,
+            "{case}: the tokenizer from the GGUF file"
+        );
+    }
+    Ok(())
+}
+
+/// `case`'s checkpoint as llama.cpp's converter writes it, in f32.
+fn write_llama_cpp_gguf(case: &str, path: &Path) -> anyhow::Result<()> {
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir(case).join("config.json"))?)?;
+    let n = |k: &str| cfg[k].as_u64().unwrap_or(0) as u32;
+    let model_type = cfg["model_type"].as_str().unwrap_or_default();
+    let arch = if model_type == "mistral" { "llama" } else { model_type };
+    let (n_head, n_kv) = (n("num_attention_heads") as usize, n("num_key_value_heads") as usize);
+    let head_dim = cfg["head_dim"]
+        .as_u64()
+        .map_or(n("hidden_size") as usize / n_head, |d| d as usize);
+    let theta = cfg["rope_parameters"]["rope_theta"]
+        .as_f64()
+        .or(cfg["rope_theta"].as_f64())
+        .unwrap_or(1e4);
+    let key = |k: &str| format!("{arch}.{k}");
+    let tokenizer: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir(case).join("tokenizer.json"))?)?;
+    let vocab = tokenizer["model"]["vocab"]
+        .as_object()
+        .ok_or_else(|| anyhow::anyhow!("vocab"))?;
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (token, id) in vocab {
+        tokens[id.as_u64().unwrap_or(0) as usize] = token.clone();
+    }
+    let merges: Vec<String> = tokenizer["model"]["merges"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| match m {
+            serde_json::Value::Array(pair) => {
+                format!("{} {}", pair[0].as_str().unwrap_or(""), pair[1].as_str().unwrap_or(""))
+            }
+            other => other.as_str().unwrap_or_default().to_string(),
+        })
+        .collect();
+    let strings = |v: Vec<String>| Value::Array(v.into_iter().map(Value::String).collect());
+    let mut types = vec![Value::I32(1); tokens.len()];
+    types[0] = Value::I32(3); // <|endoftext|>, a control token
+    let metadata: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (key("block_count"), Value::U32(n("num_hidden_layers"))),
+        (key("context_length"), Value::U32(n("max_position_embeddings"))),
+        (key("embedding_length"), Value::U32(n("hidden_size"))),
+        (key("feed_forward_length"), Value::U32(n("intermediate_size"))),
+        (key("attention.head_count"), Value::U32(n_head as u32)),
+        (key("attention.head_count_kv"), Value::U32(n_kv as u32)),
+        (key("attention.key_length"), Value::U32(head_dim as u32)),
+        (key("rope.freq_base"), Value::F32(theta as f32)),
+        (
+            key("attention.layer_norm_rms_epsilon"),
+            Value::F32(cfg["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32),
+        ),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.tokens".into(), strings(tokens)),
+        ("tokenizer.ggml.merges".into(), strings(merges)),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
+    ];
+    // llama.cpp's `LlamaModel.permute`: each head's rows (h, 2, hd/2) -> (h, hd/2, 2).
+    let permute = |w: &Tensor, heads: usize| -> anyhow::Result<Tensor> {
+        let (rows, cols) = w.dims2()?;
+        Ok(w.reshape((heads, 2, rows / heads / 2, cols))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((rows, cols))?)
+    };
+    let names = [
+        ("model.embed_tokens", "token_embd"),
+        ("model.norm", "output_norm"),
+        ("lm_head", "output"),
+        ("input_layernorm", "attn_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+        ("self_attn.q_proj", "attn_q"),
+        ("self_attn.k_proj", "attn_k"),
+        ("self_attn.v_proj", "attn_v"),
+        ("self_attn.o_proj", "attn_output"),
+        ("self_attn.q_norm", "attn_q_norm"),
+        ("self_attn.k_norm", "attn_k_norm"),
+        ("mlp.gate_proj", "ffn_gate"),
+        ("mlp.up_proj", "ffn_up"),
+        ("mlp.down_proj", "ffn_down"),
+    ];
+    let mut tensors = Vec::new();
+    for (name, t) in candle_core::safetensors::load(dir(case).join("model.safetensors"), &Device::Cpu)? {
+        let (stem, suffix) = name.rsplit_once('.').unwrap_or((&name, ""));
+        let (layer, stem) = match stem.strip_prefix("model.layers.") {
+            Some(rest) => {
+                let (i, rest) = rest.split_once('.').unwrap_or((rest, ""));
+                (Some(i.to_string()), rest.to_string())
+            }
+            None => (None, stem.to_string()),
+        };
+        let ours = names
+            .iter()
+            .find(|(hf, _)| *hf == stem)
+            .map(|(_, g)| *g)
+            .ok_or_else(|| anyhow::anyhow!("{name}"))?;
+        let t = match (arch, ours, suffix) {
+            ("llama", "attn_q", "weight") => permute(&t, n_head)?,
+            ("llama", "attn_k", "weight") => permute(&t, n_kv)?,
+            _ => t,
+        };
+        let gguf_name = match layer {
+            Some(i) => format!("blk.{i}.{ours}.{suffix}"),
+            None => format!("{ours}.{suffix}"),
+        };
+        tensors.push((gguf_name, QTensor::quantize(&t, GgmlDType::F32)?));
+    }
+    let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut out = std::fs::File::create(path)?;
+    candle_core::quantized::gguf_file::write(&mut out, &metadata, &tensors)?;
+    Ok(())
+}
