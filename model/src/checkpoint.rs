@@ -307,7 +307,7 @@ pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
 pub fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<(Gpt, Tokenizer)> {
     require_dir(dir)?;
     let model = load_model(dir, dtype, device)?;
-    let tokenizer = load_tokenizer(dir, model.config().vocab_size)?;
+    let tokenizer = model_tokenizer(dir, model.config())?;
     Ok((model, tokenizer))
 }
 
@@ -338,6 +338,35 @@ pub fn load_tokenizer(dir: &Path, model_vocab: usize) -> Result<Tokenizer> {
     Ok(tokenizer.with_chat_template(crate::chat::ChatTemplate::source_in(dir)?))
 }
 
+/// The end-of-sequence ids of a checkpoint of the families other than GPT-2 (whose end is its
+/// tokenizer's `<|endoftext|>`): `generation_config.json`'s `eos_token_id` (a number or a list),
+/// else `config.json`'s.
+fn family_eos(dir: &Path, cfg: &Config) -> Vec<u32> {
+    let generation = std::fs::read_to_string(dir.join(GENERATION_CONFIG_FILE))
+        .ok()
+        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok());
+    let ids: Vec<u32> = match generation.as_ref().map(|g| &g["eos_token_id"]) {
+        Some(serde_json::Value::Number(n)) => n.as_u64().and_then(|n| u32::try_from(n).ok()).into_iter().collect(),
+        Some(serde_json::Value::Array(ids)) => {
+            ids.iter().filter_map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+        }
+        _ => Vec::new(),
+    };
+    match ids.is_empty() {
+        true => cfg.eos_ids(),
+        false => ids,
+    }
+}
+
+/// [`load_tokenizer`], with the end-of-sequence ids the checkpoint names where it is not GPT-2.
+fn model_tokenizer(dir: &Path, cfg: &Config) -> Result<Tokenizer> {
+    let tokenizer = load_tokenizer(dir, cfg.vocab_size)?;
+    Ok(match cfg.is_gpt2_shaped() {
+        true => tokenizer,
+        false => tokenizer.with_eos(family_eos(dir, cfg)),
+    })
+}
+
 /// Loads a checkpoint directory for inference with its weight matrices in `format` (`None`: as
 /// stored, f32 for safetensors). On the CPU, activations are f32 whatever the format; on a GPU,
 /// f16 and bf16 run the whole network in that dtype, as `load_dir` does.
@@ -360,7 +389,7 @@ pub fn load_dir_as(dir: &Path, format: Option<WeightFormat>, device: &Device) ->
         }
         None => load_model(dir, DType::F32, device)?,
     };
-    let tokenizer = load_tokenizer(dir, model.config().vocab_size)?;
+    let tokenizer = model_tokenizer(dir, model.config())?;
     Ok((model, tokenizer))
 }
 

@@ -59,6 +59,12 @@ impl Tokenizer {
         }
     }
 
+    /// This tokenizer with the model's end-of-sequence ids (the first is the one generation
+    /// stops at), where the checkpoint names them.
+    pub fn with_eos(self, eos: Vec<u32>) -> Self {
+        Self { eos, ..self }
+    }
+
     /// A tokenizer built elsewhere (a GGUF file's), with the model's end-of-sequence ids.
     pub fn from_inner(inner: tokenizers::Tokenizer, eos: Vec<u32>) -> Self {
         Self {
