@@ -6,6 +6,9 @@
 //!
 //!     [DEVICE=cpu|cuda] [DTYPE=f32|bf16|f16] [WEIGHTS=f32|f16|bf16|q8_0|q4_0] [LAYOUT=inference|gpt2] [PRECISION=highest|high] [PREFILL=128] [BATCH=1] [NEW_TOKENS=128] \
 //!         cargo bench -p gpt --bench inference
+//!
+//! `GGUF=FILE` benchmarks a llama.cpp GGUF file's model instead (its own formats, or `WEIGHTS`
+//! where given): what `bench/smollm2_llamacpp.sh` runs beside `llama-bench`.
 
 use std::time::Instant;
 
@@ -45,6 +48,22 @@ fn main() -> anyhow::Result<()> {
     };
     let (batch, new_tokens) = (env_or("BATCH", 1usize), env_or("NEW_TOKENS", 128usize));
     let prefill = env_or("PREFILL", 128usize);
+    if let Some(path) = std::env::var_os("GGUF") {
+        let weights = std::env::var("WEIGHTS").ok().map(|w| w.parse()).transpose()?;
+        let (model, _) = gpt::load_dir_as(std::path::Path::new(&path), weights, &device)?;
+        let name = weights.map_or("as stored".to_string(), |w: gpt::WeightFormat| w.to_string());
+        return run(
+            model,
+            &device,
+            &dtype_name,
+            "gguf",
+            &name,
+            gpt::MatmulPrecision::Highest,
+            prefill,
+            batch,
+            new_tokens,
+        );
+    }
     let cfg = Config::gpt2_small();
     // Random f32 weights made on the CPU, then moved and cast as a checkpoint is at load
     // (candle's CUDA backend draws no random bf16/f16 numbers).
@@ -71,7 +90,33 @@ fn main() -> anyhow::Result<()> {
     // `PRECISION=high`: f32 products as bf16x3 on AMX tiles (`gpt::MatmulPrecision`).
     let precision: gpt::MatmulPrecision = env_or("PRECISION", "highest".to_string()).parse()?;
     let model = model.with_matmul_precision(precision)?;
+    run(
+        model,
+        &device,
+        &dtype_name,
+        &layout,
+        &weights.to_string(),
+        precision,
+        prefill,
+        batch,
+        new_tokens,
+    )
+}
 
+/// Prefill, then decode, timed; prints the report.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    model: Gpt,
+    device: &Device,
+    dtype_name: &str,
+    layout: &str,
+    weights: &str,
+    precision: gpt::MatmulPrecision,
+    prefill: usize,
+    batch: usize,
+    new_tokens: usize,
+) -> anyhow::Result<()> {
+    let cfg = model.config().clone();
     let ids = prompt(prefill, cfg.vocab_size);
     let mut prefill_s = Vec::new();
     for _ in 0..=REPEATS {
@@ -112,10 +157,10 @@ fn main() -> anyhow::Result<()> {
 
     let report = serde_json::json!({
         "impl": "candle",
-        "device": gpt::device_name(&device),
+        "device": gpt::device_name(device),
         "dtype": dtype_name,
         "layout": layout,
-        "weights": weights.to_string(),
+        "weights": weights,
         "precision": precision.to_string(),
         "threads": candle_core::utils::get_num_threads(),
         "prefill_tokens": prefill,

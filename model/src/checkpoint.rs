@@ -347,9 +347,10 @@ fn family_eos(dir: &Path, cfg: &Config) -> Vec<u32> {
         .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok());
     let ids: Vec<u32> = match generation.as_ref().map(|g| &g["eos_token_id"]) {
         Some(serde_json::Value::Number(n)) => n.as_u64().and_then(|n| u32::try_from(n).ok()).into_iter().collect(),
-        Some(serde_json::Value::Array(ids)) => {
-            ids.iter().filter_map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
-        }
+        Some(serde_json::Value::Array(ids)) => ids
+            .iter()
+            .filter_map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect(),
         _ => Vec::new(),
     };
     match ids.is_empty() {
