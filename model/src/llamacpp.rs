@@ -497,9 +497,12 @@ pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Resul
     Ok((model, tokenizer))
 }
 
+/// A chat template's source with the text of its BOS and EOS tokens.
+pub type TemplateSource = (String, Option<String>, Option<String>);
+
 /// A GGUF file's chat template (`tokenizer.chat_template`) with the text of its BOS and EOS
 /// tokens, which templates write as `bos_token` and `eos_token`.
-pub fn chat_template(path: &Path) -> Result<Option<(String, Option<String>, Option<String>)>> {
+pub fn chat_template(path: &Path) -> Result<Option<TemplateSource>> {
     let f = File::open(path)?;
     let Some(source) = f.string("tokenizer.chat_template")? else {
         return Ok(None);

@@ -25,8 +25,9 @@ pub const MAX_TOKENS: usize = 16;
 
 pub enum Proposer {
     Ngram,
-    /// The draft model, its runner (its caches are the sequences').
-    Draft(Runner),
+    /// The draft model, its runner (its caches are the sequences'); boxed, as the model is large
+    /// beside the n-gram lookup's nothing.
+    Draft(Box<Runner>),
 }
 
 pub struct SpeculateConfig {
@@ -48,7 +49,7 @@ impl Speculator {
     pub fn new(cfg: SpeculateConfig) -> Self {
         Self {
             proposer: match cfg.draft {
-                Some(draft) => Proposer::Draft(Runner::new(draft)),
+                Some(draft) => Proposer::Draft(Box::new(Runner::new(draft))),
                 None => Proposer::Ngram,
             },
             max_tokens: cfg.max_tokens.clamp(1, MAX_TOKENS),
