@@ -30,9 +30,30 @@ pub enum Weight {
     Dense(Tensor),
     /// Packed for the CPU's inference kernel ([`PackedMatrix`]), in any [`WeightFormat`].
     Packed(Arc<PackedMatrix>),
-    /// A llama.cpp block format the packed kernel has no form for yet (Q4_1, Q5_0, Q5_1 and the
+    /// A llama.cpp block format the packed kernel has no form for yet (Q5_0, Q5_1 and the
     /// k-quants), multiplied by candle's quantized matrices (`QMatMul`), as stored.
     Quant(Arc<candle_core::quantized::QTensor>),
+    /// llama.cpp's Q4_1 on the packed Q4_0 kernel: a Q4_1 block's `d·q + m` is Q4_0's `d·(q − 8)`
+    /// of the same codes and scale plus the block's offset `m + 8d`, so `x Wᵀ` is the Q4_0
+    /// product plus `(Σ of x over each block) · offsetsᵀ`, a product 32 times narrower.
+    /// (candle's own Q4_1 product ran at a quarter of llama.cpp's decode rate, `BENCHMARKS.md`.)
+    Q4_1 {
+        codes: Arc<PackedMatrix>,
+        /// `(in / 32, out)`: each block's offset, one row per block of inputs.
+        offsets: Tensor,
+    },
+}
+
+/// `offsets_t` `(blocks, rows)` as the `(rows, blocks * 32)` values it adds: each block's offset
+/// over its 32 positions.
+fn spread_offsets(offsets_t: &Tensor) -> candle_core::Result<Tensor> {
+    let (blocks, rows) = offsets_t.dims2()?;
+    offsets_t
+        .t()?
+        .unsqueeze(2)?
+        .broadcast_as((rows, blocks, 32))?
+        .contiguous()?
+        .reshape((rows, blocks * 32))
 }
 
 impl Weight {
@@ -50,6 +71,11 @@ impl Weight {
             Self::Dense(w) => matmul_wt(x, w, autocast),
             Self::Packed(p) => p.matmul(x),
             Self::Quant(q) => candle_core::quantized::QMatMul::from_arc(q.clone())?.forward(&x.contiguous()?),
+            Self::Q4_1 { codes, offsets } => {
+                let (n, k) = x.dims2()?;
+                let sums = x.contiguous()?.reshape((n, k / 32, 32))?.sum(2)?; // (N, in / 32)
+                codes.matmul(x)? + sums.matmul(offsets)? // (N, out)
+            }
         }
     }
 
@@ -59,6 +85,7 @@ impl Weight {
             Self::Dense(w) => w.to_dtype(dtype),
             Self::Packed(p) => p.dense()?.to_dtype(dtype),
             Self::Quant(q) => q.dequantize(&q.device())?.to_dtype(dtype),
+            Self::Q4_1 { codes, offsets } => (codes.dense()? + spread_offsets(offsets)?)?.to_dtype(dtype),
         }
     }
 
@@ -67,7 +94,7 @@ impl Weight {
         match self {
             Self::Dense(w) => Ok(w.clone()),
             Self::Packed(p) => self.dense(p.format().dtype()),
-            Self::Quant(_) => self.dense(DType::F32),
+            Self::Quant(_) | Self::Q4_1 { .. } => self.dense(DType::F32),
         }
     }
 
@@ -82,6 +109,7 @@ impl Weight {
                 let dims = q.shape().dims();
                 (dims[0], dims.get(1).copied().unwrap_or(1))
             }
+            Self::Q4_1 { codes, .. } => codes.dims(),
         }
     }
 
@@ -91,6 +119,10 @@ impl Weight {
             Self::Dense(w) => gpt_kernels::tape::embedding(w, ids)?.to_dtype(dtype),
             Self::Packed(p) => p.rows(&ids.to_vec1::<u32>()?)?.to_dtype(dtype),
             Self::Quant(q) => q.embedding(ids)?.to_dtype(dtype),
+            Self::Q4_1 { codes, offsets } => {
+                let picked = offsets.t()?.index_select(ids, 0)?.t()?.contiguous()?; // (in / 32, n)
+                (codes.rows(&ids.to_vec1::<u32>()?)? + spread_offsets(&picked)?)?.to_dtype(dtype)
+            }
         }
     }
 
@@ -243,7 +275,7 @@ impl Conv1D {
     ) -> candle_core::Result<Tensor> {
         let part = match &self.weight {
             Weight::Dense(w) => Weight::Dense(w.narrow(0, start, len)?),
-            Weight::Packed(_) | Weight::Quant(_) => {
+            Weight::Packed(_) | Weight::Quant(_) | Weight::Q4_1 { .. } => {
                 candle_core::bail!("forward_cols: the weight is packed for inference")
             }
         };
@@ -288,7 +320,7 @@ fn linear_act(
     };
     let y = match weight {
         Weight::Packed(p) => p.matmul_bias(&x, bias, gelu)?,
-        Weight::Dense(_) | Weight::Quant(_) => {
+        Weight::Dense(_) | Weight::Quant(_) | Weight::Q4_1 { .. } => {
             let y = gpt_kernels::add_tiled(&weight.forward(&x, autocast)?, bias)?; // (rows, out)
             if gelu {
                 gpt_kernels::gelu(&y)?

@@ -4,8 +4,8 @@
 //! `output`, absent where the head is tied), and the tokenizer and chat template from the file
 //! itself (`tokenizer.ggml.*`, `tokenizer.chat_template`). The file's weight matrices stay in
 //! their block formats: packed for the project's kernels where they have the format (F32, F16,
-//! BF16, Q8_0, Q4_0), else multiplied by candle's quantized matrices (Q4_1, Q5_0, Q5_1, the
-//! k-quants). The file comes from a stranger: every count, size and offset is checked against
+//! BF16, Q8_0, Q4_0; Q4_1 as Q4_0 codes with an offset per block), else multiplied by candle's
+//! quantized matrices (Q5_0, Q5_1, the k-quants). The file comes from a stranger: every count, size and offset is checked against
 //! the file before anything is read or allocated, and each error names the file and the field.
 
 use std::path::Path;
@@ -387,6 +387,9 @@ fn stack(parts: Vec<QTensor>) -> Result<QTensor> {
 /// A matrix as inference holds it on `device`: packed for the project's kernels where they have
 /// its format, else candle's quantized matrix (the CPU only); dense in `dtype` off the CPU.
 fn weight(q: QTensor, dtype: DType, device: &Device) -> Result<Weight> {
+    if device.is_cpu() && q.dtype() == GgmlDType::Q4_1 {
+        return q4_1_weight(&q);
+    }
     if device.is_cpu() {
         return Ok(match WeightFormat::from_ggml(q.dtype()) {
             Some(_) => Weight::Packed(Arc::new(PackedMatrix::from_qtensor(&q)?)),
@@ -394,6 +397,31 @@ fn weight(q: QTensor, dtype: DType, device: &Device) -> Result<Weight> {
         });
     }
     Ok(Weight::Dense(q.dequantize(device)?.to_dtype(dtype)?))
+}
+
+/// A Q4_1 matrix as [`Weight::Q4_1`]: its blocks (`d`, `m`, 16 bytes of codes) as Q4_0 blocks
+/// of the same scale and codes (`d`, the codes), and each block's offset `m + 8d`.
+fn q4_1_weight(q: &QTensor) -> Result<Weight> {
+    let (rows, cols) = q.shape().dims2()?;
+    let blocks = cols / 32;
+    let data = q.data()?;
+    let mut q4_0 = Vec::with_capacity(rows * blocks * 18);
+    let mut offsets = Vec::with_capacity(rows * blocks);
+    for block in data.chunks_exact(20) {
+        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let m = half::f16::from_le_bytes([block[2], block[3]]).to_f32();
+        q4_0.extend_from_slice(&block[..2]);
+        q4_0.extend_from_slice(&block[4..]);
+        offsets.push(m + 8.0 * d);
+    }
+    let codes = qtensor_from_ggml(GgmlDType::Q4_0, &q4_0, vec![rows, cols], &Device::Cpu)?;
+    let offsets = Tensor::from_vec(offsets, (rows, blocks), &Device::Cpu)?
+        .t()?
+        .contiguous()?; // (in / 32, out)
+    Ok(Weight::Q4_1 {
+        codes: Arc::new(PackedMatrix::from_qtensor(&codes)?),
+        offsets,
+    })
 }
 
 /// The model of a llama.cpp GGUF file and its tokenizer, on `device` (activations f32 on the CPU;

@@ -16,6 +16,11 @@ const C: usize = 32;
 /// A one-layer Llama in llama.cpp's layout: f32 norms, Q8_0 matrices, a byte-level vocabulary of
 /// 64 single characters.
 fn tiny_file(metadata_override: &[(&str, Value)]) -> anyhow::Result<Vec<u8>> {
+    tiny_file_in(metadata_override, GgmlDType::Q8_0)
+}
+
+/// [`tiny_file`] with its matrices in `format`.
+fn tiny_file_in(metadata_override: &[(&str, Value)], format: GgmlDType) -> anyhow::Result<Vec<u8>> {
     let dev = Device::Cpu;
     let tokens: Vec<Value> = (0..VOCAB)
         .map(|i| Value::String(char::from(b'0' + i as u8).to_string()))
@@ -43,7 +48,8 @@ fn tiny_file(metadata_override: &[(&str, Value)]) -> anyhow::Result<Vec<u8>> {
         }
     }
     let matrix = |rows: usize, cols: usize| -> candle_core::Result<QTensor> {
-        QTensor::quantize(&Tensor::randn(0f32, 0.1, (rows, cols), &dev)?, GgmlDType::Q8_0)
+        // Offset from zero, so that Q4_1's minimum per block matters.
+        QTensor::quantize(&(Tensor::randn(0f32, 0.1, (rows, cols), &dev)? + 0.05)?, format)
     };
     let vector = |len: usize| -> candle_core::Result<QTensor> {
         QTensor::quantize(&(Tensor::randn(0f32, 0.1, len, &dev)? + 1.0)?, GgmlDType::F32)
@@ -116,6 +122,33 @@ fn a_small_llama_cpp_file_loads_and_runs() -> anyhow::Result<()> {
     let logits = model.forward(&Tensor::new(vec![ids], &Device::Cpu)?, None)?;
     assert_eq!(logits.dims(), [1, 4, VOCAB]);
     assert!(logits.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| x.is_finite()));
+    Ok(())
+}
+
+/// Q4_1 matrices (run as Q4_0 codes plus an offset per block, `Weight::Q4_1`): their values are
+/// the file's own (dequantized by candle, exactly up to the offset's f32 rounding), and the model
+/// computes what the same values in f32 compute, within the activations' 8-bit quantization.
+#[test]
+fn q4_1_matrices_hold_the_files_values_and_compute_with_them() -> anyhow::Result<()> {
+    let bytes = tiny_file_in(&[], GgmlDType::Q4_1)?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, &bytes)?;
+    let (q4_1, tok) = gpt::load_dir_as(&path, None, &Device::Cpu)?;
+    let (f32s, _) = gpt::load_dir_as(&path, Some(gpt::WeightFormat::F32), &Device::Cpu)?;
+    let (a, b) = (q4_1.named_tensors()?, f32s.named_tensors()?);
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        let d = (x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(
+            d < 1e-6,
+            "{name}: the Q4_1 values differ from candle's dequantization by {d}"
+        );
+    }
+    let ids = Tensor::new(vec![tok.encode("0123456789")?], &Device::Cpu)?;
+    let (x, y) = (q4_1.forward(&ids, None)?, f32s.forward(&ids, None)?);
+    let scale = y.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    let d = (x - &y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    assert!(d < 0.02 * scale, "Q4_1 logits {d} from the f32 ones' (largest {scale})");
     Ok(())
 }
 

@@ -140,8 +140,8 @@ impl Gpt {
                 Weight::Packed(p) => std::sync::Arc::make_mut(p)
                     .set_precision(precision)
                     .map_err(|e| Error::InvalidConfig(format!("--matmul-precision {precision} for `{name}`: {e}")))?,
-                Weight::Dense(_) | Weight::Quant(_) if precision == MatmulPrecision::Highest => {}
-                Weight::Dense(_) | Weight::Quant(_) => {
+                Weight::Dense(_) | Weight::Quant(_) | Weight::Q4_1 { .. } if precision == MatmulPrecision::Highest => {}
+                Weight::Dense(_) | Weight::Quant(_) | Weight::Q4_1 { .. } => {
                     return Err(Error::InvalidConfig(format!(
                         "--matmul-precision {precision} applies to f32 or bf16 weights on the CPU; `{name}` is held \
                          as a {:?} tensor on {:?}",
@@ -194,7 +194,7 @@ impl Gpt {
                 .into_iter()
                 .find(|f| f.ggml().is_none() && f.dtype() == w.dtype()),
             Weight::Packed(p) => Some(p.format()),
-            Weight::Quant(_) => None,
+            Weight::Quant(_) | Weight::Q4_1 { .. } => None,
         }
     }
 
