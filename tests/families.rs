@@ -203,7 +203,7 @@ fn configs_of_unknown_families_and_missing_fields_are_errors_that_name_them() ->
 fn every_family_from_a_llama_cpp_gguf_file_gives_transformers_logits() -> anyhow::Result<()> {
     for case in CASES.into_iter().filter(|c| *c != "llama3-scaled") {
         let file = tempfile::Builder::new().suffix(".gguf").tempfile()?;
-        write_llama_cpp_gguf(case, file.path())?;
+        gpt_test_support::write_llama_cpp_gguf(&dir(case), file.path(), candle_core::quantized::GgmlDType::F32)?;
         let (model, tok) =
             gpt::load_dir_as(file.path(), None, &Device::Cpu).map_err(|e| anyhow::anyhow!("{case}: {e}"))?;
         check_logits(&model, case, 1e-4)?;
@@ -215,123 +215,5 @@ fn every_family_from_a_llama_cpp_gguf_file_gives_transformers_logits() -> anyhow
             "{case}: the tokenizer from the GGUF file"
         );
     }
-    Ok(())
-}
-
-/// `case`'s checkpoint as llama.cpp's converter writes it, in f32.
-fn write_llama_cpp_gguf(case: &str, path: &Path) -> anyhow::Result<()> {
-    use candle_core::quantized::gguf_file::Value;
-    use candle_core::quantized::{GgmlDType, QTensor};
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir(case).join("config.json"))?)?;
-    let n = |k: &str| cfg[k].as_u64().unwrap_or(0) as u32;
-    let model_type = cfg["model_type"].as_str().unwrap_or_default();
-    let arch = if model_type == "mistral" { "llama" } else { model_type };
-    let (n_head, n_kv) = (n("num_attention_heads") as usize, n("num_key_value_heads") as usize);
-    let head_dim = cfg["head_dim"]
-        .as_u64()
-        .map_or(n("hidden_size") as usize / n_head, |d| d as usize);
-    let theta = cfg["rope_parameters"]["rope_theta"]
-        .as_f64()
-        .or(cfg["rope_theta"].as_f64())
-        .unwrap_or(1e4);
-    let key = |k: &str| format!("{arch}.{k}");
-    let tokenizer: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir(case).join("tokenizer.json"))?)?;
-    let vocab = tokenizer["model"]["vocab"]
-        .as_object()
-        .ok_or_else(|| anyhow::anyhow!("vocab"))?;
-    let mut tokens = vec![String::new(); vocab.len()];
-    for (token, id) in vocab {
-        tokens[id.as_u64().unwrap_or(0) as usize] = token.clone();
-    }
-    let merges: Vec<String> = tokenizer["model"]["merges"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|m| match m {
-            serde_json::Value::Array(pair) => {
-                format!("{} {}", pair[0].as_str().unwrap_or(""), pair[1].as_str().unwrap_or(""))
-            }
-            other => other.as_str().unwrap_or_default().to_string(),
-        })
-        .collect();
-    let strings = |v: Vec<String>| Value::Array(v.into_iter().map(Value::String).collect());
-    let mut types = vec![Value::I32(1); tokens.len()];
-    types[0] = Value::I32(3); // <|endoftext|>, a control token
-    let metadata: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String(arch.into())),
-        (key("block_count"), Value::U32(n("num_hidden_layers"))),
-        (key("context_length"), Value::U32(n("max_position_embeddings"))),
-        (key("embedding_length"), Value::U32(n("hidden_size"))),
-        (key("feed_forward_length"), Value::U32(n("intermediate_size"))),
-        (key("attention.head_count"), Value::U32(n_head as u32)),
-        (key("attention.head_count_kv"), Value::U32(n_kv as u32)),
-        (key("attention.key_length"), Value::U32(head_dim as u32)),
-        (key("rope.freq_base"), Value::F32(theta as f32)),
-        (
-            key("attention.layer_norm_rms_epsilon"),
-            Value::F32(cfg["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32),
-        ),
-        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.tokens".into(), strings(tokens)),
-        ("tokenizer.ggml.merges".into(), strings(merges)),
-        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
-        ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
-    ];
-    // llama.cpp's `LlamaModel.permute`: each head's rows (h, 2, hd/2) -> (h, hd/2, 2).
-    let permute = |w: &Tensor, heads: usize| -> anyhow::Result<Tensor> {
-        let (rows, cols) = w.dims2()?;
-        Ok(w.reshape((heads, 2, rows / heads / 2, cols))?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((rows, cols))?)
-    };
-    let names = [
-        ("model.embed_tokens", "token_embd"),
-        ("model.norm", "output_norm"),
-        ("lm_head", "output"),
-        ("input_layernorm", "attn_norm"),
-        ("post_attention_layernorm", "ffn_norm"),
-        ("self_attn.q_proj", "attn_q"),
-        ("self_attn.k_proj", "attn_k"),
-        ("self_attn.v_proj", "attn_v"),
-        ("self_attn.o_proj", "attn_output"),
-        ("self_attn.q_norm", "attn_q_norm"),
-        ("self_attn.k_norm", "attn_k_norm"),
-        ("mlp.gate_proj", "ffn_gate"),
-        ("mlp.up_proj", "ffn_up"),
-        ("mlp.down_proj", "ffn_down"),
-    ];
-    let mut tensors = Vec::new();
-    for (name, t) in candle_core::safetensors::load(dir(case).join("model.safetensors"), &Device::Cpu)? {
-        let (stem, suffix) = name.rsplit_once('.').unwrap_or((&name, ""));
-        let (layer, stem) = match stem.strip_prefix("model.layers.") {
-            Some(rest) => {
-                let (i, rest) = rest.split_once('.').unwrap_or((rest, ""));
-                (Some(i.to_string()), rest.to_string())
-            }
-            None => (None, stem.to_string()),
-        };
-        let ours = names
-            .iter()
-            .find(|(hf, _)| *hf == stem)
-            .map(|(_, g)| *g)
-            .ok_or_else(|| anyhow::anyhow!("{name}"))?;
-        let t = match (arch, ours, suffix) {
-            ("llama", "attn_q", "weight") => permute(&t, n_head)?,
-            ("llama", "attn_k", "weight") => permute(&t, n_kv)?,
-            _ => t,
-        };
-        let gguf_name = match layer {
-            Some(i) => format!("blk.{i}.{ours}.{suffix}"),
-            None => format!("{ours}.{suffix}"),
-        };
-        tensors.push((gguf_name, QTensor::quantize(&t, GgmlDType::F32)?));
-    }
-    let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let mut out = std::fs::File::create(path)?;
-    candle_core::quantized::gguf_file::write(&mut out, &metadata, &tensors)?;
     Ok(())
 }

@@ -67,7 +67,8 @@ pub struct Resolved {
 /// The checkpoint that `named` names, as every command takes one and as `from_pretrained`
 /// decides: a llama.cpp GGUF file; a path that exists is a checkpoint or run directory ([`resolve_dir`]); anything else
 /// is a Hub id (`gpt2`, `org/name`, `org/name@revision`), found in the Hub cache or downloaded
-/// into it ([`fetch_model`]).
+/// into it ([`fetch_model`]); `org/name:TAG` is the repository's GGUF file of that quantization
+/// ([`fetch_gguf`]), and so is a repository of GGUF files named without a tag.
 pub fn resolve(named: &str) -> Result<Resolved> {
     let path = Path::new(named);
     if crate::llamacpp::is_gguf_file(path) {
@@ -83,9 +84,16 @@ pub fn resolve(named: &str) -> Result<Resolved> {
             hub_id: None,
         });
     }
-    match HubId::parse(named, RepoKind::Model) {
+    // `org/name:TAG`: one GGUF file of a Hub repository, by its quantization tag.
+    let (id, tag) = match named.rsplit_once(':') {
+        Some((id, tag)) if !tag.is_empty() && tag.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') => {
+            (id, Some(tag))
+        }
+        _ => (named, None),
+    };
+    match HubId::parse(id, RepoKind::Model) {
         Some(id) => Ok(Resolved {
-            dir: fetch_model(&id).map_err(|e| match e {
+            dir: fetch_model_or_gguf(&id, tag).map_err(|e| match e {
                 Error::Hub { id, reason } => Error::Hub {
                     id,
                     reason: format!("{reason} (and there is no directory of that name here)"),
@@ -98,6 +106,52 @@ pub fn resolve(named: &str) -> Result<Resolved> {
             path: path.to_path_buf(),
         }),
     }
+}
+
+/// [`fetch_model`], or where a tag is given or the repository holds GGUF files and no
+/// `config.json`, its GGUF file ([`fetch_gguf`]).
+fn fetch_model_or_gguf(id: &HubId, tag: Option<&str>) -> Result<std::path::PathBuf> {
+    let snapshot = hub::Snapshot::open(id)?;
+    if tag.is_some() || (!snapshot.has(CONFIG_FILE) && snapshot.files.iter().any(|f| f.ends_with(".gguf"))) {
+        return fetch_gguf(&snapshot, tag);
+    }
+    fetch_model(id)
+}
+
+/// The GGUF file of a Hub repository that `tag` names (the one file whose name holds it, any
+/// case: `Q4_K_M` as `llama-server -hf org/repo:Q4_K_M` chooses), downloaded into the cache
+/// where missing. Without a tag: the repository's only GGUF file, else its Q4_K_M one, as
+/// llama.cpp defaults. Projector files (`mmproj`) are not models; files split into parts are not
+/// loaded.
+pub fn fetch_gguf(snapshot: &hub::Snapshot, tag: Option<&str>) -> Result<std::path::PathBuf> {
+    let ggufs: Vec<&String> = (snapshot.files.iter())
+        .filter(|f| f.ends_with(".gguf") && !f.contains("mmproj"))
+        .collect();
+    let wanted = tag.unwrap_or("Q4_K_M").to_ascii_lowercase();
+    let matching: Vec<&String> = ggufs
+        .iter()
+        .copied()
+        .filter(|f| f.to_ascii_lowercase().contains(&wanted))
+        .collect();
+    let file = match (matching.as_slice(), tag) {
+        ([one], _) => *one,
+        ([], None) if ggufs.len() == 1 => ggufs[0],
+        _ => {
+            let listed: Vec<&str> = ggufs.iter().map(|f| f.as_str()).collect();
+            return Err(Error::Hub {
+                id: snapshot.id.to_string(),
+                reason: format!(
+                    "{} of its {} GGUF files match `{}` (name one by its quantization, `{}:Q8_0`): {}",
+                    matching.len(),
+                    ggufs.len(),
+                    tag.unwrap_or("Q4_K_M (the default)"),
+                    snapshot.id.repo,
+                    listed.join(", ")
+                ),
+            });
+        }
+    };
+    snapshot.get(file)
 }
 
 /// The adapter directory that `named` names, as the server's `--lora-modules` and `gpt-train

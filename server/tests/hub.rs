@@ -212,6 +212,53 @@ fn startup_error(checkpoint: &str, env: &[(&str, &str)]) -> String {
     }
 }
 
+/// A repository of llama.cpp GGUF files (a Q8_0 and an F16 file of one model, and a projector
+/// that is no model), named as `llama-server -hf` takes it: `org/repo:Q8_0` fetches that file and
+/// nothing else, and serves it; without a tag, or with one that no file has, the error lists
+/// the repository's GGUF files.
+#[tokio::test]
+async fn a_gguf_file_of_a_hub_repository_is_chosen_by_its_quantization_tag() -> anyhow::Result<()> {
+    let family = fixture().join("../families/llama-gqa");
+    let tmp = tempfile::tempdir()?;
+    let mut files = Vec::new();
+    for (name, format) in [
+        ("tiny-llama-Q8_0.gguf", candle_core::quantized::GgmlDType::Q8_0),
+        ("tiny-llama-F16.gguf", candle_core::quantized::GgmlDType::F16),
+    ] {
+        let path = tmp.path().join(name);
+        gpt_test_support::write_llama_cpp_gguf(&family, &path, format)?;
+        files.push((name.to_string(), std::fs::read(&path)?));
+    }
+    files.push(("mmproj-tiny-llama-F16.gguf".to_string(), b"a projector".to_vec()));
+    let hub = FakeHub::start(vec![FakeRepo::model("org/tiny-GGUF", files)]);
+    let cache = tempfile::tempdir()?;
+    let cache_dir = cache.path().to_str().unwrap_or_default();
+    let env = [("HF_ENDPOINT", hub.url.as_str()), ("HF_HUB_CACHE", cache_dir)];
+
+    let (mut child, url) = spawn("org/tiny-GGUF:q8_0", &env).map_err(|e| anyhow::anyhow!(e))?;
+    let served = models_and_completion(&url).await;
+    let _ = child.kill();
+    let (id, text) = served?;
+    assert_eq!(id, "org/tiny-GGUF");
+    assert!(!text.is_empty(), "no completion");
+    let snapshots = cache.path().join("models--org--tiny-GGUF/snapshots");
+    let fetched: Vec<String> = std::fs::read_dir(&snapshots)?
+        .flatten()
+        .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten())
+        .map(|f| f.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(fetched, ["tiny-llama-Q8_0.gguf"], "only the chosen file is downloaded");
+
+    for named in ["org/tiny-GGUF", "org/tiny-GGUF:Q4_K_M"] {
+        let err = startup_error(named, &env);
+        assert!(
+            err.contains("tiny-llama-Q8_0.gguf") && err.contains("tiny-llama-F16.gguf") && !err.contains("mmproj"),
+            "{named}: {err}"
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn hub_failures_are_errors_that_name_the_id_and_leave_no_half_written_file() -> anyhow::Result<()> {
     let mut bin_only = tiny_repo("org/pickled");
