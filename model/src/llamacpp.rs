@@ -170,6 +170,14 @@ impl<'a> File<'a> {
         }
     }
 
+    fn bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.meta(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.corrupt(format!("`{key}` is {v:?}, not a bool"))),
+        }
+    }
+
     fn string(&self, key: &str) -> Result<Option<&str>> {
         match self.meta(key) {
             None => Ok(None),
@@ -664,8 +672,16 @@ fn tokenizer(f: &File, cfg: &Config) -> Result<Tokenizer> {
     }
     inner.add_special_tokens(special).map_err(bad)?;
     inner.add_tokens(user).map_err(bad)?;
-    // `tokenizer.ggml.add_bos_token` is not applied: prompts are encoded as they are (the chat
-    // templates that want a BOS write it themselves).
+    // `add_bos_token` (Llama 2 and 3, TinyLlama): every text starts with the BOS, once (a chat
+    // template that writes `bos_token` is not given a second), as llama.cpp tokenizes prompts.
+    let bos = match f.bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false) {
+        true => Some(cfg.bos_token_id.ok_or_else(|| {
+            f.corrupt("`tokenizer.ggml.add_bos_token` is set but there is no `tokenizer.ggml.bos_token_id`".into())
+        })?),
+        false => None,
+    };
     let template = f.string("tokenizer.chat_template")?.map(str::to_string);
-    Ok(Tokenizer::from_inner(inner, cfg.eos_ids()).with_chat_template(template))
+    Ok(Tokenizer::from_inner(inner, cfg.eos_ids())
+        .with_bos(bos)
+        .with_chat_template(template))
 }

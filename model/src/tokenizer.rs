@@ -28,6 +28,9 @@ pub struct Tokenizer {
     chat_template: Option<String>,
     /// The end-of-sequence ids the checkpoint names (a GGUF file's); empty: `<|endoftext|>`.
     eos: Vec<u32>,
+    /// A token every prompt starts with (a GGUF file's BOS where `add_bos_token`), unless the
+    /// text's own first token is it already (a chat template that writes `bos_token`).
+    bos: Option<u32>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -56,7 +59,14 @@ impl Tokenizer {
             char_level,
             chat_template: None,
             eos: Vec::new(),
+            bos: None,
         }
+    }
+
+    /// This tokenizer with `bos` put before every prompt that does not start with it
+    /// ([`Tokenizer::encode_prompt`]).
+    pub fn with_bos(self, bos: Option<u32>) -> Self {
+        Self { bos, ..self }
     }
 
     /// This tokenizer with the model's end-of-sequence ids (the first is the one generation
@@ -229,6 +239,17 @@ impl Tokenizer {
             .encode(text, false)
             .map_err(|e| Error::Tokenize(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// A prompt's ids: [`Tokenizer::encode`], starting with the BOS where the checkpoint asks for
+    /// one ([`Tokenizer::with_bos`]) and the text does not begin with it already. `encode` alone
+    /// is for pieces of text (a grammar's, a stop string's).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = self.encode(text)?;
+        if let Some(bos) = self.bos.filter(|&b| ids.first() != Some(&b)) {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
     }
 
     /// The text of `ids`, special tokens (`<|endoftext|>`) included.

@@ -152,6 +152,47 @@ fn q4_1_matrices_hold_the_files_values_and_compute_with_them() -> anyhow::Result
     Ok(())
 }
 
+/// `tokenizer.ggml.add_bos_token`: every prompt starts with the BOS, once, also where the text
+/// itself begins with it (a chat template that writes `bos_token`); pieces of text do not.
+#[test]
+fn the_bos_token_starts_every_text_once_where_the_file_asks() -> anyhow::Result<()> {
+    let bytes = tiny_file(&[
+        ("tokenizer.ggml.add_bos_token", Value::Bool(true)),
+        ("tokenizer.ggml.bos_token_id", Value::U32(10)),
+    ])?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, &bytes)?;
+    let (_, tok) = gpt::load_dir_as(&path, None, &Device::Cpu)?;
+    assert_eq!(tok.encode_prompt("0123")?, [10, 0, 1, 2, 3]);
+    assert_eq!(
+        tok.encode_prompt(":012")?,
+        [10, 0, 1, 2],
+        "token 10 is `:`: not doubled"
+    );
+    assert_eq!(
+        tok.encode("0123")?,
+        [0, 1, 2, 3],
+        "pieces of text (a grammar's) without it"
+    );
+    let (_, plain) = gpt::load_dir_as(
+        &{
+            let p = dir.path().join("plain.gguf");
+            std::fs::write(&p, tiny_file(&[])?)?;
+            p
+        },
+        None,
+        &Device::Cpu,
+    )?;
+    assert_eq!(plain.encode_prompt("0123")?, [0, 1, 2, 3]);
+    let err = error(
+        &tiny_file(&[("tokenizer.ggml.add_bos_token", Value::Bool(true))])?,
+        "a BOS without its id",
+    );
+    assert!(err.contains("bos_token_id"), "{err}");
+    Ok(())
+}
+
 #[test]
 fn bad_files_are_errors_that_name_the_file_and_the_field() -> anyhow::Result<()> {
     let good = tiny_file(&[])?;

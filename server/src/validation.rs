@@ -239,7 +239,7 @@ fn prompt_ids(
                 return Err(ApiError::invalid(param::PROMPT, format!("{at} must not be empty")));
             }
             let ids = tokenizer
-                .encode(text)
+                .encode_prompt(text)
                 .map_err(|e| ApiError::invalid(param::PROMPT, format!("{at}: {e}")))?;
             ValidPrompt {
                 ids,

@@ -421,7 +421,7 @@ fn average(args: AverageArgs) -> Result<()> {
 fn sample(args: SampleArgs) -> Result<()> {
     let device = gpt::parse_device(&args.device)?;
     let (model, tokenizer) = gpt::load_dir(&checkpoint_dir(&args.checkpoint)?, candle_core::DType::F32, &device)?;
-    let ids = tokenizer.encode(&args.prompt)?;
+    let ids = tokenizer.encode_prompt(&args.prompt)?;
     if ids.is_empty() {
         bail!("--prompt encodes to no tokens");
     }

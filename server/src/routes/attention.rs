@@ -47,7 +47,7 @@ fn compute(state: &AppState, req: AttentionRequest) -> Result<AttentionResponse,
     let ids: Vec<u32> = match req.prompt {
         Prompt::Text(text) if !text.is_empty() => state
             .tokenizer
-            .encode(&text)
+            .encode_prompt(&text)
             .map_err(|e| ApiError::invalid("prompt", format!("prompt: {e}")))?,
         Prompt::Tokens(ids) if !ids.is_empty() => ids
             .iter()

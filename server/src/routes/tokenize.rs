@@ -31,7 +31,7 @@ pub async fn tokenize(
     let (tokenizer, max_model_len) = (state.tokenizer.clone(), state.limits.context);
     let response = blocking(move || {
         let tokens = tokenizer
-            .encode(&req.prompt)
+            .encode_prompt(&req.prompt)
             .map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
         // As vLLM: the vocabulary's own strings (GPT-2's byte-level `Ġ` for a space, say).
         let token_strs = req.return_token_strs.unwrap_or(false).then(|| {
