@@ -13,9 +13,9 @@ use gpt_server::{app::app, load_state, ServerConfig};
 #[command(name = "gpt-server", version)]
 struct Args {
     /// Checkpoint directory (config.json, model.safetensors, tokenizer.json), a gpt-train run
-    /// directory (its best/ checkpoint), or a Hugging Face Hub id (`gpt2`, `org/name@revision`:
-    /// the shared Hub cache, downloaded into it if missing; HF_HUB_OFFLINE=1 reads the cache
-    /// only); default: weights/.
+    /// directory (its best/ checkpoint), a llama.cpp GGUF file, or a Hugging Face Hub id (`gpt2`,
+    /// `org/name@revision`, `org/name:Q4_K_M` for a repository's GGUF file: the shared Hub cache,
+    /// downloaded into it if missing; HF_HUB_OFFLINE=1 reads the cache only); default: weights/.
     #[arg(long, env = "GPT_SERVER_CHECKPOINT")]
     checkpoint: Option<PathBuf>,
     #[arg(long, env = "GPT_SERVER_HOST", default_value = "127.0.0.1")]
@@ -247,7 +247,7 @@ async fn run() -> Result<()> {
         move || gpt::checkpoint::resolve(&named)
     })
     .await?
-    .context("--checkpoint: pass a checkpoint directory, a gpt-train run directory or a Hub id")?;
+    .context("--checkpoint: pass a checkpoint directory, a gpt-train run directory, a GGUF file or a Hub id")?;
     let checkpoint = resolved.dir.clone();
     let device = gpt::parse_device(&args.device)?;
     let dtype = args.dtype;

@@ -83,9 +83,10 @@ struct TokenizerArgs {
 }
 
 /// What names a checkpoint, the same in every subcommand (and in gpt-server).
-const CHECKPOINT_HELP: &str = "A GPT-2-layout checkpoint directory (config.json, model.safetensors, tokenizer.json), \
+const CHECKPOINT_HELP: &str = "A checkpoint directory (config.json, model.safetensors, tokenizer.json), \
                                a gpt-train run directory (its best/ checkpoint), or a Hugging Face Hub id \
-                               (gpt2, org/name@revision; from the shared Hub cache, downloaded if missing)";
+                               (gpt2, org/name@revision; from the shared Hub cache, downloaded if missing); \
+                               `eval` also takes a llama.cpp GGUF file (or org/name:Q4_K_M)";
 
 #[derive(clap::Args)]
 struct ExportArgs {
