@@ -115,7 +115,7 @@ fn fetch_model_or_gguf(id: &HubId, tag: Option<&str>) -> Result<std::path::PathB
     if tag.is_some() || (!snapshot.has(CONFIG_FILE) && snapshot.files.iter().any(|f| f.ends_with(".gguf"))) {
         return fetch_gguf(&snapshot, tag);
     }
-    fetch_model(id)
+    fetch_model_in(&snapshot)
 }
 
 /// The GGUF file of a Hub repository that `tag` names (the one file whose name holds it, any
@@ -192,7 +192,12 @@ pub fn resolve_adapter(named: &str) -> Result<std::path::PathBuf> {
 /// tokenizer (`tokenizer.json`, or `vocab.json` and `merges.txt`), and `tokenizer_config.json` and
 /// `generation_config.json` where the repository has them.
 pub fn fetch_model(id: &HubId) -> Result<std::path::PathBuf> {
-    let snapshot = hub::Snapshot::open(id)?;
+    fetch_model_in(&hub::Snapshot::open(id)?)
+}
+
+/// [`fetch_model`] from a repository's listing already opened.
+fn fetch_model_in(snapshot: &hub::Snapshot) -> Result<std::path::PathBuf> {
+    let id = &snapshot.id;
     let refuse = |reason: String| Error::Hub {
         id: id.to_string(),
         reason,
@@ -238,7 +243,7 @@ pub fn fetch_model(id: &HubId) -> Result<std::path::PathBuf> {
             snapshot.get(optional)?;
         }
     }
-    Ok(snapshot.dir)
+    Ok(snapshot.dir.clone())
 }
 
 /// The tokenizer of a model on the Hub, fetching only its tokenizer files (`tokenizer.json`, or

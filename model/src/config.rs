@@ -1,8 +1,6 @@
 //! Model hyper-parameters: GPT-2's `config.json` fields, and the [`Variant`] by which the other
-//! families' decoders differ from it (read from and written to their own `config.json` by their
-//! files in [`crate::arch`]).
-
-use std::path::Path;
+//! families' decoders differ from it. Reading and writing a `config.json` (`Config::from_file`,
+//! `Config::to_hf_value`) is in `arch/`, with each family's file.
 
 use serde::{Deserialize, Serialize};
 
@@ -40,10 +38,68 @@ pub enum PositionEmbedding {
 }
 
 /// What sets a family's decoder apart from GPT-2's (whose values are the defaults). Not part of
-/// GPT-2's `config.json`: each family's file in [`crate::arch`] reads and writes its own.
+/// GPT-2's `config.json`: each family's file in `arch/` reads and writes its own.
+/// A family of decoders, as `transformers` names it in `config.json`'s `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Family {
+    /// GPT-2 (Radford et al., 2019): learned positions, LayerNorm, a GELU MLP, fused `c_attn`.
+    #[default]
+    Gpt2,
+    /// Llama 1-3 and the checkpoints that share its layout (SmolLM/SmolLM2, TinyLlama):
+    /// RMSNorm, RoPE, a gated SiLU MLP, grouped-query attention.
+    Llama,
+    /// Mistral's `MistralForCausalLM`: Llama's layout with an optional sliding window.
+    Mistral,
+    /// Qwen2 and Qwen2.5: Llama's layout with biases on q, k and v.
+    Qwen2,
+    /// Qwen3: Llama's layout with a per-head RMSNorm of q and k (QK-norm) and its own head width.
+    Qwen3,
+}
+
+impl Family {
+    pub const ALL: [Family; 5] = [Self::Gpt2, Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3];
+
+    /// The `model_type` of its `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Gpt2 => "gpt2",
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+        }
+    }
+
+    /// The `transformers` class that loads its checkpoints (`architectures` in `config.json`).
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Self::Gpt2 => "GPT2LMHeadModel",
+            Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+
+    pub fn from_model_type(model_type: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.model_type() == model_type)
+    }
+
+    /// The `model_type`s supported, for error messages.
+    pub fn supported() -> String {
+        Self::ALL.map(Self::model_type).join(", ")
+    }
+
+    /// Whether the family's decoder is GPT-2's (learned positions, LayerNorm, multi-head
+    /// attention, `Conv1D` weights): the one the trainer's tape and fused training kernels run.
+    pub fn is_gpt2(self) -> bool {
+        self == Self::Gpt2
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Variant {
-    pub family: crate::arch::Family,
+    pub family: Family,
     /// Key and value heads (grouped-query attention, Ainslie et al., 2023); `None`: one per
     /// query head.
     pub n_kv_head: Option<usize>,
@@ -394,34 +450,6 @@ impl Config {
             );
         }
         Ok(())
-    }
-
-    /// Parses and validates a `config.json`, of any family in [`crate::arch`] (by its
-    /// `model_type`).
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let file_error = |reason: String| Error::ConfigFile {
-            path: path.to_path_buf(),
-            reason,
-        };
-        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| file_error(e.to_string()))?;
-        let cfg = crate::arch::config_from_hf(value).map_err(file_error)?;
-        cfg.validate().map_err(|e| match e {
-            Error::InvalidConfig(reason) => file_error(reason),
-            other => other,
-        })?;
-        Ok(cfg)
-    }
-
-    /// The `config.json` object that `transformers` reads for this model's family (GPT-2's:
-    /// these fields plus the model type).
-    pub fn to_hf_value(&self) -> Result<serde_json::Value> {
-        crate::arch::config_to_hf(self).map_err(Error::InvalidConfig)
-    }
-
-    /// [`Config::to_hf_value`] as pretty-printed text.
-    pub fn to_hf_json(&self) -> Result<String> {
-        serde_json::to_string_pretty(&self.to_hf_value()?).map_err(|e| Error::InvalidConfig(e.to_string()))
     }
 }
 

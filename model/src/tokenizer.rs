@@ -75,12 +75,9 @@ impl Tokenizer {
         Self { eos, ..self }
     }
 
-    /// A tokenizer built elsewhere (a GGUF file's), with the model's end-of-sequence ids.
-    pub fn from_inner(inner: tokenizers::Tokenizer, eos: Vec<u32>) -> Self {
-        Self {
-            eos,
-            ..Self::wrap(inner)
-        }
+    /// A tokenizer built elsewhere (a GGUF file's).
+    pub fn from_inner(inner: tokenizers::Tokenizer) -> Self {
+        Self::wrap(inner)
     }
 
     /// This tokenizer with a chat template to save with it ([`Tokenizer::hf_config`]).
