@@ -30,7 +30,7 @@ work took in this client (`work_ms`, median of one a second: the machine's speed
 shared host moves with the other guests' load even where nothing is stolen). At the end it
 reads `/metrics` and compares it with its own counts: completion and chat requests by status,
 generated tokens of the requests that ended normally, and streams dropped (read again until they
-agree, for at most 30 s: the server counts a dropped stream a step or two after its client went).
+agree, for at most 30 s: the server counts a dropped stream a moment after its client went).
 The report (JSON) has `pass` and the reason of each check; the exit status is 0 when every check
 passes.
 
@@ -604,7 +604,7 @@ def main():
             out.append(f"cancelled: server {got_dropped:.0f}, client {stats.dropped}")
         return out
 
-    # The server counts a dropped stream once its engine sees the connection gone, a step or two
+    # The server counts a dropped stream once its handler sees the connection gone, a moment
     # after the client closed it: the counters are read until they agree, for at most 30 s (a
     # count still missing then is a failure), and the wait is reported.
     waited = time.monotonic()

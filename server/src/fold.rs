@@ -341,11 +341,11 @@ fn append_logprobs(lp: &mut LogProbs, more: LogProbs) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::engine::ValidPrompt;
 
-    fn request(prompts: usize, n: usize, best_of: usize, logprobs: Option<usize>) -> Arc<ValidRequest> {
+    pub(crate) fn request(prompts: usize, n: usize, best_of: usize, logprobs: Option<usize>) -> Arc<ValidRequest> {
         Arc::new(ValidRequest {
             prompts: (0..prompts)
                 .map(|p| ValidPrompt {
@@ -380,7 +380,7 @@ mod tests {
         })
     }
 
-    fn text(prompt: usize, candidate: usize, text: &str) -> Event {
+    pub(crate) fn text(prompt: usize, candidate: usize, text: &str) -> Event {
         Event::Text {
             prompt,
             candidate,
@@ -390,7 +390,7 @@ mod tests {
         }
     }
 
-    fn done(prompt: usize, candidate: usize, tokens: usize, cumulative: f64) -> Event {
+    pub(crate) fn done(prompt: usize, candidate: usize, tokens: usize, cumulative: f64) -> Event {
         Event::Done {
             prompt,
             candidate,

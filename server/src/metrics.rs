@@ -13,7 +13,7 @@ pub struct Metrics {
     /// `usage.completion_tokens` of the completion and chat responses that ended whole (a stream
     /// through its last chunk): what clients were billed, as they count it.
     pub completion_tokens: IntCounter,
-    /// Sequences dropped because their client went away.
+    /// Requests whose client went away before the response ended (counted by the handler).
     pub cancelled: IntCounter,
     /// Requests ended by the request timeout.
     pub timeouts: IntCounter,
@@ -60,7 +60,10 @@ impl Metrics {
             "gpt_completion_tokens_total",
             "usage.completion_tokens of the responses that ended whole",
         )?;
-        let cancelled = IntCounter::new("gpt_cancelled_total", "Sequences cancelled by a client disconnect")?;
+        let cancelled = IntCounter::new(
+            "gpt_cancelled_total",
+            "Requests whose client went away before the response ended",
+        )?;
         let timeouts = IntCounter::new("gpt_request_timeouts_total", "Requests ended by the request timeout")?;
         let stream_timeouts = IntCounter::new(
             "gpt_stream_timeouts_total",

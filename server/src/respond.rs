@@ -10,30 +10,66 @@ use futures_util::stream::{self, Stream, StreamExt};
 use serde::Serialize;
 
 use crate::api::{Choice, Usage};
-use crate::engine::EventSource;
 use crate::engine::ValidRequest;
+use crate::engine::{Event, EventSource};
 use crate::error::ApiError;
 use crate::fold::{merge, Delta, Fold};
 use crate::metrics::Metrics;
+
+/// A response in the making: its fold over the engine's events, counted as cancelled if it is
+/// dropped (its client went away: axum drops the handler's future, hyper the stream) before its
+/// last choice ended while the engine still held it. Counted here rather than where the engine
+/// frees the sequences: the engine may have finished a sequence whose events still wait for a
+/// client that then leaves, and such a request is cancelled too, as the client sees it.
+struct Watched {
+    fold: Fold,
+    metrics: Arc<Metrics>,
+    /// The engine dropped its end first (its thread failed, or it dropped a stalled stream).
+    engine_gone: bool,
+}
+
+impl Watched {
+    fn new(req: Arc<ValidRequest>, metrics: Arc<Metrics>) -> Self {
+        Self {
+            fold: Fold::new(req),
+            metrics,
+            engine_gone: false,
+        }
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        if !self.fold.is_done() && !self.engine_gone {
+            self.metrics.cancelled.inc();
+        }
+    }
+}
 
 /// Waits for every choice: the whole choices and the usage.
 pub async fn collect(
     req: Arc<ValidRequest>,
     mut events: EventSource,
-    metrics: &Metrics,
+    metrics: Arc<Metrics>,
 ) -> Result<(Vec<Choice>, Usage), ApiError> {
-    let mut fold = Fold::new(req);
-    let mut choices = fold.empty_choices();
-    while !fold.is_done() {
-        // The engine dropped the request before its choices ended: its thread failed.
-        let event = events.recv().await.ok_or(ApiError::EngineFailed)?;
-        for delta in fold.apply(event)? {
+    let mut watched = Watched::new(req, metrics);
+    let mut choices = watched.fold.empty_choices();
+    while !watched.fold.is_done() {
+        let Some(event) = events.recv().await else {
+            // The engine dropped the request before its choices ended: its thread failed.
+            watched.engine_gone = true;
+            return Err(ApiError::EngineFailed);
+        };
+        let deltas = watched.fold.apply(event);
+        // An error event: generation failed, and the engine ended the request.
+        watched.engine_gone |= deltas.is_err();
+        for delta in deltas? {
             merge(&mut choices, delta);
         }
     }
-    fold.fill_prompt_logprobs(&mut choices);
-    let usage = fold.usage();
-    metrics.completion_tokens.inc_by(usage.completion_tokens as u64);
+    watched.fold.fill_prompt_logprobs(&mut choices);
+    let usage = watched.fold.usage();
+    watched.metrics.completion_tokens.inc_by(usage.completion_tokens as u64);
     Ok((choices, usage))
 }
 
@@ -66,72 +102,146 @@ pub fn stream_response<C: Chunk>(
     usage: impl Fn(Usage) -> C + Send + 'static,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let (include_usage, continuous) = (req.include_usage, req.continuous_usage);
-    let mut fold = Fold::new(req);
-    let mut ended = false;
+    let watched = Watched::new(req, metrics);
     let data = |c: &C| Ok(SseEvent::default().data(serde_json::to_string(c).unwrap_or_default()));
     let mut first = first;
     if continuous {
-        let start = fold.usage_so_far();
+        let start = watched.fold.usage_so_far();
         first.iter_mut().for_each(|c| c.set_usage(start));
     }
     let first = stream::iter(first.iter().map(data).collect::<Vec<_>>());
-    // Ends when the engine drops the request's last sender: after its last choice, or (its thread
-    // failed) before, and then with an error event.
-    let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let seen = finished.clone();
-    let body = events
-        .into_stream()
-        .map(move |event| {
-            let mut out: Vec<Result<SseEvent, Infallible>> = Vec::new();
-            if ended {
-                return stream::iter(out);
-            }
-            match fold.apply(event) {
-                Ok(deltas) => {
-                    let so_far = continuous.then(|| fold.usage_so_far());
-                    for d in deltas {
-                        let mut made = chunks(d);
-                        if let Some(so_far) = so_far {
-                            made.iter_mut().for_each(|c| c.set_usage(so_far));
-                        }
-                        out.extend(made.iter().map(data));
+    // Ends after the last choice's events, or (the engine dropped the request first: its thread
+    // failed) with an error event; `watched` lives in the stream's state, so that hyper dropping
+    // the stream before then counts the request as cancelled.
+    let chunks_of = move |watched: &mut Watched, event: Option<Event>| {
+        let mut out: Vec<Result<SseEvent, Infallible>> = Vec::new();
+        let error = |e: ApiError| {
+            Ok(SseEvent::default()
+                .event("error")
+                .data(serde_json::to_string(&e.body()).unwrap_or_default()))
+        };
+        match event.map(|event| watched.fold.apply(event)) {
+            Some(Ok(deltas)) => {
+                let so_far = continuous.then(|| watched.fold.usage_so_far());
+                for d in deltas {
+                    let mut made = chunks(d);
+                    if let Some(so_far) = so_far {
+                        made.iter_mut().for_each(|c| c.set_usage(so_far));
                     }
-                    ended = fold.is_done();
-                    if ended {
-                        let total = fold.usage();
-                        metrics.completion_tokens.inc_by(total.completion_tokens as u64);
-                        if include_usage {
-                            out.push(data(&usage(total)));
-                        }
+                    out.extend(made.iter().map(data));
+                }
+                if watched.fold.is_done() {
+                    let total = watched.fold.usage();
+                    watched.metrics.completion_tokens.inc_by(total.completion_tokens as u64);
+                    if include_usage {
+                        out.push(data(&usage(total)));
                     }
                 }
-                Err(e) => {
-                    ended = true;
-                    out.push(Ok(SseEvent::default()
-                        .event("error")
-                        .data(serde_json::to_string(&e.body()).unwrap_or_default())));
-                }
             }
-            if ended {
-                seen.store(true, std::sync::atomic::Ordering::SeqCst);
-                out.push(Ok(SseEvent::default().data("[DONE]")));
+            Some(Err(e)) => {
+                watched.engine_gone = true;
+                out.push(error(e));
             }
-            stream::iter(out)
-        })
-        .flatten();
-    let broken = stream::once(async move {
-        let done = finished.load(std::sync::atomic::Ordering::SeqCst);
-        let error = ApiError::EngineFailed.body();
-        stream::iter(match done {
-            true => Vec::new(),
-            false => vec![
-                Ok(SseEvent::default()
-                    .event("error")
-                    .data(serde_json::to_string(&error).unwrap_or_default())),
-                Ok(SseEvent::default().data("[DONE]")),
-            ],
-        })
+            None => {
+                watched.engine_gone = true;
+                out.push(error(ApiError::EngineFailed));
+            }
+        }
+        let ended = watched.fold.is_done() || watched.engine_gone;
+        if ended {
+            out.push(Ok(SseEvent::default().data("[DONE]")));
+        }
+        (out, ended)
+    };
+    let body = stream::unfold(Some((events, watched, chunks_of)), |state| async move {
+        let (mut events, mut watched, mut chunks_of) = state?;
+        let (out, ended) = chunks_of(&mut watched, events.recv().await);
+        Some((stream::iter(out), (!ended).then_some((events, watched, chunks_of))))
     })
     .flatten();
-    Sse::new(first.chain(body).chain(broken)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    Sse::new(first.chain(body)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::response::IntoResponse;
+    use futures_util::FutureExt;
+    use http_body_util::BodyExt;
+
+    use super::*;
+    use crate::engine::channel::channel;
+    use crate::fold::tests::{done, request, text};
+
+    #[derive(Serialize)]
+    struct Piece;
+
+    impl Chunk for Piece {
+        fn set_usage(&mut self, _: Usage) {}
+    }
+
+    /// A stream of one choice whose engine has sent two tokens and its end (`finished`) or only
+    /// the tokens and then dropped the request (its thread failed); the client reads `frames`
+    /// frames, then goes. Returns the cancellations counted.
+    async fn cancelled_after(frames: Option<usize>, finished: bool) -> u64 {
+        let metrics = Arc::new(Metrics::new().expect("metrics"));
+        let (sink, source) = channel();
+        for event in [text(0, 0, "a"), text(0, 0, "b")] {
+            sink.send(event).expect("open");
+        }
+        if finished {
+            sink.send(done(0, 0, 2, 0.0)).expect("open");
+        }
+        drop(sink);
+        let sse = stream_response(
+            request(1, 1, 1, None),
+            source,
+            metrics.clone(),
+            vec![],
+            |_| vec![Piece],
+            |_| Piece,
+        );
+        let mut body = sse.into_response().into_body();
+        match frames {
+            Some(frames) => {
+                for _ in 0..frames {
+                    body.frame().await.expect("a frame").expect("no error");
+                }
+            }
+            None => while body.frame().await.is_some() {},
+        }
+        drop(body);
+        metrics.cancelled.get()
+    }
+
+    #[tokio::test]
+    async fn a_stream_dropped_before_its_end_is_cancelled_even_once_the_engine_finished() {
+        assert_eq!(cancelled_after(Some(1), true).await, 1, "left after the first chunk");
+        assert_eq!(cancelled_after(None, true).await, 0, "read to [DONE]");
+        assert_eq!(
+            cancelled_after(None, false).await,
+            0,
+            "the engine failed, the error read"
+        );
+        assert_eq!(cancelled_after(Some(1), false).await, 1, "left before the error came");
+    }
+
+    #[tokio::test]
+    async fn a_whole_response_whose_client_left_is_cancelled() {
+        let metrics = Arc::new(Metrics::new().expect("metrics"));
+        let (sink, source) = channel();
+        sink.send(text(0, 0, "a")).expect("open");
+        // One poll, waiting for more, then dropped: axum's handler future when the client goes.
+        let waiting = collect(request(1, 1, 1, None), source, metrics.clone()).now_or_never();
+        assert!(waiting.is_none(), "still waiting for the end");
+        assert_eq!(metrics.cancelled.get(), 1);
+
+        let (sink, source) = channel();
+        for event in [text(0, 0, "a"), done(0, 0, 1, 0.0)] {
+            sink.send(event).expect("open");
+        }
+        let whole = collect(request(1, 1, 1, None), source, metrics.clone()).now_or_never();
+        assert!(matches!(whole, Some(Ok(_))), "ended whole");
+        assert_eq!(metrics.cancelled.get(), 1, "not counted again");
+        drop(sink);
+    }
 }

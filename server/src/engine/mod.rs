@@ -425,18 +425,16 @@ impl Worker {
     /// Drops what nobody waits for: requests whose client disconnected, and streams whose client
     /// has not read for the stream timeout (its sequences freed).
     fn drop_cancelled(&mut self) {
+        // Counted as cancelled by their handlers (`respond::Watched`).
         for group in self.scheduler.drop_cancelled() {
             self.left_queue(&group);
-            self.metrics.cancelled.inc_by(group.request.best_of as u64);
         }
         let timeout = self.stream_timeout;
         for group in self.scheduler.take_where(|g| g.events.stalled(timeout)) {
             self.left_queue(&group);
             self.metrics.stream_timeouts.inc();
         }
-        let cancelled: usize = self.running.iter().filter(|a| a.cancelled()).map(Active::slots).sum();
         self.running.retain(|a| !a.cancelled());
-        self.metrics.cancelled.inc_by(cancelled as u64);
         // Counted by stream: a request's candidates share one.
         let (stalled, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
             .into_iter()

@@ -109,7 +109,7 @@ pub async fn chat_completions(
         };
         Ok(stream_response(valid, events, state.metrics.clone(), first, chunks, usage).into_response())
     } else {
-        let (mut choices, usage) = collect(valid, events, &state.metrics).await?;
+        let (mut choices, usage) = collect(valid, events, state.metrics.clone()).await?;
         // One prompt, so every choice carries the same; vLLM puts them on the response.
         let prompt_logprobs = choices.first_mut().and_then(|c| c.prompt_logprobs.take()).flatten();
         Ok(Json(ChatCompletion {

@@ -57,7 +57,7 @@ pub async fn completions(
     if valid.stream {
         Ok(completion_stream(valid, completion, events, state.metrics.clone()).into_response())
     } else {
-        let (choices, usage) = collect(valid, events, &state.metrics).await?;
+        let (choices, usage) = collect(valid, events, state.metrics.clone()).await?;
         Ok(Json(Completion {
             choices,
             usage: Some(usage),
