@@ -48,6 +48,16 @@ impl RopeTables {
         device: &candle_core::Device,
     ) -> candle_core::Result<Option<Arc<Self>>> {
         let Some(rope) = &cfg.variant.rope else { return Ok(None) };
+        Self::of(rope, cfg, dtype, device).map(Some)
+    }
+
+    /// The tables of the frequencies `rope` for `cfg`'s heads and positions.
+    pub(crate) fn of(
+        rope: &crate::config::Rope,
+        cfg: &Config,
+        dtype: candle_core::DType,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Arc<Self>> {
         let inv_freq: Vec<f32> = rope.inv_freq(cfg.head_dim()).into_iter().map(|f| f as f32).collect();
         let half = inv_freq.len();
         let (mut cos, mut sin) = (
@@ -62,10 +72,10 @@ impl RopeTables {
             }
         }
         let table = |v: Vec<f32>| Tensor::from_vec(v, (cfg.n_positions, half), device)?.to_dtype(dtype);
-        Ok(Some(Arc::new(Self {
+        Ok(Arc::new(Self {
             cos: table(cos)?,
             sin: table(sin)?,
-        })))
+        }))
     }
 }
 
@@ -83,6 +93,10 @@ pub struct CausalSelfAttention {
     rope: Option<Arc<RopeTables>>,
     /// The per-head RMSNorm gains of q and k `(head_dim)` (QK-norm), with their epsilon.
     pub(crate) qk_norm: Option<(Tensor, Tensor, f32)>,
+    /// The scores' factor: 1 / sqrt(head_dim), or of Gemma's `query_pre_attn_scalar`.
+    scale: f64,
+    /// A sliding window and soft-capped scores ([`gpt_kernels::Masking`]).
+    masking: gpt_kernels::Masking,
 }
 
 impl CausalSelfAttention {
@@ -115,13 +129,29 @@ impl CausalSelfAttention {
             autocast: Autocast::Off,
             rope,
             qk_norm: qk_norm.map(|(q, k)| (q, k, cfg.layer_norm_epsilon as f32)),
+            scale: cfg.attn_scale(),
+            masking: gpt_kernels::Masking {
+                window: None,
+                softcap: cfg.variant.attn_softcap.map(|c| c as f32),
+            },
         }
+    }
+
+    /// The attention with a sliding window of `window` positions (a query sees its own and the
+    /// `window - 1` before it), or none.
+    pub(crate) fn with_window(mut self, window: Option<usize>) -> Self {
+        self.masking.window = window;
+        self
     }
 
     /// Whether this is GPT-2's attention: as many key/value heads as query heads, no rotations,
     /// no norms of the heads (what the fused training kernels and the GPU's decode kernel take).
     pub(crate) fn is_plain(&self) -> bool {
-        self.rope.is_none() && self.qk_norm.is_none() && self.n_kv_head == self.n_head
+        self.rope.is_none()
+            && self.qk_norm.is_none()
+            && self.n_kv_head == self.n_head
+            && self.masking == gpt_kernels::Masking::default()
+            && self.scale == 1.0 / (self.head_dim as f64).sqrt()
     }
 
     /// The widths of q, and of k and of v, in `c_attn`'s output.
@@ -189,7 +219,36 @@ impl CausalSelfAttention {
     }
 
     fn scale(&self) -> f64 {
-        1.0 / (self.head_dim as f64).sqrt()
+        self.scale
+    }
+
+    /// The scores `(.., T, offset + T)` of `T` queries at positions `offset..offset + T` soft-capped
+    /// and masked outside their windows (-inf), where this attention has either; the causal mask
+    /// is the softmax's ([`gpt_kernels::causal_softmax`]).
+    fn masked(&self, att: Tensor) -> candle_core::Result<Tensor> {
+        let att = match self.masking.softcap {
+            Some(cap) => ((att / cap as f64)?.tanh()? * cap as f64)?,
+            None => att,
+        };
+        let Some(window) = self.masking.window else {
+            return Ok(att);
+        };
+        let dims = att.dims();
+        let (t, keys) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        let offset = keys - t;
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| {
+                (0..keys).map(move |j| {
+                    if j + window <= offset + i {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, keys), att.device())?.to_dtype(att.dtype())?;
+        att.broadcast_add(&mask)
     }
 
     /// Causal attention over whole windows. `train` switches on dropout (masks: its sites 0 and 1)
@@ -268,7 +327,7 @@ impl CausalSelfAttention {
             .contiguous()
         };
         let (q, k, v) = (heads(0)?, self.repeat_kv(heads(1)?)?, self.repeat_kv(heads(2)?)?); // (B, nh, T, hs)
-        let mut att = (matmul(&q, &k.t()?, self.autocast)? * self.scale())?; // (B, nh, T, T)
+        let mut att = self.masked((matmul(&q, &k.t()?, self.autocast)? * self.scale())?)?; // (B, nh, T, T)
         if let Some(segments) = segments {
             let Some(mask) = &segments.mask else {
                 candle_core::bail!("attention: packed windows without their mask")
@@ -383,7 +442,15 @@ impl CausalSelfAttention {
                 }
                 kv
             };
-            let y = gpt_kernels::grouped_attention(&qkv, lens, &kv, self.n_head, self.n_kv_head, self.scale() as f32)?; // (N, q)
+            let y = gpt_kernels::grouped_attention(
+                &qkv,
+                lens,
+                &kv,
+                self.n_head,
+                self.n_kv_head,
+                self.scale() as f32,
+                self.masking,
+            )?; // (N, q)
             return self.c_proj.forward_updated(&y, proj_updates);
         }
         #[cfg(feature = "cuda")]
@@ -404,7 +471,7 @@ impl CausalSelfAttention {
             let (k, v) = cache.append(&heads(qw, kvw, self.n_kv_head)?, &heads(qw + kvw, kvw, self.n_kv_head)?)?; // (nkv, offset + t, hs)
             let (k, v) = (self.repeat_kv(k.contiguous()?)?, self.repeat_kv(v.contiguous()?)?); // (nh, offset + t, hs)
             let q = heads(0, qw, self.n_head)?;
-            let att = (q.matmul(&k.t()?)? * self.scale())?; // (nh, t, offset + t)
+            let att = self.masked((q.matmul(&k.t()?)? * self.scale())?)?; // (nh, t, offset + t)
             let att = gpt_kernels::causal_softmax(&att, false)?; // new token i sees keys ..= offset + i
             let y = att.matmul(&v.contiguous()?)?; // (nh, t, hs)
             outputs.push(y.transpose(0, 1)?.reshape((len, qw))?); // (t, nh * hs)

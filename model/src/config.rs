@@ -54,10 +54,26 @@ pub enum Family {
     Qwen2,
     /// Qwen3: Llama's layout with a per-head RMSNorm of q and k (QK-norm) and its own head width.
     Qwen3,
+    /// Gemma 2 (Gemma Team, 2024): norms after attention and the MLP too, `(1 + w)` gains, a
+    /// gated GELU-tanh MLP, the embedding scaled by sqrt(hidden), sliding-window attention on
+    /// every other layer, attention and final logits soft-capped.
+    Gemma2,
+    /// Gemma 3's text model (`gemma3_text`; `gemma3`'s `text_config`): Gemma 2's layout with
+    /// QK-norm in place of soft-capping, five sliding-window layers to one global, and a RoPE
+    /// base of their own for the local layers.
+    Gemma3,
 }
 
 impl Family {
-    pub const ALL: [Family; 5] = [Self::Gpt2, Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3];
+    pub const ALL: [Family; 7] = [
+        Self::Gpt2,
+        Self::Llama,
+        Self::Mistral,
+        Self::Qwen2,
+        Self::Qwen3,
+        Self::Gemma2,
+        Self::Gemma3,
+    ];
 
     /// The `model_type` of its `config.json`.
     pub fn model_type(self) -> &'static str {
@@ -67,6 +83,8 @@ impl Family {
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Gemma2 => "gemma2",
+            Self::Gemma3 => "gemma3_text",
         }
     }
 
@@ -78,6 +96,8 @@ impl Family {
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Gemma2 => "Gemma2ForCausalLM",
+            Self::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -88,6 +108,12 @@ impl Family {
     /// The `model_type`s supported, for error messages.
     pub fn supported() -> String {
         Self::ALL.map(Self::model_type).join(", ")
+    }
+
+    /// Gemma's layout: the norms' gains stored as `w` for a gain of `1 + w`, norms after the
+    /// attention and the MLP as well as before, the embedding scaled by sqrt(hidden).
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Self::Gemma2 | Self::Gemma3)
     }
 
     /// Whether the family's decoder is GPT-2's (learned positions, LayerNorm, multi-head
@@ -122,6 +148,26 @@ pub struct Variant {
     pub qk_norm: bool,
     /// Every end-of-sequence id the checkpoint names (`eos_token_id` may be a list: Llama 3).
     pub eos_token_ids: Vec<u32>,
+    /// RMSNorms of the attention's and the MLP's outputs before their residual adds (Gemma 2
+    /// and 3: `post_attention_layernorm`, `post_feedforward_layernorm`).
+    pub post_norms: bool,
+    /// The token embedding multiplied by sqrt(n_embd) on its way in (Gemma), not as the head.
+    pub embed_scale: bool,
+    /// The attention scores scaled by `1 / sqrt(this)` rather than `1 / sqrt(head_dim)`
+    /// (Gemma's `query_pre_attn_scalar`).
+    pub query_pre_attn_scalar: Option<f64>,
+    /// The attention scores soft-capped, `cap * tanh(s / cap)` (Gemma 2).
+    pub attn_softcap: Option<f64>,
+    /// The LM head's logits soft-capped the same way (Gemma 2).
+    pub final_softcap: Option<f64>,
+    /// Sliding-window attention: a query sees its own position and the `window - 1` before it
+    /// (Mistral, Gemma), on the layers of [`Variant::sliding_layers`].
+    pub sliding_window: Option<usize>,
+    /// Which layers slide (`true`); empty: every layer, where there is a window.
+    pub sliding_layers: Vec<bool>,
+    /// The rotary frequencies of the sliding layers where they differ from the others' (Gemma
+    /// 3's `rope_local_base_freq`).
+    pub rope_local: Option<Rope>,
 }
 
 /// The rotary embedding's frequencies.
@@ -252,7 +298,8 @@ impl Config {
     /// Preset names accepted by [`Config::preset`].
     pub const PRESETS: [&'static str; 3] = ["tiny", "shakespeare-char", "gpt2"];
 
-    fn base(vocab_size: usize, n_positions: usize, n_embd: usize, n_layer: usize, n_head: usize) -> Self {
+    /// GPT-2's defaults at these sizes, without dropout: what each family's config starts from.
+    pub(crate) fn base(vocab_size: usize, n_positions: usize, n_embd: usize, n_layer: usize, n_head: usize) -> Self {
         Self {
             vocab_size,
             n_positions,
@@ -373,6 +420,33 @@ impl Config {
         self.n_inner.unwrap_or(4 * self.n_embd)
     }
 
+    /// The attention window of layer `layer` (positions a query sees, itself included), `None`
+    /// where it sees its whole past.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        let v = &self.variant;
+        let slides = v.sliding_layers.is_empty() || v.sliding_layers.get(layer).copied().unwrap_or(false);
+        v.sliding_window.filter(|_| slides)
+    }
+
+    /// The rotary frequencies of layer `layer`: the local ones on a sliding layer where the
+    /// family has them.
+    pub fn rope(&self, layer: usize) -> Option<&Rope> {
+        match (&self.variant.rope_local, self.window(layer)) {
+            (Some(local), Some(_)) => Some(local),
+            _ => self.variant.rope.as_ref(),
+        }
+    }
+
+    /// The factor of the attention scores: `1 / sqrt(head_dim)`, or of Gemma's
+    /// `query_pre_attn_scalar`.
+    pub fn attn_scale(&self) -> f64 {
+        1.0 / self
+            .variant
+            .query_pre_attn_scalar
+            .unwrap_or(self.head_dim() as f64)
+            .sqrt()
+    }
+
     /// Checks the values that would otherwise fail deep inside a forward pass.
     pub fn validate(&self) -> Result<()> {
         let invalid = |msg: String| Err(Error::InvalidConfig(msg));
@@ -438,6 +512,34 @@ impl Config {
             if !(rope.theta > 0.0 && rope.theta.is_finite()) {
                 return invalid(format!("rope_theta must be positive, got {}", rope.theta));
             }
+        }
+        let v = &self.variant;
+        if v.sliding_window == Some(0) {
+            return invalid("sliding_window must be at least 1".into());
+        }
+        if !v.sliding_layers.is_empty() && v.sliding_layers.len() != self.n_layer {
+            return invalid(format!(
+                "{} layer types for {} layers",
+                v.sliding_layers.len(),
+                self.n_layer
+            ));
+        }
+        for (name, x) in [
+            ("query_pre_attn_scalar", v.query_pre_attn_scalar),
+            ("attn_logit_softcapping", v.attn_softcap),
+            ("final_logit_softcapping", v.final_softcap),
+        ] {
+            if let Some(x) = x.filter(|x| !(*x > 0.0 && x.is_finite())) {
+                return invalid(format!("{name} must be positive, got {x}"));
+            }
+        }
+        if let Some(theta) = v
+            .rope_local
+            .as_ref()
+            .map(|r| r.theta)
+            .filter(|t| !(*t > 0.0 && t.is_finite()))
+        {
+            return invalid(format!("rope_local_base_freq must be positive, got {theta}"));
         }
         if !self.tie_word_embeddings && self.is_gpt2_shaped() {
             return invalid("tie_word_embeddings = false (an untied LM head) is not supported for GPT-2".into());

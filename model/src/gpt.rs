@@ -131,6 +131,8 @@ pub(crate) struct Block {
     pub(crate) attn: CausalSelfAttention,
     pub(crate) ln_2: LayerNorm,
     pub(crate) mlp: Mlp,
+    /// Norms of the attention's and the MLP's outputs before their residual adds (Gemma).
+    pub(crate) post_norms: Option<(LayerNorm, LayerNorm)>,
 }
 
 impl Block {
@@ -140,7 +142,24 @@ impl Block {
             attn: CausalSelfAttention::load(vb.pp("attn"), cfg)?,
             ln_2: load_layer_norm(vb.pp("ln_2"), cfg)?,
             mlp: Mlp::load(vb.pp("mlp"), cfg)?,
+            post_norms: None,
         })
+    }
+
+    /// The attention's output `h` through its post-norm, where the block has one.
+    fn post_attn(&self, h: Tensor) -> candle_core::Result<Tensor> {
+        match &self.post_norms {
+            Some((attn, _)) => layer_norm(attn, &h, false),
+            None => Ok(h),
+        }
+    }
+
+    /// The MLP's output `h` through its post-norm, where the block has one.
+    fn post_mlp(&self, h: Tensor) -> candle_core::Result<Tensor> {
+        match &self.post_norms {
+            Some((_, mlp)) => layer_norm(mlp, &h, false),
+            None => Ok(h),
+        }
     }
 
     fn forward_t(
@@ -150,13 +169,14 @@ impl Block {
         segments: Option<&Segments>,
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
-        let x =
-            (x + self
-                .attn
-                .forward_recorded(&layer_norm(&self.ln_1, x, train.is_some())?, train, segments, record)?)?;
-        &x + self
+        let h = self
+            .attn
+            .forward_recorded(&layer_norm(&self.ln_1, x, train.is_some())?, train, segments, record)?;
+        let x = (x + self.post_attn(h)?)?;
+        let h = self
             .mlp
-            .forward_t(&layer_norm(&self.ln_2, &x, train.is_some())?, train)?
+            .forward_t(&layer_norm(&self.ln_2, &x, train.is_some())?, train)?;
+        &x + self.post_mlp(h)?
     }
 
     /// [`Block::forward_t`] on the residual stream as rows, `x` `(B * T, C)` in windows of
@@ -212,10 +232,11 @@ impl Block {
             caches,
             (c_attn, attn_proj),
         )?;
-        let x = (x + h)?;
-        &x + self
+        let x = (x + self.post_attn(h)?)?;
+        let h = self
             .mlp
-            .forward_updated(&layer_norm(&self.ln_2, &x, false)?, c_fc, mlp_proj)?
+            .forward_updated(&layer_norm(&self.ln_2, &x, false)?, c_fc, mlp_proj)?;
+        &x + self.post_mlp(h)?
     }
 }
 
@@ -306,25 +327,39 @@ impl Gpt {
     ) -> Result<Self> {
         cfg.validate()?;
         let rope = RopeTables::new(cfg, dtype, device)?;
+        // Gemma 3's sliding layers rotate with a base of their own.
+        let local_rope = match &cfg.variant.rope_local {
+            Some(local) => Some(RopeTables::of(local, cfg, dtype, device)?),
+            None => None,
+        };
         let norm = |gain: Tensor| LayerNorm::rms_norm(gain, cfg.layer_norm_epsilon);
         let blocks = weights
             .layers
             .into_iter()
-            .map(|l| Block {
-                ln_1: norm(l.attn_norm),
-                attn: CausalSelfAttention::new(
-                    Conv1D::from_weight(l.qkv.0, l.qkv.1),
-                    Conv1D::from_weight(l.o.0, l.o.1),
-                    cfg,
-                    rope.clone(),
-                    l.qk_norm,
-                ),
-                ln_2: norm(l.mlp_norm),
-                mlp: Mlp::new(
-                    Conv1D::from_weight(l.gate_up.0, l.gate_up.1),
-                    Conv1D::from_weight(l.down.0, l.down.1),
-                    cfg,
-                ),
+            .enumerate()
+            .map(|(i, l)| {
+                let rope = match (&local_rope, cfg.window(i)) {
+                    (Some(local), Some(_)) => Some(local.clone()),
+                    _ => rope.clone(),
+                };
+                Block {
+                    ln_1: norm(l.attn_norm),
+                    attn: CausalSelfAttention::new(
+                        Conv1D::from_weight(l.qkv.0, l.qkv.1),
+                        Conv1D::from_weight(l.o.0, l.o.1),
+                        cfg,
+                        rope,
+                        l.qk_norm,
+                    )
+                    .with_window(cfg.window(i)),
+                    ln_2: norm(l.mlp_norm),
+                    mlp: Mlp::new(
+                        Conv1D::from_weight(l.gate_up.0, l.gate_up.1),
+                        Conv1D::from_weight(l.down.0, l.down.1),
+                        cfg,
+                    ),
+                    post_norms: l.post_norms.map(|(attn, mlp)| (norm(attn), norm(mlp))),
+                }
             })
             .collect();
         Ok(Self {
@@ -342,6 +377,29 @@ impl Gpt {
     /// The LM head: its own, or the token embedding where tied.
     pub(crate) fn head(&self) -> &Weight {
         self.lm_head.as_ref().unwrap_or(&self.wte)
+    }
+
+    /// The token embeddings `(N, C)` of `ids` `(N)`, scaled by sqrt(n_embd) where the family
+    /// scales them (Gemma: by the factor rounded to the activations' dtype, as `transformers`).
+    fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let x = self.wte.rows(ids, self.dtype())?;
+        match self.cfg.variant.embed_scale {
+            true => {
+                let scale = Tensor::new(&[(self.cfg.n_embd as f64).sqrt() as f32], x.device())?.to_dtype(x.dtype())?;
+                x.broadcast_mul(&scale)
+            }
+            false => Ok(x),
+        }
+    }
+
+    /// The LM head's logits of final hidden states `(rows, C)`, soft-capped where the family
+    /// caps them (Gemma 2: `cap * tanh(logits / cap)`), in the head's dtype.
+    pub(crate) fn head_logits(&self, hidden: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = self.head().forward(hidden, self.autocast)?;
+        match self.cfg.variant.final_softcap {
+            Some(cap) => (logits.to_dtype(DType::F32)? / cap)?.tanh()? * cap,
+            None => Ok(logits),
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -404,7 +462,7 @@ impl Gpt {
     ) -> Result<Tensor> {
         let (b_sz, seq_len) = idx.dims2()?;
         let x = self.forward_hidden(idx, positions, train, record)?; // (B*T, C)
-        let logits = self.head().forward(&x, self.autocast)?; // (B*T, V)
+        let logits = self.head_logits(&x)?; // (B*T, V)
         Ok(logits.reshape((b_sz, seq_len, self.cfg.vocab_size))?)
     }
 
@@ -424,7 +482,7 @@ impl Gpt {
                 max: self.cfg.n_positions,
             });
         }
-        let tok = self.wte.rows(&idx.flatten_all()?, self.dtype())?; // (B*T, C)
+        let tok = self.embed(&idx.flatten_all()?)?; // (B*T, C)
 
         // The residual stream as rows (every op then one of the tape's): f32 on the CPU, or with
         // `GPT_CUDA_TAPE=1` on a GPU whose attention kernel takes the heads (not packed windows:

@@ -5,21 +5,14 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
 use candle_core::Device;
 use common::{config, start};
+use gpt_test_support::{family_dir as dir, FAMILY_CASES};
 use serde_json::{json, Value};
-
-fn dir(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/families")
-        .join(case)
-}
 
 #[tokio::test]
 async fn every_family_serves_transformers_prompt_logprobs_and_greedy_tokens() -> anyhow::Result<()> {
-    for case in ["llama-gqa", "llama3-scaled", "qwen2-bias", "qwen3-qknorm", "mistral"] {
+    for case in FAMILY_CASES {
         let server = start(&dir(case), config()).await?;
         let e: Value = serde_json::from_str(&std::fs::read_to_string(dir(case).join("expected.json"))?)?;
         let logits = candle_core::safetensors::load(dir(case).join("expected.safetensors"), &Device::Cpu)?;

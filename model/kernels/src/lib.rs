@@ -42,7 +42,9 @@ use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
 pub use elementwise::{add_dropout, add_tiled, causal_mask, causal_softmax, dropout, gelu, layer_norm};
 pub use error::ParseError;
-pub use infer::{cached_attention, cached_attention_on, grouped_attention, CachedKv, WriteRows};
+pub use infer::{
+    cached_attention, cached_attention_masked, cached_attention_on, grouped_attention, CachedKv, Masking, WriteRows,
+};
 pub use packed::{MatmulPrecision, PackedMatrix, WeightFormat};
 pub use rows::{argmax, argmax_on, log_sum_exp, log_sum_exp_on};
 pub use simd::Simd;

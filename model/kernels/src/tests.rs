@@ -232,6 +232,90 @@ fn grouped_attention_equals_attention_with_the_kv_heads_repeated() {
     assert!(cached_attention_on(Simd::Portable, &qkv, &[2], &[kv], 3, 2, 1.0).is_err());
 }
 
+/// A sliding window and soft-capped scores (Mistral's and Gemma's attention): each row equals a
+/// softmax written out here over exactly the keys of its window, `cap * tanh(s / cap)` of the
+/// scaled scores, on every instruction set the host runs (all take the same masked path); a
+/// window of 0 is an error.
+#[test]
+fn masked_attention_sees_only_its_window_and_caps_its_scores() {
+    let dev = Device::Cpu;
+    let (n_head, n_kv, hs) = (4usize, 2usize, 32usize);
+    let (qw, kvw) = (n_head * hs, n_kv * hs);
+    let (lens, cached) = ([1usize, 7, 3], [9usize, 2, 0]);
+    let n: usize = lens.iter().sum();
+    let qkv = Tensor::randn(0f32, 1.0, (n, qw + 2 * kvw), &dev).unwrap();
+    let kv: Vec<CachedKv> = lens
+        .iter()
+        .zip(&cached)
+        .map(|(&len, &offset)| {
+            let t = offset + len;
+            let k = Tensor::randn(0f32, 1.0, (n_kv, t, hs), &dev).unwrap();
+            let v = Tensor::randn(0f32, 1.0, (n_kv, t, hs), &dev).unwrap();
+            CachedKv::whole(k, v).unwrap()
+        })
+        .collect();
+    let q = qkv.to_vec2::<f32>().unwrap();
+    let scale = 0.3f32;
+    for masking in [
+        Masking {
+            window: Some(3),
+            softcap: None,
+        },
+        Masking {
+            window: None,
+            softcap: Some(1.5),
+        },
+        Masking {
+            window: Some(1),
+            softcap: Some(2.0),
+        },
+        Masking {
+            window: Some(100),
+            softcap: None,
+        },
+    ] {
+        let mut expected = vec![vec![0f32; qw]; n];
+        let mut row = 0;
+        for ((&len, &offset), kv) in lens.iter().zip(&cached).zip(&kv) {
+            let (keys, values) = (
+                kv.keys[0].to_vec3::<f32>().unwrap(),
+                kv.values[0].to_vec3::<f32>().unwrap(),
+            );
+            for i in 0..len {
+                let pos = offset + i;
+                let first = masking.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                for h in 0..n_head {
+                    let g = h / (n_head / n_kv);
+                    let scores: Vec<f32> = (first..=pos)
+                        .map(|j| {
+                            let s: f32 = (0..hs).map(|d| q[row][h * hs + d] * keys[g][j][d]).sum::<f32>() * scale;
+                            masking.softcap.map_or(s, |c| (s / c).tanh() * c)
+                        })
+                        .collect();
+                    let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let sum: f32 = e.iter().sum();
+                    for d in 0..hs {
+                        expected[row][h * hs + d] = (first..=pos).zip(&e).map(|(j, p)| p / sum * values[g][j][d]).sum();
+                    }
+                }
+                row += 1;
+            }
+        }
+        let expected = Tensor::new(expected, &dev).unwrap();
+        for &simd in Simd::available() {
+            let got = cached_attention_masked(simd, &qkv, &lens, &kv, n_head, n_kv, scale, masking).unwrap();
+            let d = max_diff(&got, &expected);
+            assert!(d < 1e-5, "{simd:?}, {masking:?}: max diff {d}");
+        }
+    }
+    let zero = Masking {
+        window: Some(0),
+        softcap: None,
+    };
+    assert!(cached_attention_masked(Simd::Portable, &qkv, &lens, &kv, n_head, n_kv, scale, zero).is_err());
+}
+
 fn cached_attention_matches_candle_on(simd: Simd) {
     let cached_attention = |qkv: &Tensor, lens: &[usize], kv: &[CachedKv], n_head, scale| {
         cached_attention_on(simd, qkv, lens, kv, n_head, n_head, scale)

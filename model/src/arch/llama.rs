@@ -5,7 +5,7 @@
 //! RMSNorm of q and k. The checkpoint's q, k and v (and gate and up) matrices are loaded side by
 //! side into one product each, as vLLM's `QKVParallelLinear` does.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
@@ -50,9 +50,15 @@ struct HfConfig {
     eos_token_id: Option<serde_json::Value>,
     #[serde(default)]
     sliding_window: Option<usize>,
-    /// Qwen2 and Qwen3: the window applies only where this is true.
+    /// Qwen2 and Qwen3: the window applies only where this is true, on the layers from
+    /// `max_window_layers` on.
     #[serde(default)]
     use_sliding_window: Option<bool>,
+    #[serde(default)]
+    max_window_layers: Option<usize>,
+    /// Each layer's attention (`transformers` 4.53 on): `sliding_attention` or `full_attention`.
+    #[serde(default)]
+    layer_types: Option<Vec<String>>,
 }
 
 fn default_rms_eps() -> f64 {
@@ -63,7 +69,7 @@ fn default_act() -> Activation {
 }
 
 /// Token ids from `config.json`'s `bos_token_id`/`eos_token_id`: a number or a list of them.
-fn token_ids(value: &Option<serde_json::Value>, field: &str) -> Result<Vec<u32>, String> {
+pub(super) fn token_ids(value: &Option<serde_json::Value>, field: &str) -> Result<Vec<u32>, String> {
     let id = |v: &serde_json::Value| {
         v.as_u64()
             .and_then(|n| u32::try_from(n).ok())
@@ -79,13 +85,20 @@ fn token_ids(value: &Option<serde_json::Value>, field: &str) -> Result<Vec<u32>,
 /// The rotary frequencies from `rope_theta` and `rope_scaling` (`transformers` 4) or
 /// `rope_parameters` (5).
 fn rope(cfg: &HfConfig) -> Result<Rope, String> {
-    let params = cfg
-        .rope_parameters
-        .as_ref()
-        .or(cfg.rope_scaling.as_ref())
-        .filter(|v| !v.is_null());
+    let params = cfg.rope_parameters.as_ref().or(cfg.rope_scaling.as_ref());
+    rope_of(params, cfg.rope_theta, 10_000.0)
+}
+
+/// The rotary frequencies of a `rope_scaling` or `rope_parameters` object (`params`; its
+/// `rope_theta` before `theta`, then `default_theta`).
+pub(super) fn rope_of(
+    params: Option<&serde_json::Value>,
+    theta: Option<f64>,
+    default_theta: f64,
+) -> Result<Rope, String> {
+    let params = params.filter(|v| !v.is_null());
     let number = |key: &str| params.and_then(|p| p.get(key)).and_then(|v| v.as_f64());
-    let theta = number("rope_theta").or(cfg.rope_theta).unwrap_or(10_000.0);
+    let theta = number("rope_theta").or(theta).unwrap_or(default_theta);
     let kind = params
         .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
         .and_then(|v| v.as_str())
@@ -111,17 +124,48 @@ fn rope(cfg: &HfConfig) -> Result<Rope, String> {
     Ok(Rope { theta, scaling })
 }
 
+/// Which layers slide, from `layer_types` (`"sliding_attention"`, `"full_attention"`), else
+/// from `fallback(i)`.
+pub(super) fn sliding_layers(
+    layer_types: &Option<Vec<String>>,
+    n_layer: usize,
+    fallback: impl Fn(usize) -> bool,
+) -> Result<Vec<bool>, String> {
+    match layer_types {
+        None => Ok((0..n_layer).map(fallback).collect()),
+        Some(types) if types.len() != n_layer => {
+            Err(format!("layer_types has {} entries for {n_layer} layers", types.len()))
+        }
+        Some(types) => types
+            .iter()
+            .map(|t| match t.as_str() {
+                "sliding_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                other => Err(format!(
+                    "layer_types: `{other}` is not supported (supported: sliding_attention, full_attention)"
+                )),
+            })
+            .collect(),
+    }
+}
+
 pub fn config_from_hf(family: Family, value: serde_json::Value) -> Result<Config, String> {
     let hf: HfConfig = serde_json::from_value(value).map_err(|e| e.to_string())?;
     let eos = token_ids(&hf.eos_token_id, "eos_token_id")?;
     let bos = token_ids(&hf.bos_token_id, "bos_token_id")?;
-    // A sliding window that applies caps the context: attention past it is not implemented yet,
-    // and a longer context would attend where the model never did.
+    // Mistral's window applies to every layer; Qwen's where asked, from `max_window_layers` on.
     let window = match (family, hf.use_sliding_window) {
         (Family::Qwen2 | Family::Qwen3, Some(true)) | (Family::Mistral, _) => hf.sliding_window,
         _ => None,
     };
-    let n_positions = window.map_or(hf.max_position_embeddings, |w| w.min(hf.max_position_embeddings));
+    let first_sliding = match family {
+        Family::Qwen2 | Family::Qwen3 => hf.max_window_layers.unwrap_or(28),
+        _ => 0,
+    };
+    let sliding = match window {
+        Some(_) => sliding_layers(&hf.layer_types, hf.num_hidden_layers, |i| i >= first_sliding)?,
+        None => Vec::new(),
+    };
     let variant = Variant {
         family,
         n_kv_head: Some(hf.num_key_value_heads.unwrap_or(hf.num_attention_heads)),
@@ -135,27 +179,27 @@ pub fn config_from_hf(family: Family, value: serde_json::Value) -> Result<Config
         mlp_bias: hf.mlp_bias,
         qk_norm: family == Family::Qwen3,
         eos_token_ids: eos.clone(),
+        sliding_window: window,
+        sliding_layers: sliding,
+        ..Variant::default()
     };
     Ok(Config {
-        vocab_size: hf.vocab_size,
-        n_positions,
-        n_embd: hf.hidden_size,
-        n_layer: hf.num_hidden_layers,
-        n_head: hf.num_attention_heads,
         n_inner: Some(hf.intermediate_size),
         layer_norm_epsilon: hf.rms_norm_eps,
         activation_function: hf.hidden_act,
-        resid_pdrop: 0.0,
-        embd_pdrop: 0.0,
-        attn_pdrop: 0.0,
         tie_word_embeddings: hf.tie_word_embeddings,
-        scale_attn_weights: true,
-        scale_attn_by_inverse_layer_idx: false,
         bos_token_id: bos.first().copied(),
         eos_token_id: eos.first().copied(),
         position_embedding: PositionEmbedding::Rope,
         bias: false,
         variant,
+        ..Config::base(
+            hf.vocab_size,
+            hf.max_position_embeddings,
+            hf.hidden_size,
+            hf.num_hidden_layers,
+            hf.num_attention_heads,
+        )
     })
 }
 
@@ -182,13 +226,28 @@ pub fn config_to_hf(cfg: &Config) -> Result<serde_json::Value, String> {
             "original_max_position_embeddings": original_max_position_embeddings as u64,
         }),
     };
+    let mut map = shared_fields(cfg)?;
     let act = serde_json::to_value(cfg.activation_function).map_err(|e| e.to_string())?;
+    map.extend([
+        ("rope_theta".to_string(), rope.theta.into()),
+        ("rope_scaling".to_string(), scaling),
+        ("hidden_act".to_string(), act),
+        ("attention_bias".to_string(), v.o_bias.into()),
+        ("mlp_bias".to_string(), v.mlp_bias.into()),
+    ]);
+    Ok(serde_json::Value::Object(map))
+}
+
+/// The `config.json` fields that the Llama-layout families and Gemma's share: the sizes, the
+/// head, the end tokens, the sliding window.
+pub(super) fn shared_fields(cfg: &Config) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    let v = &cfg.variant;
     let eos = match &cfg.eos_ids()[..] {
         [] => serde_json::Value::Null,
         [one] => (*one).into(),
         many => serde_json::json!(many),
     };
-    Ok(serde_json::json!({
+    let serde_json::Value::Object(mut map) = serde_json::json!({
         "model_type": v.family.model_type(),
         "architectures": [v.family.hf_class()],
         "vocab_size": cfg.vocab_size,
@@ -200,33 +259,88 @@ pub fn config_to_hf(cfg: &Config) -> Result<serde_json::Value, String> {
         "head_dim": cfg.head_dim(),
         "max_position_embeddings": cfg.n_positions,
         "rms_norm_eps": cfg.layer_norm_epsilon,
-        "rope_theta": rope.theta,
-        "rope_scaling": scaling,
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": act,
-        "attention_bias": v.o_bias,
-        "mlp_bias": v.mlp_bias,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos,
-    }))
+    }) else {
+        return Err("config.json is not an object".into());
+    };
+    if let Some(window) = v.sliding_window {
+        map.extend(window_fields(cfg, window));
+    }
+    Ok(map)
 }
 
-/// The checkpoint names of layer `i`'s tensors (`model.layers.{i}.`), as `transformers` writes
-/// them; llama.cpp's are in [`crate::gguf`].
-pub const ATTN_NORM: &str = "input_layernorm";
-pub const MLP_NORM: &str = "post_attention_layernorm";
-pub const Q: &str = "self_attn.q_proj";
-pub const K: &str = "self_attn.k_proj";
-pub const V: &str = "self_attn.v_proj";
-pub const O: &str = "self_attn.o_proj";
-pub const Q_NORM: &str = "self_attn.q_norm";
-pub const K_NORM: &str = "self_attn.k_norm";
-pub const GATE: &str = "mlp.gate_proj";
-pub const UP: &str = "mlp.up_proj";
-pub const DOWN: &str = "mlp.down_proj";
-pub const EMBED: &str = "model.embed_tokens.weight";
-pub const FINAL_NORM: &str = "model.norm.weight";
-pub const HEAD: &str = "lm_head.weight";
+/// The `config.json` fields of a sliding window: the window, and which layers have it
+/// (`layer_types`, and Qwen's `use_sliding_window` and `max_window_layers` for older readers).
+fn window_fields(cfg: &Config, window: usize) -> serde_json::Map<String, serde_json::Value> {
+    let types: Vec<&str> = (0..cfg.n_layer)
+        .map(|i| match cfg.window(i) {
+            Some(_) => "sliding_attention",
+            None => "full_attention",
+        })
+        .collect();
+    let first = (0..cfg.n_layer)
+        .find(|&i| cfg.window(i).is_some())
+        .unwrap_or(cfg.n_layer);
+    let mut map = serde_json::Map::new();
+    map.insert("sliding_window".into(), window.into());
+    map.insert("layer_types".into(), serde_json::json!(types));
+    if matches!(cfg.variant.family, Family::Qwen2 | Family::Qwen3) {
+        map.insert("use_sliding_window".into(), true.into());
+        map.insert("max_window_layers".into(), first.into());
+    }
+    map
+}
+
+/// The checkpoint names of a layer's tensors (under `model.layers.{i}.`) and the model's, as
+/// `transformers` writes them for a family; llama.cpp's are in `crate::llamacpp`.
+#[derive(Debug)]
+pub struct Names {
+    pub attn_norm: &'static str,
+    pub mlp_norm: &'static str,
+    /// The norms of the attention's and the MLP's outputs, where the family has them.
+    pub post_norms: Option<(&'static str, &'static str)>,
+    pub q: &'static str,
+    pub k: &'static str,
+    pub v: &'static str,
+    pub o: &'static str,
+    pub q_norm: &'static str,
+    pub k_norm: &'static str,
+    pub gate: &'static str,
+    pub up: &'static str,
+    pub down: &'static str,
+    pub embed: &'static str,
+    pub final_norm: &'static str,
+    pub head: &'static str,
+}
+
+/// Llama's names, which Mistral, Qwen2 and Qwen3 share.
+pub const NAMES: Names = Names {
+    attn_norm: "input_layernorm",
+    mlp_norm: "post_attention_layernorm",
+    post_norms: None,
+    q: "self_attn.q_proj",
+    k: "self_attn.k_proj",
+    v: "self_attn.v_proj",
+    o: "self_attn.o_proj",
+    q_norm: "self_attn.q_norm",
+    k_norm: "self_attn.k_norm",
+    gate: "mlp.gate_proj",
+    up: "mlp.up_proj",
+    down: "mlp.down_proj",
+    embed: "model.embed_tokens.weight",
+    final_norm: "model.norm.weight",
+    head: "lm_head.weight",
+};
+
+/// The names of `family`'s checkpoints.
+pub fn names(family: Family) -> &'static Names {
+    match family.is_gemma() {
+        true => &super::gemma::NAMES,
+        false => &NAMES,
+    }
+}
 
 pub fn layer(i: usize) -> String {
     format!("model.layers.{i}")
@@ -242,6 +356,8 @@ pub(crate) struct LayerWeights {
     /// QK-norm's gains of q and k, `(head_dim)` each.
     pub qk_norm: Option<(Tensor, Tensor)>,
     pub mlp_norm: Tensor,
+    /// The norms of the attention's and the MLP's outputs (Gemma).
+    pub post_norms: Option<(Tensor, Tensor)>,
     /// gate and up side by side.
     pub gate_up: (Weight, Tensor),
     pub down: (Weight, Tensor),
@@ -257,39 +373,56 @@ pub(crate) struct FamilyWeights {
 }
 
 /// The weights of a `transformers` checkpoint under its names, from `vb` (rooted at the names'
-/// start) in its dtype.
+/// start) in its dtype. Gemma's norm gains `w` are read as the `1 + w` they multiply by.
 pub(crate) fn weights_from_hf(vb: &VarBuilder, cfg: &Config) -> candle_core::Result<FamilyWeights> {
     let (c, v) = (cfg.n_embd, &cfg.variant);
+    let n = names(v.family);
     let dense = |(w, b): (Tensor, Tensor)| (Weight::Dense(w), b);
+    // `1 + w` in f32, rounded once to the activations' dtype (as `transformers` computes it).
+    let norm = |len: usize, name: &str| -> candle_core::Result<Tensor> {
+        match v.family.is_gemma() {
+            true => (vb.get_with_hints_dtype(len, name, Default::default(), DType::F32)? + 1.0)?.to_dtype(vb.dtype()),
+            false => vb.get(len, name),
+        }
+    };
     let layers = (0..cfg.n_layer)
         .map(|i| {
             let p = layer(i);
             let qk_norm = match v.qk_norm {
                 true => Some((
-                    vb.get(cfg.head_dim(), &format!("{p}.{Q_NORM}.weight"))?,
-                    vb.get(cfg.head_dim(), &format!("{p}.{K_NORM}.weight"))?,
+                    norm(cfg.head_dim(), &format!("{p}.{}.weight", n.q_norm))?,
+                    norm(cfg.head_dim(), &format!("{p}.{}.weight", n.k_norm))?,
                 )),
                 false => None,
             };
+            let post_norms = match (v.post_norms, n.post_norms) {
+                (true, Some((attn, mlp))) => Some((
+                    norm(c, &format!("{p}.{attn}.weight"))?,
+                    norm(c, &format!("{p}.{mlp}.weight"))?,
+                )),
+                (true, None) => candle_core::bail!("{:?} checkpoints have no norms after the layers", v.family),
+                (false, _) => None,
+            };
             Ok(LayerWeights {
-                attn_norm: vb.get(c, &format!("{p}.{ATTN_NORM}.weight"))?,
+                attn_norm: norm(c, &format!("{p}.{}.weight", n.attn_norm))?,
                 qkv: dense(qkv(vb, &p, cfg)?),
-                o: dense(linear(vb, &format!("{p}.{O}"), cfg.q_width(), c, v.o_bias)?),
+                o: dense(linear(vb, &format!("{p}.{}", n.o), cfg.q_width(), c, v.o_bias)?),
                 qk_norm,
-                mlp_norm: vb.get(c, &format!("{p}.{MLP_NORM}.weight"))?,
+                mlp_norm: norm(c, &format!("{p}.{}.weight", n.mlp_norm))?,
+                post_norms,
                 gate_up: dense(gate_up(vb, &p, cfg)?),
-                down: dense(linear(vb, &format!("{p}.{DOWN}"), cfg.mlp_width(), c, v.mlp_bias)?),
+                down: dense(linear(vb, &format!("{p}.{}", n.down), cfg.mlp_width(), c, v.mlp_bias)?),
             })
         })
         .collect::<candle_core::Result<_>>()?;
     let head = match cfg.tie_word_embeddings {
         true => None,
-        false => Some(Weight::Dense(vb.get((cfg.vocab_size, c), HEAD)?)),
+        false => Some(Weight::Dense(vb.get((cfg.vocab_size, c), n.head)?)),
     };
     Ok(FamilyWeights {
-        embed: Weight::Dense(vb.get((cfg.vocab_size, c), EMBED)?),
+        embed: Weight::Dense(vb.get((cfg.vocab_size, c), n.embed)?),
         layers,
-        final_norm: vb.get(c, FINAL_NORM)?,
+        final_norm: norm(c, n.final_norm)?,
         head,
     })
 }
@@ -314,7 +447,9 @@ pub(crate) fn linear(
 /// q, k and v of layer `prefix` side by side: the `(q + 2 kv, C)` weight and its bias.
 pub(crate) fn qkv(vb: &VarBuilder, prefix: &str, cfg: &Config) -> candle_core::Result<(Tensor, Tensor)> {
     let (c, q, kv, bias) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.variant.qkv_bias);
-    let parts = [(Q, q), (K, kv), (V, kv)].map(|(name, out)| linear(vb, &format!("{prefix}.{name}"), c, out, bias));
+    let n = names(cfg.variant.family);
+    let parts =
+        [(n.q, q), (n.k, kv), (n.v, kv)].map(|(name, out)| linear(vb, &format!("{prefix}.{name}"), c, out, bias));
     let [q, k, v] = parts;
     let (q, k, v) = (q?, k?, v?);
     Ok((
@@ -326,7 +461,8 @@ pub(crate) fn qkv(vb: &VarBuilder, prefix: &str, cfg: &Config) -> candle_core::R
 /// gate and up of layer `prefix` side by side: the `(2 I, C)` weight and its bias.
 pub(crate) fn gate_up(vb: &VarBuilder, prefix: &str, cfg: &Config) -> candle_core::Result<(Tensor, Tensor)> {
     let (c, w, bias) = (cfg.n_embd, cfg.mlp_width(), cfg.variant.mlp_bias);
-    let (g, gb) = linear(vb, &format!("{prefix}.{GATE}"), c, w, bias)?;
-    let (u, ub) = linear(vb, &format!("{prefix}.{UP}"), c, w, bias)?;
+    let n = names(cfg.variant.family);
+    let (g, gb) = linear(vb, &format!("{prefix}.{}", n.gate), c, w, bias)?;
+    let (u, ub) = linear(vb, &format!("{prefix}.{}", n.up), c, w, bias)?;
     Ok((Tensor::cat(&[&g, &u], 0)?, Tensor::cat(&[&gb, &ub], 0)?))
 }

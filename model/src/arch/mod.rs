@@ -9,12 +9,32 @@ use crate::config::Config;
 pub use crate::config::Family;
 use crate::error::Error;
 
+pub mod gemma;
 pub mod gpt2;
 pub mod llama;
 
 /// The config of a `config.json` value, by its `model_type` (none: GPT-2, as older GPT-2
-/// checkpoints have it); an unknown type is an error naming it and the supported ones.
-pub fn config_from_hf(value: serde_json::Value) -> Result<Config, String> {
+/// checkpoints have it); an unknown type is an error naming it and the supported ones. Gemma 3's
+/// multimodal `gemma3` is read as its `text_config` (the text model; the vision tower is not
+/// loaded).
+pub fn config_from_hf(mut value: serde_json::Value) -> Result<Config, String> {
+    if value.get("model_type").and_then(|t| t.as_str()) == Some("gemma3") {
+        let mut text = value
+            .get_mut("text_config")
+            .map(serde_json::Value::take)
+            .filter(|t| t.is_object())
+            .ok_or("model_type `gemma3` without a `text_config` object")?;
+        if let Some(map) = text.as_object_mut() {
+            map.insert("model_type".into(), Family::Gemma3.model_type().into());
+            // The multimodal config keeps the vocabulary's size and the end tokens at its top.
+            for key in ["vocab_size", "eos_token_id", "bos_token_id"] {
+                if let (false, Some(v)) = (map.contains_key(key), value.get(key)) {
+                    map.insert(key.into(), v.clone());
+                }
+            }
+        }
+        value = text;
+    }
     let family = match value.get("model_type") {
         None | Some(serde_json::Value::Null) => Family::Gpt2,
         Some(serde_json::Value::String(t)) => Family::from_model_type(t).ok_or_else(|| {
@@ -27,6 +47,7 @@ pub fn config_from_hf(value: serde_json::Value) -> Result<Config, String> {
     };
     match family {
         Family::Gpt2 => gpt2::config_from_hf(value),
+        Family::Gemma2 | Family::Gemma3 => gemma::config_from_hf(family, value),
         _ => llama::config_from_hf(family, value),
     }
 }
@@ -35,6 +56,7 @@ pub fn config_from_hf(value: serde_json::Value) -> Result<Config, String> {
 pub fn config_to_hf(cfg: &Config) -> Result<serde_json::Value, String> {
     match cfg.variant.family {
         Family::Gpt2 => gpt2::config_to_hf(cfg),
+        Family::Gemma2 | Family::Gemma3 => gemma::config_to_hf(cfg),
         _ => llama::config_to_hf(cfg),
     }
 }

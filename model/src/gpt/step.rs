@@ -152,7 +152,7 @@ impl Gpt {
         let device = self.device();
         let ids = Tensor::from_vec(ids, n_rows, device)?;
         let positions = Tensor::from_vec(positions, n_rows, device)?;
-        let mut x = self.wte.rows(&ids, self.dtype())?; // (N, C)
+        let mut x = self.embed(&ids)?; // (N, C)
         if let Some(wpe) = &self.wpe {
             x = (x + wpe.embedding(&positions)?)?;
         }
@@ -186,6 +186,6 @@ impl Gpt {
 
     /// The LM head: final hidden states `(rows, C)` → f32 logits `(rows, V)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.head().forward(hidden, self.autocast)?.to_dtype(DType::F32)?)
+        Ok(self.head_logits(hidden)?.to_dtype(DType::F32)?)
     }
 }

@@ -76,6 +76,10 @@ impl Gpt {
         let hidden = self.forward_hidden(idx, positions, train, None)?; // (B*T, C)
         let targets = targets.flatten_all()?;
         match self.head() {
+            _ if self.cfg.variant.final_softcap.is_some() => {
+                let logits = self.head_logits(&hidden)?.to_dtype(DType::F32)?; // (B*T, V)
+                Ok(gpt_kernels::cross_entropy(&logits, &targets, eps)?)
+            }
             Weight::Dense(w)
                 if hidden.device().is_cpu()
                     && gpt_kernels::fused(&hidden)
@@ -155,6 +159,7 @@ impl Gpt {
                             c_proj: b.mlp.c_proj.detached(),
                             ..b.mlp.clone()
                         },
+                        post_norms: b.post_norms.as_ref().map(|(a, m)| (ln(a), ln(m))),
                     }
                 })
                 .collect(),

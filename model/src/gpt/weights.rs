@@ -53,12 +53,20 @@ impl Gpt {
     /// ([`crate::arch::llama`]): the fused q, k, v and gate, up products split back into the
     /// checkpoint's matrices, the biases only where the family has them.
     fn family_tensors(&self) -> Result<Vec<(String, Tensor)>> {
-        use crate::arch::llama as names;
+        use crate::arch::llama::{layer, names};
         let cfg = &self.cfg;
+        let n = names(cfg.variant.family);
         let (qw, kvw, w) = (cfg.q_width(), cfg.kv_width(), cfg.mlp_width());
-        let mut out = vec![(names::EMBED.to_string(), self.wte.tensor()?)];
+        // Gemma's checkpoints store a norm's gain `1 + w` as `w`.
+        let gain = |ln: &Tensor| -> Result<Tensor> {
+            Ok(match cfg.variant.family.is_gemma() {
+                true => (ln - 1.0)?,
+                false => ln.clone(),
+            })
+        };
+        let mut out = vec![(n.embed.to_string(), self.wte.tensor()?)];
         for (i, b) in self.blocks.iter().enumerate() {
-            let p = names::layer(i);
+            let p = layer(i);
             let mut linear = |name: &str, conv: &Conv1D, start: usize, len: usize, bias: bool| -> Result<()> {
                 let weight = conv.weight.tensor()?.narrow(0, start, len)?;
                 out.push((format!("{p}.{name}.weight"), weight));
@@ -68,23 +76,27 @@ impl Gpt {
                 Ok(())
             };
             let (attn, mlp, v) = (&b.attn, &b.mlp, &cfg.variant);
-            linear(names::Q, attn.c_attn(), 0, qw, v.qkv_bias)?;
-            linear(names::K, attn.c_attn(), qw, kvw, v.qkv_bias)?;
-            linear(names::V, attn.c_attn(), qw + kvw, kvw, v.qkv_bias)?;
-            linear(names::O, attn.c_proj(), 0, cfg.n_embd, v.o_bias)?;
-            linear(names::GATE, &mlp.c_fc, 0, w, v.mlp_bias)?;
-            linear(names::UP, &mlp.c_fc, w, w, v.mlp_bias)?;
-            linear(names::DOWN, &mlp.c_proj, 0, cfg.n_embd, v.mlp_bias)?;
-            out.push((format!("{p}.{}.weight", names::ATTN_NORM), b.ln_1.weight().clone()));
-            out.push((format!("{p}.{}.weight", names::MLP_NORM), b.ln_2.weight().clone()));
+            linear(n.q, attn.c_attn(), 0, qw, v.qkv_bias)?;
+            linear(n.k, attn.c_attn(), qw, kvw, v.qkv_bias)?;
+            linear(n.v, attn.c_attn(), qw + kvw, kvw, v.qkv_bias)?;
+            linear(n.o, attn.c_proj(), 0, cfg.n_embd, v.o_bias)?;
+            linear(n.gate, &mlp.c_fc, 0, w, v.mlp_bias)?;
+            linear(n.up, &mlp.c_fc, w, w, v.mlp_bias)?;
+            linear(n.down, &mlp.c_proj, 0, cfg.n_embd, v.mlp_bias)?;
+            out.push((format!("{p}.{}.weight", n.attn_norm), gain(b.ln_1.weight())?));
+            out.push((format!("{p}.{}.weight", n.mlp_norm), gain(b.ln_2.weight())?));
+            if let (Some((attn_name, mlp_name)), Some((attn_norm, mlp_norm))) = (n.post_norms, &b.post_norms) {
+                out.push((format!("{p}.{attn_name}.weight"), gain(attn_norm.weight())?));
+                out.push((format!("{p}.{mlp_name}.weight"), gain(mlp_norm.weight())?));
+            }
             if let Some((q, k, _)) = &attn.qk_norm {
-                out.push((format!("{p}.{}.weight", names::Q_NORM), q.clone()));
-                out.push((format!("{p}.{}.weight", names::K_NORM), k.clone()));
+                out.push((format!("{p}.{}.weight", n.q_norm), gain(q)?));
+                out.push((format!("{p}.{}.weight", n.k_norm), gain(k)?));
             }
         }
-        out.push((names::FINAL_NORM.to_string(), self.ln_f.weight().clone()));
+        out.push((n.final_norm.to_string(), gain(self.ln_f.weight())?));
         if let Some(head) = &self.lm_head {
-            out.push((names::HEAD.to_string(), head.tensor()?));
+            out.push((n.head.to_string(), head.tensor()?));
         }
         Ok(out)
     }
@@ -252,6 +264,9 @@ impl Gpt {
         let var = &self.cfg.variant;
         for b in &self.blocks {
             n += ln(&b.ln_1) + ln(&b.ln_2);
+            if let Some((attn, mlp)) = &b.post_norms {
+                n += ln(attn) + ln(mlp);
+            }
             if let Some((q, k, _)) = &b.attn.qk_norm {
                 n += q.elem_count() + k.elem_count();
             }

@@ -29,10 +29,12 @@ use tokenizer::tokenizer;
 
 /// The `general.architecture`s loaded, and their families. llama.cpp writes Mistral's and
 /// SmolLM's checkpoints as `llama`.
-const ARCHITECTURES: [(&str, Family); 3] = [
+const ARCHITECTURES: [(&str, Family); 5] = [
     ("llama", Family::Llama),
     ("qwen2", Family::Qwen2),
     ("qwen3", Family::Qwen3),
+    ("gemma2", Family::Gemma2),
+    ("gemma3", Family::Gemma3),
 ];
 
 /// The longest context accepted from a file's `context_length` (the rotary tables are made for
@@ -315,6 +317,51 @@ fn config(f: &File, vocab_size: usize) -> Result<Config> {
     // Llama 3's end of a turn is a token of its own beside the end of text.
     let eot = ids("tokenizer.ggml.eot_token_id")?;
     let eos_token_ids: Vec<u32> = eos.into_iter().chain(eot.filter(|&t| Some(t) != eos)).collect();
+    let n_layer = f.size(&key("block_count"), 4096)?;
+    let gemma = family.is_gemma();
+    let window = match f.uint(&key("attention.sliding_window"))? {
+        Some(_) => Some(f.size(&key("attention.sliding_window"), MAX_CONTEXT)?),
+        None => None,
+    };
+    // Which layers slide: the file's `sliding_window_pattern` (a period, or a flag per layer,
+    // true where the layer slides), else as llama.cpp's `set_swa_pattern` for the family (Gemma
+    // 2 every other layer from the first, Gemma 3 five of six).
+    let pattern_key = key("attention.sliding_window_pattern");
+    let sliding_layers: Vec<bool> = match (window, f.meta(&pattern_key)) {
+        (None, _) | (_, None) if !gemma => Vec::new(),
+        (_, Some(Value::Array(flags))) => {
+            if flags.len() != n_layer {
+                return Err(f.corrupt(format!(
+                    "`{pattern_key}` has {} flags for {n_layer} layers",
+                    flags.len()
+                )));
+            }
+            flags
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::Bool(b) => Ok(*b),
+                    other => Err(f.corrupt(format!("`{pattern_key}`[{i}] is {other:?}, not a bool"))),
+                })
+                .collect::<Result<_>>()?
+        }
+        (_, Some(_)) => {
+            let period = f.size(&pattern_key, 4096)?;
+            (0..n_layer).map(|i| (i + 1) % period != 0).collect()
+        }
+        (_, None) => {
+            let period = if family == Family::Gemma3 { 6 } else { 2 };
+            (0..n_layer).map(|i| (i + 1) % period != 0).collect()
+        }
+    };
+    // llama.cpp scales Gemma's queries by 1 / sqrt(head_dim), and the 27B models' (46 and 62
+    // layers) by 1 / sqrt(n_embd / n_head), as their `query_pre_attn_scalar`s say.
+    let query_pre_attn_scalar = match (family, n_layer) {
+        (Family::Gemma2, 46) | (Family::Gemma3, 62) => Some((n_embd / n_head) as f64),
+        _ if gemma => Some(head_dim as f64),
+        _ => None,
+    };
+    let softcap = |k: &str| -> Result<Option<f64>> { Ok(f.float(&key(k))?.filter(|&c| gemma && c > 0.0)) };
     let variant = Variant {
         family,
         n_kv_head: Some(n_kv_head),
@@ -327,16 +374,32 @@ fn config(f: &File, vocab_size: usize) -> Result<Config> {
         mlp_bias: f.has("blk.0.ffn_up.bias"),
         qk_norm: f.has("blk.0.attn_q_norm.weight"),
         eos_token_ids,
+        post_norms: f.has("blk.0.post_attention_norm.weight"),
+        embed_scale: gemma,
+        query_pre_attn_scalar,
+        attn_softcap: softcap("attn_logit_softcapping")?,
+        final_softcap: softcap("final_logit_softcapping")?,
+        // Mistral's window applies to every layer (llama.cpp's `llama` files of it carry none).
+        sliding_window: window,
+        sliding_layers,
+        // llama.cpp's Gemma 3: the sliding layers rotate with base 10000, unscaled.
+        rope_local: (family == Family::Gemma3).then_some(Rope {
+            theta: 10_000.0,
+            scaling: None,
+        }),
     };
     let cfg = Config {
         vocab_size,
         n_positions: f.size(&key("context_length"), MAX_CONTEXT)?,
         n_embd,
-        n_layer: f.size(&key("block_count"), 4096)?,
+        n_layer,
         n_head,
         n_inner: Some(f.size(&key("feed_forward_length"), MAX)?),
         layer_norm_epsilon: f.float(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
-        activation_function: Activation::Silu,
+        activation_function: match gemma {
+            true => Activation::GeluNew,
+            false => Activation::Silu,
+        },
         resid_pdrop: 0.0,
         embd_pdrop: 0.0,
         attn_pdrop: 0.0,
@@ -508,12 +571,21 @@ pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Resul
         let gate = f.tensor(&b("ffn_gate.weight"), &[w, c])?;
         let up = f.tensor(&b("ffn_up.weight"), &[w, c])?;
         let down = f.tensor(&b("ffn_down.weight"), &[c, w])?;
+        // Gemma's norms after the attention and the MLP (their gains stored as `1 + w`).
+        let post_norms = match cfg.variant.post_norms {
+            true => Some((
+                to(f.vector(&b("post_attention_norm.weight"), c)?)?,
+                to(f.vector(&b("post_ffw_norm.weight"), c)?)?,
+            )),
+            false => None,
+        };
         layers.push(LayerWeights {
             attn_norm: to(f.vector(&b("attn_norm.weight"), c)?)?,
             qkv: (weight(stack(vec![q, k, v])?, dtype, device)?, qkv_bias),
             o: (weight(o, dtype, device)?, o_bias),
             qk_norm,
             mlp_norm: to(f.vector(&b("ffn_norm.weight"), c)?)?,
+            post_norms,
             gate_up: (weight(stack(vec![gate, up])?, dtype, device)?, gate_up_bias),
             down: (weight(down, dtype, device)?, down_bias),
         });

@@ -16,6 +16,25 @@ pub fn repo(path: &str) -> PathBuf {
 }
 
 /// The repository's copy of tinyshakespeare (`data/`).
+/// The random-weight checkpoints `transformers` saved of each decoder family
+/// (`tests/fixtures/make_family_fixtures.py`), by case.
+pub const FAMILY_CASES: [&str; 9] = [
+    "llama-gqa",
+    "llama3-scaled",
+    "qwen2-bias",
+    "qwen3-qknorm",
+    "mistral",
+    "mistral-window",
+    "gemma2-softcap",
+    "gemma3-local",
+    "gemma3-scalar",
+];
+
+/// The directory of a case of [`FAMILY_CASES`].
+pub fn family_dir(case: &str) -> PathBuf {
+    repo("tests/fixtures/families").join(case)
+}
+
 pub fn shakespeare_path() -> PathBuf {
     repo("data/tinyshakespeare.txt")
 }
@@ -51,15 +70,25 @@ pub fn write_llama_cpp_gguf(dir: &Path, path: &Path, format: GgmlDType) -> anyho
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
     let n = |k: &str| cfg[k].as_u64().unwrap_or(0) as u32;
     let model_type = cfg["model_type"].as_str().unwrap_or_default();
-    let arch = if model_type == "mistral" { "llama" } else { model_type };
+    let arch = match model_type {
+        "mistral" => "llama",
+        "gemma3_text" => "gemma3",
+        other => other,
+    };
+    let gemma = arch.starts_with("gemma");
     let (n_head, n_kv) = (n("num_attention_heads") as usize, n("num_key_value_heads") as usize);
     let head_dim = cfg["head_dim"]
         .as_u64()
         .map_or(n("hidden_size") as usize / n_head, |d| d as usize);
     let theta = cfg["rope_parameters"]["rope_theta"]
         .as_f64()
+        .or(cfg["rope_parameters"]["full_attention"]["rope_theta"].as_f64())
         .or(cfg["rope_theta"].as_f64())
         .unwrap_or(1e4);
+    let global_rope = match cfg["rope_parameters"].get("full_attention") {
+        Some(p) => p.clone(),
+        None => cfg["rope_parameters"].clone(),
+    };
     let key = |k: &str| format!("{arch}.{k}");
     let tokenizer: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json"))?)?;
     let vocab = tokenizer["model"]["vocab"]
@@ -83,7 +112,7 @@ pub fn write_llama_cpp_gguf(dir: &Path, path: &Path, format: GgmlDType) -> anyho
     let strings = |v: Vec<String>| Value::Array(v.into_iter().map(Value::String).collect());
     let mut types = vec![Value::I32(1); tokens.len()];
     types[0] = Value::I32(3); // <|endoftext|>, a control token
-    let metadata: Vec<(String, Value)> = vec![
+    let mut metadata: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
         (key("block_count"), Value::U32(n("num_hidden_layers"))),
         (key("context_length"), Value::U32(n("max_position_embeddings"))),
@@ -104,6 +133,38 @@ pub fn write_llama_cpp_gguf(dir: &Path, path: &Path, format: GgmlDType) -> anyho
         ("tokenizer.ggml.token_type".into(), Value::Array(types)),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
     ];
+    // What llama.cpp's converter writes of Gemma's and Mistral's windows, soft-caps and rotary
+    // scaling (Gemma 3's sliding layers' base is llama.cpp's own, 10000).
+    if let Some(window) = cfg["sliding_window"].as_u64() {
+        metadata.push((key("attention.sliding_window"), Value::U32(window as u32)));
+        // Gemma 3's files carry no pattern where it is llama.cpp's own (five sliding layers to
+        // one global); another is written as the converter writes Gemma 3n's, a flag a layer.
+        let types: Vec<bool> = cfg["layer_types"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|t| t.as_str() == Some("sliding_attention"))
+            .collect();
+        let default = (0..types.len()).map(|i| (i + 1) % 6 != 0).collect::<Vec<_>>();
+        if arch == "gemma3" && types != default {
+            metadata.push((
+                key("attention.sliding_window_pattern"),
+                Value::Array(types.into_iter().map(Value::Bool).collect()),
+            ));
+        }
+    }
+    for name in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        if let Some(cap) = cfg[name].as_f64() {
+            metadata.push((key(name), Value::F32(cap as f32)));
+        }
+    }
+    if global_rope["rope_type"].as_str() == Some("linear") {
+        metadata.push((key("rope.scaling.type"), Value::String("linear".into())));
+        metadata.push((
+            key("rope.scaling.factor"),
+            Value::F32(global_rope["factor"].as_f64().unwrap_or(1.0) as f32),
+        ));
+    }
     // llama.cpp's `LlamaModel.permute`: each head's rows (h, 2, hd/2) -> (h, hd/2, 2).
     let permute = |w: &Tensor, heads: usize| -> anyhow::Result<Tensor> {
         let (rows, cols) = w.dims2()?;
@@ -112,12 +173,17 @@ pub fn write_llama_cpp_gguf(dir: &Path, path: &Path, format: GgmlDType) -> anyho
             .contiguous()?
             .reshape((rows, cols))?)
     };
+    // Gemma's `post_attention_layernorm` is the attention's output norm, its MLP norm
+    // `pre_feedforward_layernorm`.
+    let post_attention = if gemma { "post_attention_norm" } else { "ffn_norm" };
     let names = [
         ("model.embed_tokens", "token_embd"),
         ("model.norm", "output_norm"),
         ("lm_head", "output"),
         ("input_layernorm", "attn_norm"),
-        ("post_attention_layernorm", "ffn_norm"),
+        ("post_attention_layernorm", post_attention),
+        ("pre_feedforward_layernorm", "ffn_norm"),
+        ("post_feedforward_layernorm", "post_ffw_norm"),
         ("self_attn.q_proj", "attn_q"),
         ("self_attn.k_proj", "attn_k"),
         ("self_attn.v_proj", "attn_v"),
@@ -146,6 +212,8 @@ pub fn write_llama_cpp_gguf(dir: &Path, path: &Path, format: GgmlDType) -> anyho
         let t = match (arch, ours, suffix) {
             ("llama", "attn_q", "weight") => permute(&t, n_head)?,
             ("llama", "attn_k", "weight") => permute(&t, n_kv)?,
+            // Gemma's converter stores the norms' gains as `1 + w`.
+            (_, norm, "weight") if gemma && norm.ends_with("norm") => (t + 1.0)?,
             _ => t,
         };
         let gguf_name = match layer {

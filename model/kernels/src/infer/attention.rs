@@ -184,8 +184,9 @@ pub fn grouped_attention(
     n_head: usize,
     n_kv_head: usize,
     scale: f32,
+    masking: Masking,
 ) -> Result<Tensor> {
-    cached_attention_on(Simd::detect(), qkv, lens, kv, n_head, n_kv_head, scale)
+    cached_attention_masked(Simd::detect(), qkv, lens, kv, n_head, n_kv_head, scale, masking)
 }
 
 /// [`grouped_attention`] on `simd` (`x86::attend512` on AVX-512, `x86::attend` on AVX2 and FMA,
@@ -204,6 +205,35 @@ pub fn cached_attention_on(
     n_kv_head: usize,
     scale: f32,
 ) -> Result<Tensor> {
+    cached_attention_masked(simd, qkv, lens, kv, n_head, n_kv_head, scale, Masking::default())
+}
+
+/// What some families add to the scores before the softmax: a sliding window (a query sees its
+/// own position and the `window - 1` before it: Mistral, Gemma) and soft-capping of the scores,
+/// `cap * tanh(s / cap)` after the scale (Gemma 2).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Masking {
+    pub window: Option<usize>,
+    pub softcap: Option<f32>,
+}
+
+/// [`cached_attention_on`] with `masking`. The vector kernels take the plain causal attention;
+/// a window or a cap takes `Head::attend`, row by row (the same for every batch).
+#[allow(clippy::too_many_arguments)]
+pub fn cached_attention_masked(
+    simd: Simd,
+    qkv: &Tensor,
+    lens: &[usize],
+    kv: &[CachedKv],
+    n_head: usize,
+    n_kv_head: usize,
+    scale: f32,
+    masking: Masking,
+) -> Result<Tensor> {
+    if masking.window == Some(0) {
+        candle_core::bail!("cached-attention: a window of 0 positions")
+    }
+    let plain = masking == Masking::default();
     assert!(simd.is_available(), "{simd:?} is not available on this CPU");
     let (n_rows, width) = qkv.dims2()?;
     let hs = width / (n_head + 2 * n_kv_head).max(1);
@@ -260,12 +290,14 @@ pub fn cached_attention_on(
                 len: *len,
                 t: *t,
                 scale,
+                masking,
             };
             // SAFETY: each task writes head `h`'s columns of its sequence's rows only, and `y`
             // outlives the pool's call; `simd` is available (asserted above).
             unsafe {
                 let y = y_at as *mut f32;
                 match (simd, hs) {
+                    _ if !plain => head.attend(y),
                     #[cfg(target_arch = "x86_64")]
                     (Simd::Avx512, 32) => x86::attend512::<2, 4>(&head, y),
                     #[cfg(target_arch = "x86_64")]
@@ -304,6 +336,7 @@ struct Head<'a> {
     len: usize,
     t: usize,
     scale: f32,
+    masking: Masking,
 }
 
 impl Head<'_> {
@@ -315,10 +348,15 @@ impl Head<'_> {
         for i in 0..self.len {
             let row = self.row0 + i;
             let q = &self.q[row * self.ld + self.h * hs..][..hs];
-            let keys = &mut scores[..offset + i + 1];
+            // The keys this row sees: its window's, else its whole past.
+            let first = self.masking.window.map_or(0, |w| (offset + i + 1).saturating_sub(w));
+            let keys = &mut scores[first..offset + i + 1];
             let mut max = f32::NEG_INFINITY;
             for (j, s) in keys.iter_mut().enumerate() {
-                *s = dot(q, self.keys.row(self.kv_h, j, hs)) * self.scale;
+                *s = dot(q, self.keys.row(self.kv_h, first + j, hs)) * self.scale;
+                if let Some(cap) = self.masking.softcap {
+                    *s = (*s / cap).tanh() * cap;
+                }
                 max = max.max(*s);
             }
             let mut sum = 0f32;
@@ -336,7 +374,7 @@ impl Head<'_> {
                 let width = LANES.min(hs - d0);
                 let mut acc = [0f32; LANES];
                 for (j, &p) in keys.iter().enumerate() {
-                    let v = &self.values.row(self.kv_h, j, hs)[d0..d0 + width];
+                    let v = &self.values.row(self.kv_h, first + j, hs)[d0..d0 + width];
                     if let Ok(v) = <&[f32; LANES]>::try_from(v) {
                         for l in 0..LANES {
                             acc[l] += p * v[l];

@@ -4,7 +4,9 @@
 mod attention;
 mod lora;
 
-pub use attention::{cached_attention, cached_attention_on, grouped_attention, CachedKv, WriteRows};
+pub use attention::{
+    cached_attention, cached_attention_masked, cached_attention_on, grouped_attention, CachedKv, Masking, WriteRows,
+};
 pub use lora::lora_rows;
 #[cfg(feature = "cuda")]
 pub mod decode_attention;
