@@ -191,41 +191,46 @@ impl<'a> File<'a> {
         }
     }
 
-    /// An array of strings.
-    fn strings(&self, key: &str) -> Result<Option<Vec<&str>>> {
+    /// An array whose every item `item` reads (`kind` names what it must be).
+    fn array<'s, T>(&'s self, key: &str, kind: &str, item: impl Fn(&'s Value) -> Option<T>) -> Result<Option<Vec<T>>> {
         match self.meta(key) {
             None => Ok(None),
             Some(Value::Array(items)) => items
                 .iter()
                 .enumerate()
-                .map(|(i, v)| match v {
-                    Value::String(s) => Ok(s.as_str()),
-                    _ => Err(self.corrupt(format!("`{key}`[{i}] is not a string"))),
-                })
+                .map(|(i, v)| item(v).ok_or_else(|| self.corrupt(format!("`{key}`[{i}] is {v:?}, not {kind}"))))
                 .collect::<Result<_>>()
                 .map(Some),
             Some(_) => Err(self.corrupt(format!("`{key}` is not an array"))),
         }
     }
 
+    /// An array of strings.
+    fn strings(&self, key: &str) -> Result<Option<Vec<&str>>> {
+        self.array(key, "a string", |v| match v {
+            Value::String(s) => Some(s.as_str()),
+            _ => None,
+        })
+    }
+
     /// An array of integers.
     fn ints(&self, key: &str) -> Result<Option<Vec<i64>>> {
-        match self.meta(key) {
-            None => Ok(None),
-            Some(Value::Array(items)) => items
-                .iter()
-                .enumerate()
-                .map(|(i, v)| match *v {
-                    Value::I32(n) => Ok(n as i64),
-                    Value::U32(n) => Ok(n as i64),
-                    Value::I8(n) => Ok(n as i64),
-                    Value::U8(n) => Ok(n as i64),
-                    _ => Err(self.corrupt(format!("`{key}`[{i}] is {v:?}, not an integer"))),
-                })
-                .collect::<Result<_>>()
-                .map(Some),
-            Some(_) => Err(self.corrupt(format!("`{key}` is not an array"))),
-        }
+        self.array(key, "an integer", |v| match *v {
+            Value::I32(n) => Some(n as i64),
+            Value::U32(n) => Some(n as i64),
+            Value::I8(n) => Some(n as i64),
+            Value::U8(n) => Some(n as i64),
+            _ => None,
+        })
+    }
+
+    /// An array of numbers, as f32.
+    fn floats(&self, key: &str) -> Result<Option<Vec<f32>>> {
+        self.array(key, "a number", |v| match *v {
+            Value::F32(x) => Some(x),
+            Value::F64(x) => Some(x as f32),
+            _ => None,
+        })
     }
 
     /// Tensor `name`, checked to be `dims` (PyTorch's order: `(out, in)` for a matrix).
