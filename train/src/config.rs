@@ -406,6 +406,12 @@ impl TrainArgs {
             } else {
                 self.dropout.map(|v| v.to_string())
             };
+            // Fine-tuning on shorter windows than the checkpoint's context: its first positions,
+            // as nanoGPT's `crop_block_size` does.
+            let cropped = match (init_from, self.block_size) {
+                (true, Some(b)) if b <= saved.n_positions => Some(b),
+                _ => None,
+            };
             let checks: [(&str, Option<String>, String); 7] = [
                 ("--bias", self.bias.map(|v| v.to_string()), saved.bias.to_string()),
                 (
@@ -417,7 +423,7 @@ impl TrainArgs {
                 ("--n-embd", self.n_embd.map(|v| v.to_string()), saved.n_embd.to_string()),
                 (
                     "--block-size",
-                    self.block_size.map(|v| v.to_string()),
+                    self.block_size.filter(|_| cropped.is_none()).map(|v| v.to_string()),
                     saved.n_positions.to_string(),
                 ),
                 ("--dropout", dropout, saved.resid_pdrop.to_string()),
@@ -449,6 +455,7 @@ impl TrainArgs {
                 );
             }
             let mut cfg = saved.clone();
+            cfg.n_positions = cropped.unwrap_or(cfg.n_positions);
             if let (true, Some(p)) = (init_from, self.dropout) {
                 (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) = (p, p, p);
             }

@@ -114,13 +114,18 @@ pub fn run_tokenizer(
 
 /// Sets the model's variables to the weights of the checkpoint in `dir` (any GPT-2-layout
 /// checkpoint: `transformer.` prefixes, a stored LM head and the old attention buffers are
-/// handled by [`gpt::load_model`]).
+/// handled by [`gpt::load_model`]). A position table longer than the model's (a shorter
+/// `--block-size`) gives its first rows.
 pub fn load_weights(dir: &Path, vars: &[(String, Var)], device: &Device) -> Result<()> {
     let tensors = base_tensors(dir, device)?;
     for (name, var) in vars {
-        let t = tensors
+        let mut t = tensors
             .get(name)
-            .with_context(|| format!("--init-from {}: tensor `{name}` is missing", dir.display()))?;
+            .with_context(|| format!("--init-from {}: tensor `{name}` is missing", dir.display()))?
+            .clone();
+        if name == "wpe.weight" && t.dim(0)? > var.dim(0)? {
+            t = t.narrow(0, 0, var.dim(0)?)?;
+        }
         var.set(&t.contiguous()?)
             .with_context(|| format!("--init-from {}: tensor `{name}`", dir.display()))?;
     }

@@ -390,6 +390,58 @@ fn init_from_starts_where_the_checkpoint_is_and_learns_from_there() -> anyhow::R
         "3",
     ])?;
     assert!(err.contains("--n-layer 3") && err.contains("--init-from"), "{err}");
+    // A shorter --block-size fine-tunes on shorter windows (nanoGPT's `crop_block_size`): the
+    // checkpoint's first 32 positions; a longer one than the checkpoint's 64 is refused.
+    let cropped = format!("{o}-cropped");
+    let run = gpt_train(&[
+        "train",
+        "--data",
+        c,
+        "--out",
+        &cropped,
+        "--init-from",
+        f,
+        "--block-size",
+        "32",
+        "--max-iters",
+        "2",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "1",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+    ])?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let (base, _) = gpt::load_dir(&fixture, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    let (tuned, _) = gpt::load_dir(
+        &Path::new(&cropped).join("latest"),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )?;
+    assert_eq!(tuned.config().n_positions, 32);
+    let table = |m: &gpt::Gpt| -> anyhow::Result<candle_core::Tensor> {
+        m.named_tensors()?
+            .into_iter()
+            .find(|(n, _)| n == "transformer.wpe.weight")
+            .map(|(_, t)| t)
+            .ok_or_else(|| anyhow::anyhow!("no position table"))
+    };
+    assert_eq!(table(&tuned)?.dims(), [32, base.config().n_embd]);
+    let err = fails(&[
+        "train",
+        "--data",
+        c,
+        "--out",
+        &format!("{o}3"),
+        "--init-from",
+        f,
+        "--block-size",
+        "128",
+    ])?;
+    assert!(err.contains("--block-size 128") && err.contains("(64)"), "{err}");
     Ok(())
 }
 
