@@ -191,6 +191,73 @@ fn every_family_saved_here_loads_in_transformers() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Fine-tuning a family: the loss and every weight's gradient on a sequence, as the trainer
+/// computes them (the weights as variables, candle's backward pass), equal to `transformers`'
+/// (`family_grads.py`: `labels=`' mean cross-entropy, `backward()`), within 1e-4 of each
+/// gradient's largest value.
+#[test]
+fn every_family_trains_with_transformers_gradients() -> anyhow::Result<()> {
+    let out = tempfile::tempdir()?;
+    let run = std::process::Command::new(gpt_test_support::python())
+        .arg(gpt_test_support::repo("tests/fixtures/family_grads.py"))
+        .arg(out.path())
+        .args(CASES.map(dir))
+        .output()?;
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    for case in CASES {
+        let cfg = gpt::Config::from_file(&dir(case).join("config.json"))?;
+        let varmap = candle_nn::VarMap::new();
+        let model = gpt::Gpt::new_trainable(
+            candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+            &cfg,
+        )?;
+        let weights = candle_core::safetensors::load(dir(case).join("model.safetensors"), &Device::Cpu)?;
+        let weights = gpt::arch::trainable_tensors(&cfg, weights)?;
+        let vars = varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap"))?.clone();
+        assert_eq!(vars.len(), weights.len(), "{case}: a variable for every tensor");
+        for (name, var) in &vars {
+            let w = weights.get(name).ok_or_else(|| anyhow::anyhow!("{case}: no {name}"))?;
+            var.set(w)?;
+        }
+        let ids = expected(case)?.sequences[0].clone();
+        let t = ids.len() - 1;
+        let idx = Tensor::new(&ids[..t], &Device::Cpu)?.unsqueeze(0)?;
+        let targets = Tensor::new(&ids[1..], &Device::Cpu)?.unsqueeze(0)?;
+        let train = gpt::layers::Dropout { key: 0, first_row: 0 };
+        let loss = model.loss(&idx, &targets, Some(train), 0.0)?;
+        let theirs = candle_core::safetensors::load(out.path().join(format!("{case}.safetensors")), &Device::Cpu)?;
+        let want = theirs["loss"].to_vec1::<f32>()?[0];
+        let got = loss.to_scalar::<f32>()?;
+        assert!((got - want).abs() < 1e-5, "{case}: loss {got} vs transformers {want}");
+        let grads = loss.backward()?;
+        // transformers' gradients stacked as our variables are (q, k, v; gate, up), which is
+        // exact; Gemma's gains' gradients are those of `1 + w`, the same (less `loss`).
+        let mut theirs = theirs;
+        theirs.remove("loss");
+        let mut theirs = gpt::arch::trainable_tensors(&cfg, theirs)?;
+        if cfg.variant.family.is_gemma() {
+            for (name, g) in theirs.iter_mut() {
+                if name.ends_with("norm.weight") {
+                    *g = (&*g - 1.0)?;
+                }
+            }
+        }
+        for (name, var) in &vars {
+            let want = &theirs[name.as_str()];
+            let got = grads
+                .get(var.as_tensor())
+                .ok_or_else(|| anyhow::anyhow!("{case}: no gradient reached {name}"))?;
+            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            let d = max_abs_diff(got, want)?;
+            assert!(
+                d <= 1e-4 * scale + 1e-7,
+                "{case}: {name}'s gradient differs by {d} (largest {scale})"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The families' configs: an unknown `model_type` names itself and the supported ones; a field
 /// a family needs, when missing, is named.
 #[test]

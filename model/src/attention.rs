@@ -30,6 +30,19 @@ pub(crate) struct Segments {
     pub(crate) positions: Tensor,
 }
 
+/// `transformers`' `apply_rotary_pos_emb` of candle's differentiable ops: `x` `(1, N, n, hs)`,
+/// each row's `cos` and `sin` `(N, hs / 2)`; the halves of each head are the pairs rotated (what
+/// `rope_thd` computes, with a backward pass).
+fn rotate_halves(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    let (_, n, _, hs) = x.dims4()?;
+    let half = hs / 2;
+    let (cos, sin) = (cos.reshape((1, n, 1, half))?, sin.reshape((1, n, 1, half))?);
+    let (x1, x2) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
+    let first = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+    let second = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+    Tensor::cat(&[first, second], 3)
+}
+
 /// The rotary embedding's cos and sin tables, `(n_positions, head_dim / 2)` in the activations'
 /// dtype, shared by every layer.
 #[derive(Debug)]
@@ -162,7 +175,10 @@ impl CausalSelfAttention {
     /// The rows `(N, q + 2 kv)` of the fused projection with q and k normalised per head
     /// (QK-norm) and rotated to each row's position (`positions` `(N)` u32), as `transformers`'
     /// `apply_rotary_pos_emb` does (the two halves of each head as the pairs); v unchanged.
-    pub(crate) fn rotate(&self, qkv: &Tensor, positions: &Tensor) -> candle_core::Result<Tensor> {
+    ///
+    /// `train`: for a backward pass, of candle's differentiable ops (its fused RoPE and RMSNorm
+    /// have none; the values are the same).
+    pub(crate) fn rotate(&self, qkv: &Tensor, positions: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         if self.rope.is_none() && self.qk_norm.is_none() {
             return Ok(qkv.clone());
         }
@@ -175,11 +191,12 @@ impl CausalSelfAttention {
             .reshape((1, n, self.n_kv_head, hd))?
             .contiguous()?; // (1, N, nkv, hs)
         let v = qkv.narrow(1, qw + kvw, kvw)?; // (N, kv)
+        let norm = |x: &Tensor, gain: &Tensor, eps: f32| match train {
+            true => candle_nn::ops::rms_norm_slow(x, gain, eps),
+            false => candle_nn::ops::rms_norm(x, gain, eps),
+        };
         let (q, k) = match &self.qk_norm {
-            Some((qn, kn, eps)) => (
-                candle_nn::ops::rms_norm(&q, qn, *eps)?,
-                candle_nn::ops::rms_norm(&k, kn, *eps)?,
-            ),
+            Some((qn, kn, eps)) => (norm(&q, qn, *eps)?, norm(&k, kn, *eps)?),
             None => (q, k),
         };
         let (q, k) = match &self.rope {
@@ -187,10 +204,11 @@ impl CausalSelfAttention {
                 let positions = positions.to_dtype(candle_core::DType::U32)?;
                 let cos = rope.cos.index_select(&positions, 0)?; // (N, hs / 2)
                 let sin = rope.sin.index_select(&positions, 0)?;
-                (
-                    candle_nn::rotary_emb::rope_thd(&q, &cos, &sin)?,
-                    candle_nn::rotary_emb::rope_thd(&k, &cos, &sin)?,
-                )
+                let rotate = |x: &Tensor| match train {
+                    true => rotate_halves(x, &cos, &sin),
+                    false => candle_nn::rotary_emb::rope_thd(x, &cos, &sin),
+                };
+                (rotate(&q)?, rotate(&k)?)
             }
             None => (q, k),
         };
@@ -306,7 +324,10 @@ impl CausalSelfAttention {
                     None => Tensor::arange(0u32, seq_len as u32, x.device())?.repeat(b_sz)?,
                 };
                 let rows = qkv.reshape((b_sz * seq_len, qw + 2 * kvw))?;
-                Some(self.rotate(&rows, &positions)?.reshape((b_sz, seq_len, qw + 2 * kvw))?)
+                Some(
+                    self.rotate(&rows, &positions, train.is_some())?
+                        .reshape((b_sz, seq_len, qw + 2 * kvw))?,
+                )
             }
             other => other,
         };
@@ -422,7 +443,7 @@ impl CausalSelfAttention {
     ) -> candle_core::Result<Tensor> {
         let (qw, kvw) = self.widths();
         let qkv = self.c_attn.forward_updated(x, attn_updates)?; // (N, q + 2 kv): one matmul for every sequence
-        let qkv = self.rotate(&qkv, positions)?; // q and k at their positions
+        let qkv = self.rotate(&qkv, positions, false)?; // q and k at their positions
         if gpt_kernels::fused(&qkv) && qkv.device().is_cpu() {
             // On the CPU in f32: the new keys and values go straight from `qkv` into the caches,
             // and one fused op attends for every sequence at once (ops/attention.rs).

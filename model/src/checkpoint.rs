@@ -311,6 +311,15 @@ fn loading_error(path: &Path, err: candle_core::Error) -> Error {
 /// Loads the network of a checkpoint directory in `dtype` on `device`, for inference (in
 /// [`Gpt::into_inference_layout`]).
 pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
+    if crate::llamacpp::is_gguf_file(dir) {
+        // llama.cpp's file, its matrices dequantized to `dtype`.
+        let format = match dtype {
+            DType::F16 => WeightFormat::F16,
+            DType::BF16 => WeightFormat::Bf16,
+            _ => WeightFormat::F32,
+        };
+        return Ok(crate::llamacpp::load(dir, Some(format), device)?.0);
+    }
     let cfg = Config::from_file(&dir.join(CONFIG_FILE))?;
     let path = dir.join(WEIGHTS_FILE);
     let gguf = dir.join(crate::gguf::GGUF_FILE);
@@ -363,6 +372,14 @@ pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
 }
 
 /// Loads a checkpoint directory: the model and its tokenizer, checked against each other.
+/// The config of the checkpoint `dir` (its `config.json`), or of a llama.cpp GGUF file.
+pub fn load_config(dir: &Path) -> Result<Config> {
+    match crate::llamacpp::is_gguf_file(dir) {
+        true => crate::llamacpp::load_config(dir),
+        false => Config::from_file(&dir.join(CONFIG_FILE)),
+    }
+}
+
 pub fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<(Gpt, Tokenizer)> {
     require_dir(dir)?;
     let model = load_model(dir, dtype, device)?;
@@ -382,6 +399,9 @@ fn require_dir(dir: &Path) -> Result<()> {
 /// The tokenizer of `dir` (`tokenizer.json`, else `vocab.json` with `merges.txt`), checked
 /// against the model's vocabulary.
 pub fn load_tokenizer(dir: &Path, model_vocab: usize) -> Result<Tokenizer> {
+    if crate::llamacpp::is_gguf_file(dir) {
+        return crate::llamacpp::load_tokenizer(dir);
+    }
     let json = dir.join(TOKENIZER_FILE);
     let tokenizer = if !json.exists() && dir.join(VOCAB_FILE).exists() {
         Tokenizer::from_vocab_merges(&dir.join(VOCAB_FILE), &dir.join(MERGES_FILE))?

@@ -146,18 +146,19 @@ impl Block {
         })
     }
 
-    /// The attention's output `h` through its post-norm, where the block has one.
-    fn post_attn(&self, h: Tensor) -> candle_core::Result<Tensor> {
+    /// The attention's output `h` through its post-norm, where the block has one (`train`: for a
+    /// backward pass).
+    fn post_attn(&self, h: Tensor, train: bool) -> candle_core::Result<Tensor> {
         match &self.post_norms {
-            Some((attn, _)) => layer_norm(attn, &h, false),
+            Some((attn, _)) => layer_norm(attn, &h, train),
             None => Ok(h),
         }
     }
 
     /// The MLP's output `h` through its post-norm, where the block has one.
-    fn post_mlp(&self, h: Tensor) -> candle_core::Result<Tensor> {
+    fn post_mlp(&self, h: Tensor, train: bool) -> candle_core::Result<Tensor> {
         match &self.post_norms {
-            Some((_, mlp)) => layer_norm(mlp, &h, false),
+            Some((_, mlp)) => layer_norm(mlp, &h, train),
             None => Ok(h),
         }
     }
@@ -172,11 +173,11 @@ impl Block {
         let h = self
             .attn
             .forward_recorded(&layer_norm(&self.ln_1, x, train.is_some())?, train, segments, record)?;
-        let x = (x + self.post_attn(h)?)?;
+        let x = (x + self.post_attn(h, train.is_some())?)?;
         let h = self
             .mlp
             .forward_t(&layer_norm(&self.ln_2, &x, train.is_some())?, train)?;
-        &x + self.post_mlp(h)?
+        &x + self.post_mlp(h, train.is_some())?
     }
 
     /// [`Block::forward_t`] on the residual stream as rows, `x` `(B * T, C)` in windows of
@@ -232,11 +233,11 @@ impl Block {
             caches,
             (c_attn, attn_proj),
         )?;
-        let x = (x + self.post_attn(h)?)?;
+        let x = (x + self.post_attn(h, false)?)?;
         let h = self
             .mlp
             .forward_updated(&layer_norm(&self.ln_2, &x, false)?, c_fc, mlp_proj)?;
-        &x + self.post_mlp(h)?
+        &x + self.post_mlp(h, false)?
     }
 }
 
@@ -313,7 +314,22 @@ impl Gpt {
     /// A network of one of the Llama-layout families ([`crate::arch::llama`]) from `vb`, rooted
     /// where the checkpoint's names start (`model.embed_tokens.weight`, ...), for inference.
     fn new_family(vb: VarBuilder, cfg: &Config) -> Result<Self> {
-        let weights = crate::arch::llama::weights_from_hf(&vb, cfg)?;
+        let weights = crate::arch::llama::weights_from_hf(&vb, cfg, false)?;
+        Self::from_family_weights(cfg, weights, vb.dtype(), vb.device())
+    }
+
+    /// The network of `cfg` to train, its weights the variables `vb` makes: [`Gpt::new`] for
+    /// GPT-2; the other families hold each tensor they compute with as one variable (q, k, v
+    /// stacked, gate and up stacked, Gemma's gains as `1 + w`), so that the optimizer's updates
+    /// are what the next step computes with. Set them from a checkpoint with
+    /// [`crate::arch::llama::trainable_tensors`]; [`Gpt::named_tensors`] gives the checkpoint's
+    /// names back.
+    pub fn new_trainable(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        cfg.validate()?;
+        if cfg.is_gpt2_shaped() {
+            return Self::new(vb, cfg);
+        }
+        let weights = crate::arch::llama::weights_from_hf(&vb, cfg, true)?;
         Self::from_family_weights(cfg, weights, vb.dtype(), vb.device())
     }
 

@@ -445,16 +445,18 @@ pub fn save_best(out: &Path, model: &Gpt, adapter: Option<&Adapter>, tokenizer: 
 pub fn restore(saved: &Saved, varmap: &VarMap, opt: &mut AdamW, device: &Device) -> Result<()> {
     let lora = saved.state.run.lora.is_some();
     let weights = saved.dir.join(weights_file(lora));
-    let tensors = gpt::files::read_safetensors(&weights, device)?;
+    let mut tensors = gpt::files::read_safetensors(&weights, device)?;
+    if !lora {
+        // A full run's variables are the model's as it trains them (GPT-2's without
+        // `transformer.`, the other families' products stacked).
+        tensors = gpt::arch::trainable_tensors(&saved.state.run.model, tensors)
+            .with_context(|| format!("{}", weights.display()))?;
+    }
     let vars = varmap.data().lock().map_err(|_| anyhow::anyhow!("varmap poisoned"))?;
     for (name, var) in vars.iter() {
         // A LoRA run's variables are its adapter's matrices, named as PEFT names them but for
-        // its prefix; a full run's are the model's, without `transformer.`.
-        let key = if lora {
-            Adapter::peft_name(name)
-        } else {
-            format!("transformer.{name}")
-        };
+        // its prefix.
+        let key = if lora { Adapter::peft_name(name) } else { name.clone() };
         let t = tensors
             .get(&key)
             .with_context(|| format!("{}: tensor {key} missing", weights.display()))?;

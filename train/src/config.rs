@@ -294,6 +294,39 @@ impl TrainDtype {
     }
 }
 
+/// The model's config in trainer_state.json: its family's `config.json` object (GPT-2's fields
+/// as they were; a family's own, which hold what sets it apart), with the dropout probabilities
+/// beside it (a family's `config.json` has none).
+mod model_config {
+    use gpt::Config;
+    use serde::{de, ser, Deserialize, Deserializer, Serialize, Serializer};
+
+    const DROPOUTS: [&str; 3] = ["resid_pdrop", "embd_pdrop", "attn_pdrop"];
+
+    pub fn serialize<S: Serializer>(cfg: &Config, s: S) -> Result<S::Ok, S::Error> {
+        let mut value = cfg.to_hf_value().map_err(ser::Error::custom)?;
+        if let Some(map) = value.as_object_mut() {
+            for (key, p) in DROPOUTS
+                .into_iter()
+                .zip([cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop])
+            {
+                map.insert(key.into(), p.into());
+            }
+        }
+        value.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Config, D::Error> {
+        let value = serde_json::Value::deserialize(d)?;
+        let mut cfg = gpt::arch::config_from_hf(value.clone()).map_err(de::Error::custom)?;
+        let p = |key: &str| value.get(key).and_then(|v| v.as_f64()).map(|p| p as f32);
+        if let (Some(r), Some(e), Some(a)) = (p(DROPOUTS[0]), p(DROPOUTS[1]), p(DROPOUTS[2])) {
+            (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) = (r, e, a);
+        }
+        Ok(cfg)
+    }
+}
+
 /// Everything a run was started with: saved in trainer_state.json, read back by --resume.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
@@ -307,6 +340,7 @@ pub struct RunConfig {
     pub val_fraction: f64,
     pub tokenizer: String,
     pub device: String,
+    #[serde(with = "model_config")]
     pub model: Config,
     pub batch_size: usize,
     pub max_iters: usize,

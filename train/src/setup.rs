@@ -112,9 +112,10 @@ pub fn run_tokenizer(
     Ok(tok)
 }
 
-/// Sets the model's variables to the weights of the checkpoint in `dir` (any GPT-2-layout
-/// checkpoint: `transformer.` prefixes, a stored LM head and the old attention buffers are
-/// handled by [`gpt::load_model`]). A position table longer than the model's (a shorter
+/// Sets the model's variables to the weights of the checkpoint in `dir` (of any family, in any
+/// format [`gpt::load_model`] reads: GPT-2's `transformer.` prefixes, a stored LM head and the old
+/// attention buffers are handled there), as the trainable model holds them
+/// ([`gpt::arch::trainable_tensors`]). A position table longer than the model's (a shorter
 /// `--block-size`) gives its first rows.
 pub fn load_weights(dir: &Path, vars: &[(String, Var)], device: &Device) -> Result<()> {
     let tensors = base_tensors(dir, device)?;
@@ -132,14 +133,11 @@ pub fn load_weights(dir: &Path, vars: &[(String, Var)], device: &Device) -> Resu
     Ok(())
 }
 
-/// The weights of the checkpoint `dir` by their names without `transformer.`, in f32.
+/// The weights of the checkpoint `dir` by the names of a trainable model's variables, in f32.
 fn base_tensors(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let base = gpt::load_model(dir, DType::F32, device).with_context(|| format!("--init-from {}", dir.display()))?;
-    Ok(base
-        .named_tensors()?
-        .into_iter()
-        .map(|(name, t)| (name.trim_start_matches("transformer.").to_string(), t))
-        .collect())
+    let named = base.named_tensors()?.into_iter().collect();
+    gpt::arch::trainable_tensors(base.config(), named).with_context(|| format!("--init-from {}", dir.display()))
 }
 
 /// A LoRA run's model: its base (`run.init_from`) frozen, plain tensors that no gradient
@@ -153,6 +151,14 @@ pub fn lora_model(run: &RunConfig, lora: &LoraRun, varmap: &VarMap, device: &Dev
     let dir = checkpoint::resolve(&named.to_string_lossy())
         .context("--init-from")?
         .dir;
+    if !run.model.is_gpt2_shaped() {
+        bail!(
+            "--lora-r: adapters train on GPT-2's layout only so far, and --init-from {} is a {} model; \
+             without --lora-r every weight of it fine-tunes",
+            dir.display(),
+            run.model.variant.family.model_type()
+        );
+    }
     // Straight from the file where there is one (a packed copy for inference, then an f32 copy
     // of it, would double the base's memory while loading).
     let frozen = if dir.join(checkpoint::WEIGHTS_FILE).is_file() {

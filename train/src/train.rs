@@ -105,10 +105,7 @@ impl<'w> Trainer<'w> {
             let _ = std::fs::remove_dir_all(&scratch); // its own, under the temporary directory
         }
         let tokenizer = tokenizer?;
-        let init_config = init_from
-            .as_deref()
-            .map(|dir| gpt::Config::from_file(&dir.join(checkpoint::CONFIG_FILE)))
-            .transpose()?;
+        let init_config = init_from.as_deref().map(checkpoint::load_config).transpose()?;
         let run = args.resolve(
             tokenizer.vocab_size(),
             saved.as_ref().map(|s| &s.state.run),
@@ -165,7 +162,8 @@ impl<'w> Trainer<'w> {
         }
         let (model, adapter) = match &run.lora {
             None => {
-                let model = Gpt::new(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?;
+                let model =
+                    Gpt::new_trainable(crate::init::seeded_var_builder(&varmap, run.seed, &device), &run.model)?;
                 if let Some(dir) = &init_from {
                     setup::load_weights(dir, &crate::init::named_vars(&varmap)?, &device)?;
                 }

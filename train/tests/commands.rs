@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::process::Output;
 
-use common::{fails, gpt_train, stderr, train, train_args, write, BIN};
+use common::{fails, gpt_train, prefix_of_tokens, stderr, train, train_args, write, BIN};
 use gpt_test_support as support;
 use safetensors::SafeTensors;
 use support::shakespeare;
@@ -315,12 +315,7 @@ fn init_from_starts_where_the_checkpoint_is_and_learns_from_there() -> anyhow::R
     // A validation text of exactly context + 1 tokens: the trainer's evaluation windows and
     // `gpt-train eval`'s single window are then the same window.
     let tok = gpt::Tokenizer::from_file(&fixture.join("tokenizer.json"))?;
-    let context = 64;
-    let val_text = (1..text.len())
-        .filter(|&n| text.is_char_boundary(n))
-        .map(|n| &text[..n])
-        .find(|t| tok.encode(t).map(|ids| ids.len()).unwrap_or(0) == context + 1)
-        .ok_or_else(|| anyhow::anyhow!("no prefix of {} tokens", context + 1))?;
+    let val_text = prefix_of_tokens(&text, &tok, 65)?;
     let val = write(dir.path(), "val.txt", val_text)?;
     let out = dir.path().join("run");
     let (c, v, o, f) = (

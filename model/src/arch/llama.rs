@@ -372,15 +372,25 @@ pub(crate) struct FamilyWeights {
     pub head: Option<Weight>,
 }
 
+/// The names of the products the decoder runs fused, for a trainer's variables (vLLM's names):
+/// q, k and v side by side, and gate and up.
+pub const QKV: &str = "self_attn.qkv_proj";
+pub const GATE_UP: &str = "mlp.gate_up_proj";
+
 /// The weights of a `transformers` checkpoint under its names, from `vb` (rooted at the names'
 /// start) in its dtype. Gemma's norm gains `w` are read as the `1 + w` they multiply by.
-pub(crate) fn weights_from_hf(vb: &VarBuilder, cfg: &Config) -> candle_core::Result<FamilyWeights> {
+///
+/// `trainable`: `vb` makes variables (a trainer's), and each is a tensor the decoder computes
+/// with, updated in place by the optimizer: q, k and v one variable ([`QKV`]), gate and up one
+/// ([`GATE_UP`]), Gemma's gains held as `1 + w`. [`trainable_tensors`] maps a checkpoint onto
+/// them.
+pub(crate) fn weights_from_hf(vb: &VarBuilder, cfg: &Config, trainable: bool) -> candle_core::Result<FamilyWeights> {
     let (c, v) = (cfg.n_embd, &cfg.variant);
     let n = names(v.family);
     let dense = |(w, b): (Tensor, Tensor)| (Weight::Dense(w), b);
     // `1 + w` in f32, rounded once to the activations' dtype (as `transformers` computes it).
     let norm = |len: usize, name: &str| -> candle_core::Result<Tensor> {
-        match v.family.is_gemma() {
+        match v.family.is_gemma() && !trainable {
             true => (vb.get_with_hints_dtype(len, name, Default::default(), DType::F32)? + 1.0)?.to_dtype(vb.dtype()),
             false => vb.get(len, name),
         }
@@ -403,14 +413,21 @@ pub(crate) fn weights_from_hf(vb: &VarBuilder, cfg: &Config) -> candle_core::Res
                 (true, None) => candle_core::bail!("{:?} checkpoints have no norms after the layers", v.family),
                 (false, _) => None,
             };
+            let (qkv, gate_up) = match trainable {
+                true => (
+                    linear(vb, &format!("{p}.{QKV}"), c, cfg.qkv_width(), v.qkv_bias)?,
+                    linear(vb, &format!("{p}.{GATE_UP}"), c, 2 * cfg.mlp_width(), v.mlp_bias)?,
+                ),
+                false => (qkv(vb, &p, cfg)?, gate_up(vb, &p, cfg)?),
+            };
             Ok(LayerWeights {
                 attn_norm: norm(c, &format!("{p}.{}.weight", n.attn_norm))?,
-                qkv: dense(qkv(vb, &p, cfg)?),
+                qkv: dense(qkv),
                 o: dense(linear(vb, &format!("{p}.{}", n.o), cfg.q_width(), c, v.o_bias)?),
                 qk_norm,
                 mlp_norm: norm(c, &format!("{p}.{}.weight", n.mlp_norm))?,
                 post_norms,
-                gate_up: dense(gate_up(vb, &p, cfg)?),
+                gate_up: dense(gate_up),
                 down: dense(linear(vb, &format!("{p}.{}", n.down), cfg.mlp_width(), c, v.mlp_bias)?),
             })
         })
@@ -425,6 +442,48 @@ pub(crate) fn weights_from_hf(vb: &VarBuilder, cfg: &Config) -> candle_core::Res
         final_norm: norm(c, n.final_norm)?,
         head,
     })
+}
+
+/// A checkpoint's tensors (under `transformers`' names, as [`crate::Gpt::named_tensors`] gives
+/// them) as the variables of a trainable model of `cfg` hold them ([`weights_from_hf`] with
+/// `trainable`): q, k, v and gate, up stacked, Gemma's gains plus one. A tensor missing is an
+/// error naming it.
+pub fn trainable_tensors(
+    cfg: &Config,
+    mut tensors: std::collections::HashMap<String, Tensor>,
+) -> crate::Result<std::collections::HashMap<String, Tensor>> {
+    let v = &cfg.variant;
+    let n = names(v.family);
+    let mut take = |name: String| {
+        tensors
+            .remove(&name)
+            .ok_or_else(|| crate::Error::InvalidConfig(format!("the checkpoint has no tensor `{name}`")))
+    };
+    let mut out = std::collections::HashMap::new();
+    for i in 0..cfg.n_layer {
+        let p = layer(i);
+        let mut stack = |fused: &str, parts: &[&str], bias: bool| -> crate::Result<()> {
+            let mut suffixes = vec!["weight"];
+            if bias {
+                suffixes.push("bias");
+            }
+            for suffix in suffixes {
+                let parts = parts
+                    .iter()
+                    .map(|part| take(format!("{p}.{part}.{suffix}")))
+                    .collect::<crate::Result<Vec<_>>>()?;
+                out.insert(format!("{p}.{fused}.{suffix}"), Tensor::cat(&parts, 0)?);
+            }
+            Ok(())
+        };
+        stack(QKV, &[n.q, n.k, n.v], v.qkv_bias)?;
+        stack(GATE_UP, &[n.gate, n.up], v.mlp_bias)?;
+    }
+    for (name, t) in tensors {
+        let gain = v.family.is_gemma() && name.ends_with("norm.weight");
+        out.insert(name, if gain { (t + 1.0)? } else { t });
+    }
+    Ok(out)
 }
 
 /// A `(out, in)` weight `name.weight` and, where `bias`, its `name.bias` (else zeros, not a

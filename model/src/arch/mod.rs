@@ -52,6 +52,22 @@ pub fn config_from_hf(mut value: serde_json::Value) -> Result<Config, String> {
     }
 }
 
+/// A checkpoint's tensors (as [`crate::Gpt::named_tensors`] names them) by the names of the
+/// variables of a trainable model of `cfg` ([`crate::Gpt::new_trainable`]): GPT-2's without
+/// their `transformer.` prefix, the other families' as [`llama::trainable_tensors`] stacks them.
+pub fn trainable_tensors(
+    cfg: &Config,
+    tensors: std::collections::HashMap<String, candle_core::Tensor>,
+) -> crate::Result<std::collections::HashMap<String, candle_core::Tensor>> {
+    match cfg.variant.family {
+        Family::Gpt2 => Ok(tensors
+            .into_iter()
+            .map(|(name, t)| (name.trim_start_matches("transformer.").to_string(), t))
+            .collect()),
+        _ => llama::trainable_tensors(cfg, tensors),
+    }
+}
+
 /// The `config.json` object that `transformers` reads for `cfg`'s family.
 pub fn config_to_hf(cfg: &Config) -> Result<serde_json::Value, String> {
     match cfg.variant.family {

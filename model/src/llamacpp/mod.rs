@@ -506,25 +506,8 @@ fn q4_1_weight(q: &QTensor) -> Result<Weight> {
 /// The model of a llama.cpp GGUF file and its tokenizer, on `device` (activations f32 on the CPU;
 /// the file's block formats kept unless `format` asks for another).
 pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Result<(Gpt, Tokenizer)> {
-    let mut f = File::open(path)?;
-    let embed_dims = f
-        .content
-        .tensor_infos
-        .get("token_embd.weight")
-        .map(|i| i.shape.dims().to_vec())
-        .ok_or_else(|| Error::MissingTensor {
-            path: path.to_path_buf(),
-            name: "token_embd.weight".into(),
-        })?;
-    let [vocab_size, _] = embed_dims[..] else {
-        return Err(f.corrupt(format!("token_embd.weight is {embed_dims:?}, not a matrix")));
-    };
-    let mut cfg = config(&f, vocab_size)?;
-    if let Some(factors) = rope_factors(&mut f, cfg.head_dim())? {
-        if let Some(rope) = &mut cfg.variant.rope {
-            rope.scaling = Some(RopeScaling::PerFrequency(factors));
-        }
-    }
+    let (mut f, cfg) = header(path)?;
+    let vocab_size = cfg.vocab_size;
     let tokenizer = tokenizer(&f, &cfg)?;
     let dtype = match device.is_cpu() {
         true => DType::F32,
@@ -611,6 +594,42 @@ pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Resul
         model = model.with_weight_format(format)?;
     }
     Ok((model, tokenizer))
+}
+
+/// The file's header and the config of its network (the vocabulary's size from the embedding's
+/// rows; Llama 3's per-frequency rotary factors from `rope_freqs`).
+fn header(path: &Path) -> Result<(File<'_>, Config)> {
+    let mut f = File::open(path)?;
+    let embed_dims = f
+        .content
+        .tensor_infos
+        .get("token_embd.weight")
+        .map(|i| i.shape.dims().to_vec())
+        .ok_or_else(|| Error::MissingTensor {
+            path: path.to_path_buf(),
+            name: "token_embd.weight".into(),
+        })?;
+    let [vocab_size, _] = embed_dims[..] else {
+        return Err(f.corrupt(format!("token_embd.weight is {embed_dims:?}, not a matrix")));
+    };
+    let mut cfg = config(&f, vocab_size)?;
+    if let Some(factors) = rope_factors(&mut f, cfg.head_dim())? {
+        if let Some(rope) = &mut cfg.variant.rope {
+            rope.scaling = Some(RopeScaling::PerFrequency(factors));
+        }
+    }
+    Ok((f, cfg))
+}
+
+/// The config of a GGUF file's network, without reading its weights.
+pub fn load_config(path: &Path) -> Result<Config> {
+    Ok(header(path)?.1)
+}
+
+/// A GGUF file's tokenizer, without reading its weights.
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
+    let (f, cfg) = header(path)?;
+    tokenizer(&f, &cfg)
 }
 
 /// A chat template's source with the text of its BOS and EOS tokens.

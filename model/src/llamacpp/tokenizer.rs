@@ -40,9 +40,11 @@ pub(super) fn tokenizer(f: &File, cfg: &Config) -> Result<Tokenizer> {
     let mut inner = match model {
         "gpt2" => byte_level_bpe(f, &tokens)?,
         "llama" => sentencepiece(f, &tokens, &types)?,
-        other => return Err(f.corrupt(format!(
+        other => {
+            return Err(f.corrupt(format!(
             "tokenizer.ggml.model `{other}` is not supported (supported: gpt2, byte-level BPE; llama, SentencePiece)"
-        ))),
+        )))
+        }
     };
     // Control (3) and user-defined (4) tokens are matched whole before the BPE, as
     // `tokenizer.json`'s added tokens are (and llama.cpp's `tokenizer_st_partition`); control

@@ -71,6 +71,26 @@ pub fn train_args_on(data: &[&str], out: &Path, extra: &[&str]) -> Vec<String> {
     args.into_iter().map(String::from).collect()
 }
 
+/// `gpt-train train` with the [`TINY`] settings but its preset (for `--init-from`, whose
+/// checkpoint has the shape), `extra` overriding any flag it repeats.
+pub fn train_from(corpus: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<Output> {
+    let mut args = train_args(corpus, out, extra);
+    if let Some(at) = args.iter().position(|a| a == "--preset") {
+        args.drain(at..at + 2);
+    }
+    gpt_train(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// The shortest prefix of `text` of exactly `n` tokens: a validation text whose evaluation
+/// window (context `n - 1`) is `gpt-train eval`'s single window too.
+pub fn prefix_of_tokens<'a>(text: &'a str, tok: &gpt::Tokenizer, n: usize) -> anyhow::Result<&'a str> {
+    (1..text.len())
+        .filter(|&i| text.is_char_boundary(i))
+        .map(|i| &text[..i])
+        .find(|t| tok.encode(t).map(|ids| ids.len()).unwrap_or(0) == n)
+        .ok_or_else(|| anyhow::anyhow!("no prefix of {n} tokens"))
+}
+
 pub fn train_losses(out: &Path) -> anyhow::Result<Vec<(u64, f64)>> {
     let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
     let mut losses = vec![];

@@ -1,0 +1,156 @@
+//! Fine-tuning the decoder families with `gpt-train train --init-from` (the checkpoints
+//! `transformers` saved in `tests/fixtures/families`): the first evaluation is `gpt-train eval`'s
+//! loss of the checkpoint itself, the loss falls, a resumed run equals an uninterrupted one bit
+//! for bit, and what is saved is a checkpoint of the same family. (The gradients themselves are
+//! checked against `transformers`' in tests/families.rs.)
+
+mod common;
+
+use common::{gpt_train, prefix_of_tokens, state, stderr, train_from, train_losses, write};
+use gpt_test_support::{family_dir, shakespeare};
+use safetensors::SafeTensors;
+
+/// The first evaluation of every run, and the loss `gpt-train eval` gives the same window.
+fn first_eval(out: &std::path::Path) -> anyhow::Result<f64> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|e| e["event"] == "eval")
+        .and_then(|e| e["val_loss"].as_f64())
+        .ok_or_else(|| anyhow::anyhow!("no evaluation in {}", out.display()))
+}
+
+#[test]
+fn families_fine_tune_from_their_checkpoints_and_resume_exactly() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let text = shakespeare(40_000)?;
+    let corpus = write(dir.path(), "corpus.txt", &text)?;
+    let tok = gpt::Tokenizer::from_file(&family_dir("llama-gqa").join("tokenizer.json"))?;
+    // Its evaluation window is `gpt-train eval`'s single window.
+    let val_text = prefix_of_tokens(&text, &tok, 33)?;
+    let val = write(dir.path(), "val.txt", val_text)?;
+    let v = val.to_str().unwrap_or_default();
+    let run_with = |out: &std::path::Path, flags: &[&str]| train_from(&corpus, out, flags);
+    for case in ["llama-gqa", "gemma3-local", "gemma2-softcap"] {
+        let base = family_dir(case);
+        let b = base.to_str().unwrap_or_default();
+        let (whole, halves) = (
+            dir.path().join(format!("{case}-a")),
+            dir.path().join(format!("{case}-b")),
+        );
+        let flags = |iters: &'static str| -> Vec<&str> {
+            vec![
+                "--init-from",
+                b,
+                "--val-data",
+                v,
+                "--block-size",
+                "32",
+                "--max-iters",
+                iters,
+                "--lr-decay-iters",
+                "12",
+                "--eval-interval",
+                "6",
+                "--learning-rate",
+                "3e-3",
+            ]
+        };
+        let run = run_with(&whole, &flags("12"))?;
+        assert!(run.status.success(), "{case}: {}", stderr(&run));
+        let eval = gpt_train(&["eval", "--checkpoint", b, "--data", v, "--block-size", "32", "--json"])?;
+        assert!(eval.status.success(), "{case}: {}", stderr(&eval));
+        let reference: serde_json::Value = serde_json::from_slice(&eval.stdout)?;
+        let (first, mean_nll) = (first_eval(&whole)?, reference["mean_nll"].as_f64().unwrap_or(f64::NAN));
+        assert!(
+            (first - mean_nll).abs() < 1e-5,
+            "{case}: step 0 val loss {first} vs gpt-train eval of the checkpoint {mean_nll}"
+        );
+        let losses = train_losses(&whole)?;
+        let (start, end) = (losses[0].1, losses[losses.len() - 1].1);
+        assert!(end < start - 0.1, "{case}: the loss falls: {losses:?}");
+
+        let run = run_with(&halves, &flags("6"))?;
+        assert!(run.status.success(), "{case}: {}", stderr(&run));
+        let h = halves.to_str().unwrap_or_default();
+        let run = gpt_train(&["train", "--out", h, "--resume", "--max-iters", "12"])?;
+        assert!(run.status.success(), "{case}: {}", stderr(&run));
+        assert_eq!(state(&halves)?["step"], 12);
+        for file in ["model.safetensors", "optimizer.safetensors"] {
+            let (fa, fb) = (
+                std::fs::read(whole.join("latest").join(file))?,
+                std::fs::read(halves.join("latest").join(file))?,
+            );
+            let (ta, tb) = (SafeTensors::deserialize(&fa)?, SafeTensors::deserialize(&fb)?);
+            let mut names = ta.names();
+            names.sort();
+            for name in names {
+                assert!(
+                    ta.tensor(name)?.data() == tb.tensor(name)?.data(),
+                    "{case}, {file}: {name} differs"
+                );
+            }
+        }
+        assert_eq!(train_losses(&whole)?, train_losses(&halves)?, "{case}");
+        // Saved as the family it came from, under its checkpoint names.
+        let (tuned, _) = gpt::load_dir(
+            &whole.join("latest"),
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )?;
+        let cfg = gpt::Config::from_file(&base.join("config.json"))?;
+        assert_eq!(tuned.config().variant, cfg.variant, "{case}");
+        let saved = std::fs::read(whole.join("latest/model.safetensors"))?;
+        let saved = SafeTensors::deserialize(&saved)?;
+        let original = std::fs::read(base.join("model.safetensors"))?;
+        let original = SafeTensors::deserialize(&original)?;
+        let (mut a, mut b) = (saved.names(), original.names());
+        a.sort();
+        b.sort();
+        assert_eq!(a, b, "{case}: the checkpoint's tensor names");
+    }
+    // From llama.cpp's GGUF file of the same checkpoint: its weights (dequantized) and tokenizer.
+    let gguf = dir.path().join("llama-gqa.gguf");
+    gpt_test_support::write_llama_cpp_gguf(&family_dir("llama-gqa"), &gguf, candle_core::quantized::GgmlDType::F32)?;
+    let g = gguf.to_str().unwrap_or_default();
+    let out = dir.path().join("from-gguf");
+    let run = run_with(
+        &out,
+        &[
+            "--init-from",
+            g,
+            "--val-data",
+            v,
+            "--block-size",
+            "32",
+            "--max-iters",
+            "2",
+            "--eval-interval",
+            "2",
+        ],
+    )?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let eval = gpt_train(&["eval", "--checkpoint", g, "--data", v, "--block-size", "32", "--json"])?;
+    assert!(eval.status.success(), "{}", stderr(&eval));
+    let reference: serde_json::Value = serde_json::from_slice(&eval.stdout)?;
+    let mean_nll = reference["mean_nll"].as_f64().unwrap_or(f64::NAN);
+    assert!(
+        (first_eval(&out)? - mean_nll).abs() < 1e-5,
+        "from the GGUF file: {} vs {mean_nll}",
+        first_eval(&out)?
+    );
+    // A LoRA adapter on a family is not there yet: refused, naming it.
+    let out = dir.path().join("lora");
+    let run = run_with(
+        &out,
+        &[
+            "--init-from",
+            family_dir("llama-gqa").to_str().unwrap_or_default(),
+            "--lora-r",
+            "4",
+        ],
+    )?;
+    assert!(!run.status.success());
+    assert!(stderr(&run).contains("llama model"), "{}", stderr(&run));
+    Ok(())
+}
