@@ -63,6 +63,11 @@ impl Tokenizer {
         }
     }
 
+    /// The token every prompt starts with, where the model's file asks for one.
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
     /// This tokenizer with `bos` put before every prompt that does not start with it
     /// ([`Tokenizer::encode_prompt`]).
     pub fn with_bos(self, bos: Option<u32>) -> Self {

@@ -92,12 +92,14 @@ const CHECKPOINT_HELP: &str = "A checkpoint directory (config.json, model.safete
 struct ExportArgs {
     #[arg(long, help = CHECKPOINT_HELP)]
     checkpoint: PathBuf,
-    /// Directory for the copy.
+    /// Directory for the copy; or a file named `*.gguf`: llama.cpp's GGUF file of the model
+    /// (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3), with its tokenizer and chat template, for
+    /// llama.cpp, Ollama and LM Studio.
     #[arg(long)]
     out: PathBuf,
     /// Precision of the copy's weights: f32, f16 and bf16 write model.safetensors (for
     /// transformers too); q8_0 and q4_0 write the weight matrices quantized to model.gguf,
-    /// which gpt-server and gpt-train eval load as they are.
+    /// which gpt-server and gpt-train eval load as they are. A `*.gguf` file takes any of them.
     #[arg(long, default_value = "f16")]
     dtype: gpt::WeightFormat,
 }
@@ -364,7 +366,9 @@ fn export(args: ExportArgs) -> Result<()> {
     let dir = checkpoint_dir(&args.checkpoint)?;
     let (model, tokenizer) = gpt::load_dir(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)?;
     let format = args.dtype;
+    let llama_cpp = args.out.extension().is_some_and(|e| e == "gguf");
     match format.ggml() {
+        _ if llama_cpp => gpt::llamacpp::save(&args.out, &model, &tokenizer, format)?,
         Some(_) => gpt::save_gguf_dir(&args.out, &model, &tokenizer, format)?,
         None => gpt::save_dir(&args.out, &model, &tokenizer, format.dtype())?,
     }

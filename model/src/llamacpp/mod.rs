@@ -24,7 +24,9 @@ use crate::layers::Weight;
 use crate::tokenizer::Tokenizer;
 use crate::Gpt;
 
+mod export;
 mod tokenizer;
+pub use export::save;
 use tokenizer::tokenizer;
 
 /// The `general.architecture`s loaded, and their families. llama.cpp writes Mistral's and
@@ -531,11 +533,19 @@ pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Resul
                 false => Ok(Tensor::zeros(len, dtype, device)?),
             }
         };
+        // The Llama family's q and k biases are interleaved as their rows are.
+        let llama = cfg.variant.family == Family::Llama;
+        let heads = |b: Tensor, n: usize| -> Result<Tensor> {
+            match llama {
+                true => Ok(b.reshape((n, (), 2))?.transpose(1, 2)?.contiguous()?.flatten_all()?),
+                false => Ok(b),
+            }
+        };
         let qkv_bias = match cfg.variant.qkv_bias {
             true => Tensor::cat(
                 &[
-                    bias("attn_q.bias", qw, true)?,
-                    bias("attn_k.bias", kvw, true)?,
+                    heads(bias("attn_q.bias", qw, true)?, cfg.n_head)?,
+                    heads(bias("attn_k.bias", kvw, true)?, cfg.n_kv_head())?,
                     bias("attn_v.bias", kvw, true)?,
                 ],
                 0,

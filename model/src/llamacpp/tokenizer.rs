@@ -10,10 +10,10 @@ use crate::tokenizer::Tokenizer;
 /// The pre-tokenizers of llama.cpp's `tokenizer.ggml.pre` names: the regular expressions its
 /// `llama-vocab.cpp` splits text with before byte-level BPE (the same as the models'
 /// `tokenizer.json`).
-const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_SPLIT: &str =
+pub(super) const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub(super) const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const PRE_TOKENIZERS: &str = "gpt2, default, smollm, llama3 (llama-bpe), qwen2";
+pub(super) const PRE_TOKENIZERS: &str = "gpt-2, default, smollm, llama3 (llama-bpe), qwen2";
 
 /// The tokenizer the file describes: `tokenizer.ggml.model` `gpt2` (byte-level BPE with its
 /// merges and the pre-tokenizer `tokenizer.ggml.pre` names) or `llama` (SentencePiece: pieces
@@ -110,7 +110,7 @@ fn byte_level_bpe(f: &File, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
         .into())
     };
     let (pre_tokenizer, ignore_merges): (PreTokenizerWrapper, bool) = match pre {
-        "gpt2" | "default" => (ByteLevel::new(false, true, true).into(), false),
+        "gpt-2" | "gpt2" | "default" => (ByteLevel::new(false, true, true).into(), false),
         "smollm" => (
             Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into(),
             false,

@@ -127,7 +127,7 @@ pub fn write_llama_cpp_gguf(dir: &Path, path: &Path, format: GgmlDType) -> anyho
             Value::F32(cfg["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32),
         ),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("gpt-2".into())),
         ("tokenizer.ggml.tokens".into(), strings(tokens)),
         ("tokenizer.ggml.merges".into(), strings(merges)),
         ("tokenizer.ggml.token_type".into(), Value::Array(types)),
