@@ -86,7 +86,8 @@ struct TokenizerArgs {
 const CHECKPOINT_HELP: &str = "A checkpoint directory (config.json, model.safetensors, tokenizer.json), \
                                a gpt-train run directory (its best/ checkpoint), or a Hugging Face Hub id \
                                (gpt2, org/name@revision; from the shared Hub cache, downloaded if missing); \
-                               `eval` also takes a llama.cpp GGUF file (or org/name:Q4_K_M)";
+                               `eval`, `export` and `train --init-from` also take a llama.cpp GGUF file (or \
+                               org/name:Q4_K_M)";
 
 #[derive(clap::Args)]
 struct ExportArgs {
@@ -364,7 +365,12 @@ fn end_job(world: gpt_train::distributed::World, e: anyhow::Error) -> ! {
 
 fn export(args: ExportArgs) -> Result<()> {
     let dir = checkpoint_dir(&args.checkpoint)?;
-    let (model, tokenizer) = gpt::load_dir(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    // A GGUF file's matrices dequantized to f32 (then written in --dtype).
+    let f32 = Some(gpt::WeightFormat::F32);
+    let (model, tokenizer) = match gpt::llamacpp::is_gguf_file(&dir) {
+        true => gpt::llamacpp::load(&dir, f32, &candle_core::Device::Cpu)?,
+        false => gpt::load_dir(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)?,
+    };
     let format = args.dtype;
     let llama_cpp = args.out.extension().is_some_and(|e| e == "gguf");
     match format.ggml() {
