@@ -305,6 +305,92 @@ fn every_family_trains_with_transformers_gradients() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// PEFT's LoRA adapters on the families (`q_proj` ... `down_proj`, PEFT's names; every linear
+/// layer, or q and v alone, its default for Llama): the adapted model's logits equal
+/// `PeftModel`'s within 1e-4, whole windows, through the cache batched beside a sequence without
+/// the adapter (which keeps the base's logits), and merged (`merge_and_unload`).
+#[test]
+fn every_family_takes_peft_adapters() -> anyhow::Result<()> {
+    let out = tempfile::tempdir()?;
+    let peft = |args: &[&std::ffi::OsStr]| -> anyhow::Result<Vec<u8>> {
+        let run = std::process::Command::new(gpt_test_support::python())
+            .arg(gpt_test_support::repo("tests/fixtures/peft_lora.py"))
+            .args(args)
+            .output()?;
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+        Ok(run.stdout)
+    };
+    let all = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+    for (case, targets) in [
+        ("llama-gqa", all),
+        ("gemma3-local", "q_proj,v_proj"),
+        ("qwen2-bias", all),
+    ] {
+        let adapter = out.path().join(case);
+        let ids = expected(case)?.sequences[0].clone();
+        let json = serde_json::to_string(&ids)?;
+        let made: serde_json::Value = serde_json::from_slice(&peft(&[
+            "make-logits".as_ref(),
+            dir(case).as_os_str(),
+            adapter.as_os_str(),
+            "3".as_ref(),
+            targets.as_ref(),
+            json.as_ref(),
+        ])?)?;
+        let rows = |key: &str| -> anyhow::Result<Tensor> {
+            let rows: Vec<Vec<f32>> = serde_json::from_value(made[key].clone())?;
+            Ok(Tensor::new(rows, &Device::Cpu)?)
+        };
+        let (want, merged_want) = (rows("logits")?, rows("merged")?);
+        let (mut model, _) = gpt::load_dir(&dir(case), DType::F32, &Device::Cpu)?;
+        let lora = gpt::Adapter::load(&adapter, model.config(), DType::F32, &Device::Cpu)?;
+        // A step with the adapter on one sequence and none on another.
+        let (mut with, mut without) = (model.new_cache(), model.new_cache());
+        let both = model.forward_step_adapted(
+            &mut [
+                SeqStep {
+                    tokens: &ids,
+                    cache: &mut with,
+                },
+                SeqStep {
+                    tokens: &ids,
+                    cache: &mut without,
+                },
+            ],
+            &[LogitsFor::All, LogitsFor::All],
+            &[Some(&lora), None],
+        )?;
+        let both = model.logits(&both)?;
+        let n = ids.len();
+        let d = max_abs_diff(&both.narrow(0, 0, n)?, &want)?;
+        assert!(d < 1e-4, "{case}: adapted in a step, {d} from PEFT's");
+        let d = max_abs_diff(&both.narrow(0, n, n)?, &expected(case)?.logits[0])?;
+        assert!(
+            d < 1e-4,
+            "{case}: the sequence without the adapter, {d} from the base's"
+        );
+        model.set_adapter(Some(&lora))?;
+        let whole = model
+            .forward(&Tensor::new(vec![ids.clone()], &Device::Cpu)?, None)?
+            .squeeze(0)?;
+        let d = max_abs_diff(&whole, &want)?;
+        assert!(d < 1e-4, "{case}: adapted whole window, {d} from PEFT's");
+        model.set_adapter(None)?;
+        let mut tensors = model.named_tensors()?;
+        lora.merge_into(&mut tensors)?;
+        let merged = gpt::Gpt::new(
+            candle_nn::VarBuilder::from_tensors(tensors.into_iter().collect(), DType::F32, &Device::Cpu),
+            model.config(),
+        )?;
+        let merged = merged
+            .forward(&Tensor::new(vec![ids.clone()], &Device::Cpu)?, None)?
+            .squeeze(0)?;
+        let d = max_abs_diff(&merged, &merged_want)?;
+        assert!(d < 1e-4, "{case}: merged, {d} from PEFT's merge_and_unload");
+    }
+    Ok(())
+}
+
 /// The families' configs: an unknown `model_type` names itself and the supported ones; a field
 /// a family needs, when missing, is named.
 #[test]

@@ -39,7 +39,7 @@ fn adapter(cfg: &gpt::Config, r: usize, targets: &[String]) -> anyhow::Result<Ad
         let b = Tensor::randn(0f32, 0.02, (d_out, r), &Device::Cpu)?;
         layers.insert(name, LoraLayer::new(a, b, config.scale()));
     }
-    Ok(Adapter { config, layers })
+    Ok(Adapter::new(config, layers, cfg)?)
 }
 
 /// Tokens/s of `new_tokens` decode steps of every sequence together, each with `adapters[s]`.

@@ -11,6 +11,12 @@
 //! `transformer.h.{i}.attn.c_attn`, `attn.c_proj`, `mlp.c_fc` and `mlp.c_proj`; a target module
 //! matches a layer whose name is it or ends with `.` and it (PEFT's rule), so `c_proj` adapts
 //! both projections. The tensors are stored as `base_model.model.{layer}.lora_A.weight`.
+//!
+//! The other families' layers are `nn.Linear`s, `(out, in)`: `model.layers.{i}.self_attn.q_proj`,
+//! `k_proj`, `v_proj`, `o_proj`, `mlp.gate_proj`, `up_proj`, `down_proj`. The decoder runs q, k and
+//! v (and gate and up) as one product, so their updates are run as one too
+//! ([`Adapter::compute`]): the `A`s stacked, each `B` in its own rows and columns of one
+//! block-diagonal `B`, which gives each projection exactly its own update.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -27,6 +33,33 @@ pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";
 
 /// The linear layers of a block that an adapter can target, by their names within the block.
 pub const LAYERS: [&str; 4] = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"];
+
+/// The same of the Llama-layout and Gemma families (`model.layers.{i}.`).
+pub const FAMILY_LAYERS: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+/// The names of block `i`'s four products as the decoder runs them (q, k, v fused; the output
+/// projection; the MLP's first product, gate and up fused where gated; its second): the keys of
+/// [`Adapter::compute`].
+pub fn block_products(cfg: &Config, i: usize) -> [String; 4] {
+    match cfg.is_gpt2_shaped() {
+        true => LAYERS.map(|l| format!("transformer.h.{i}.{l}")),
+        false => [
+            crate::arch::llama::QKV,
+            "self_attn.o_proj",
+            crate::arch::llama::GATE_UP,
+            "mlp.down_proj",
+        ]
+        .map(|l| format!("model.layers.{i}.{l}")),
+    }
+}
 
 /// The prefix of PEFT's tensor names for a causal LM (`PeftModelForCausalLM` → `LoraModel` →
 /// the base model).
@@ -245,12 +278,21 @@ impl LoraConfig {
                 )));
             }
         }
-        let (c, mlp) = (cfg.n_embd, cfg.mlp_width());
+        let (c, mlp, q, kv) = (cfg.n_embd, cfg.mlp_width(), cfg.q_width(), cfg.kv_width());
         let shape = |layer: &str| match layer {
             "attn.c_attn" => (c, 3 * c),
             "attn.c_proj" => (c, c),
             "mlp.c_fc" => (c, mlp),
+            "self_attn.q_proj" => (c, q),
+            "self_attn.k_proj" | "self_attn.v_proj" => (c, kv),
+            "self_attn.o_proj" => (q, c),
+            "mlp.gate_proj" | "mlp.up_proj" => (c, mlp),
+            "mlp.down_proj" => (mlp, c),
             _ => (mlp, c),
+        };
+        let (prefix, block_layers): (&str, &[&str]) = match cfg.is_gpt2_shaped() {
+            true => ("transformer.h", &LAYERS),
+            false => ("model.layers", &FAMILY_LAYERS),
         };
         let matches = |name: &str, target: &str| name == target || name.ends_with(&format!(".{target}"));
         let mut out = Vec::new();
@@ -259,8 +301,8 @@ impl LoraConfig {
             if self.layers_to_transform.as_ref().is_some_and(|l| !l.contains(&i)) {
                 continue;
             }
-            for layer in LAYERS {
-                let name = format!("transformer.h.{i}.{layer}");
+            for layer in block_layers {
+                let name = format!("{prefix}.{i}.{layer}");
                 let mut hit = false;
                 for (t, target) in self.target_modules.iter().enumerate() {
                     if matches(&name, target) {
@@ -276,9 +318,10 @@ impl LoraConfig {
         }
         if let Some(t) = used.iter().position(|u| !u) {
             return Err(bad(format!(
-                "target module {:?} matches no layer of this GPT-2 model (its linear layers: {})",
+                "target module {:?} matches no layer of this {} model (its linear layers: {})",
                 self.target_modules[t],
-                LAYERS.join(", ")
+                cfg.variant.family.model_type(),
+                block_layers.join(", ")
             )));
         }
         Ok(out)
@@ -376,7 +419,11 @@ impl LoraLayer {
 #[derive(Debug, Clone)]
 pub struct Adapter {
     pub config: LoraConfig,
+    /// Each adapted layer's update, by PEFT's layer name.
     pub layers: BTreeMap<String, LoraLayer>,
+    /// The updates of the products the decoder runs, by [`block_products`]' names: GPT-2's are
+    /// its layers'; the other families' q, k, v and gate, up updates run as one each.
+    pub compute: BTreeMap<String, LoraLayer>,
 }
 
 impl Adapter {
@@ -404,7 +451,21 @@ impl Adapter {
                 LoraLayer::new(a, b, config.scale()).with_dropout(config.lora_dropout as f32),
             );
         }
-        Ok(Self { config, layers })
+        Self::new(config, layers, cfg)
+    }
+
+    /// The adapter of these layers' updates (by PEFT's layer names) for a model of `cfg`, with
+    /// its products' updates made.
+    pub fn new(config: LoraConfig, layers: BTreeMap<String, LoraLayer>, cfg: &Config) -> Result<Self> {
+        let compute = match cfg.is_gpt2_shaped() {
+            true => layers.clone(),
+            false => fused(&layers, cfg, config.scale(), config.lora_dropout as f32)?,
+        };
+        Ok(Self {
+            config,
+            layers,
+            compute,
+        })
     }
 
     /// PEFT's name of a matrix named as [`Adapter::init`] names it.
@@ -491,7 +552,7 @@ impl Adapter {
                 config.target_modules
             )));
         }
-        Ok(Self { config, layers })
+        Self::new(config, layers, cfg)
     }
 
     /// Writes the adapter as PEFT does (each file to a temporary name, then renamed), the
@@ -521,7 +582,8 @@ impl Adapter {
     }
 
     /// Adds each adapted layer's update to its weight among a model's `named_tensors`
-    /// ([`crate::Gpt::named_tensors`]'s names).
+    /// ([`crate::Gpt::named_tensors`]'s names: GPT-2's `(in, out)`, the other families' `(out,
+    /// in)`).
     pub fn merge_into(&self, tensors: &mut [(String, Tensor)]) -> Result<()> {
         for (layer, l) in &self.layers {
             let name = format!("{layer}.weight");
@@ -530,8 +592,71 @@ impl Adapter {
                 .find(|(n, _)| *n == name)
                 .ok_or_else(|| Error::InvalidConfig(format!("the model has no tensor `{name}` to merge into")))?;
             let delta = l.delta_weight()?.to_dtype(DType::F32)?;
+            // An `nn.Linear`'s weight is the transpose of GPT-2's `Conv1D`'s.
+            let delta = match name.starts_with("transformer.") {
+                true => delta,
+                false => delta.t()?,
+            };
             *w = (w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?;
         }
         Ok(())
     }
+}
+
+/// The updates of a family's products from its layers' (see the module's header): for each
+/// block, q, k and v's stacked into one of `q + 2 kv` outputs (a layer not adapted adds zero
+/// rows), gate and up's likewise, the output projection's and down's as they are.
+fn fused(
+    layers: &BTreeMap<String, LoraLayer>,
+    cfg: &Config,
+    scale: f64,
+    dropout: f32,
+) -> Result<BTreeMap<String, LoraLayer>> {
+    let (q, kv, mlp) = (cfg.q_width(), cfg.kv_width(), cfg.mlp_width());
+    let mut out = BTreeMap::new();
+    for i in 0..cfg.n_layer {
+        let [qkv, o, gate_up, down] = block_products(cfg, i);
+        let groups: [(String, Vec<(&str, usize)>); 4] = [
+            (
+                qkv,
+                vec![
+                    ("self_attn.q_proj", q),
+                    ("self_attn.k_proj", kv),
+                    ("self_attn.v_proj", kv),
+                ],
+            ),
+            (o, vec![("self_attn.o_proj", cfg.n_embd)]),
+            (gate_up, vec![("mlp.gate_proj", mlp), ("mlp.up_proj", mlp)]),
+            (down, vec![("mlp.down_proj", cfg.n_embd)]),
+        ];
+        for (product, parts) in groups {
+            let total: usize = parts.iter().map(|(_, n)| n).sum();
+            let mut row = 0;
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            for (part, rows) in &parts {
+                if let Some(l) = layers.get(&format!("model.layers.{i}.{part}")) {
+                    let r = l.a.dim(0)?;
+                    a.push(l.a.clone());
+                    let (dtype, device) = (l.b.dtype(), l.b.device());
+                    // This part's B in its own rows of the product's outputs, zero elsewhere.
+                    let column = Tensor::cat(
+                        &[
+                            Tensor::zeros((row, r), dtype, device)?,
+                            l.b.clone(),
+                            Tensor::zeros((total - row - rows, r), dtype, device)?,
+                        ],
+                        0,
+                    )?;
+                    b.push(column);
+                }
+                row += rows;
+            }
+            if a.is_empty() {
+                continue;
+            }
+            let layer = LoraLayer::new(Tensor::cat(&a, 0)?, Tensor::cat(&b, 1)?, scale).with_dropout(dropout);
+            out.insert(product, layer);
+        }
+    }
+    Ok(out)
 }

@@ -29,7 +29,7 @@ fn random_adapter(cfg: &Config, targets: &[&str], r: usize, alpha: f64) -> anyho
         let b = Tensor::randn(0f32, 0.3, (d_out, r), &Device::Cpu)?;
         layers.insert(name, LoraLayer::new(a, b, config.scale()));
     }
-    Ok(Adapter { config, layers })
+    Ok(Adapter::new(config, layers, cfg)?)
 }
 
 /// Every step's logits of each sequence: its prompt's (all positions), then those of `decode`

@@ -46,7 +46,7 @@ fn write_adapter(dir: &Path, cfg: &gpt::Config, targets: &[&str], r: usize, seed
         let layer = LoraLayer::new(noise(r, d_in)?, noise(d_out, r)?, config.scale());
         layers.insert(name, layer);
     }
-    let adapter = gpt::Adapter { config, layers };
+    let adapter = gpt::Adapter::new(config, layers, cfg)?;
     adapter.save(dir)?;
     Ok(adapter)
 }

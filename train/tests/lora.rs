@@ -55,7 +55,7 @@ fn random_adapter(cfg: &gpt::Config) -> Result<Adapter> {
         let b = (Tensor::randn(0f32, 1.0, (d_out, config.r), &Device::Cpu)? * 0.2)?;
         layers.insert(name, LoraLayer::new(a, b, config.scale()));
     }
-    Ok(Adapter { config, layers })
+    Ok(Adapter::new(config, layers, cfg)?)
 }
 
 /// `gpt-train merge` of `adapter` into the base, to `out`.

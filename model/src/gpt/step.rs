@@ -11,7 +11,7 @@ use crate::kv_cache::KvCache;
 use crate::layers::{layer_norm, RowUpdate};
 
 /// The adapters' updates of one block's layers in a packed step, in the order of
-/// [`crate::lora::LAYERS`].
+/// [`crate::lora::block_products`].
 pub(super) type BlockUpdates<'a> = [Vec<RowUpdate<'a>>; 4];
 
 /// Each distinct adapter of a step (the same adapter by address) with the rows of its
@@ -42,13 +42,16 @@ fn adapter_rows<'a>(
         .collect()
 }
 
-/// The updates of block `layer`'s layers that the adapters of `groups` make.
-fn block_updates<'a>(groups: &'a [(&'a crate::lora::Adapter, Vec<u32>, Tensor)], layer: usize) -> BlockUpdates<'a> {
-    crate::lora::LAYERS.map(|name| {
-        let name = format!("transformer.h.{layer}.{name}");
+/// The updates of block `layer`'s products that the adapters of `groups` make.
+fn block_updates<'a>(
+    groups: &'a [(&'a crate::lora::Adapter, Vec<u32>, Tensor)],
+    cfg: &crate::Config,
+    layer: usize,
+) -> BlockUpdates<'a> {
+    crate::lora::block_products(cfg, layer).map(|name| {
         groups
             .iter()
-            .filter_map(|(adapter, rows, ids)| adapter.layers.get(&name).map(|lora| RowUpdate { rows, ids, lora }))
+            .filter_map(|(adapter, rows, ids)| adapter.compute.get(&name).map(|lora| RowUpdate { rows, ids, lora }))
             .collect()
     })
 }
@@ -159,7 +162,7 @@ impl Gpt {
         let groups = adapter_rows(adapters, &lens, device)?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let mut caches: Vec<_> = seqs.iter_mut().map(|s| s.cache.layer(layer)).collect();
-            let updates = block_updates(&groups, layer);
+            let updates = block_updates(&groups, &self.cfg, layer);
             x = block.forward_packed(&x, &lens, &positions, &mut caches, &updates)?;
             // (N, C)
         }

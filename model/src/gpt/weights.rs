@@ -7,7 +7,7 @@ use candle_nn::LayerNorm;
 use gpt_kernels::{MatmulPrecision, WeightFormat};
 
 use super::{Block, Gpt};
-use crate::config::PositionEmbedding;
+use crate::config::{Config, PositionEmbedding};
 use crate::error::{Error, Result};
 use crate::layers::{Conv1D, Weight};
 
@@ -177,24 +177,26 @@ impl Gpt {
         if let Some(head) = &mut self.lm_head {
             out.push(("lm_head.weight".to_string(), head));
         }
-        for (name, conv) in Self::named_convs_mut(&mut self.blocks) {
+        for (name, conv) in Self::named_convs_mut(&self.cfg, &mut self.blocks) {
             out.push((format!("{name}.weight"), &mut conv.weight));
         }
         out
     }
 
-    /// Each block's linear layers under their names (`transformer.h.0.attn.c_attn`).
-    fn named_convs_mut(blocks: &mut [Block]) -> Vec<(String, &mut Conv1D)> {
+    /// Each block's linear layers under their products' names
+    /// ([`crate::lora::block_products`]: `transformer.h.0.attn.c_attn`,
+    /// `model.layers.0.self_attn.qkv_proj`, ...).
+    fn named_convs_mut<'a>(cfg: &Config, blocks: &'a mut [Block]) -> Vec<(String, &'a mut Conv1D)> {
         let mut out = Vec::new();
         for (i, block) in blocks.iter_mut().enumerate() {
-            for (name, conv) in [
-                ("attn.c_attn", &mut block.attn.c_attn),
-                ("attn.c_proj", &mut block.attn.c_proj),
-                ("mlp.c_fc", &mut block.mlp.c_fc),
-                ("mlp.c_proj", &mut block.mlp.c_proj),
-            ] {
-                out.push((format!("transformer.h.{i}.{name}"), conv));
-            }
+            let names = crate::lora::block_products(cfg, i);
+            let convs = [
+                &mut block.attn.c_attn,
+                &mut block.attn.c_proj,
+                &mut block.mlp.c_fc,
+                &mut block.mlp.c_proj,
+            ];
+            out.extend(names.into_iter().zip(convs));
         }
         out
     }
@@ -223,8 +225,8 @@ impl Gpt {
                 }
             }
         }
-        for (name, conv) in Self::named_convs_mut(&mut self.blocks) {
-            conv.lora = adapter.and_then(|a| a.layers.get(&name)).cloned();
+        for (name, conv) in Self::named_convs_mut(&self.cfg, &mut self.blocks) {
+            conv.lora = adapter.and_then(|a| a.compute.get(&name)).cloned();
         }
         Ok(())
     }
