@@ -116,6 +116,16 @@ pub struct TrainArgs {
     /// below override it.
     #[arg(long)]
     pub preset: Option<String>,
+    /// The decoder family to train from scratch at that shape: gpt2, llama, mistral, qwen2,
+    /// qwen3, gemma2, gemma3 (RMSNorm, rotary positions, a gated MLP and the family's own
+    /// choices; saved as that family's checkpoint for `transformers` and llama.cpp) [default:
+    /// gpt2].
+    #[arg(long)]
+    pub arch: Option<String>,
+    /// Key/value heads (grouped-query attention; must divide --n-head) for the families other
+    /// than gpt2 [default: --n-head's].
+    #[arg(long)]
+    pub n_kv_head: Option<usize>,
     /// Transformer blocks [default: the preset's; shakespeare-char 6].
     #[arg(long)]
     pub n_layer: Option<usize>,
@@ -505,6 +515,22 @@ impl TrainArgs {
         }
         cfg.position_embedding = position.unwrap_or(cfg.position_embedding);
         cfg.bias = self.bias.unwrap_or(cfg.bias);
+        if let Some(arch) = self.arch.as_deref().filter(|a| *a != "gpt2") {
+            if position.is_some() || self.bias.is_some() {
+                bail!("--position-embedding and --bias are GPT-2's; --arch {arch} has rotary positions and no biases");
+            }
+            let family = gpt::arch::Family::from_model_type(arch)
+                .or_else(|| (arch == "gemma3").then_some(gpt::arch::Family::Gemma3))
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--arch {arch} is not a family (supported: {})",
+                        gpt::arch::Family::supported().replace("gemma3_text", "gemma3")
+                    )
+                })?;
+            cfg = gpt::arch::from_scratch(family, &cfg, self.n_kv_head)?;
+        } else if self.n_kv_head.is_some() {
+            bail!("--n-kv-head needs an --arch with grouped-query attention (llama, qwen3, gemma3, ...)");
+        }
         cfg.validate()?;
         Ok(cfg)
     }

@@ -154,3 +154,74 @@ fn families_fine_tune_from_their_checkpoints_and_resume_exactly() -> anyhow::Res
     assert!(stderr(&run).contains("llama model"), "{}", stderr(&run));
     Ok(())
 }
+
+/// `--arch`: a Llama, Qwen3 or Gemma 3 trained from scratch at a preset's shape (grouped-query
+/// attention from --n-kv-head) learns, and its checkpoint is that family's: `transformers` loads
+/// it as its own class and computes the logits this project computes (`check_family_load.py`).
+#[test]
+fn families_train_from_scratch_and_load_in_transformers() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(40_000)?)?;
+    let mut check = std::process::Command::new(gpt_test_support::python());
+    check.arg(gpt_test_support::repo("tests/fixtures/check_family_load.py"));
+    for arch in ["llama", "qwen3", "gemma3"] {
+        let out = dir.path().join(arch);
+        let run = common::train(
+            &corpus,
+            &out,
+            &[
+                "--arch",
+                arch,
+                "--n-kv-head",
+                "2",
+                "--n-embd",
+                "64",
+                "--max-iters",
+                "30",
+                "--eval-interval",
+                "30",
+            ],
+        )?;
+        assert!(run.status.success(), "{arch}: {}", stderr(&run));
+        let losses = train_losses(&out)?;
+        assert!(
+            losses[losses.len() - 1].1 < losses[0].1 - 0.5,
+            "{arch}: the loss falls: {losses:?}"
+        );
+        let best = out.join("best");
+        let (model, _) = gpt::load_dir(&best, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+        assert_eq!(
+            model.config().variant.family.model_type().trim_end_matches("_text"),
+            arch
+        );
+        assert_eq!(model.config().n_kv_head(), 2);
+        // Our logits of a window, as the reference `check_family_load.py` reads them.
+        let ids: Vec<u32> = (0..24).map(|i| (i * 7 % 50) as u32).collect();
+        let logits = model
+            .forward(
+                &candle_core::Tensor::new(vec![ids.clone()], &candle_core::Device::Cpu)?,
+                None,
+            )?
+            .squeeze(0)?;
+        let expected = dir.path().join(format!("{arch}-expected"));
+        std::fs::create_dir_all(&expected)?;
+        candle_core::safetensors::save(
+            &std::collections::HashMap::from([("logits_0".to_string(), logits)]),
+            expected.join("expected.safetensors"),
+        )?;
+        std::fs::write(
+            expected.join("expected.json"),
+            serde_json::json!({"sequences": [ids]}).to_string(),
+        )?;
+        check.arg(&best).arg(&expected);
+    }
+    let run = check.output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(run.status.success(), "{said}");
+    assert_eq!(said.matches("worst difference").count(), 3, "{said}");
+    Ok(())
+}

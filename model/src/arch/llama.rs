@@ -388,13 +388,17 @@ pub(crate) fn weights_from_hf(vb: &VarBuilder, cfg: &Config, trainable: bool) ->
     let (c, v) = (cfg.n_embd, &cfg.variant);
     let n = names(v.family);
     let dense = |(w, b): (Tensor, Tensor)| (Weight::Dense(w), b);
-    // `1 + w` in f32, rounded once to the activations' dtype (as `transformers` computes it).
+    // `1 + w` in f32, rounded once to the activations' dtype (as `transformers` computes it). A
+    // trainer's new gains start at 1 (Gemma's `w` at 0).
     let norm = |len: usize, name: &str| -> candle_core::Result<Tensor> {
         match v.family.is_gemma() && !trainable {
             true => (vb.get_with_hints_dtype(len, name, Default::default(), DType::F32)? + 1.0)?.to_dtype(vb.dtype()),
-            false => vb.get(len, name),
+            false => vb.get_with_hints(len, name, candle_nn::Init::Const(1.0)),
         }
     };
+    // A trainer's new matrices are drawn as GPT-2's (the output projections' scaled down by the
+    // depth); loaded ones are read whatever the hint.
+    let (std, proj_std) = (0.02, 0.02 / (2.0 * cfg.n_layer as f64).sqrt());
     let layers = (0..cfg.n_layer)
         .map(|i| {
             let p = layer(i);
@@ -415,29 +419,47 @@ pub(crate) fn weights_from_hf(vb: &VarBuilder, cfg: &Config, trainable: bool) ->
             };
             let (qkv, gate_up) = match trainable {
                 true => (
-                    linear(vb, &format!("{p}.{QKV}"), c, cfg.qkv_width(), v.qkv_bias)?,
-                    linear(vb, &format!("{p}.{GATE_UP}"), c, 2 * cfg.mlp_width(), v.mlp_bias)?,
+                    linear(vb, &format!("{p}.{QKV}"), c, cfg.qkv_width(), v.qkv_bias, std)?,
+                    linear(vb, &format!("{p}.{GATE_UP}"), c, 2 * cfg.mlp_width(), v.mlp_bias, std)?,
                 ),
                 false => (qkv(vb, &p, cfg)?, gate_up(vb, &p, cfg)?),
             };
             Ok(LayerWeights {
                 attn_norm: norm(c, &format!("{p}.{}.weight", n.attn_norm))?,
                 qkv: dense(qkv),
-                o: dense(linear(vb, &format!("{p}.{}", n.o), cfg.q_width(), c, v.o_bias)?),
+                o: dense(linear(
+                    vb,
+                    &format!("{p}.{}", n.o),
+                    cfg.q_width(),
+                    c,
+                    v.o_bias,
+                    proj_std,
+                )?),
                 qk_norm,
                 mlp_norm: norm(c, &format!("{p}.{}.weight", n.mlp_norm))?,
                 post_norms,
                 gate_up: dense(gate_up),
-                down: dense(linear(vb, &format!("{p}.{}", n.down), cfg.mlp_width(), c, v.mlp_bias)?),
+                down: dense(linear(
+                    vb,
+                    &format!("{p}.{}", n.down),
+                    cfg.mlp_width(),
+                    c,
+                    v.mlp_bias,
+                    proj_std,
+                )?),
             })
         })
         .collect::<candle_core::Result<_>>()?;
     let head = match cfg.tie_word_embeddings {
         true => None,
-        false => Some(Weight::Dense(vb.get((cfg.vocab_size, c), n.head)?)),
+        false => Some(Weight::Dense(vb.get_with_hints(
+            (cfg.vocab_size, c),
+            n.head,
+            init(std),
+        )?)),
     };
     Ok(FamilyWeights {
-        embed: Weight::Dense(vb.get((cfg.vocab_size, c), n.embed)?),
+        embed: Weight::Dense(vb.get_with_hints((cfg.vocab_size, c), n.embed, init(std))?),
         layers,
         final_norm: norm(c, n.final_norm)?,
         head,
@@ -486,7 +508,11 @@ pub fn trainable_tensors(
     Ok(out)
 }
 
-/// A `(out, in)` weight `name.weight` and, where `bias`, its `name.bias` (else zeros, not a
+fn init(stdev: f64) -> candle_nn::Init {
+    candle_nn::Init::Randn { mean: 0.0, stdev }
+}
+
+/// A `(out, in)` weight `name.weight` (new ones drawn with standard deviation `std`) and, where `bias`, its `name.bias` (else zeros, not a
 /// parameter), from `vb` in its dtype.
 pub(crate) fn linear(
     vb: &VarBuilder,
@@ -494,8 +520,9 @@ pub(crate) fn linear(
     d_in: usize,
     d_out: usize,
     bias: bool,
+    std: f64,
 ) -> candle_core::Result<(Tensor, Tensor)> {
-    let w = vb.get((d_out, d_in), &format!("{name}.weight"))?;
+    let w = vb.get_with_hints((d_out, d_in), &format!("{name}.weight"), init(std))?;
     let b = match bias {
         true => vb.get(d_out, &format!("{name}.bias"))?,
         false => Tensor::zeros(d_out, vb.dtype(), vb.device())?,
@@ -508,7 +535,7 @@ pub(crate) fn qkv(vb: &VarBuilder, prefix: &str, cfg: &Config) -> candle_core::R
     let (c, q, kv, bias) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.variant.qkv_bias);
     let n = names(cfg.variant.family);
     let parts =
-        [(n.q, q), (n.k, kv), (n.v, kv)].map(|(name, out)| linear(vb, &format!("{prefix}.{name}"), c, out, bias));
+        [(n.q, q), (n.k, kv), (n.v, kv)].map(|(name, out)| linear(vb, &format!("{prefix}.{name}"), c, out, bias, 0.02));
     let [q, k, v] = parts;
     let (q, k, v) = (q?, k?, v?);
     Ok((
@@ -521,7 +548,7 @@ pub(crate) fn qkv(vb: &VarBuilder, prefix: &str, cfg: &Config) -> candle_core::R
 pub(crate) fn gate_up(vb: &VarBuilder, prefix: &str, cfg: &Config) -> candle_core::Result<(Tensor, Tensor)> {
     let (c, w, bias) = (cfg.n_embd, cfg.mlp_width(), cfg.variant.mlp_bias);
     let n = names(cfg.variant.family);
-    let (g, gb) = linear(vb, &format!("{prefix}.{}", n.gate), c, w, bias)?;
-    let (u, ub) = linear(vb, &format!("{prefix}.{}", n.up), c, w, bias)?;
+    let (g, gb) = linear(vb, &format!("{prefix}.{}", n.gate), c, w, bias, 0.02)?;
+    let (u, ub) = linear(vb, &format!("{prefix}.{}", n.up), c, w, bias, 0.02)?;
     Ok((Tensor::cat(&[&g, &u], 0)?, Tensor::cat(&[&gb, &ub], 0)?))
 }

@@ -68,6 +68,59 @@ pub fn trainable_tensors(
     }
 }
 
+/// A config of `family` at `shape`'s sizes (its layers, heads, width, context, vocabulary and
+/// dropout: a GPT-2 preset with the trainer's flags) for training from scratch: RMSNorm, rotary
+/// positions (base 10000), a gated MLP of about 8/3 the width (a multiple of 32, as Llama's
+/// SwiGLU keeps 4x's parameters), `n_kv_head` key/value heads, a tied head, and the family's own
+/// choices: q, k, v biases (Qwen2), QK-norm (Qwen3, Gemma 3), Gemma's norms after the layers,
+/// scaled embedding, GELU-tanh gate and (Gemma 2) soft-caps at its defaults. No sliding windows.
+pub fn from_scratch(family: Family, shape: &Config, n_kv_head: Option<usize>) -> crate::Result<Config> {
+    if family.is_gpt2() {
+        return Ok(shape.clone());
+    }
+    let head_dim = shape.n_embd / shape.n_head.max(1);
+    let gemma = family.is_gemma();
+    let variant = crate::config::Variant {
+        family,
+        n_kv_head: Some(n_kv_head.unwrap_or(shape.n_head)),
+        head_dim: Some(head_dim),
+        rms_norm: true,
+        gated_mlp: true,
+        rope: Some(crate::config::Rope {
+            theta: 10_000.0,
+            scaling: None,
+        }),
+        qkv_bias: family == Family::Qwen2,
+        qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
+        post_norms: gemma,
+        embed_scale: gemma,
+        query_pre_attn_scalar: gemma.then_some(head_dim as f64),
+        attn_softcap: (family == Family::Gemma2).then_some(50.0),
+        final_softcap: (family == Family::Gemma2).then_some(30.0),
+        rope_local: (family == Family::Gemma3).then_some(crate::config::Rope {
+            theta: 10_000.0,
+            scaling: None,
+        }),
+        ..Default::default()
+    };
+    let cfg = Config {
+        n_inner: Some((8 * shape.n_embd / 3).div_ceil(32) * 32),
+        layer_norm_epsilon: if gemma { 1e-6 } else { 1e-5 },
+        activation_function: if gemma {
+            crate::config::Activation::GeluNew
+        } else {
+            crate::config::Activation::Silu
+        },
+        position_embedding: crate::config::PositionEmbedding::Rope,
+        bias: false,
+        tie_word_embeddings: true,
+        variant,
+        ..shape.clone()
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
 /// The `config.json` object that `transformers` reads for `cfg`'s family.
 pub fn config_to_hf(cfg: &Config) -> Result<serde_json::Value, String> {
     match cfg.variant.family {
