@@ -162,8 +162,7 @@ fn families_fine_tune_from_their_checkpoints_and_resume_exactly() -> anyhow::Res
 fn families_train_from_scratch_and_load_in_transformers() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let corpus = write(dir.path(), "corpus.txt", shakespeare(40_000)?)?;
-    let mut check = std::process::Command::new(gpt_test_support::python());
-    check.arg(gpt_test_support::repo("tests/fixtures/check_family_load.py"));
+    let mut pairs = Vec::new();
     for arch in ["llama", "qwen3", "gemma3"] {
         let out = dir.path().join(arch);
         let run = common::train(
@@ -213,15 +212,8 @@ fn families_train_from_scratch_and_load_in_transformers() -> anyhow::Result<()> 
             expected.join("expected.json"),
             serde_json::json!({"sequences": [ids]}).to_string(),
         )?;
-        check.arg(&best).arg(&expected);
+        pairs.push((best, expected));
     }
-    let run = check.output()?;
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&run.stdout),
-        String::from_utf8_lossy(&run.stderr)
-    );
-    assert!(run.status.success(), "{said}");
-    assert_eq!(said.matches("worst difference").count(), 3, "{said}");
+    gpt_test_support::check_in_transformers(&pairs)?;
     Ok(())
 }

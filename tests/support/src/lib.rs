@@ -35,6 +35,28 @@ pub fn family_dir(case: &str) -> PathBuf {
     repo("tests/fixtures/families").join(case)
 }
 
+/// `tests/fixtures/check_family_load.py` on each `(checkpoint, case)` pair in one process:
+/// `transformers` loads each checkpoint and must give the case's `expected.safetensors` logits
+/// within 1e-4. Fails with what it printed otherwise.
+pub fn check_in_transformers(pairs: &[(PathBuf, PathBuf)]) -> anyhow::Result<()> {
+    let mut check = std::process::Command::new(python());
+    check.arg(repo("tests/fixtures/check_family_load.py"));
+    for (checkpoint, case) in pairs {
+        check.arg(checkpoint).arg(case);
+    }
+    let run = check.output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    anyhow::ensure!(
+        run.status.success() && said.matches("worst difference").count() == pairs.len(),
+        "{said}"
+    );
+    Ok(())
+}
+
 pub fn shakespeare_path() -> PathBuf {
     repo("data/tinyshakespeare.txt")
 }
