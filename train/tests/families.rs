@@ -217,3 +217,58 @@ fn families_train_from_scratch_and_load_in_transformers() -> anyhow::Result<()> 
     gpt_test_support::check_in_transformers(&pairs)?;
     Ok(())
 }
+
+/// Chat fine-tuning a family on its own chat template (`tokenizer_config.json`'s, as a Hub
+/// checkpoint has it): conversations rendered by it, the loss on the replies, and the template
+/// kept in what is saved.
+#[test]
+fn a_family_chat_fine_tunes_on_its_own_template() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let base = dir.path().join("base");
+    std::fs::create_dir_all(&base)?;
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(family_dir("qwen3-qknorm").join(file), base.join(file))?;
+    }
+    let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}\
+                    {% if add_generation_prompt %}<assistant>{% endif %}";
+    std::fs::write(
+        base.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template}).to_string(),
+    )?;
+    let lines: Vec<String> = (0..64)
+        .map(|i| {
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("What is {i} and {i}?")},
+                {"role": "assistant", "content": format!("{i} and {i} is {}.", 2 * i)},
+            ]})
+            .to_string()
+        })
+        .collect();
+    let chat = write(dir.path(), "chat.jsonl", lines.join("\n"))?;
+    let out = dir.path().join("run");
+    let run = train_from(
+        &chat,
+        &out,
+        &[
+            "--init-from",
+            base.to_str().unwrap_or_default(),
+            "--data-format",
+            "chat",
+            "--block-size",
+            "48",
+            "--max-iters",
+            "20",
+            "--eval-interval",
+            "20",
+        ],
+    )?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let losses = train_losses(&out)?;
+    assert!(
+        losses[losses.len() - 1].1 < losses[0].1 - 0.3,
+        "the loss falls: {losses:?}"
+    );
+    let (_, tok) = gpt::load_dir(&out.join("best"), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    assert_eq!(tok.chat_template(), Some(template));
+    Ok(())
+}
