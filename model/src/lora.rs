@@ -61,6 +61,9 @@ pub fn block_products(cfg: &Config, i: usize) -> [String; 4] {
     }
 }
 
+/// PEFT's `target_modules` for every linear layer of the blocks (not the LM head).
+pub const ALL_LINEAR: &str = "all-linear";
+
 /// The prefix of PEFT's tensor names for a causal LM (`PeftModelForCausalLM` → `LoraModel` →
 /// the base model).
 const PEFT_PREFIX: &str = "base_model.model.";
@@ -160,7 +163,8 @@ impl LoraConfig {
                         .ok_or_else(|| bad(format!("`target_modules` holds {n}, not a name")))
                 })
                 .collect::<Result<Vec<_>>>()?,
-            Some(Value::String(s)) if s == "all-linear" => LAYERS.iter().map(|l| l.to_string()).collect(),
+            // Every linear layer of the blocks, whichever the family's (resolved in `layers`).
+            Some(Value::String(s)) if s == ALL_LINEAR => vec![ALL_LINEAR.to_string()],
             Some(Value::String(s)) => {
                 return Err(bad(format!(
                     "`target_modules` is the regular expression {s:?}; give a list of module names ({})",
@@ -248,7 +252,10 @@ impl LoraConfig {
             "r": self.r,
             "lora_alpha": self.lora_alpha,
             "lora_dropout": self.lora_dropout,
-            "target_modules": self.target_modules,
+            "target_modules": match &self.target_modules[..] {
+                [all] if all == ALL_LINEAR => json!(ALL_LINEAR),
+                targets => json!(targets),
+            },
             "layers_to_transform": self.layers_to_transform,
             "fan_in_fan_out": true,
             "bias": "none",
@@ -294,7 +301,8 @@ impl LoraConfig {
             true => ("transformer.h", &LAYERS),
             false => ("model.layers", &FAMILY_LAYERS),
         };
-        let matches = |name: &str, target: &str| name == target || name.ends_with(&format!(".{target}"));
+        let matches =
+            |name: &str, target: &str| target == ALL_LINEAR || name == target || name.ends_with(&format!(".{target}"));
         let mut out = Vec::new();
         let mut used = vec![false; self.target_modules.len()];
         for i in 0..cfg.n_layer {
@@ -466,6 +474,17 @@ impl Adapter {
             layers,
             compute,
         })
+    }
+
+    /// [`Adapter::compute`] made again from the layers' updates: while an adapter of a family
+    /// other than GPT-2 trains, its stacked updates are copies, which the optimizer's steps on
+    /// the layers' matrices leave behind; made again before each pass (a few small copies), the
+    /// gradients reach the layers' matrices through them.
+    pub fn restack(&mut self, cfg: &Config) -> Result<()> {
+        if !cfg.is_gpt2_shaped() {
+            self.compute = fused(&self.layers, cfg, self.config.scale(), self.config.lora_dropout as f32)?;
+        }
+        Ok(())
     }
 
     /// PEFT's name of a matrix named as [`Adapter::init`] names it.

@@ -61,8 +61,10 @@ pub struct TrainArgs {
     /// LoRA's alpha: the update is scaled by alpha / r (PEFT's default)
     #[arg(long, requires = "lora_r")]
     pub lora_alpha: Option<f64>,
-    /// The layers LoRA adapts, PEFT's target_modules: c_attn, c_proj (both projections),
-    /// attn.c_proj, mlp.c_proj, c_fc, or all-linear (PEFT's default for GPT-2)
+    /// The layers LoRA adapts, PEFT's target_modules: GPT-2's c_attn, c_proj (both projections),
+    /// attn.c_proj, mlp.c_proj, c_fc; the other families' q_proj, k_proj, v_proj, o_proj,
+    /// gate_proj, up_proj, down_proj; or all-linear [default: PEFT's, c_attn for GPT-2 and
+    /// q_proj,v_proj for the others]
     #[arg(long, value_delimiter = ',', requires = "lora_r")]
     pub lora_targets: Option<Vec<String>>,
     /// Dropout of the LoRA update's input while training (PEFT's lora_dropout; default 0)
@@ -234,6 +236,7 @@ pub mod defaults {
     /// PEFT's defaults: alpha 8, and `c_attn` for GPT-2.
     pub const LORA_ALPHA: f64 = 8.0;
     pub const LORA_TARGETS: &str = "c_attn";
+    pub const LORA_FAMILY_TARGETS: &str = "q_proj,v_proj";
 }
 
 /// `command` with each of [`defaults`] stated at the end of its flag's help in the `train`
@@ -583,7 +586,7 @@ impl TrainArgs {
             grad_clip: pick!(grad_clip, defaults::GRAD_CLIP),
             label_smoothing: pick!(label_smoothing, defaults::LABEL_SMOOTHING),
             init_from: self.init_from.clone().or(saved.and_then(|s| s.init_from.clone())),
-            lora: self.lora(saved)?,
+            lora: self.lora(saved, &model)?,
             gradient_accumulation_steps: pick!(gradient_accumulation_steps, defaults::GRADIENT_ACCUMULATION_STEPS),
             eval_interval: pick!(eval_interval, defaults::EVAL_INTERVAL),
             eval_iters: pick!(eval_iters, defaults::EVAL_ITERS),
@@ -599,14 +602,19 @@ impl TrainArgs {
 impl TrainArgs {
     /// The LoRA settings: from the flags, or the resumed run's (which the flags may not change:
     /// its adapter has that shape).
-    fn lora(&self, saved: Option<&RunConfig>) -> Result<Option<LoraRun>> {
+    fn lora(&self, saved: Option<&RunConfig>, model: &Config) -> Result<Option<LoraRun>> {
+        // PEFT's defaults: GPT-2's c_attn; q_proj and v_proj for the Llama layouts and Gemma.
+        let default = match model.is_gpt2_shaped() {
+            true => defaults::LORA_TARGETS,
+            false => defaults::LORA_FAMILY_TARGETS,
+        };
         let flags = self.lora_r.map(|r| LoraRun {
             r,
             alpha: self.lora_alpha.unwrap_or(defaults::LORA_ALPHA),
             targets: self
                 .lora_targets
                 .clone()
-                .unwrap_or_else(|| vec![defaults::LORA_TARGETS.to_string()]),
+                .unwrap_or_else(|| default.split(',').map(str::to_string).collect()),
             dropout: self.lora_dropout.unwrap_or(0.0),
         });
         let Some(saved) = saved else {

@@ -151,22 +151,16 @@ pub fn lora_model(run: &RunConfig, lora: &LoraRun, varmap: &VarMap, device: &Dev
     let dir = checkpoint::resolve(&named.to_string_lossy())
         .context("--init-from")?
         .dir;
-    if !run.model.is_gpt2_shaped() {
-        bail!(
-            "--lora-r: adapters train on GPT-2's layout only so far, and --init-from {} is a {} model; \
-             without --lora-r every weight of it fine-tunes",
-            dir.display(),
-            run.model.variant.family.model_type()
-        );
-    }
-    // Straight from the file where there is one (a packed copy for inference, then an f32 copy
-    // of it, would double the base's memory while loading).
-    let frozen = if dir.join(checkpoint::WEIGHTS_FILE).is_file() {
+    // GPT-2's straight from the file where there is one (a packed copy for inference, then an
+    // f32 copy of it, would double the base's memory while loading); the other families' as
+    // their trainable model holds them (q, k, v stacked...: `gpt::arch::trainable_tensors`).
+    let gpt2 = run.model.is_gpt2_shaped();
+    let frozen = if gpt2 && dir.join(checkpoint::WEIGHTS_FILE).is_file() {
         crate::average::parameters(&dir, device)?
     } else {
         base_tensors(&dir, device)?
     };
-    let mut model = Gpt::new(VarBuilder::from_tensors(frozen, DType::F32, device), &run.model)
+    let mut model = Gpt::new_trainable(VarBuilder::from_tensors(frozen, DType::F32, device), &run.model)
         .with_context(|| format!("--init-from {}", dir.display()))?;
     let vb = crate::init::seeded_var_builder(varmap, run.seed, device);
     let adapter = Adapter::init(lora.peft_config(Some(named)), &run.model, &vb)?;

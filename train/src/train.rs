@@ -291,6 +291,16 @@ impl<'w> Trainer<'w> {
 
     /// The loop: evaluate (and save) every `eval_interval` steps and at the end, stop cleanly
     /// when `stop` is set, else one step.
+    /// A family's LoRA adapter: its stacked updates made again from the matrices the optimizer
+    /// updated ([`gpt::Adapter::restack`]), before a pass reads them.
+    fn restack_adapter(&mut self) -> Result<()> {
+        if let Some(adapter) = self.adapter.as_mut().filter(|_| !self.run.model.is_gpt2_shaped()) {
+            adapter.restack(&self.run.model)?;
+            self.model.set_adapter(Some(adapter))?;
+        }
+        Ok(())
+    }
+
     pub fn run(mut self, stop: &AtomicBool) -> Result<Summary> {
         loop {
             let step = self.state.step;
@@ -351,6 +361,7 @@ impl<'w> Trainer<'w> {
     /// One optimisation step at learning rate `lr`: the micro-batches of this step, their
     /// gradients, clipping, AdamW. Returns the training loss.
     pub fn step(&mut self, lr: f64) -> Result<f64> {
+        self.restack_adapter()?;
         let (run, step) = (&self.run, self.state.step);
         let batches = (0..run.gradient_accumulation_steps)
             .map(|micro| {
@@ -506,6 +517,7 @@ impl<'w> Trainer<'w> {
 
     /// Train and validation loss at this step: logged, plotted, and the best model kept.
     pub fn evaluate(&mut self) -> Result<()> {
+        self.restack_adapter()?;
         let step = self.state.step;
         let (train_loss, val_loss) = crate::eval::estimate_loss(
             &self.model,
