@@ -54,3 +54,47 @@ async fn every_family_serves_transformers_prompt_logprobs_and_greedy_tokens() ->
     }
     Ok(())
 }
+
+/// Speculative decoding on a family: Gemma 3 (sliding windows, QK-norm) checked by itself as its
+/// draft and by a Llama of the same tokenizer as the draft: the greedy tokens `transformers`
+/// generates, whichever proposes.
+#[tokio::test]
+async fn a_family_decodes_speculatively_with_the_same_greedy_tokens() -> anyhow::Result<()> {
+    let case = "gemma3-local";
+    let e: Value = serde_json::from_str(&std::fs::read_to_string(dir(case).join("expected.json"))?)?;
+    let prompt: Vec<u32> = serde_json::from_value(e["greedy_prompt"].clone())?;
+    let greedy: Vec<u32> = serde_json::from_value(e["greedy"].clone())?;
+    for draft in [dir(case), dir("llama-gqa")] {
+        let cfg = common::ServerConfig {
+            speculative: Some(gpt_server::Speculative {
+                draft: Some(draft.clone()),
+                num_tokens: 4,
+                max_batch: 8,
+            }),
+            ..config()
+        };
+        let server = start(&dir(case), cfg).await?;
+        let (status, r) = server
+            .post(
+                json!({"prompt": prompt, "max_tokens": greedy.len(), "temperature": 0, "ignore_eos": true,
+                "logprobs": 0, "return_tokens_as_token_ids": true}),
+            )
+            .await?;
+        assert_eq!(status, 200, "{r}");
+        let tokens: Vec<u32> = r["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t.as_str()?.strip_prefix("token_id:")?.parse().ok())
+            .collect();
+        assert_eq!(tokens, greedy, "draft {}", draft.display());
+        let metrics = server.metrics().await?;
+        let proposed: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("gpt_spec_decode_draft_tokens_total "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0);
+        assert!(proposed > 0.0, "the draft proposed tokens: {metrics}");
+    }
+    Ok(())
+}
