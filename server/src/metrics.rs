@@ -188,6 +188,11 @@ impl Metrics {
     }
 
     /// A sequence's check of `proposed` tokens, `accepted` of them kept.
+    /// Speculative decoding's checks so far and the proposed tokens they accepted.
+    pub fn speculation_totals(&self) -> (u64, u64) {
+        (self.spec_checks.get(), self.spec_accepted.get())
+    }
+
     pub fn record_speculation(&self, proposed: usize, accepted: usize) {
         self.spec_checks.inc();
         self.spec_proposed.inc_by(proposed as u64);
