@@ -30,19 +30,6 @@ pub(crate) struct Segments {
     pub(crate) positions: Tensor,
 }
 
-/// `transformers`' `apply_rotary_pos_emb` of candle's differentiable ops: `x` `(1, N, n, hs)`,
-/// each row's `cos` and `sin` `(N, hs / 2)`; the halves of each head are the pairs rotated (what
-/// `rope_thd` computes, with a backward pass).
-fn rotate_halves(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
-    let (_, n, _, hs) = x.dims4()?;
-    let half = hs / 2;
-    let (cos, sin) = (cos.reshape((1, n, 1, half))?, sin.reshape((1, n, 1, half))?);
-    let (x1, x2) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
-    let first = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-    let second = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
-    Tensor::cat(&[first, second], 3)
-}
-
 /// The rotary embedding's cos and sin tables, `(n_positions, head_dim / 2)` in the activations'
 /// dtype, shared by every layer.
 #[derive(Debug)]
@@ -204,8 +191,9 @@ impl CausalSelfAttention {
                 let positions = positions.to_dtype(candle_core::DType::U32)?;
                 let cos = rope.cos.index_select(&positions, 0)?; // (N, hs / 2)
                 let sin = rope.sin.index_select(&positions, 0)?;
+                // `rope_slow` (candle's ops, with a backward pass) takes the rows third.
                 let rotate = |x: &Tensor| match train {
-                    true => rotate_halves(x, &cos, &sin),
+                    true => candle_nn::rotary_emb::rope_slow(&x.transpose(1, 2)?, &cos, &sin)?.transpose(1, 2),
                     false => candle_nn::rotary_emb::rope_thd(x, &cos, &sin),
                 };
                 (rotate(&q)?, rotate(&k)?)

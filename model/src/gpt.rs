@@ -400,10 +400,7 @@ impl Gpt {
     fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let x = self.wte.rows(ids, self.dtype())?;
         match self.cfg.variant.embed_scale {
-            true => {
-                let scale = Tensor::new(&[(self.cfg.n_embd as f64).sqrt() as f32], x.device())?.to_dtype(x.dtype())?;
-                x.broadcast_mul(&scale)
-            }
+            true => x.affine((self.cfg.n_embd as f64).sqrt(), 0.0),
             false => Ok(x),
         }
     }

@@ -52,9 +52,9 @@ pub fn block_products(cfg: &Config, i: usize) -> [String; 4] {
     match cfg.is_gpt2_shaped() {
         true => LAYERS.map(|l| format!("transformer.h.{i}.{l}")),
         false => [
-            crate::arch::llama::QKV,
+            crate::arch::names::QKV,
             "self_attn.o_proj",
-            crate::arch::llama::GATE_UP,
+            crate::arch::names::GATE_UP,
             "mlp.down_proj",
         ]
         .map(|l| format!("model.layers.{i}.{l}")),

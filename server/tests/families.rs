@@ -10,6 +10,23 @@ use common::{config, start};
 use gpt_test_support::{family_dir as dir, FAMILY_CASES};
 use serde_json::{json, Value};
 
+/// The server's greedy completion of `prompt` (token ids), `n` tokens past any end, as ids.
+async fn greedy_ids(server: &common::Server, prompt: &[u32], n: usize) -> anyhow::Result<Vec<u32>> {
+    let (status, r) = server
+        .post(
+            json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": true,
+            "logprobs": 0, "return_tokens_as_token_ids": true}),
+        )
+        .await?;
+    anyhow::ensure!(status == 200, "{r}");
+    Ok(r["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.as_str()?.strip_prefix("token_id:")?.parse().ok())
+        .collect())
+}
+
 #[tokio::test]
 async fn every_family_serves_transformers_prompt_logprobs_and_greedy_tokens() -> anyhow::Result<()> {
     for case in FAMILY_CASES {
@@ -37,20 +54,11 @@ async fn every_family_serves_transformers_prompt_logprobs_and_greedy_tokens() ->
         }
         let prompt: Vec<u32> = serde_json::from_value(e["greedy_prompt"].clone())?;
         let greedy: Vec<u32> = serde_json::from_value(e["greedy"].clone())?;
-        let (status, r) = server
-            .post(
-                json!({"prompt": prompt, "max_tokens": greedy.len(), "temperature": 0, "ignore_eos": true,
-                "logprobs": 0, "return_tokens_as_token_ids": true}),
-            )
-            .await?;
-        assert_eq!(status, 200, "{case}: {r}");
-        let tokens: Vec<u32> = r["choices"][0]["logprobs"]["tokens"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|t| t.as_str()?.strip_prefix("token_id:")?.parse().ok())
-            .collect();
-        assert_eq!(tokens, greedy, "{case}: greedy tokens");
+        assert_eq!(
+            greedy_ids(&server, &prompt, greedy.len()).await?,
+            greedy,
+            "{case}: greedy tokens"
+        );
     }
     Ok(())
 }
@@ -74,19 +82,7 @@ async fn a_family_decodes_speculatively_with_the_same_greedy_tokens() -> anyhow:
             ..config()
         };
         let server = start(&dir(case), cfg).await?;
-        let (status, r) = server
-            .post(
-                json!({"prompt": prompt, "max_tokens": greedy.len(), "temperature": 0, "ignore_eos": true,
-                "logprobs": 0, "return_tokens_as_token_ids": true}),
-            )
-            .await?;
-        assert_eq!(status, 200, "{r}");
-        let tokens: Vec<u32> = r["choices"][0]["logprobs"]["tokens"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|t| t.as_str()?.strip_prefix("token_id:")?.parse().ok())
-            .collect();
+        let tokens = greedy_ids(&server, &prompt, greedy.len()).await?;
         assert_eq!(tokens, greedy, "draft {}", draft.display());
         let metrics = server.metrics().await?;
         let proposed: f64 = metrics

@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::process::Output;
 
-use common::{fails, gpt_train, prefix_of_tokens, stderr, train, train_args, write, BIN};
+use common::{eval_losses, eval_mean_nll, fails, gpt_train, prefix_of_tokens, stderr, train, train_args, write, BIN};
 use gpt_test_support as support;
 use safetensors::SafeTensors;
 use support::shakespeare;
@@ -350,21 +350,8 @@ fn init_from_starts_where_the_checkpoint_is_and_learns_from_there() -> anyhow::R
         "cpu",
     ])?;
     assert!(run.status.success(), "{}", stderr(&run));
-    let evals: Vec<(u64, f64)> = std::fs::read_to_string(out.join("metrics.jsonl"))?
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|e| e["event"] == "eval")
-        .map(|e| {
-            (
-                e["step"].as_u64().unwrap_or(0),
-                e["val_loss"].as_f64().unwrap_or(f64::NAN),
-            )
-        })
-        .collect();
-    let eval = gpt_train(&["eval", "--checkpoint", f, "--data", v, "--block-size", "64", "--json"])?;
-    assert!(eval.status.success(), "{}", stderr(&eval));
-    let reference: serde_json::Value = serde_json::from_slice(&eval.stdout)?;
-    let mean_nll = reference["mean_nll"].as_f64().unwrap_or(f64::NAN);
+    let evals = eval_losses(&out)?;
+    let mean_nll = eval_mean_nll(f, v, "64")?;
     assert_eq!(evals[0].0, 0);
     assert!(
         (evals[0].1 - mean_nll).abs() < 1e-5,

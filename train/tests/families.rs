@@ -6,17 +6,15 @@
 
 mod common;
 
-use common::{gpt_train, prefix_of_tokens, state, stderr, train_from, train_losses, write};
+use common::{eval_losses, eval_mean_nll, gpt_train, prefix_of_tokens, state, stderr, train_from, train_losses, write};
 use gpt_test_support::{family_dir, shakespeare};
 use safetensors::SafeTensors;
 
-/// The first evaluation of every run, and the loss `gpt-train eval` gives the same window.
+/// The first evaluation of a run.
 fn first_eval(out: &std::path::Path) -> anyhow::Result<f64> {
-    let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|e| e["event"] == "eval")
-        .and_then(|e| e["val_loss"].as_f64())
+    eval_losses(out)?
+        .first()
+        .map(|e| e.1)
         .ok_or_else(|| anyhow::anyhow!("no evaluation in {}", out.display()))
 }
 
@@ -58,10 +56,7 @@ fn families_fine_tune_from_their_checkpoints_and_resume_exactly() -> anyhow::Res
         };
         let run = run_with(&whole, &flags("12"))?;
         assert!(run.status.success(), "{case}: {}", stderr(&run));
-        let eval = gpt_train(&["eval", "--checkpoint", b, "--data", v, "--block-size", "32", "--json"])?;
-        assert!(eval.status.success(), "{case}: {}", stderr(&eval));
-        let reference: serde_json::Value = serde_json::from_slice(&eval.stdout)?;
-        let (first, mean_nll) = (first_eval(&whole)?, reference["mean_nll"].as_f64().unwrap_or(f64::NAN));
+        let (first, mean_nll) = (first_eval(&whole)?, eval_mean_nll(b, v, "32")?);
         assert!(
             (first - mean_nll).abs() < 1e-5,
             "{case}: step 0 val loss {first} vs gpt-train eval of the checkpoint {mean_nll}"
@@ -130,10 +125,7 @@ fn families_fine_tune_from_their_checkpoints_and_resume_exactly() -> anyhow::Res
         ],
     )?;
     assert!(run.status.success(), "{}", stderr(&run));
-    let eval = gpt_train(&["eval", "--checkpoint", g, "--data", v, "--block-size", "32", "--json"])?;
-    assert!(eval.status.success(), "{}", stderr(&eval));
-    let reference: serde_json::Value = serde_json::from_slice(&eval.stdout)?;
-    let mean_nll = reference["mean_nll"].as_f64().unwrap_or(f64::NAN);
+    let mean_nll = eval_mean_nll(g, v, "32")?;
     assert!(
         (first_eval(&out)? - mean_nll).abs() < 1e-5,
         "from the GGUF file: {} vs {mean_nll}",

@@ -9,42 +9,18 @@
 
 use serde::Deserialize;
 
-use super::llama::{rope_of, shared_fields, sliding_layers, Names};
+use super::llama::{rope_of, shared_fields, sliding_layers, Common};
 use super::Family;
-use crate::config::{Activation, Config, PositionEmbedding, Variant};
-
-/// Gemma's names: the norm before the MLP is `pre_feedforward_layernorm`, and
-/// `post_attention_layernorm` is the norm of the attention's output.
-pub const NAMES: Names = Names {
-    attn_norm: "input_layernorm",
-    mlp_norm: "pre_feedforward_layernorm",
-    post_norms: Some(("post_attention_layernorm", "post_feedforward_layernorm")),
-    ..super::llama::NAMES
-};
+use crate::config::{Activation, Config, Variant};
 
 /// The fields of Gemma 2's and Gemma 3's `config.json` that shape the network (`transformers` 4
 /// and 5).
 #[derive(Debug, Deserialize)]
 struct HfConfig {
-    vocab_size: usize,
-    hidden_size: usize,
-    intermediate_size: usize,
-    num_hidden_layers: usize,
-    num_attention_heads: usize,
-    #[serde(default)]
-    num_key_value_heads: Option<usize>,
+    #[serde(flatten)]
+    common: Common,
     #[serde(default = "default_head_dim")]
     head_dim: usize,
-    max_position_embeddings: usize,
-    #[serde(default = "default_rms_eps")]
-    rms_norm_eps: f64,
-    #[serde(default)]
-    rope_theta: Option<f64>,
-    #[serde(default)]
-    rope_scaling: Option<serde_json::Value>,
-    /// `transformers` 5: one object, or (Gemma 3) one per attention type.
-    #[serde(default)]
-    rope_parameters: Option<serde_json::Value>,
     /// Gemma 3 in `transformers` 4: the sliding layers' RoPE base.
     #[serde(default)]
     rope_local_base_freq: Option<f64>,
@@ -54,14 +30,8 @@ struct HfConfig {
     hidden_activation: Option<Activation>,
     #[serde(default)]
     hidden_act: Option<Activation>,
-    #[serde(default)]
-    attention_bias: bool,
     #[serde(default = "default_query_scalar")]
     query_pre_attn_scalar: f64,
-    #[serde(default)]
-    sliding_window: Option<usize>,
-    #[serde(default)]
-    layer_types: Option<Vec<String>>,
     /// Gemma 3 in `transformers` 4: every `n`th layer global, the others sliding.
     #[serde(default)]
     sliding_window_pattern: Option<usize>,
@@ -72,17 +42,10 @@ struct HfConfig {
     /// EmbeddingGemma's encoder: not a decoder.
     #[serde(default)]
     use_bidirectional_attention: Option<bool>,
-    #[serde(default)]
-    bos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
-    eos_token_id: Option<serde_json::Value>,
 }
 
 fn default_head_dim() -> usize {
     256
-}
-fn default_rms_eps() -> f64 {
-    1e-6
 }
 fn default_true() -> bool {
     true
@@ -98,68 +61,54 @@ pub fn config_from_hf(family: Family, value: serde_json::Value) -> Result<Config
     if hf.use_bidirectional_attention == Some(true) {
         return Err("use_bidirectional_attention = true (EmbeddingGemma's encoder) is not a decoder".into());
     }
-    let eos = super::llama::token_ids(&hf.eos_token_id, "eos_token_id")?;
-    let bos = super::llama::token_ids(&hf.bos_token_id, "bos_token_id")?;
+    let c = &hf.common;
     let gemma3 = family == Family::Gemma3;
     // Gemma 2: every other layer slides, the first among them; Gemma 3: all but every sixth.
     let pattern = hf.sliding_window_pattern.unwrap_or(if gemma3 { 6 } else { 2 }).max(1);
-    let sliding = match hf.sliding_window {
-        Some(_) => sliding_layers(&hf.layer_types, hf.num_hidden_layers, |i| (i + 1) % pattern != 0)?,
+    let sliding = match c.sliding_window {
+        Some(_) => sliding_layers(&c.layer_types, c.num_hidden_layers, |i| (i + 1) % pattern != 0)?,
         None => Vec::new(),
     };
     // `rope_parameters` per attention type (Gemma 3 in `transformers` 5), or one for all.
-    let params = hf.rope_parameters.as_ref().filter(|v| !v.is_null());
+    let params = c.rope_parameters.as_ref().filter(|v| !v.is_null());
     let per_type = params.and_then(|p| p.get("full_attention")).is_some();
     let (global, local) = match per_type {
         true => (
             params.and_then(|p| p.get("full_attention")),
             params.and_then(|p| p.get("sliding_attention")),
         ),
-        false => (params.or(hf.rope_scaling.as_ref()), None),
+        false => (params.or(c.rope_scaling.as_ref()), None),
     };
-    let rope = rope_of(global, hf.rope_theta, if gemma3 { 1_000_000.0 } else { 10_000.0 })?;
+    let rope = rope_of(global, c.rope_theta, if gemma3 { 1_000_000.0 } else { 10_000.0 })?;
     let rope_local = match gemma3 {
         true => Some(rope_of(local, hf.rope_local_base_freq, 10_000.0)?),
         false => None,
     };
     let variant = Variant {
         family,
-        n_kv_head: Some(hf.num_key_value_heads.unwrap_or(hf.num_attention_heads)),
+        n_kv_head: Some(c.n_kv_head()),
         head_dim: Some(hf.head_dim),
         rms_norm: true,
         gated_mlp: true,
         rope: Some(rope),
-        qkv_bias: hf.attention_bias,
-        o_bias: hf.attention_bias,
+        qkv_bias: c.attention_bias,
+        o_bias: c.attention_bias,
         mlp_bias: false,
         qk_norm: gemma3,
-        eos_token_ids: eos.clone(),
+        eos_token_ids: c.eos()?,
         post_norms: true,
         embed_scale: true,
         query_pre_attn_scalar: Some(hf.query_pre_attn_scalar),
         attn_softcap: hf.attn_logit_softcapping,
         final_softcap: hf.final_logit_softcapping,
-        sliding_window: hf.sliding_window,
+        sliding_window: c.sliding_window,
         sliding_layers: sliding,
         rope_local,
     };
     Ok(Config {
-        n_inner: Some(hf.intermediate_size),
-        layer_norm_epsilon: hf.rms_norm_eps,
         activation_function: hf.hidden_activation.or(hf.hidden_act).unwrap_or(Activation::GeluNew),
         tie_word_embeddings: hf.tie_word_embeddings,
-        bos_token_id: bos.first().copied(),
-        eos_token_id: eos.first().copied(),
-        position_embedding: PositionEmbedding::Rope,
-        bias: false,
-        variant,
-        ..Config::base(
-            hf.vocab_size,
-            hf.max_position_embeddings,
-            hf.hidden_size,
-            hf.num_hidden_layers,
-            hf.num_attention_heads,
-        )
+        ..c.config(variant)?
     })
 }
 

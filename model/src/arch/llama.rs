@@ -9,56 +9,100 @@ use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
+use super::names::{layer, names, GATE_UP, QKV};
 use super::Family;
 use crate::config::{Activation, Config, PositionEmbedding, Rope, RopeScaling, Variant};
 use crate::layers::Weight;
 
+/// The fields of `config.json` that every family here reads alike (Llama's layout and Gemma's).
+#[derive(Debug, Deserialize)]
+pub(super) struct Common {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default = "default_rms_eps")]
+    pub rms_norm_eps: f64,
+    /// `transformers` 4; 5 writes it into `rope_parameters`.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    /// `transformers` 5: one object, or (Gemma 3) one per attention type.
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub bos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Each layer's attention (`transformers` 4.53 on): `sliding_attention` or `full_attention`.
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+}
+
+impl Common {
+    /// The end-of-sequence ids (`eos_token_id` may be a list: Llama 3).
+    pub(super) fn eos(&self) -> Result<Vec<u32>, String> {
+        token_ids(&self.eos_token_id, "eos_token_id")
+    }
+
+    /// Key and value heads: `num_key_value_heads`, else one per query head.
+    pub(super) fn n_kv_head(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// The config of a rotary family of these fields: its `variant`, no biases but the
+    /// variant's, no dropout; the activation and the head's tying are GPT-2's until the family's
+    /// file sets them.
+    pub(super) fn config(&self, variant: Variant) -> Result<Config, String> {
+        let (bos, eos) = (token_ids(&self.bos_token_id, "bos_token_id")?, self.eos()?);
+        Ok(Config {
+            n_inner: Some(self.intermediate_size),
+            layer_norm_epsilon: self.rms_norm_eps,
+            bos_token_id: bos.first().copied(),
+            eos_token_id: eos.first().copied(),
+            position_embedding: PositionEmbedding::Rope,
+            bias: false,
+            variant,
+            ..Config::base(
+                self.vocab_size,
+                self.max_position_embeddings,
+                self.hidden_size,
+                self.num_hidden_layers,
+                self.num_attention_heads,
+            )
+        })
+    }
+}
+
 /// The fields of these families' `config.json` that shape the network (`transformers` 4 and 5).
 #[derive(Debug, Deserialize)]
 struct HfConfig {
-    vocab_size: usize,
-    hidden_size: usize,
-    intermediate_size: usize,
-    num_hidden_layers: usize,
-    num_attention_heads: usize,
-    #[serde(default)]
-    num_key_value_heads: Option<usize>,
+    #[serde(flatten)]
+    common: Common,
     #[serde(default)]
     head_dim: Option<usize>,
-    max_position_embeddings: usize,
-    #[serde(default = "default_rms_eps")]
-    rms_norm_eps: f64,
-    /// `transformers` 4; 5 writes it into `rope_parameters`.
-    #[serde(default)]
-    rope_theta: Option<f64>,
-    #[serde(default)]
-    rope_scaling: Option<serde_json::Value>,
-    #[serde(default)]
-    rope_parameters: Option<serde_json::Value>,
     /// `LlamaConfig` and the others here default to an untied head.
     #[serde(default)]
     tie_word_embeddings: bool,
     #[serde(default = "default_act")]
     hidden_act: Activation,
     #[serde(default)]
-    attention_bias: bool,
-    #[serde(default)]
     mlp_bias: bool,
-    #[serde(default)]
-    bos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
-    eos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
-    sliding_window: Option<usize>,
     /// Qwen2 and Qwen3: the window applies only where this is true, on the layers from
     /// `max_window_layers` on.
     #[serde(default)]
     use_sliding_window: Option<bool>,
     #[serde(default)]
     max_window_layers: Option<usize>,
-    /// Each layer's attention (`transformers` 4.53 on): `sliding_attention` or `full_attention`.
-    #[serde(default)]
-    layer_types: Option<Vec<String>>,
 }
 
 fn default_rms_eps() -> f64 {
@@ -69,7 +113,7 @@ fn default_act() -> Activation {
 }
 
 /// Token ids from `config.json`'s `bos_token_id`/`eos_token_id`: a number or a list of them.
-pub(super) fn token_ids(value: &Option<serde_json::Value>, field: &str) -> Result<Vec<u32>, String> {
+fn token_ids(value: &Option<serde_json::Value>, field: &str) -> Result<Vec<u32>, String> {
     let id = |v: &serde_json::Value| {
         v.as_u64()
             .and_then(|n| u32::try_from(n).ok())
@@ -84,7 +128,7 @@ pub(super) fn token_ids(value: &Option<serde_json::Value>, field: &str) -> Resul
 
 /// The rotary frequencies from `rope_theta` and `rope_scaling` (`transformers` 4) or
 /// `rope_parameters` (5).
-fn rope(cfg: &HfConfig) -> Result<Rope, String> {
+fn rope(cfg: &Common) -> Result<Rope, String> {
     let params = cfg.rope_parameters.as_ref().or(cfg.rope_scaling.as_ref());
     rope_of(params, cfg.rope_theta, 10_000.0)
 }
@@ -151,11 +195,10 @@ pub(super) fn sliding_layers(
 
 pub fn config_from_hf(family: Family, value: serde_json::Value) -> Result<Config, String> {
     let hf: HfConfig = serde_json::from_value(value).map_err(|e| e.to_string())?;
-    let eos = token_ids(&hf.eos_token_id, "eos_token_id")?;
-    let bos = token_ids(&hf.bos_token_id, "bos_token_id")?;
+    let c = &hf.common;
     // Mistral's window applies to every layer; Qwen's where asked, from `max_window_layers` on.
     let window = match (family, hf.use_sliding_window) {
-        (Family::Qwen2 | Family::Qwen3, Some(true)) | (Family::Mistral, _) => hf.sliding_window,
+        (Family::Qwen2 | Family::Qwen3, Some(true)) | (Family::Mistral, _) => c.sliding_window,
         _ => None,
     };
     let first_sliding = match family {
@@ -163,43 +206,30 @@ pub fn config_from_hf(family: Family, value: serde_json::Value) -> Result<Config
         _ => 0,
     };
     let sliding = match window {
-        Some(_) => sliding_layers(&hf.layer_types, hf.num_hidden_layers, |i| i >= first_sliding)?,
+        Some(_) => sliding_layers(&c.layer_types, c.num_hidden_layers, |i| i >= first_sliding)?,
         None => Vec::new(),
     };
     let variant = Variant {
         family,
-        n_kv_head: Some(hf.num_key_value_heads.unwrap_or(hf.num_attention_heads)),
-        head_dim: Some(hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1))),
+        n_kv_head: Some(c.n_kv_head()),
+        head_dim: Some(hf.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads.max(1))),
         rms_norm: true,
         gated_mlp: true,
-        rope: Some(rope(&hf)?),
+        rope: Some(rope(c)?),
         // Qwen2 has biases on q, k and v whatever `attention_bias` says.
-        qkv_bias: hf.attention_bias || family == Family::Qwen2,
-        o_bias: hf.attention_bias,
+        qkv_bias: c.attention_bias || family == Family::Qwen2,
+        o_bias: c.attention_bias,
         mlp_bias: hf.mlp_bias,
         qk_norm: family == Family::Qwen3,
-        eos_token_ids: eos.clone(),
+        eos_token_ids: c.eos()?,
         sliding_window: window,
         sliding_layers: sliding,
         ..Variant::default()
     };
     Ok(Config {
-        n_inner: Some(hf.intermediate_size),
-        layer_norm_epsilon: hf.rms_norm_eps,
         activation_function: hf.hidden_act,
         tie_word_embeddings: hf.tie_word_embeddings,
-        bos_token_id: bos.first().copied(),
-        eos_token_id: eos.first().copied(),
-        position_embedding: PositionEmbedding::Rope,
-        bias: false,
-        variant,
-        ..Config::base(
-            hf.vocab_size,
-            hf.max_position_embeddings,
-            hf.hidden_size,
-            hf.num_hidden_layers,
-            hf.num_attention_heads,
-        )
+        ..c.config(variant)?
     })
 }
 
@@ -293,59 +323,6 @@ fn window_fields(cfg: &Config, window: usize) -> serde_json::Map<String, serde_j
     map
 }
 
-/// The checkpoint names of a layer's tensors (under `model.layers.{i}.`) and the model's, as
-/// `transformers` writes them for a family; llama.cpp's are in `crate::llamacpp`.
-#[derive(Debug)]
-pub struct Names {
-    pub attn_norm: &'static str,
-    pub mlp_norm: &'static str,
-    /// The norms of the attention's and the MLP's outputs, where the family has them.
-    pub post_norms: Option<(&'static str, &'static str)>,
-    pub q: &'static str,
-    pub k: &'static str,
-    pub v: &'static str,
-    pub o: &'static str,
-    pub q_norm: &'static str,
-    pub k_norm: &'static str,
-    pub gate: &'static str,
-    pub up: &'static str,
-    pub down: &'static str,
-    pub embed: &'static str,
-    pub final_norm: &'static str,
-    pub head: &'static str,
-}
-
-/// Llama's names, which Mistral, Qwen2 and Qwen3 share.
-pub const NAMES: Names = Names {
-    attn_norm: "input_layernorm",
-    mlp_norm: "post_attention_layernorm",
-    post_norms: None,
-    q: "self_attn.q_proj",
-    k: "self_attn.k_proj",
-    v: "self_attn.v_proj",
-    o: "self_attn.o_proj",
-    q_norm: "self_attn.q_norm",
-    k_norm: "self_attn.k_norm",
-    gate: "mlp.gate_proj",
-    up: "mlp.up_proj",
-    down: "mlp.down_proj",
-    embed: "model.embed_tokens.weight",
-    final_norm: "model.norm.weight",
-    head: "lm_head.weight",
-};
-
-/// The names of `family`'s checkpoints.
-pub fn names(family: Family) -> &'static Names {
-    match family.is_gemma() {
-        true => &super::gemma::NAMES,
-        false => &NAMES,
-    }
-}
-
-pub fn layer(i: usize) -> String {
-    format!("model.layers.{i}")
-}
-
 /// One block's weights, whatever file they came from: `(out, in)` matrices with their biases
 /// (zeros where the family has none), the norms' gains.
 pub(crate) struct LayerWeights {
@@ -371,11 +348,6 @@ pub(crate) struct FamilyWeights {
     /// The untied LM head; `None` where the embedding is the head.
     pub head: Option<Weight>,
 }
-
-/// The names of the products the decoder runs fused, for a trainer's variables (vLLM's names):
-/// q, k and v side by side, and gate and up.
-pub const QKV: &str = "self_attn.qkv_proj";
-pub const GATE_UP: &str = "mlp.gate_up_proj";
 
 /// The weights of a `transformers` checkpoint under its names, from `vb` (rooted at the names'
 /// start) in its dtype. Gemma's norm gains `w` are read as the `1 + w` they multiply by.

@@ -12,6 +12,7 @@ use crate::error::Error;
 pub mod gemma;
 pub mod gpt2;
 pub mod llama;
+pub mod names;
 
 /// The config of a `config.json` value, by its `model_type` (none: GPT-2, as older GPT-2
 /// checkpoints have it); an unknown type is an error naming it and the supported ones. Gemma 3's

@@ -53,7 +53,7 @@ impl Gpt {
     /// ([`crate::arch::llama`]): the fused q, k, v and gate, up products split back into the
     /// checkpoint's matrices, the biases only where the family has them.
     fn family_tensors(&self) -> Result<Vec<(String, Tensor)>> {
-        use crate::arch::llama::{layer, names};
+        use crate::arch::names::{layer, names};
         let cfg = &self.cfg;
         let n = names(cfg.variant.family);
         let (qw, kvw, w) = (cfg.q_width(), cfg.kv_width(), cfg.mlp_width());

@@ -13,7 +13,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Tensor};
 use gpt_kernels::WeightFormat;
 
-use crate::arch::llama::names;
+use crate::arch::names::names;
 use crate::arch::Family;
 use crate::config::{Config, RopeScaling};
 use crate::error::{Error, Result};

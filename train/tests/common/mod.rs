@@ -91,6 +91,41 @@ pub fn prefix_of_tokens<'a>(text: &'a str, tok: &gpt::Tokenizer, n: usize) -> an
         .ok_or_else(|| anyhow::anyhow!("no prefix of {n} tokens"))
 }
 
+/// The run's evaluations: (step, validation loss), in order.
+pub fn eval_losses(out: &Path) -> anyhow::Result<Vec<(u64, f64)>> {
+    Ok(std::fs::read_to_string(out.join("metrics.jsonl"))?
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == "eval")
+        .map(|e| {
+            (
+                e["step"].as_u64().unwrap_or(0),
+                e["val_loss"].as_f64().unwrap_or(f64::NAN),
+            )
+        })
+        .collect())
+}
+
+/// `gpt-train eval --json`'s mean negative log-likelihood of `data` under `checkpoint`, in
+/// windows of `block_size`.
+pub fn eval_mean_nll(checkpoint: &str, data: &str, block_size: &str) -> anyhow::Result<f64> {
+    let eval = gpt_train(&[
+        "eval",
+        "--checkpoint",
+        checkpoint,
+        "--data",
+        data,
+        "--block-size",
+        block_size,
+        "--json",
+    ])?;
+    anyhow::ensure!(eval.status.success(), "{}", stderr(&eval));
+    let reference: serde_json::Value = serde_json::from_slice(&eval.stdout)?;
+    reference["mean_nll"]
+        .as_f64()
+        .ok_or_else(|| anyhow::anyhow!("no mean_nll in {reference}"))
+}
+
 pub fn train_losses(out: &Path) -> anyhow::Result<Vec<(u64, f64)>> {
     let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
     let mut losses = vec![];
