@@ -19,7 +19,7 @@ use gpt::{Adapter, Gpt, Tokenizer};
 use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
-use crate::optim::AdamW;
+use crate::optim::Optimizer;
 
 pub const STATE_FILE: &str = "trainer_state.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
@@ -327,7 +327,7 @@ pub fn save(
     model: &Gpt,
     adapter: Option<&Adapter>,
     tokenizer: &Tokenizer,
-    opt: &AdamW,
+    opt: &Optimizer,
     state: &TrainerState,
     keep_last: usize,
 ) -> Result<PathBuf> {
@@ -343,7 +343,7 @@ fn save_now(
     model: &Gpt,
     adapter: Option<&Adapter>,
     tokenizer: &Tokenizer,
-    opt: &AdamW,
+    opt: &Optimizer,
     state: &TrainerState,
     keep_last: usize,
 ) -> Result<PathBuf> {
@@ -442,7 +442,7 @@ pub fn save_best(out: &Path, model: &Gpt, adapter: Option<&Adapter>, tokenizer: 
 
 /// Loads a checkpoint's weights into the model's variables, and the optimizer's state (a
 /// checkpoint from [`latest`], its files checked against their checksums).
-pub fn restore(saved: &Saved, varmap: &VarMap, opt: &mut AdamW, device: &Device) -> Result<()> {
+pub fn restore(saved: &Saved, varmap: &VarMap, opt: &mut Optimizer, device: &Device) -> Result<()> {
     let lora = saved.state.run.lora.is_some();
     let weights = saved.dir.join(weights_file(lora));
     let mut tensors = gpt::files::read_safetensors(&weights, device)?;

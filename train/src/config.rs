@@ -10,7 +10,61 @@ use anyhow::{bail, Result};
 use gpt::{Config, PositionEmbedding};
 use serde::{Deserialize, Serialize};
 
+use crate::optim::muon::MuonScale;
+use crate::optim::OptimizerKind;
 use crate::schedule::{Schedule, ScheduleKind};
+
+/// `--recipe`: the defaults of the training settings the flags leave open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Recipe {
+    /// nanoGPT's: AdamW, linear warmup and cosine decay.
+    #[default]
+    Nanogpt,
+    /// Muon for the hidden matrices, warmup-stable-decay (30 steps of warmup, the last half
+    /// cooling down to 0) at a peak learning rate of 6e-3: what reached nanoGPT's validation
+    /// loss soonest in the ablation of docs/training.md.
+    Modern,
+}
+
+/// The settings a recipe chooses when their flags are not given.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RecipeDefaults {
+    pub optimizer: OptimizerKind,
+    pub lr_schedule: ScheduleKind,
+    pub learning_rate: f64,
+    pub min_lr: f64,
+    pub warmup_iters: usize,
+    pub cooldown_fraction: f64,
+    pub beta2: f64,
+}
+
+impl Recipe {
+    pub fn defaults(self) -> RecipeDefaults {
+        use defaults::*;
+        let nanogpt = RecipeDefaults {
+            optimizer: OptimizerKind::Adamw,
+            lr_schedule: ScheduleKind::Cosine,
+            learning_rate: LEARNING_RATE,
+            min_lr: MIN_LR,
+            warmup_iters: WARMUP_ITERS,
+            cooldown_fraction: COOLDOWN_FRACTION,
+            beta2: BETA2,
+        };
+        match self {
+            Self::Nanogpt => nanogpt,
+            Self::Modern => RecipeDefaults {
+                optimizer: OptimizerKind::Muon,
+                lr_schedule: ScheduleKind::Wsd,
+                learning_rate: 6e-3,
+                min_lr: 0.0,
+                warmup_iters: 30,
+                cooldown_fraction: 0.5,
+                ..nanogpt
+            },
+        }
+    }
+}
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
@@ -171,9 +225,43 @@ pub struct TrainArgs {
     /// Step at which the cosine schedule reaches --min-lr [default: --max-iters].
     #[arg(long)]
     pub lr_decay_iters: Option<usize>,
-    /// Learning-rate schedule [default: cosine].
+    /// Learning-rate schedule (wsd under --recipe modern) [default: cosine].
     #[arg(long, value_enum)]
     pub lr_schedule: Option<ScheduleKind>,
+    /// The share of --lr-decay-iters that --lr-schedule wsd spends cooling down to --min-lr.
+    #[arg(long)]
+    pub cooldown_fraction: Option<f64>,
+    /// The update rule (muon under --recipe modern) [default: adamw].
+    #[arg(long, value_enum)]
+    pub optimizer: Option<OptimizerKind>,
+    /// Muon's peak learning rate, for the hidden matrices (unset: --learning-rate with
+    /// --muon-scale match-adamw, 0.02 with original).
+    #[arg(long)]
+    pub muon_lr: Option<f64>,
+    /// Muon's momentum (Nesterov's).
+    #[arg(long)]
+    pub muon_momentum: Option<f64>,
+    /// How Muon scales its orthogonalised update of an (out, in) matrix: match-adamw (Moonshot's
+    /// 0.2 sqrt(max(out, in)), so that AdamW's learning rate and weight decay carry over) or
+    /// original (Keller Jordan's sqrt(max(1, out / in))) [default: match-adamw].
+    #[arg(long, value_enum)]
+    pub muon_scale: Option<MuonScale>,
+    /// The peak learning rate of the token (and learned position) embeddings (unset:
+    /// --learning-rate).
+    #[arg(long)]
+    pub embedding_lr: Option<f64>,
+    /// The peak learning rate of an untied output head (unset: --learning-rate).
+    #[arg(long)]
+    pub head_lr: Option<f64>,
+    /// End the run at the first evaluation whose validation loss is at or below this (its
+    /// checkpoint saved), so that the time to a loss is read from the run itself.
+    #[arg(long)]
+    pub stop_at_val_loss: Option<f64>,
+    /// The defaults of the training settings: nanogpt (nanoGPT's AdamW and cosine schedule) or
+    /// modern (Muon, a warmup-stable-decay schedule, a higher learning rate; README's ablation);
+    /// each flag still overrides it [default: nanogpt].
+    #[arg(long, value_enum)]
+    pub recipe: Option<Recipe>,
     /// AdamW's decoupled weight decay, on matrices only.
     #[arg(long)]
     pub weight_decay: Option<f64>,
@@ -223,6 +311,10 @@ pub mod defaults {
     pub const LEARNING_RATE: f64 = 1e-3;
     pub const MIN_LR: f64 = 1e-4;
     pub const WARMUP_ITERS: usize = 100;
+    pub const COOLDOWN_FRACTION: f64 = 0.4;
+    pub const MUON_MOMENTUM: f64 = 0.95;
+    /// Keller Jordan's learning rate for Muon's original scale.
+    pub const MUON_ORIGINAL_LR: f64 = 0.02;
     pub const WEIGHT_DECAY: f64 = 0.1;
     pub const BETA1: f64 = 0.9;
     pub const BETA2: f64 = 0.99;
@@ -243,7 +335,7 @@ pub mod defaults {
 /// subcommand, as clap writes a default (`[default: 0.001]`).
 pub fn with_stated_defaults(command: clap::Command) -> clap::Command {
     use defaults::*;
-    let stated: [(&str, String); 23] = [
+    let stated: [(&str, String); 25] = [
         ("text_field", TEXT_FIELD.to_string()),
         ("val_fraction", VAL_FRACTION.to_string()),
         ("device", DEVICE.to_string()),
@@ -255,6 +347,8 @@ pub fn with_stated_defaults(command: clap::Command) -> clap::Command {
         ("learning_rate", LEARNING_RATE.to_string()),
         ("min_lr", MIN_LR.to_string()),
         ("warmup_iters", WARMUP_ITERS.to_string()),
+        ("cooldown_fraction", COOLDOWN_FRACTION.to_string()),
+        ("muon_momentum", MUON_MOMENTUM.to_string()),
         ("weight_decay", WEIGHT_DECAY.to_string()),
         ("beta1", BETA1.to_string()),
         ("beta2", BETA2.to_string()),
@@ -362,6 +456,25 @@ pub struct RunConfig {
     pub warmup_iters: usize,
     pub lr_decay_iters: usize,
     pub lr_schedule: ScheduleKind,
+    /// (Absent from runs saved before these existed: AdamW, nanoGPT's recipe.)
+    #[serde(default = "default_cooldown_fraction")]
+    pub cooldown_fraction: f64,
+    #[serde(default)]
+    pub recipe: Recipe,
+    #[serde(default)]
+    pub optimizer: OptimizerKind,
+    #[serde(default)]
+    pub muon_lr: Option<f64>,
+    #[serde(default = "default_muon_momentum")]
+    pub muon_momentum: f64,
+    #[serde(default)]
+    pub muon_scale: MuonScale,
+    #[serde(default)]
+    pub embedding_lr: Option<f64>,
+    #[serde(default)]
+    pub head_lr: Option<f64>,
+    #[serde(default)]
+    pub stop_at_val_loss: Option<f64>,
     pub weight_decay: f64,
     pub beta1: f64,
     pub beta2: f64,
@@ -410,6 +523,14 @@ impl LoraRun {
 
 fn default_text_field() -> String {
     defaults::TEXT_FIELD.into()
+}
+
+fn default_cooldown_fraction() -> f64 {
+    defaults::COOLDOWN_FRACTION
+}
+
+fn default_muon_momentum() -> f64 {
+    defaults::MUON_MOMENTUM
 }
 
 impl RunConfig {
@@ -565,6 +686,10 @@ impl TrainArgs {
             (files, _) => files.to_vec(),
         };
         let max_iters = pick!(max_iters, defaults::MAX_ITERS);
+        let recipe = pick!(recipe, Recipe::Nanogpt);
+        let r = recipe.defaults();
+        let optimizer = pick!(optimizer, r.optimizer);
+        let muon_scale = pick!(muon_scale, MuonScale::default());
         let run = RunConfig {
             data,
             val_data: self.val_data.clone().or(saved.and_then(|s| s.val_data.clone())),
@@ -575,14 +700,29 @@ impl TrainArgs {
             device: pick!(device, defaults::DEVICE.to_string()),
             batch_size: pick!(batch_size, defaults::BATCH_SIZE),
             max_iters,
-            learning_rate: pick!(learning_rate, defaults::LEARNING_RATE),
-            min_lr: pick!(min_lr, defaults::MIN_LR),
-            warmup_iters: pick!(warmup_iters, defaults::WARMUP_ITERS),
+            learning_rate: pick!(learning_rate, r.learning_rate),
+            min_lr: pick!(min_lr, r.min_lr),
+            warmup_iters: pick!(warmup_iters, r.warmup_iters),
             lr_decay_iters: pick!(lr_decay_iters, max_iters),
-            lr_schedule: pick!(lr_schedule, ScheduleKind::Cosine),
+            lr_schedule: pick!(lr_schedule, r.lr_schedule),
+            cooldown_fraction: self
+                .cooldown_fraction
+                .or(saved.map(|s| s.cooldown_fraction))
+                .unwrap_or(r.cooldown_fraction),
+            recipe,
+            optimizer,
+            muon_lr: self.muon_lr.or(saved.and_then(|s| s.muon_lr)),
+            muon_momentum: self
+                .muon_momentum
+                .or(saved.map(|s| s.muon_momentum))
+                .unwrap_or(defaults::MUON_MOMENTUM),
+            muon_scale,
+            embedding_lr: self.embedding_lr.or(saved.and_then(|s| s.embedding_lr)),
+            head_lr: self.head_lr.or(saved.and_then(|s| s.head_lr)),
+            stop_at_val_loss: self.stop_at_val_loss.or(saved.and_then(|s| s.stop_at_val_loss)),
             weight_decay: pick!(weight_decay, defaults::WEIGHT_DECAY),
             beta1: pick!(beta1, defaults::BETA1),
-            beta2: pick!(beta2, defaults::BETA2),
+            beta2: pick!(beta2, r.beta2),
             grad_clip: pick!(grad_clip, defaults::GRAD_CLIP),
             label_smoothing: pick!(label_smoothing, defaults::LABEL_SMOOTHING),
             init_from: self.init_from.clone().or(saved.and_then(|s| s.init_from.clone())),
@@ -666,6 +806,27 @@ impl RunConfig {
                 bail!("{flag} must be in [0, 1), got {v}");
             }
         }
+        for (flag, v) in [
+            ("--muon-lr", self.muon_lr),
+            ("--embedding-lr", self.embedding_lr),
+            ("--head-lr", self.head_lr),
+        ] {
+            if let Some(v) = v.filter(|v| !(*v >= 0.0 && v.is_finite())) {
+                bail!("{flag} must be a non-negative number, got {v}");
+            }
+        }
+        if !(0.0..=1.0).contains(&self.cooldown_fraction) {
+            bail!("--cooldown-fraction must be in [0, 1], got {}", self.cooldown_fraction);
+        }
+        if !(0.0..1.0).contains(&self.muon_momentum) {
+            bail!("--muon-momentum must be in [0, 1), got {}", self.muon_momentum);
+        }
+        if self.optimizer == OptimizerKind::Muon && self.lora.is_some() {
+            bail!("--optimizer muon trains whole matrices; a LoRA adapter (--lora-r) trains with adamw");
+        }
+        if let Some(v) = self.stop_at_val_loss.filter(|v| !v.is_finite()) {
+            bail!("--stop-at-val-loss must be a number, got {v}");
+        }
         if self.weight_decay < 0.0 || self.grad_clip < 0.0 {
             bail!("--weight-decay and --grad-clip must not be negative");
         }
@@ -682,8 +843,18 @@ impl RunConfig {
             min_lr: self.min_lr,
             warmup_iters: self.warmup_iters,
             lr_decay_iters: self.lr_decay_iters,
+            cooldown_fraction: self.cooldown_fraction,
             d_model: self.model.n_embd,
         }
+    }
+
+    /// Muon's peak learning rate: `--muon-lr`, else AdamW's under Moonshot's scale and Keller
+    /// Jordan's 0.02 under the original one.
+    pub fn muon_lr(&self) -> f64 {
+        self.muon_lr.unwrap_or(match self.muon_scale {
+            MuonScale::MatchAdamw => self.learning_rate,
+            MuonScale::Original => defaults::MUON_ORIGINAL_LR,
+        })
     }
 
     pub fn block_size(&self) -> usize {

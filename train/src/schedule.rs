@@ -1,5 +1,6 @@
-//! Learning-rate schedules: nanoGPT's linear warmup + cosine decay, and the original
-//! transformer's inverse-square-root ("noam") schedule.
+//! Learning-rate schedules: nanoGPT's linear warmup + cosine decay, warmup-stable-decay (the
+//! trapezoid of modded-nanogpt and nanochat: the peak held, then a linear cool-down), and the
+//! original transformer's inverse-square-root ("noam") schedule.
 
 use serde::{Deserialize, Serialize};
 
@@ -12,6 +13,9 @@ pub enum ScheduleKind {
     Noam,
     /// --learning-rate throughout.
     Constant,
+    /// Warmup-stable-decay: linear warmup to --learning-rate, held, then linear decay to --min-lr
+    /// over the last --cooldown-fraction of --lr-decay-iters (Hägele et al., 2024).
+    Wsd,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -21,6 +25,8 @@ pub struct Schedule {
     pub min_lr: f64,
     pub warmup_iters: usize,
     pub lr_decay_iters: usize,
+    /// The share of `lr_decay_iters` the WSD schedule spends cooling down.
+    pub cooldown_fraction: f64,
     pub d_model: usize,
 }
 
@@ -40,6 +46,21 @@ impl Schedule {
                 let ratio = (it - self.warmup_iters) as f64 / span;
                 let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos()); // 1 → 0
                 self.min_lr + coeff * (self.learning_rate - self.min_lr)
+            }
+            ScheduleKind::Wsd => {
+                if it < self.warmup_iters {
+                    return self.learning_rate * (it + 1) as f64 / (self.warmup_iters + 1) as f64;
+                }
+                let cooldown = (self.cooldown_fraction * self.lr_decay_iters as f64).round() as usize;
+                let start = self.lr_decay_iters.saturating_sub(cooldown).max(self.warmup_iters);
+                if it >= self.lr_decay_iters {
+                    return self.min_lr;
+                }
+                if it < start {
+                    return self.learning_rate;
+                }
+                let left = (self.lr_decay_iters - it) as f64 / (self.lr_decay_iters - start) as f64; // 1 → 0
+                self.min_lr + left * (self.learning_rate - self.min_lr)
             }
             ScheduleKind::Noam => {
                 let step = (it + 1) as f64; // the paper counts steps from 1
@@ -61,8 +82,28 @@ mod tests {
             min_lr: 1e-4,
             warmup_iters: 100,
             lr_decay_iters: 2000,
+            cooldown_fraction: 0.4,
             d_model: 128,
         }
+    }
+
+    #[test]
+    fn wsd_holds_the_peak_then_cools_down_linearly() {
+        let s = Schedule {
+            kind: ScheduleKind::Wsd,
+            ..cosine()
+        };
+        assert!(close(s.lr(0), 1e-3 / 101.0));
+        assert!(close(s.lr(100), 1e-3));
+        assert!(close(s.lr(1199), 1e-3)); // the cool-down starts at 2000 - 800
+        assert!(close(s.lr(1200), 1e-3));
+        assert!(close(s.lr(1600), 1e-4 + 0.5 * 9e-4));
+        assert!(close(s.lr(2000), 1e-4));
+        assert!(close(s.lr(9000), 1e-4));
+        assert!(
+            (1200..2000).all(|i| s.lr(i + 1) < s.lr(i)),
+            "strictly decreasing while it cools"
+        );
     }
 
     fn close(a: f64, b: f64) -> bool {

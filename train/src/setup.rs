@@ -17,7 +17,8 @@ use crate::config::{LoraRun, RunConfig, TrainArgs};
 use crate::data::token_files::DataFormat;
 use crate::data::{self, Corpus};
 use crate::distributed::World;
-use crate::optim::AdamWConfig;
+use crate::optim::muon::{Blocks, MuonConfig};
+use crate::optim::{AdamWConfig, MuonGroup, Optimizer, OptimizerKind};
 
 /// With `--resume`, the newest complete checkpoint in `--out` (an error if there is none);
 /// without, `None`, after checking that `--out` holds no run that this one would overwrite. Only
@@ -217,6 +218,72 @@ pub fn check_writable(out: &Path) -> Result<()> {
     std::fs::write(&probe, b"").with_context(|| format!("--out {}: directory is not writable", out.display()))?;
     let _ = std::fs::remove_file(probe);
     Ok(())
+}
+
+/// The run's optimizer over `named` (the trainer's variables, in order): AdamW for every one, or
+/// under `--optimizer muon` Muon for the hidden matrices, its products at the training products'
+/// precision `autocast`; each group at its learning rate.
+pub fn optimizer(run: &RunConfig, named: Vec<(String, Var)>, autocast: gpt::Autocast) -> Result<Optimizer> {
+    let share = |lr: Option<f64>| match run.learning_rate > 0.0 {
+        true => lr.map_or(1.0, |lr| lr / run.learning_rate),
+        false => 0.0,
+    };
+    let (embedding, head) = (share(run.embedding_lr), share(run.head_lr));
+    let lr_scale = move |name: &str| {
+        if EMBEDDINGS.iter().any(|e| name.ends_with(e)) {
+            embedding
+        } else if name.ends_with(HEAD) {
+            head
+        } else {
+            1.0
+        }
+    };
+    let cfg = &run.model;
+    let blocks = |name: &str, var: &Var| muon_blocks(cfg, name, var);
+    let muon = (run.optimizer == OptimizerKind::Muon).then(|| MuonGroup {
+        cfg: MuonConfig {
+            momentum: run.muon_momentum,
+            nesterov: true,
+            ns_steps: 5,
+            scale: run.muon_scale,
+            weight_decay: run.weight_decay,
+            autocast,
+        },
+        lr_scale: share(Some(run.muon_lr())),
+        blocks: &blocks,
+    });
+    Ok(Optimizer::new(named, opt_config(run), lr_scale, muon)?)
+}
+
+/// The embeddings' and the head's names' ends (GPT-2's and the families').
+const EMBEDDINGS: [&str; 3] = ["wte.weight", "wpe.weight", "embed_tokens.weight"];
+const HEAD: &str = "lm_head.weight";
+
+/// The matrices Muon takes in the variable `name` of a model of `cfg`: a hidden 2-D matrix
+/// (not an embedding or the head), split into q, k and v, or gate and up, where the model
+/// holds them fused. `None` for the variables AdamW keeps.
+pub fn muon_blocks(cfg: &gpt::Config, name: &str, var: &Var) -> Option<Blocks> {
+    let (rows, cols) = var.as_tensor().dims2().ok()?;
+    if EMBEDDINGS.iter().any(|e| name.ends_with(e)) || name.ends_with(HEAD) {
+        return None;
+    }
+    if cfg.is_gpt2_shaped() {
+        // GPT-2's Conv1D holds (in, out); c_attn is q, k and v side by side.
+        let outputs = match name.ends_with("attn.c_attn.weight") {
+            true => vec![cfg.n_embd; 3],
+            false => vec![cols],
+        };
+        return Some(Blocks { in_out: true, outputs });
+    }
+    use gpt::arch::names::{GATE_UP, QKV};
+    let outputs = if name.ends_with(&format!("{QKV}.weight")) {
+        vec![cfg.q_width(), cfg.kv_width(), cfg.kv_width()]
+    } else if name.ends_with(&format!("{GATE_UP}.weight")) {
+        vec![cfg.mlp_width(); 2]
+    } else {
+        vec![rows]
+    };
+    Some(Blocks { in_out: false, outputs })
 }
 
 pub fn opt_config(run: &RunConfig) -> AdamWConfig {

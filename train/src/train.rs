@@ -24,7 +24,7 @@ use crate::config::{RunConfig, TrainArgs};
 use crate::data::{self, Corpus};
 use crate::distributed::{agree, World};
 use crate::metrics::{Event, Metrics, Progress};
-use crate::optim::AdamW;
+use crate::optim::Optimizer;
 use crate::schedule::Schedule;
 use crate::setup;
 use crate::step::{accumulate_grads, cpu_threads, Objective, RowShare};
@@ -66,7 +66,7 @@ pub struct Trainer<'w> {
     /// A LoRA run's adapter (set on `model`; its matrices are the variables).
     adapter: Option<gpt::Adapter>,
     tokenizer: Tokenizer,
-    opt: AdamW,
+    opt: Optimizer,
     vars: Vec<Var>,
     state: TrainerState,
     schedule: Schedule,
@@ -184,7 +184,7 @@ impl<'w> Trainer<'w> {
             );
         }
         let named = crate::init::named_vars(&varmap)?;
-        let mut opt = AdamW::new(named, setup::opt_config(&run))?;
+        let mut opt = setup::optimizer(&run, named, autocast)?;
         let mut state = match saved {
             Some(saved) => {
                 checkpoints::restore(&saved, &varmap, &mut opt, &device)?;
@@ -312,10 +312,18 @@ impl<'w> Trainer<'w> {
                 agree::same_parameters(self.world, &self.vars, step)?;
             }
             if eval_now {
-                self.evaluate()?;
+                let val_loss = self.evaluate()?;
                 self.save()?;
                 self.interval_start = (Instant::now(), step); // tokens/s measures training alone
                 self.world.take_comm_time(); // and so does the time in collectives
+                if let Some(target) = self.run.stop_at_val_loss.filter(|&t| val_loss <= t && !at_end) {
+                    self.progress.println(&format!(
+                        "stopping: val loss {val_loss:.4} at step {step} is at or below --stop-at-val-loss {target} \
+                         ({:.1}s)",
+                        self.state.elapsed_s
+                    ));
+                    break;
+                }
             }
             if at_end {
                 break;
@@ -516,7 +524,8 @@ impl<'w> Trainer<'w> {
     }
 
     /// Train and validation loss at this step: logged, plotted, and the best model kept.
-    pub fn evaluate(&mut self) -> Result<()> {
+    /// Returns the validation loss.
+    pub fn evaluate(&mut self) -> Result<f64> {
         self.restack_adapter()?;
         let step = self.state.step;
         let (train_loss, val_loss) = crate::eval::estimate_loss(
@@ -535,7 +544,7 @@ impl<'w> Trainer<'w> {
             self.state.best_val_loss = Some(val_loss);
         }
         let Some(metrics) = &mut self.metrics else {
-            return Ok(()); // a rank other than 0: it writes nothing
+            return Ok(val_loss); // a rank other than 0: it writes nothing
         };
         metrics.log(Event {
             event: "eval".into(),
@@ -555,7 +564,7 @@ impl<'w> Trainer<'w> {
         if is_best {
             checkpoints::save_best(&self.out, &self.model, self.adapter.as_ref(), &self.tokenizer, step)?;
         }
-        Ok(())
+        Ok(val_loss)
     }
 
     /// A checkpoint of the run as it is now, written by rank 0 once every rank has reached this

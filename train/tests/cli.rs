@@ -18,16 +18,19 @@ fn resumed_run_matches_an_uninterrupted_one_bit_for_bit() -> anyhow::Result<()> 
     // With dropout too: its masks come from (seed, step, micro-batch, layer), not a generator's
     // state that a restart would lose.
     for dropout in ["0", "0.2"] {
-        resumed_run_matches(dropout)?;
+        resumed_run_matches(dropout, &[])?;
     }
+    // Muon's momentum buffers beside AdamW's moments, the WSD schedule; on GPT-2 and a family.
+    resumed_run_matches("0", &["--recipe", "modern"])?;
+    resumed_run_matches("0", &["--recipe", "modern", "--arch", "llama"])?;
     Ok(())
 }
 
-fn resumed_run_matches(dropout: &str) -> anyhow::Result<()> {
+fn resumed_run_matches(dropout: &str, recipe: &[&str]) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let corpus = write(dir.path(), "corpus.txt", shakespeare(40_000)?)?;
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-    let schedule = ["--lr-decay-iters", "30", "--dropout", dropout];
+    let schedule = [&["--lr-decay-iters", "30", "--dropout", dropout][..], recipe].concat();
 
     let out = train(&corpus, &a, &[&schedule[..], &["--max-iters", "30"]].concat())?;
     assert!(out.status.success(), "{}", stderr(&out));
@@ -50,10 +53,16 @@ fn resumed_run_matches(dropout: &str) -> anyhow::Result<()> {
         let mut names = ta.names();
         names.sort();
         assert!(names.len() > 10);
+        let muon = names.iter().filter(|n| n.ends_with(".momentum_buffer")).count();
+        assert_eq!(
+            muon > 0,
+            !recipe.is_empty() && file == "optimizer.safetensors",
+            "{recipe:?} {file}"
+        );
         for name in names {
             assert!(
                 ta.tensor(name)?.data() == tb.tensor(name)?.data(),
-                "dropout {dropout}, {file}: {name} differs"
+                "dropout {dropout} {recipe:?}, {file}: {name} differs"
             );
         }
         let meta = |bytes: &[u8]| -> anyhow::Result<_> { Ok(SafeTensors::read_metadata(bytes)?.1.metadata().clone()) };
@@ -63,6 +72,51 @@ fn resumed_run_matches(dropout: &str) -> anyhow::Result<()> {
     assert_eq!(la.len(), 30);
     assert_eq!(la, lb);
     assert!(la[29].1 < la[0].1, "the loss went down: {:?} -> {:?}", la[0], la[29]);
+    Ok(())
+}
+
+/// `--stop-at-val-loss X` ends the run at its first evaluation at or below X, checkpoint saved,
+/// and every evaluation in metrics.jsonl carries the seconds since the run began.
+#[test]
+fn a_run_stops_at_the_first_evaluation_at_the_loss_asked_for() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(40_000)?)?;
+    let (whole, stopped) = (dir.path().join("whole"), dir.path().join("stopped"));
+    let flags = ["--max-iters", "40", "--eval-interval", "5", "--recipe", "modern"];
+    let out = train(&corpus, &whole, &flags)?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let evals = common::eval_losses(&whole)?;
+    assert_eq!(evals.len(), 9);
+    // A target that the run reaches part way: the loss of its fourth evaluation.
+    let target = evals[3].1;
+    let first = evals.iter().position(|&(_, l)| l <= target).unwrap_or(usize::MAX);
+    assert!(first <= 3 && evals[first].0 < 40);
+    let out = train(
+        &corpus,
+        &stopped,
+        &[&flags[..], &["--stop-at-val-loss", &target.to_string()]].concat(),
+    )?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--stop-at-val-loss"), "{}", stderr(&out));
+    let stopped_evals = common::eval_losses(&stopped)?;
+    assert_eq!(
+        stopped_evals,
+        evals[..=first].to_vec(),
+        "the same run, up to the first at or below {target}"
+    );
+    assert_eq!(state(&stopped)?["step"], evals[first].0);
+    let metrics = std::fs::read_to_string(stopped.join("metrics.jsonl"))?;
+    let seconds: Vec<f64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == "eval")
+        .map(|e| e["elapsed_s"].as_f64().unwrap_or(-1.0))
+        .collect();
+    assert_eq!(seconds.len(), first + 1);
+    assert!(
+        seconds.windows(2).all(|w| w[1] > w[0]) && seconds[0] >= 0.0,
+        "{seconds:?}"
+    );
     Ok(())
 }
 

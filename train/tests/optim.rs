@@ -195,3 +195,144 @@ fn gradients_and_moments_hold_no_graph() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Muon against PyTorch's own `torch.optim.Muon` over three steps on a wide, a tall and a square
+/// matrix, with both of its scales: each step's change of every parameter within 5% of
+/// PyTorch's largest (PyTorch runs the Newton-Schulz iteration in bf16, this one in f32), while
+/// Muon without Nesterov's momentum, or with the other scale, is further off than that.
+#[test]
+#[cfg_attr(
+    not(gpt_test_peft),
+    ignore = "needs GPT_TEST_PYTHON, a Python with torch 2.9 or later (torch.optim.Muon)"
+)]
+fn muon_equals_pytorchs() -> anyhow::Result<()> {
+    use gpt_train::optim::muon::{Blocks, Muon, MuonConfig, MuonScale};
+    let shapes = [(24, 40), (40, 24), (16, 16)];
+    let values = |len: usize, seed: usize| support::uniform(len, seed as u64);
+    let start: Vec<Vec<f32>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(k, &(r, c))| values(r * c, k).iter().map(|v| v * 0.05).collect())
+        .collect();
+    let grads: Vec<Vec<Vec<f32>>> = (0..3)
+        .map(|step| {
+            shapes
+                .iter()
+                .enumerate()
+                .map(|(k, &(r, c))| values(r * c, 10 + 3 * step + k))
+                .collect()
+        })
+        .collect();
+    let (lr, weight_decay, momentum) = (0.02, 0.1, 0.95);
+    let ours = |scale: MuonScale, nesterov: bool| -> anyhow::Result<Vec<Vec<Vec<f32>>>> {
+        let vars: Vec<(String, Var, Blocks)> = shapes
+            .iter()
+            .zip(&start)
+            .enumerate()
+            .map(|(k, (&(r, c), v))| {
+                let var = Var::from_tensor(&Tensor::from_vec(v.clone(), (r, c), &Device::Cpu)?)?;
+                Ok((
+                    format!("w{k}"),
+                    var,
+                    Blocks {
+                        in_out: false,
+                        outputs: vec![r],
+                    },
+                ))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let cfg = MuonConfig {
+            momentum,
+            nesterov,
+            ns_steps: 5,
+            scale,
+            weight_decay,
+            autocast: gpt::Autocast::Off,
+        };
+        let mut muon = Muon::new(vars, cfg)?;
+        let mut steps = Vec::new();
+        for step in &grads {
+            let g = step
+                .iter()
+                .zip(&shapes)
+                .map(|(g, &s)| Ok(Tensor::from_vec(g.clone(), s, &Device::Cpu)?))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            muon.step(&g, lr, 1.0, |_| true)?;
+            steps.push(
+                muon.vars()
+                    .iter()
+                    .map(|v| Ok(v.as_tensor().flatten_all()?.to_vec1::<f32>()?))
+                    .collect::<anyhow::Result<_>>()?,
+            );
+        }
+        Ok(steps)
+    };
+    let theirs = |adjust: &str| -> anyhow::Result<Vec<Vec<Vec<f32>>>> {
+        let spec = serde_json::json!({
+            "params": shapes.iter().zip(&start).map(|(&(r, c), v)| serde_json::json!({"shape": [r, c], "values": v})).collect::<Vec<_>>(),
+            "grads": grads, "lr": lr, "weight_decay": weight_decay, "momentum": momentum,
+            "nesterov": true, "adjust_lr_fn": adjust,
+        });
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/muon_reference.py");
+        let mut child = std::process::Command::new(support::python())
+            .arg(script)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no stdin"))?
+            .write_all(spec.to_string().as_bytes())?;
+        let out = child.wait_with_output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "muon_reference.py: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    // The worst difference of each step's change of a parameter, over PyTorch's largest change.
+    let off = |a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]| -> f32 {
+        let mut worst = 0f32;
+        for step in 0..a.len() {
+            for k in 0..shapes.len() {
+                let before = |run: &[Vec<Vec<f32>>]| {
+                    if step == 0 {
+                        start[k].clone()
+                    } else {
+                        run[step - 1][k].clone()
+                    }
+                };
+                let (a0, b0) = (before(a), before(b));
+                let da: Vec<f32> = a[step][k].iter().zip(&a0).map(|(x, y)| x - y).collect();
+                let db: Vec<f32> = b[step][k].iter().zip(&b0).map(|(x, y)| x - y).collect();
+                let largest = db.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let diff = da.iter().zip(&db).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                worst = worst.max(diff / largest);
+            }
+        }
+        worst
+    };
+    for (scale, adjust, other) in [
+        (MuonScale::Original, "original", MuonScale::MatchAdamw),
+        (MuonScale::MatchAdamw, "match_rms_adamw", MuonScale::Original),
+    ] {
+        let reference = theirs(adjust)?;
+        let worst = off(&ours(scale, true)?, &reference);
+        assert!(worst < 0.05, "{adjust}: each step's change {worst} off PyTorch's");
+        let plain = off(&ours(scale, false)?, &reference);
+        assert!(
+            plain > 0.1,
+            "{adjust}: without Nesterov {plain} off, as close as with it"
+        );
+        let scaled = off(&ours(other, true)?, &reference);
+        assert!(
+            scaled > 0.1,
+            "{adjust}: the other scale {scaled} off, as close as this one"
+        );
+    }
+    Ok(())
+}

@@ -76,6 +76,21 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
 
 /// The Python the tests that need its packages run (`GPT_TEST_PYTHON`, which the build scripts
 /// probe), else `python3`.
+/// `len` values uniform in [-1, 1) from a splitmix64 stream keyed by `seed`: full-rank
+/// matrices, as gradients are (values in an arithmetic pattern make low-rank ones).
+pub fn uniform(len: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
 pub fn python() -> String {
     std::env::var("GPT_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
 }

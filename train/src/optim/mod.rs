@@ -8,6 +8,10 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod groups;
+pub mod muon;
+
+pub use groups::{MuonGroup, Optimizer, OptimizerKind};
 
 use std::collections::HashMap;
 
@@ -25,6 +29,8 @@ struct Param {
     name: String,
     var: Var,
     decay: bool,
+    /// Its learning rate's share of the schedule's (its group's rate over `--learning-rate`).
+    lr_scale: f64,
     /// First and second moments, flattened and stacked: `(2, n)`.
     moments: Tensor,
 }
@@ -267,6 +273,7 @@ impl AdamW {
                 let moments = Tensor::zeros((2, var.elem_count()), DType::F32, var.device())?;
                 Ok(Param {
                     decay: var.rank() >= 2,
+                    lr_scale: 1.0,
                     name,
                     var,
                     moments,
@@ -274,6 +281,14 @@ impl AdamW {
             })
             .collect::<Result<_>>()?;
         Ok(Self { params, steps: 0, cfg })
+    }
+
+    /// Gives each parameter the learning rate `scale(name)` times the schedule's.
+    pub fn with_lr_scales(mut self, scale: impl Fn(&str) -> f64) -> Self {
+        for p in &mut self.params {
+            p.lr_scale = scale(&p.name);
+        }
+        self
     }
 
     pub fn vars(&self) -> Vec<Var> {
@@ -296,7 +311,7 @@ impl AdamW {
             && self
                 .params
                 .iter()
-                .all(|p| p.var.device().is_cuda() && gpt_kernels::fused(p.var.as_tensor()))
+                .all(|p| p.var.device().is_cuda() && gpt_kernels::fused(p.var.as_tensor()) && p.lr_scale == 1.0)
             && gpu_update_on()
         {
             return self.step_clipped_on_gpu(grads, lr, max_norm);
@@ -385,6 +400,7 @@ impl AdamW {
             let g = g.detach().flatten_all()?; // the moments must not hold on to any graph
             let theta = p.var.as_tensor().flatten_all()?;
             let decay = if p.decay { weight_decay } else { 0.0 };
+            let lr = lr * p.lr_scale;
             let kernel = FusedUpdate {
                 lr: lr as f32,
                 beta1: beta1 as f32,
@@ -445,24 +461,30 @@ impl AdamW {
         for p in &mut self.params {
             let mut pair = Vec::with_capacity(2);
             for suffix in ["exp_avg", "exp_avg_sq"] {
-                let name = format!("{}.{suffix}", p.name);
-                let t = tensors
-                    .remove(&name)
-                    .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() })?;
-                if t.shape() != p.var.shape() {
-                    candle_core::bail!(
-                        "optimizer state {name}: shape {:?}, expected {:?}",
-                        t.shape(),
-                        p.var.shape()
-                    );
-                }
-                pair.push(t.to_dtype(DType::F32)?.to_device(p.var.device())?.flatten_all()?);
+                let t = take_state(&mut tensors, &format!("{}.{suffix}", p.name), &p.var)?;
+                pair.push(t.flatten_all()?);
             }
             p.moments = Tensor::stack(&pair, 0)?;
         }
         self.steps = steps;
         Ok(())
     }
+}
+
+/// The saved state `name` of the variable `var`, taken out of `tensors`: f32 on its device, its
+/// shape checked.
+fn take_state(tensors: &mut HashMap<String, Tensor>, name: &str, var: &Var) -> Result<Tensor> {
+    let t = tensors
+        .remove(name)
+        .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.into() })?;
+    if t.shape() != var.shape() {
+        candle_core::bail!(
+            "optimizer state {name}: shape {:?}, expected {:?}",
+            t.shape(),
+            var.shape()
+        );
+    }
+    t.to_dtype(DType::F32)?.to_device(var.device())
 }
 
 /// `GPT_CUDA_ADAMW` is not `0`: [`AdamW::step_clipped`]'s kernels on a GPU (read once).

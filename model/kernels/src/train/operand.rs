@@ -119,7 +119,7 @@ impl<'a> Operand<'a> {
 
     /// The values row-major: borrowed where they already are, else copied (a transposed
     /// source in cache-sized blocks).
-    pub(crate) fn row_major(&self) -> std::borrow::Cow<'a, [f32]> {
+    pub fn row_major(&self) -> std::borrow::Cow<'a, [f32]> {
         let len = self.rows * self.cols;
         if self.stride.1 == 1 && (self.stride.0 == self.cols || self.rows <= 1) {
             return std::borrow::Cow::Borrowed(&self.data[self.offset..self.offset + len]);
