@@ -89,6 +89,9 @@ if [[ " $parts " == *" ablation "* ]]; then
     gpt_train "s$seed-modern-original-scale-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --muon-scale original
     gpt_train "s$seed-modern-llama-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch llama
     gpt_train "s$seed-modern-qwen3-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch qwen3
+    gpt_train "s$seed-modern-zero-init-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --zero-init-proj
+    gpt_train "s$seed-modern-llama-untied-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch llama \
+      --untied-head
   done
 fi
 if [[ " $parts " == *" cost "* ]]; then

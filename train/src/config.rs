@@ -182,6 +182,15 @@ pub struct TrainArgs {
     /// than gpt2 [default: --n-head's].
     #[arg(long)]
     pub n_kv_head: Option<usize>,
+    /// An output head of its own rather than the token embedding's transpose, for the families
+    /// other than gpt2 (a new run; saved with `tie_word_embeddings: false`).
+    #[arg(long)]
+    pub untied_head: bool,
+    /// Start the blocks' output projections (attention's and the MLP's: `c_proj`, `o_proj`,
+    /// `down_proj`) at zero, as modded-nanogpt does, so that each block starts as the identity
+    /// (a new run).
+    #[arg(long)]
+    pub zero_init_proj: bool,
     /// Transformer blocks [default: the preset's; shakespeare-char 6].
     #[arg(long)]
     pub n_layer: Option<usize>,
@@ -652,6 +661,9 @@ impl TrainArgs {
                     )
                 })?;
             cfg = gpt::arch::from_scratch(family, &cfg, self.n_kv_head)?;
+            cfg.tie_word_embeddings = !self.untied_head;
+        } else if self.untied_head {
+            bail!("--untied-head: GPT-2 ties its head to the token embedding; pass --arch llama, qwen3, ...");
         } else if self.n_kv_head.is_some() {
             bail!("--n-kv-head needs an --arch with grouped-query attention (llama, qwen3, gemma3, ...)");
         }

@@ -89,3 +89,20 @@ pub fn named_vars(varmap: &VarMap) -> Result<Vec<(String, Var)>> {
     named.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(named)
 }
+
+/// The blocks' output projections (GPT-2's `attn.c_proj` and `mlp.c_proj`, the families'
+/// `o_proj` and `down_proj`; their biases stay) set to zero, as modded-nanogpt starts them: each
+/// block then adds nothing to the residual stream until it has learnt to.
+pub fn zero_output_projections(named: &[(String, Var)]) -> Result<usize> {
+    let mut zeroed = 0;
+    for (name, var) in named {
+        if ["c_proj.weight", "o_proj.weight", "down_proj.weight"]
+            .iter()
+            .any(|end| name.ends_with(end))
+        {
+            var.set(&var.as_tensor().zeros_like()?)?;
+            zeroed += 1;
+        }
+    }
+    Ok(zeroed)
+}

@@ -184,6 +184,14 @@ impl<'w> Trainer<'w> {
             );
         }
         let named = crate::init::named_vars(&varmap)?;
+        if args.zero_init_proj {
+            if saved.is_some() || init_from.is_some() || run.lora.is_some() {
+                bail!(
+                    "--zero-init-proj starts a new run's output projections at zero; this run starts from a checkpoint"
+                );
+            }
+            crate::init::zero_output_projections(&named)?;
+        }
         let mut opt = setup::optimizer(&run, named, autocast)?;
         let mut state = match saved {
             Some(saved) => {

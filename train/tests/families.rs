@@ -142,24 +142,24 @@ fn families_train_from_scratch_and_load_in_transformers() -> anyhow::Result<()> 
     let dir = tempfile::tempdir()?;
     let corpus = write(dir.path(), "corpus.txt", shakespeare(40_000)?)?;
     let mut pairs = Vec::new();
+    // Qwen3 with the modern recipe's choices: its own head, output projections from zero, Muon.
+    let modern = ["--untied-head", "--zero-init-proj", "--recipe", "modern"];
     for arch in ["llama", "qwen3", "gemma3"] {
         let out = dir.path().join(arch);
-        let run = common::train(
-            &corpus,
-            &out,
-            &[
-                "--arch",
-                arch,
-                "--n-kv-head",
-                "2",
-                "--n-embd",
-                "64",
-                "--max-iters",
-                "30",
-                "--eval-interval",
-                "30",
-            ],
-        )?;
+        let flags = [
+            "--arch",
+            arch,
+            "--n-kv-head",
+            "2",
+            "--n-embd",
+            "64",
+            "--max-iters",
+            "30",
+            "--eval-interval",
+            "30",
+        ];
+        let extra: &[&str] = if arch == "qwen3" { &modern } else { &[] };
+        let run = common::train(&corpus, &out, &[&flags[..], extra].concat())?;
         assert!(run.status.success(), "{arch}: {}", stderr(&run));
         let losses = train_losses(&out)?;
         assert!(
@@ -173,6 +173,7 @@ fn families_train_from_scratch_and_load_in_transformers() -> anyhow::Result<()> 
             arch
         );
         assert_eq!(model.config().n_kv_head(), 2);
+        assert_eq!(model.config().tie_word_embeddings, arch != "qwen3");
         // Our logits of a window, as the reference `check_family_load.py` reads them.
         let ids: Vec<u32> = (0..24).map(|i| (i * 7 % 50) as u32).collect();
         let logits = model
@@ -320,5 +321,68 @@ fn families_train_lora_adapters_that_peft_reads() -> anyhow::Result<()> {
         let d = gpt_test_support::max_abs_diff(&got, &candle_core::Tensor::new(want, &candle_core::Device::Cpu)?)?;
         assert!(d < 1e-4, "{case}: {d} from PeftModel's logits with the trained adapter");
     }
+    Ok(())
+}
+
+/// `--zero-init-proj` starts the blocks' output projections at zero and nothing else; refused
+/// where there is no new model to start (`--init-from`), and `--untied-head` for GPT-2.
+#[test]
+fn zero_init_proj_zeroes_the_output_projections_only() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(20_000)?)?;
+    for arch in ["gpt2", "llama"] {
+        let out = dir.path().join(arch);
+        let flags = [
+            "--arch",
+            arch,
+            "--max-iters",
+            "1",
+            "--learning-rate",
+            "0",
+            "--zero-init-proj",
+        ];
+        let run = common::train(&corpus, &out, &flags)?;
+        assert!(run.status.success(), "{arch}: {}", stderr(&run));
+        let weights = candle_core::safetensors::load(out.join("latest/model.safetensors"), &candle_core::Device::Cpu)?;
+        let (mut zero, mut other) = (0, 0);
+        for (name, t) in &weights {
+            let largest = t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            let projection = ["c_proj.weight", "o_proj.weight", "down_proj.weight"]
+                .iter()
+                .any(|end| name.ends_with(end));
+            match projection {
+                true => {
+                    assert_eq!(largest, 0.0, "{arch}: {name}");
+                    zero += 1;
+                }
+                false if name.ends_with(".weight") && !name.contains("norm") && !name.contains("ln_") => {
+                    assert!(largest > 0.0, "{arch}: {name} is zero too");
+                    other += 1;
+                }
+                false => {}
+            }
+        }
+        assert!(
+            zero >= 2 && other >= 3,
+            "{arch}: {zero} projections, {other} other matrices"
+        );
+    }
+    let base = dir.path().join("gpt2");
+    let refused = common::train(
+        &corpus,
+        &dir.path().join("from"),
+        &["--init-from", base.to_str().unwrap_or_default(), "--zero-init-proj"],
+    )?;
+    assert!(
+        !refused.status.success() && stderr(&refused).contains("--zero-init-proj"),
+        "{}",
+        stderr(&refused)
+    );
+    let refused = common::train(&corpus, &dir.path().join("untied"), &["--untied-head"])?;
+    assert!(
+        !refused.status.success() && stderr(&refused).contains("--untied-head"),
+        "{}",
+        stderr(&refused)
+    );
     Ok(())
 }
