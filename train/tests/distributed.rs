@@ -155,6 +155,36 @@ fn two_ranks_end_with_the_weights_of_one_process_with_two_shards_bit_for_bit() -
     Ok(())
 }
 
+/// Muon on two ranks (each orthogonalising the matrices it owns, then sending them) ends with
+/// the weights and momentum of one process, bit for bit.
+#[test]
+fn muon_on_two_ranks_ends_with_the_weights_of_one_process_bit_for_bit() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = support::shakespeare_path();
+    let more = args(&["--max-iters", "20", "--parallel", "shards", "--recipe", "modern"]);
+    let one = dir.path().join("one");
+    ok(common::train(
+        &corpus,
+        &one,
+        &[more.as_slice(), &["--threads", "2"]].concat(),
+    )?)?;
+    let two = dir.path().join("two");
+    ok(train_ranks(
+        2,
+        &corpus,
+        &two,
+        &[more.as_slice(), &["--threads", "1"]].concat(),
+    )?)?;
+    let (a, b) = (tensors(&step_dir(&one, 20))?, tensors(&step_dir(&two, 20))?);
+    assert_eq!(a.len(), b.len());
+    assert!(a.keys().any(|name| name.ends_with(".momentum_buffer")));
+    for (name, values) in &a {
+        assert!(values == &b[name], "{name} differs");
+    }
+    assert_eq!(common::train_losses(&one)?, common::train_losses(&two)?);
+    Ok(())
+}
+
 /// Every tensor of a LoRA checkpoint's adapter and optimizer state, by file and name, as raw bytes.
 fn adapter_tensors(checkpoint: &Path) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
     let mut all = BTreeMap::new();
