@@ -20,7 +20,7 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 use crate::error::ApiError;
-use crate::routes::{attention, chat, completions, info, lora, tokenize};
+use crate::routes::{attention, chat, completions, info, lora, messages, tokenize};
 pub use crate::state::AppState;
 
 /// The response header that carries each request's id (also in its log line).
@@ -31,6 +31,8 @@ pub fn app(state: Arc<AppState>) -> Router {
     let mut keyed = Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/messages", post(messages::messages))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/attention", post(attention::attention))
         .route("/v1/models", get(info::models))
         .route("/tokenize", post(tokenize::tokenize))
@@ -90,7 +92,12 @@ fn cors(origins: &[String]) -> CorsLayer {
     CorsLayer::new()
         .allow_origin(allow)
         .allow_methods([Method::GET, Method::POST])
-        .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+        .allow_headers([
+            header::AUTHORIZATION,
+            header::CONTENT_TYPE,
+            HeaderName::from_static("x-api-key"),
+            HeaderName::from_static("anthropic-version"),
+        ])
         .expose_headers([HeaderName::from_static(REQUEST_ID)])
         .max_age(Duration::from_secs(3600))
 }
@@ -115,19 +122,31 @@ async fn authorize_metrics(State(state): State<Arc<AppState>>, request: Request,
 /// The 401 for a request without `key`, if one is required.
 fn refused(key: Option<&str>, request: &Request) -> Option<Response> {
     let key = key?;
-    let given = request
-        .headers()
+    let headers = request.headers();
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
+    // Anthropic's clients send `x-api-key` instead.
+    let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
     // In constant time: how much of a guess matches must not show in the response time.
-    let matches = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
-    let msg = "a valid API key is required: send `Authorization: Bearer <key>`";
-    (!matches).then(|| ApiError::Unauthorized(msg.into()).into_response())
+    let matches = [bearer, x_api_key]
+        .into_iter()
+        .flatten()
+        .any(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
+    let msg = "a valid API key is required: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)";
+    let refusal = ApiError::Unauthorized(msg.into());
+    (!matches).then(|| match request.uri().path().starts_with("/v1/messages") {
+        true => messages::AnthropicError(refusal).into_response(),
+        false => refusal.into_response(),
+    })
 }
 
 async fn count_requests(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
-    let counted = matches!(request.uri().path(), "/v1/completions" | "/v1/chat/completions");
+    let counted = matches!(
+        request.uri().path(),
+        "/v1/completions" | "/v1/chat/completions" | "/v1/messages"
+    );
     let response = next.run(request).await;
     if counted {
         state

@@ -98,28 +98,56 @@ pub fn stream_response<C: Chunk>(
     events: EventSource,
     metrics: Arc<Metrics>,
     first: Vec<C>,
-    mut chunks: impl FnMut(Delta) -> Vec<C> + Send + 'static,
+    chunks: impl FnMut(Delta) -> Vec<C> + Send + 'static,
     usage: impl Fn(Usage) -> C + Send + 'static,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    sse(chunk_stream(req, events, metrics, first, chunks, usage))
+}
+
+/// Server-Sent Events of OpenAI's streams: a `data:` event per chunk, an `error` event if
+/// generation fails midway, then `[DONE]`.
+pub fn sse<C: Serialize>(
+    chunks: impl Stream<Item = Result<C, ApiError>> + Send + 'static,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let body = chunks
+        .map(|chunk| {
+            Ok(match chunk {
+                Ok(c) => SseEvent::default().data(serde_json::to_string(&c).unwrap_or_default()),
+                Err(e) => SseEvent::default()
+                    .event("error")
+                    .data(serde_json::to_string(&e.body()).unwrap_or_default()),
+            })
+        })
+        .chain(stream::once(async { Ok(SseEvent::default().data("[DONE]")) }));
+    Sse::new(body).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+/// The chunks of a streamed response as they come: the `first` chunks, then the chunks `chunks`
+/// makes of each delta of the fold, the chunk `usage` makes if the request asked for it (with
+/// `continuous_usage`, every chunk carries the usage so far); an error, last, if generation fails
+/// midway. Each API's stream ([`stream_response`], and the other protocols' in `routes`) is
+/// made of these.
+pub fn chunk_stream<C: Chunk>(
+    req: Arc<ValidRequest>,
+    events: EventSource,
+    metrics: Arc<Metrics>,
+    first: Vec<C>,
+    mut chunks: impl FnMut(Delta) -> Vec<C> + Send + 'static,
+    usage: impl Fn(Usage) -> C + Send + 'static,
+) -> impl Stream<Item = Result<C, ApiError>> + Send + 'static {
     let (include_usage, continuous) = (req.include_usage, req.continuous_usage);
     let watched = Watched::new(req, metrics);
-    let data = |c: &C| Ok(SseEvent::default().data(serde_json::to_string(c).unwrap_or_default()));
     let mut first = first;
     if continuous {
         let start = watched.fold.usage_so_far();
         first.iter_mut().for_each(|c| c.set_usage(start));
     }
-    let first = stream::iter(first.iter().map(data).collect::<Vec<_>>());
+    let first = stream::iter(first.into_iter().map(Ok).collect::<Vec<_>>());
     // Ends after the last choice's events, or (the engine dropped the request first: its thread
-    // failed) with an error event; `watched` lives in the stream's state, so that hyper dropping
-    // the stream before then counts the request as cancelled.
+    // failed) with an error; `watched` lives in the stream's state, so that hyper dropping the
+    // stream before then counts the request as cancelled.
     let chunks_of = move |watched: &mut Watched, event: Option<Event>| {
-        let mut out: Vec<Result<SseEvent, Infallible>> = Vec::new();
-        let error = |e: ApiError| {
-            Ok(SseEvent::default()
-                .event("error")
-                .data(serde_json::to_string(&e.body()).unwrap_or_default()))
-        };
+        let mut out: Vec<Result<C, ApiError>> = Vec::new();
         match event.map(|event| watched.fold.apply(event)) {
             Some(Ok(deltas)) => {
                 let so_far = continuous.then(|| watched.fold.usage_so_far());
@@ -128,29 +156,26 @@ pub fn stream_response<C: Chunk>(
                     if let Some(so_far) = so_far {
                         made.iter_mut().for_each(|c| c.set_usage(so_far));
                     }
-                    out.extend(made.iter().map(data));
+                    out.extend(made.into_iter().map(Ok));
                 }
                 if watched.fold.is_done() {
                     let total = watched.fold.usage();
                     watched.metrics.completion_tokens.inc_by(total.completion_tokens as u64);
                     if include_usage {
-                        out.push(data(&usage(total)));
+                        out.push(Ok(usage(total)));
                     }
                 }
             }
             Some(Err(e)) => {
                 watched.engine_gone = true;
-                out.push(error(e));
+                out.push(Err(e));
             }
             None => {
                 watched.engine_gone = true;
-                out.push(error(ApiError::EngineFailed));
+                out.push(Err(ApiError::EngineFailed));
             }
         }
         let ended = watched.fold.is_done() || watched.engine_gone;
-        if ended {
-            out.push(Ok(SseEvent::default().data("[DONE]")));
-        }
         (out, ended)
     };
     let body = stream::unfold(Some((events, watched, chunks_of)), |state| async move {
@@ -159,7 +184,7 @@ pub fn stream_response<C: Chunk>(
         Some((stream::iter(out), (!ended).then_some((events, watched, chunks_of))))
     })
     .flatten();
-    Sse::new(first.chain(body)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    first.chain(body)
 }
 
 #[cfg(test)]

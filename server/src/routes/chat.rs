@@ -6,13 +6,15 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures_util::Stream;
 
 use crate::api::*;
 use crate::chat;
+use crate::engine::{EventSource, ValidRequest};
 use crate::error::responses::{BodyTooLarge, InvalidRequest, QueueFull, Unauthorized, UnknownModel};
 use crate::error::ApiError;
 use crate::fold::Delta;
-use crate::respond::{collect, stream_response};
+use crate::respond::{chunk_stream, collect, sse};
 use crate::state::{blocking, AppState, ModelRequest};
 use crate::tools;
 use crate::validation::{validate, validate_chat};
@@ -33,14 +35,28 @@ use crate::validation::{validate, validate_chat};
 )]
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
-    ModelRequest(mut request): ModelRequest<ChatCompletionRequest>,
+    ModelRequest(request): ModelRequest<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let run = start(&state, request).await?;
+    if run.valid.stream {
+        Ok(sse(run.chunks(&state)).into_response())
+    } else {
+        Ok(Json(run.whole(&state).await?).into_response())
+    }
+}
+
+/// A chat request validated, rendered with the chat template and tokenised: the completion
+/// request the engine runs, and the tool calls' plan. Each protocol that speaks chat (OpenAI's
+/// chat completions and Responses, Anthropic's Messages, Ollama's chat) comes through here.
+pub async fn prepare(
+    state: &Arc<AppState>,
+    mut request: ChatCompletionRequest,
+) -> Result<(ValidRequest, Option<tools::Mode>), ApiError> {
     let used_max_completion_tokens = request.max_completion_tokens.is_some();
-    let echo = chat::echoed(&request);
     let adapter = state.adapter_for(request.model.as_deref())?;
     let state2 = state.clone();
     // Rendering and tokenising are CPU work: off the async runtime.
-    let valid = blocking(move || {
+    let (mut valid, mode) = blocking(move || {
         validate_chat(&request, &state2.limits)?;
         let own;
         let template = match request.chat_template.take() {
@@ -67,35 +83,87 @@ pub async fn chat_completions(
         Ok((valid, mode))
     })
     .await?;
-    let (mut valid, mode) = valid;
     valid.adapter = adapter;
+    Ok((valid, mode))
+}
+
+/// A chat request under way in the engine, with what its responses are made of.
+pub struct ChatRun {
+    pub valid: Arc<ValidRequest>,
+    pub events: EventSource,
+    /// The tool calls' plan, when the request offered tools.
+    pub mode: Option<tools::Mode>,
+    /// The assistant's prefilled start, echoed (vLLM's `echo`).
+    pub echo: Option<String>,
+    pub id: String,
+    pub created: u64,
+    /// The name the response gives the model (an adapter's, or the served name).
+    pub model: String,
+}
+
+/// [`prepare`]s the request and submits it to the engine.
+pub async fn start(state: &Arc<AppState>, request: ChatCompletionRequest) -> Result<ChatRun, ApiError> {
+    let echo = chat::echoed(&request);
+    let (valid, mode) = prepare(state, request).await?;
     let valid = Arc::new(valid);
     let events = state.engine.submit(valid.clone())?;
-    let (id, created, model) = (
-        super::response_id("chatcmpl", valid.request_id.as_deref()),
-        super::now(),
-        state.served_name(valid.adapter.as_deref()),
-    );
-    let system_fingerprint = state.fingerprint.clone();
-    if valid.stream {
+    Ok(ChatRun {
+        id: super::response_id("chatcmpl", valid.request_id.as_deref()),
+        created: super::now(),
+        model: state.served_name(valid.adapter.as_deref()),
+        valid,
+        events,
+        mode,
+        echo,
+    })
+}
+
+impl ChatRun {
+    /// The whole chat completion, once every choice has ended.
+    pub async fn whole(self, state: &AppState) -> Result<ChatCompletion, ApiError> {
+        let (mut choices, usage) = collect(self.valid, self.events, state.metrics.clone()).await?;
+        // One prompt, so every choice carries the same; vLLM puts them on the response.
+        let prompt_logprobs = choices.first_mut().and_then(|c| c.prompt_logprobs.take()).flatten();
+        Ok(ChatCompletion {
+            id: self.id,
+            object: "chat.completion".into(),
+            created: self.created,
+            model: self.model,
+            choices: (choices.into_iter())
+                .map(|c| chat::chat_choice(c, self.echo.as_deref(), self.mode.as_ref()))
+                .collect(),
+            usage,
+            prompt_logprobs,
+            system_fingerprint: state.fingerprint.clone(),
+        })
+    }
+
+    /// The chunks of the streamed chat completion as they come: each choice's role, its text or
+    /// tool calls' deltas, the usage if asked for; an error, last, if generation fails midway.
+    pub fn chunks(
+        self,
+        state: &AppState,
+    ) -> impl Stream<Item = Result<ChatCompletionChunk, ApiError>> + Send + 'static {
         let chunk = ChatCompletionChunk {
-            id,
+            id: self.id,
             object: "chat.completion.chunk".into(),
-            created,
-            model,
+            created: self.created,
+            model: self.model,
             choices: Vec::new(),
             usage: None,
-            system_fingerprint,
+            system_fingerprint: state.fingerprint.clone(),
         };
         let with =
             |choices: Vec<ChatChunkChoice>, c: &ChatCompletionChunk| ChatCompletionChunk { choices, ..c.clone() };
-        let choices = valid.prompts.len() * valid.n;
+        let choices = self.valid.prompts.len() * self.valid.n;
+        let echo = self.echo;
         let first = (0..choices as u32)
             .map(|i| with(vec![chat::role_chunk(i, echo.as_deref())], &chunk))
             .collect();
         let usage_chunk = chunk.clone();
         // Under tools, each choice's stream so far.
         let mut streams: Vec<tools::StreamedChoice> = (0..choices).map(|_| Default::default()).collect();
+        let mode = self.mode;
         let chunks = move |d: Delta| {
             let stream = streams.get_mut(d.index as usize);
             chat::chat_chunks(d, mode.as_ref().zip(stream))
@@ -107,23 +175,6 @@ pub async fn chat_completions(
             usage: Some(u),
             ..usage_chunk.clone()
         };
-        Ok(stream_response(valid, events, state.metrics.clone(), first, chunks, usage).into_response())
-    } else {
-        let (mut choices, usage) = collect(valid, events, state.metrics.clone()).await?;
-        // One prompt, so every choice carries the same; vLLM puts them on the response.
-        let prompt_logprobs = choices.first_mut().and_then(|c| c.prompt_logprobs.take()).flatten();
-        Ok(Json(ChatCompletion {
-            id,
-            object: "chat.completion".into(),
-            created,
-            model,
-            choices: (choices.into_iter())
-                .map(|c| chat::chat_choice(c, echo.as_deref(), mode.as_ref()))
-                .collect(),
-            usage,
-            prompt_logprobs,
-            system_fingerprint,
-        })
-        .into_response())
+        chunk_stream(self.valid, self.events, state.metrics.clone(), first, chunks, usage)
     }
 }

@@ -5,6 +5,7 @@ pub mod chat;
 pub mod completions;
 pub mod info;
 pub mod lora;
+pub mod messages;
 pub mod tokenize;
 
 /// Seconds since the Unix epoch, for responses' `created`.
