@@ -20,7 +20,7 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 use crate::error::ApiError;
-use crate::routes::{attention, chat, completions, info, lora, messages, tokenize};
+use crate::routes::{attention, chat, completions, info, lora, messages, responses, tokenize};
 pub use crate::state::AppState;
 
 /// The response header that carries each request's id (also in its log line).
@@ -31,6 +31,7 @@ pub fn app(state: Arc<AppState>) -> Router {
     let mut keyed = Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/messages", post(messages::messages))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/attention", post(attention::attention))
@@ -145,7 +146,7 @@ fn refused(key: Option<&str>, request: &Request) -> Option<Response> {
 async fn count_requests(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let counted = matches!(
         request.uri().path(),
-        "/v1/completions" | "/v1/chat/completions" | "/v1/messages"
+        "/v1/completions" | "/v1/chat/completions" | "/v1/messages" | "/v1/responses"
     );
     let response = next.run(request).await;
     if counted {

@@ -22,6 +22,7 @@ use crate::validation::{Limits, FLOAT_RANGES, LOGIT_BIAS, NOT_WITH_BEAMS};
     paths(
         crate::routes::completions::completions,
         crate::routes::chat::chat_completions,
+        crate::routes::responses::responses,
         crate::routes::messages::messages,
         crate::routes::messages::count_tokens,
         crate::routes::attention::attention,

@@ -122,6 +122,16 @@ pub fn sse<C: Serialize>(
     Sse::new(body).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
 }
 
+/// Server-Sent Events of another protocol's stream (Anthropic's, the Responses API's): the
+/// events `events` makes of each chunk, or of the error that ends the stream; no `[DONE]`.
+pub fn named_sse<C: Send + 'static>(
+    chunks: impl Stream<Item = Result<C, ApiError>> + Send + 'static,
+    mut events: impl FnMut(Result<C, ApiError>) -> Vec<SseEvent> + Send + 'static,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let body = chunks.flat_map(move |chunk| stream::iter(events(chunk).into_iter().map(Ok)));
+    Sse::new(body).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
 /// The chunks of a streamed response as they come: the `first` chunks, then the chunks `chunks`
 /// makes of each delta of the fold, the chunk `usage` makes if the request asked for it (with
 /// `continuous_usage`, every chunk carries the usage so far); an error, last, if generation fails

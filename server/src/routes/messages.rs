@@ -5,21 +5,19 @@
 //! the chat route's own path ([`super::chat::start`]); its result, whole or streamed, is written
 //! back in Anthropic's shapes, and every error in its `{"type": "error", "error": {...}}`.
 
-use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Map, Value};
 
 use crate::api::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest};
 use crate::error::ApiError;
+use crate::respond::named_sse;
 use crate::state::{parse_body, AppState, RequestBody};
 
 /// An [`ApiError`] in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`, the
@@ -411,16 +409,11 @@ pub async fn messages(
         blocks: 0,
         stop: ("end_turn", Value::Null),
     };
-    let body = run.chunks(&state).flat_map(move |chunk| {
-        let out: Vec<Result<SseEvent, Infallible>> = match chunk {
-            Ok(chunk) => events.chunk(chunk).into_iter().map(Ok).collect(),
-            Err(e) => vec![Ok(SseEvent::default().event("error").data(error_body(&e).to_string()))],
-        };
-        stream::iter(out)
+    let sse = named_sse(run.chunks(&state), move |chunk| match chunk {
+        Ok(chunk) => events.chunk(chunk),
+        Err(e) => vec![SseEvent::default().event("error").data(error_body(&e).to_string())],
     });
-    Ok(Sse::new(body)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response())
+    Ok(sse.into_response())
 }
 
 #[utoipa::path(

@@ -6,6 +6,7 @@ pub mod completions;
 pub mod info;
 pub mod lora;
 pub mod messages;
+pub mod responses;
 pub mod tokenize;
 
 /// Seconds since the Unix epoch, for responses' `created`.
