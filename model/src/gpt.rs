@@ -466,6 +466,21 @@ impl Gpt {
         Ok((logits.to_dtype(DType::F32)?, attentions))
     }
 
+    /// An embedding of each window of `idx` `(B, T)`: the final norm's output at its last
+    /// position, L2-normalised, `(B, C)` in f32 (the pooling vLLM and the decoder embedding
+    /// models, E5-Mistral and Qwen3-Embedding, use for causal decoders: only the last position
+    /// has read the whole text).
+    pub fn embeddings(&self, idx: &Tensor) -> Result<Tensor> {
+        let (b_sz, seq_len) = idx.dims2()?;
+        let hidden = self.forward_hidden(idx, None, None, None)?.to_dtype(DType::F32)?; // (B*T, C)
+        let last = hidden
+            .reshape((b_sz, seq_len, self.cfg.n_embd))?
+            .narrow(1, seq_len - 1, 1)?
+            .squeeze(1)?; // (B, C)
+        let norm = last.sqr()?.sum_keepdim(1)?.sqrt()?.clamp(1e-12, f64::MAX)?;
+        Ok(last.broadcast_div(&norm)?)
+    }
+
     fn forward_recorded(
         &self,
         idx: &Tensor,

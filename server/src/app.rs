@@ -20,7 +20,7 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 use crate::error::ApiError;
-use crate::routes::{attention, chat, completions, info, lora, messages, responses, tokenize};
+use crate::routes::{attention, chat, completions, embeddings, info, lora, messages, responses, tokenize};
 pub use crate::state::AppState;
 
 /// The response header that carries each request's id (also in its log line).
@@ -32,6 +32,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/responses", post(responses::responses))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/messages", post(messages::messages))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/attention", post(attention::attention))

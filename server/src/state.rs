@@ -63,6 +63,22 @@ impl AppState {
     }
 
     /// The name responses give for a request with `adapter`.
+    /// The model for passes outside the engine (the attention view, embeddings): the served
+    /// one, or with an adapter's updates added (the base's weights shared).
+    pub fn model_for(
+        &self,
+        adapter: Option<&crate::adapters::ServedAdapter>,
+    ) -> Result<std::borrow::Cow<'_, gpt::Gpt>, ApiError> {
+        let Some(served) = adapter else {
+            return Ok(std::borrow::Cow::Borrowed(&self.attention_model));
+        };
+        let mut model = self.attention_model.clone();
+        model
+            .set_adapter(Some(&served.adapter))
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        Ok(std::borrow::Cow::Owned(model))
+    }
+
     pub fn served_name(&self, adapter: Option<&crate::adapters::ServedAdapter>) -> String {
         adapter.map_or_else(|| self.model_name.clone(), |a| a.name.clone())
     }
@@ -184,4 +200,5 @@ request_body!(
     AttentionRequest,
     TokenizeRequest,
     DetokenizeRequest,
+    crate::routes::embeddings::EmbeddingRequest,
 );

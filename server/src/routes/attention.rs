@@ -78,16 +78,7 @@ fn compute(state: &AppState, req: AttentionRequest) -> Result<AttentionResponse,
     let heads = select("heads", req.heads, limits.n_head)?;
     let internal = |e: gpt::Error| ApiError::Internal(e.to_string());
     // A LoRA adapter's model: the base's weights shared, its updates added.
-    let adapted;
-    let model = match state.adapter_for(req_model.as_deref())? {
-        None => &state.attention_model,
-        Some(served) => {
-            let mut model = state.attention_model.clone();
-            model.set_adapter(Some(&served.adapter)).map_err(internal)?;
-            adapted = model;
-            &adapted
-        }
-    };
+    let model = state.model_for(state.adapter_for(req_model.as_deref())?.as_deref())?;
     let input = Tensor::new(ids.as_slice(), model.device())
         .and_then(|t| t.unsqueeze(0))
         .map_err(|e| internal(e.into()))?;

@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod chat;
 pub mod completions;
+pub mod embeddings;
 pub mod info;
 pub mod lora;
 pub mod messages;
