@@ -1,5 +1,6 @@
 //! Engine events to responses: a whole response once every choice has ended ([`collect`]), or
-//! Server-Sent Events as they come ([`stream_response`]), both through [`Fold`].
+//! chunks as they come ([`chunk_stream`], as OpenAI's Server-Sent Events by [`sse`], other
+//! protocols' by [`named_sse`]), all through [`Fold`].
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -90,20 +91,6 @@ impl Chunk for crate::api::ChatCompletionChunk {
     }
 }
 
-/// Server-Sent Events: the `first` chunks, then the chunks `chunks` makes of each delta of the
-/// fold, an error event if generation fails midway, the chunk `usage` makes if the request asked
-/// for it, then `[DONE]`. With `continuous_usage`, every chunk carries the usage so far.
-pub fn stream_response<C: Chunk>(
-    req: Arc<ValidRequest>,
-    events: EventSource,
-    metrics: Arc<Metrics>,
-    first: Vec<C>,
-    chunks: impl FnMut(Delta) -> Vec<C> + Send + 'static,
-    usage: impl Fn(Usage) -> C + Send + 'static,
-) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    sse(chunk_stream(req, events, metrics, first, chunks, usage))
-}
-
 /// Server-Sent Events of OpenAI's streams: a `data:` event per chunk, an `error` event if
 /// generation fails midway, then `[DONE]`.
 pub fn sse<C: Serialize>(
@@ -135,7 +122,7 @@ pub fn named_sse<C: Send + 'static>(
 /// The chunks of a streamed response as they come: the `first` chunks, then the chunks `chunks`
 /// makes of each delta of the fold, the chunk `usage` makes if the request asked for it (with
 /// `continuous_usage`, every chunk carries the usage so far); an error, last, if generation fails
-/// midway. Each API's stream ([`stream_response`], and the other protocols' in `routes`) is
+/// midway. Each API's stream ([`sse`] of OpenAI's, [`named_sse`] of the other protocols') is
 /// made of these.
 pub fn chunk_stream<C: Chunk>(
     req: Arc<ValidRequest>,
@@ -227,14 +214,14 @@ mod tests {
             sink.send(done(0, 0, 2, 0.0)).expect("open");
         }
         drop(sink);
-        let sse = stream_response(
+        let sse = sse(chunk_stream(
             request(1, 1, 1, None),
             source,
             metrics.clone(),
             vec![],
             |_| vec![Piece],
             |_| Piece,
-        );
+        ));
         let mut body = sse.into_response().into_body();
         match frames {
             Some(frames) => {
