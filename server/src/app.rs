@@ -20,7 +20,7 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 use crate::error::ApiError;
-use crate::routes::{attention, chat, completions, embeddings, info, lora, messages, responses, tokenize};
+use crate::routes::{attention, chat, completions, embeddings, info, lora, messages, ollama, responses, tokenize};
 pub use crate::state::AppState;
 
 /// The response header that carries each request's id (also in its log line).
@@ -33,6 +33,19 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/responses", post(responses::responses))
         .route("/v1/embeddings", post(embeddings::embeddings))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/embed", post(ollama::embed_route))
+        .route("/api/embeddings", post(ollama::embeddings_legacy))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/show", post(ollama::show))
+        .route("/api/ps", get(ollama::ps))
+        .route("/api/version", get(ollama::version))
+        .route("/api/pull", post(ollama::not_here))
+        .route("/api/push", post(ollama::not_here))
+        .route("/api/create", post(ollama::not_here))
+        .route("/api/copy", post(ollama::not_here))
+        .route("/api/delete", axum::routing::delete(ollama::not_here))
         .route("/v1/messages", post(messages::messages))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/attention", post(attention::attention))
@@ -138,16 +151,22 @@ fn refused(key: Option<&str>, request: &Request) -> Option<Response> {
         .any(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
     let msg = "a valid API key is required: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)";
     let refusal = ApiError::Unauthorized(msg.into());
-    (!matches).then(|| match request.uri().path().starts_with("/v1/messages") {
-        true => messages::AnthropicError(refusal).into_response(),
-        false => refusal.into_response(),
+    let path = request.uri().path();
+    (!matches).then(|| {
+        if path.starts_with("/v1/messages") {
+            messages::AnthropicError(refusal).into_response()
+        } else if path.starts_with("/api/") {
+            ollama::OllamaError(refusal).into_response()
+        } else {
+            refusal.into_response()
+        }
     })
 }
 
 async fn count_requests(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let counted = matches!(
         request.uri().path(),
-        "/v1/completions" | "/v1/chat/completions" | "/v1/messages" | "/v1/responses"
+        "/v1/completions" | "/v1/chat/completions" | "/v1/messages" | "/v1/responses" | "/api/chat" | "/api/generate"
     );
     let response = next.run(request).await;
     if counted {

@@ -7,6 +7,7 @@ pub mod embeddings;
 pub mod info;
 pub mod lora;
 pub mod messages;
+pub mod ollama;
 pub mod responses;
 pub mod tokenize;
 
