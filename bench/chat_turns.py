@@ -1,4 +1,4 @@
-"""The README's chat fine-tuning example, measured: how often a model ends its turn (the chat
+"""The chat fine-tuning example of docs/training.md, measured: how often a model ends its turn (the chat
 template's end of turn, `finish_reason` "stop") when asked held-out questions, greedily, within
 a length limit; and a few samples. Runs against a gpt-server that serves the base and the
 adapter under the given model names.

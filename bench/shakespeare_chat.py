@@ -1,4 +1,4 @@
-"""Conversations for chat fine-tuning made from the Shakespeare corpus (the README's worked
+"""Conversations for chat fine-tuning made from the Shakespeare corpus (docs/training.md's worked
 example): a speech that ends in a question as the user's message, the next speaker's speech as the
 assistant's reply, both under 200 characters; as JSON lines of `messages`, the first N (400).
 

@@ -32,7 +32,7 @@ pub fn parse_device(spec: &str) -> Result<Device> {
     if !candle_core::utils::cuda_is_available() {
         return Err(Error::Device(format!(
             "cuda:{ordinal} requested, but this binary was built without CUDA support; rebuild with \
-             `cargo build --release --features cuda` (see the README), or use --device cpu"
+             `cargo build --release --features cuda` (see docs/serving.md), or use --device cpu"
         )));
     }
     let device = Device::new_cuda(ordinal).map_err(|e| Error::Device(format!("cuda:{ordinal}: {e}")))?;

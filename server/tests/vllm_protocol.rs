@@ -1,4 +1,4 @@
-//! vLLM's request protocol, field by field (the README's table): the fields that shape the output
+//! vLLM's request protocol, field by field (docs/http-api.md's table): the fields that shape the output
 //! or the accounting do what they do in vLLM, and the ones this server does not implement are
 //! 400s that name them and say why.
 

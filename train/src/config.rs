@@ -267,7 +267,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub stop_at_val_loss: Option<f64>,
     /// The defaults of the training settings: nanogpt (nanoGPT's AdamW and cosine schedule) or
-    /// modern (Muon, a warmup-stable-decay schedule, a higher learning rate; README's ablation);
+    /// modern (Muon, a warmup-stable-decay schedule, a higher learning rate; docs/training.md's ablation);
     /// each flag still overrides it [default: nanogpt].
     #[arg(long, value_enum)]
     pub recipe: Option<Recipe>,

@@ -591,7 +591,7 @@ fn two_ranks_on_two_hosts_over_tcp_end_with_the_weights_of_one_process() -> anyh
     Ok(())
 }
 
-/// A job script as a Slurm user writes one (README, "Data-parallel training"): `sbatch` allocates
+/// A job script as a Slurm user writes one (docs/data-parallel.md): `sbatch` allocates
 /// the tasks, `srun` inside the script starts one rank each, with PMIx handing the ranks to MPI.
 /// `sbatch` with a job script of 2 tasks that runs `gpt-train` with `args` under `srun`, its
 /// output in `dir/job.log`, and `sbatch`'s own flags `flags`.

@@ -155,7 +155,7 @@ generation_fields!(request_with_generation_fields! {
         pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
         /// Functions the model may call (`{"type": "function", "function": {"name", "description",
         /// "parameters"}}`); passed to the chat template as `tools`, as Hugging Face templates
-        /// receive them. README, "Tool calls".
+        /// receive them. docs/http-api.md, "Tool calls".
         #[schema(value_type = Option<Vec<Object>>)]
         pub tools: Option<Vec<Value>>,
         /// `"auto"` (the default with tools: text or calls), `"none"`, `"required"` (one call or

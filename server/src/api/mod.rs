@@ -298,7 +298,7 @@ macro_rules! generation_fields {
             /// OpenAI's structured output: `{"type": "json_object"}` (any JSON object),
             /// `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict":
             /// true}}` (JSON valid against the schema), or `{"type": "text"}` (no constraint).
-            /// Enforced token by token; one constraint per request (README, "Structured outputs").
+            /// Enforced token by token; one constraint per request (docs/http-api.md, "Structured outputs").
             #[schema(value_type = Option<Object>)]
             response_format: Option<Value>,
             /// vLLM's structured outputs: one of `json` (a schema), `regex`, `choice` (an array
