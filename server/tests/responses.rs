@@ -85,6 +85,68 @@ async fn a_response_holds_the_chat_endpoints_text_whole_and_streamed() -> anyhow
     Ok(())
 }
 
+/// `include: ["message.output_text.logprobs"]` with `top_logprobs`: each token's log-probability
+/// and alternatives, the chat endpoint's own, whole and in the stream's deltas.
+#[tokio::test]
+async fn logprobs_are_the_chat_endpoints() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let chat = server
+        .call(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 8, "temperature": 0,
+                "logprobs": true, "top_logprobs": 2}),
+        )
+        .await?;
+    let expected = &chat["choices"][0]["logprobs"]["content"];
+    assert_eq!(
+        expected.as_array().map(Vec::len),
+        chat["usage"]["completion_tokens"].as_u64().map(|n| n as usize)
+    );
+    let body = json!({"input": "Speak.", "max_output_tokens": 8, "temperature": 0, "top_logprobs": 2,
+        "include": ["message.output_text.logprobs"]});
+    let whole = server.call("/v1/responses", body.clone()).await?;
+    assert_eq!(whole["output"][0]["content"][0]["logprobs"], *expected);
+    assert_eq!(
+        whole["output"][0]["content"][0]["logprobs"][0]["top_logprobs"]
+            .as_array()
+            .map(Vec::len),
+        Some(2)
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let text = server
+        .client
+        .post(format!("{}/v1/responses", server.url))
+        .json(&streamed)
+        .send()
+        .await?
+        .text()
+        .await?;
+    let events: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let deltas: Vec<Value> = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .flat_map(|e| e["logprobs"].as_array().cloned().unwrap_or_default())
+        .collect();
+    // Each delta carries the tokens its text completes; the done event, all of them.
+    let all = expected.as_array().cloned().unwrap_or_default();
+    assert!(!deltas.is_empty() && all.starts_with(&deltas), "{deltas:?}");
+    let done = events.iter().find(|e| e["type"] == "response.output_text.done");
+    assert_eq!(done.map(|e| &e["logprobs"]), Some(expected));
+    let (status, resp) = server
+        .post_to(
+            "/v1/responses",
+            json!({"input": "x", "include": ["reasoning.encrypted_content"]}),
+        )
+        .await?;
+    assert_eq!(status, 400, "{resp}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn bad_responses_requests_are_400s_naming_the_field() -> anyhow::Result<()> {
     let server = start(&fixture(), config()).await?;

@@ -191,6 +191,32 @@ fn chat_request(body: &Map<String, Value>) -> Result<ChatCompletionRequest, ApiE
             chat.insert(key.into(), v.clone());
         }
     }
+    // Log-probabilities of the output text: `include` asks for them, `top_logprobs` for the
+    // alternatives (as OpenAI's Responses API takes them).
+    let mut logprobs = false;
+    if let Some(include) = body.get("include").filter(|v| !v.is_null()) {
+        let items = include
+            .as_array()
+            .ok_or_else(|| invalid("include", "include: expected a list"))?;
+        for item in items {
+            match item.as_str() {
+                Some("message.output_text.logprobs") => logprobs = true,
+                other => {
+                    return Err(invalid(
+                        "include",
+                        format!("include {other:?}: this server has message.output_text.logprobs only"),
+                    ))
+                }
+            }
+        }
+    }
+    if let Some(top) = body.get("top_logprobs").filter(|v| !v.is_null()) {
+        logprobs = true;
+        chat.insert("top_logprobs".into(), top.clone());
+    }
+    if logprobs {
+        chat.insert("logprobs".into(), json!(true));
+    }
     if let Some(v) = body.get("max_output_tokens").filter(|v| !v.is_null()) {
         chat.insert("max_tokens".into(), v.clone());
     }
@@ -305,15 +331,30 @@ impl Shell {
     }
 }
 
+/// Log-probabilities as JSON, each number as the chat endpoint writes it: the f32's shortest
+/// decimal (`json!` would widen it to f64 first, -2.8372684 becoming -2.837268352508545).
+fn logprob_values(logprobs: &[crate::api::ChatTokenLogprob]) -> Vec<Value> {
+    logprobs
+        .iter()
+        .map(|l| {
+            serde_json::to_string(l)
+                .ok()
+                .and_then(|text| serde_json::from_str(&text).ok())
+                .unwrap_or(Value::Null)
+        })
+        .collect()
+}
+
 /// A whole chat completion as a response.
 fn whole(shell: &Shell, done: ChatCompletion) -> Value {
     let mut output = Vec::new();
     let mut incomplete = None;
     if let Some(c) = done.choices.into_iter().next() {
+        let logprobs = logprob_values(&c.logprobs.map(|l| l.content).unwrap_or_default());
         if let Some(text) = c.message.content.filter(|t| !t.is_empty()) {
             output.push(
                 json!({"type": "message", "id": random_id("msg"), "status": "completed", "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}]}),
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}),
             );
         }
         for call in c.message.tool_calls {
@@ -348,6 +389,8 @@ struct Events {
     items: Vec<Value>,
     open: bool,
     incomplete: bool,
+    /// Log-probabilities of tokens whose text has not come yet.
+    logprobs: Vec<Value>,
 }
 
 impl Events {
@@ -367,13 +410,20 @@ impl Events {
         let index = self.items.len() - 1;
         let item = &mut self.items[index];
         item["status"] = json!("completed");
+        if item["type"] == "message" {
+            // The last tokens' log-probabilities, whose text never came (an unfinished character).
+            let pending = std::mem::take(&mut self.logprobs);
+            if let Some(all) = item["content"][0]["logprobs"].as_array_mut() {
+                all.extend(pending);
+            }
+        }
         let item = item.clone();
         let id = item["id"].clone();
         if item["type"] == "message" {
             let part = item["content"][0].clone();
             let e = self.event(
                 "response.output_text.done",
-                json!({"item_id": id, "output_index": index, "content_index": 0, "text": part["text"], "logprobs": []}),
+                json!({"item_id": id, "output_index": index, "content_index": 0, "text": part["text"], "logprobs": part["logprobs"]}),
             );
             out.push(e);
             let e = self.event(
@@ -419,8 +469,11 @@ impl Events {
             let e = self.event("response.in_progress", json!({"response": shell}));
             out.push(e);
         }
-        for choice in chunk.choices {
-            if let Some(text) = choice.delta.content.filter(|t| !t.is_empty()) {
+        for mut choice in chunk.choices {
+            if let Some(l) = choice.logprobs.take() {
+                self.logprobs.extend(logprob_values(&l.content));
+            }
+            if let Some(text) = choice.delta.content.take().filter(|t| !t.is_empty()) {
                 let open_message = self.open && self.items.last().is_some_and(|i| i["type"] == "message");
                 let index = match open_message {
                     true => self.items.len() - 1,
@@ -428,7 +481,7 @@ impl Events {
                         let item = json!({"type": "message", "id": random_id("msg"), "status": "in_progress",
                             "role": "assistant", "content": []});
                         let index = self.open(item, &mut out);
-                        let part = json!({"type": "output_text", "text": "", "annotations": []});
+                        let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
                         self.items[index]["content"] = json!([part.clone()]);
                         let id = self.items[index]["id"].clone();
                         let e = self.event(
@@ -444,10 +497,16 @@ impl Events {
                     .unwrap_or_default()
                     .to_string();
                 self.items[index]["content"][0]["text"] = json!(so_far + &text);
+                // The log-probabilities of the tokens this text completes (with `include` or
+                // `top_logprobs`): a token that ends within a character comes without text.
+                let logprobs: Vec<Value> = std::mem::take(&mut self.logprobs);
+                if let Some(all) = self.items[index]["content"][0]["logprobs"].as_array_mut() {
+                    all.extend(logprobs.iter().cloned());
+                }
                 let id = self.items[index]["id"].clone();
                 let e = self.event(
                     "response.output_text.delta",
-                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text, "logprobs": []}),
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text, "logprobs": logprobs}),
                 );
                 out.push(e);
             }
@@ -527,6 +586,7 @@ pub async fn responses(
         items: Vec::new(),
         open: false,
         incomplete: false,
+        logprobs: Vec::new(),
     };
     let sse = named_sse(run.chunks(&state), move |chunk| match chunk {
         Ok(chunk) => events.chunk(chunk),
