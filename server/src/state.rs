@@ -200,5 +200,5 @@ request_body!(
     AttentionRequest,
     TokenizeRequest,
     DetokenizeRequest,
-    crate::routes::embeddings::EmbeddingRequest,
+    api::EmbeddingRequest,
 );

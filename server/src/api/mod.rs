@@ -340,10 +340,12 @@ macro_rules! completion_from_chat {
 
 mod chat;
 mod completions;
+mod embeddings;
 mod info;
 
 pub use chat::*;
 pub use completions::*;
+pub use embeddings::*;
 pub use info::*;
 
 #[cfg(test)]

@@ -11,41 +11,14 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
 use candle_core::Tensor;
-use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
-use utoipa::ToSchema;
+use serde_json::json;
 
-use crate::api::Prompt;
+use crate::api::{EmbeddingRequest, EmbeddingResponse, Prompt};
 use crate::error::ApiError;
 use crate::state::{blocking, AppState, ModelRequest};
 
 /// Inputs per request at most (OpenAI's limit).
 pub const MAX_INPUTS: usize = 2048;
-
-#[derive(Debug, Clone, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct EmbeddingRequest {
-    /// A string, an array of strings, an array of token ids, or an array of arrays of token ids.
-    #[schema(value_type = Object)]
-    pub input: Prompt,
-    pub model: Option<String>,
-    /// `float` (the default) or `base64` (each embedding's little-endian f32 bytes).
-    pub encoding_format: Option<String>,
-    /// The embeddings' length: only the model's own (`n_embd`); a shorter one is refused.
-    pub dimensions: Option<i64>,
-    pub user: Option<String>,
-}
-
-#[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct EmbeddingResponse {
-    /// Always "list".
-    pub object: String,
-    #[schema(value_type = Vec<Object>)]
-    pub data: Vec<Value>,
-    pub model: String,
-    #[schema(value_type = Object)]
-    pub usage: Value,
-}
 
 /// One input, as text or token ids.
 pub enum Input {
