@@ -46,8 +46,8 @@ impl IntoResponse for OllamaError {
 
 type Result<T> = std::result::Result<T, OllamaError>;
 
-/// A generation's text pieces (each a delta, or the whole), with the finish reason where one
-/// ends, and the usage at the end.
+/// A generation's text pieces as they come, with the finish reason where one ends, and the
+/// usage at the end.
 type Piece = (String, Option<String>, Option<Usage>);
 type Pieces = std::pin::Pin<Box<dyn futures_util::Stream<Item = std::result::Result<Piece, ApiError>> + Send>>;
 
@@ -559,8 +559,11 @@ pub async fn generate(State(state): State<Arc<AppState>>, body: Body_) -> Result
         .into_response());
     }
     let raw = body.get("raw").and_then(Value::as_bool) == Some(true);
-    // Text pieces (each a delta, or the whole) with the finish reason, and the usage at the end.
-    let (stream, mut pieces): (bool, Pieces) = if raw {
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(true);
+    // Either way the engine streams; a whole reply is its pieces folded.
+    let mut streamed = body.clone();
+    streamed.insert("stream".into(), json!(true));
+    let pieces: Pieces = if raw {
         let mut completion = Map::new();
         completion.insert("prompt".into(), json!(prompt));
         options(&body, &mut completion)?;
@@ -571,81 +574,50 @@ pub async fn generate(State(state): State<Arc<AppState>>, body: Body_) -> Result
         completion
             .entry("max_tokens")
             .or_insert(json!(state.limits.max_tokens_cap));
-        let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(true);
-        completion.insert("stream".into(), json!(stream));
-        if stream {
-            completion.insert("stream_options".into(), json!({"include_usage": true}));
-        }
+        completion.insert("stream".into(), json!(true));
+        completion.insert("stream_options".into(), json!({"include_usage": true}));
         let request: CompletionRequest =
             parse_body(Ok(Json(Value::Object(completion))), CompletionRequest::UNSUPPORTED)?;
         let run = super::completions::start(&state, request).await?;
-        if !stream {
-            let done = run.whole(&state).await?;
-            let c = done.choices.into_iter().next();
-            let piece = (
-                c.as_ref().map(|c| c.text.clone()).unwrap_or_default(),
-                c.and_then(|c| c.finish_reason),
-                done.usage,
-            );
-            // (A whole completion always carries its usage.)
-            (false, Box::pin(stream::iter([Ok(piece)])))
-        } else {
-            let pieces = run.chunks(&state).map(|chunk| {
-                chunk.map(|c| {
-                    let choice = c.choices.into_iter().next();
-                    (
-                        choice.as_ref().map(|c| c.text.clone()).unwrap_or_default(),
-                        choice.and_then(|c| c.finish_reason),
-                        c.usage,
-                    )
-                })
-            });
-            (true, Box::pin(pieces))
-        }
+        Box::pin(run.chunks(&state).map(|chunk| {
+            chunk.map(|c| {
+                let choice = c.choices.into_iter().next();
+                let text = choice.as_ref().map(|c| c.text.clone()).unwrap_or_default();
+                (text, choice.and_then(|c| c.finish_reason), c.usage)
+            })
+        }))
     } else {
         let mut messages = Vec::new();
         if let Some(system) = body.get("system").and_then(Value::as_str) {
             messages.push(json!({"role": "system", "content": system}));
         }
         messages.push(json!({"role": "user", "content": prompt}));
-        let request = chat_request(&body, messages)?;
-        let run = super::chat::start(&state, request).await?;
-        if !run.valid.stream {
-            let done = run.whole(&state).await?;
-            let c = done.choices.into_iter().next();
-            let piece = (
-                c.as_ref().and_then(|c| c.message.content.clone()).unwrap_or_default(),
-                c.and_then(|c| c.finish_reason),
-                Some(done.usage),
-            );
-            (false, Box::pin(stream::iter([Ok(piece)])))
-        } else {
-            let pieces = run.chunks(&state).map(|chunk| {
-                chunk.map(|c| {
-                    let choice = c.choices.into_iter().next();
-                    (
-                        choice
-                            .as_ref()
-                            .and_then(|c| c.delta.content.clone())
-                            .unwrap_or_default(),
-                        choice.and_then(|c| c.finish_reason),
-                        c.usage,
-                    )
-                })
-            });
-            (true, Box::pin(pieces))
-        }
+        let run = super::chat::start(&state, chat_request(&streamed, messages)?).await?;
+        Box::pin(run.chunks(&state).map(|chunk| {
+            chunk.map(|c| {
+                let choice = c.choices.into_iter().next();
+                let text = choice
+                    .as_ref()
+                    .and_then(|c| c.delta.content.clone())
+                    .unwrap_or_default();
+                (text, choice.and_then(|c| c.finish_reason), c.usage)
+            })
+        }))
     };
     let model = served;
     if !stream {
-        let (text, finish, usage) = match pieces.next().await {
-            Some(piece) => piece?,
-            None => return Err(ApiError::EngineFailed.into()),
-        };
+        let (mut text, mut finish, mut usage) = (String::new(), None, Usage::default());
+        let mut pieces = pieces;
+        while let Some(piece) = pieces.next().await {
+            let (more, reason, total) = piece?;
+            text.push_str(&more);
+            finish = reason.or(finish);
+            usage = total.unwrap_or(usage);
+        }
         let reply = with_done(
             json!({"model": model, "created_at": now(), "response": text}),
             finish.as_deref(),
-            &usage.unwrap_or_default(),
+            &usage,
             started,
         );
         return Ok(Json(reply).into_response());

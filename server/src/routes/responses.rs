@@ -492,11 +492,9 @@ impl Events {
                         index
                     }
                 };
-                let so_far = self.items[index]["content"][0]["text"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string();
-                self.items[index]["content"][0]["text"] = json!(so_far + &text);
+                if let Value::String(so_far) = &mut self.items[index]["content"][0]["text"] {
+                    so_far.push_str(&text);
+                }
                 // The log-probabilities of the tokens this text completes (with `include` or
                 // `top_logprobs`): a token that ends within a character comes without text.
                 let logprobs: Vec<Value> = std::mem::take(&mut self.logprobs);
@@ -523,8 +521,9 @@ impl Events {
                     }
                 };
                 if let Some(args) = call.function.arguments.filter(|a| !a.is_empty()) {
-                    let so_far = self.items[index]["arguments"].as_str().unwrap_or_default().to_string();
-                    self.items[index]["arguments"] = json!(so_far + &args);
+                    if let Value::String(so_far) = &mut self.items[index]["arguments"] {
+                        so_far.push_str(&args);
+                    }
                     let id = self.items[index]["id"].clone();
                     let e = self.event(
                         "response.function_call_arguments.delta",
