@@ -85,11 +85,6 @@ impl Optimizer {
         self.vars.clone()
     }
 
-    /// The variables Muon updates (none under AdamW alone).
-    pub fn muon_vars(&self) -> usize {
-        self.muon.as_ref().map_or(0, |(m, _)| m.vars().len())
-    }
-
     /// One update at the schedule's learning rate `lr` from the gradients clipped to a global
     /// norm of at most `max_norm` (0: no clipping).
     pub fn step_clipped(&mut self, grads: &[Tensor], lr: f64, max_norm: f64) -> Result<()> {

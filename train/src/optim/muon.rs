@@ -176,17 +176,6 @@ impl Muon {
         self.params.iter().map(|p| p.momentum.clone()).collect()
     }
 
-    /// Replaces the momentum buffers (after they were shared between ranks).
-    pub fn set_states(&mut self, states: Vec<Tensor>) -> Result<()> {
-        if states.len() != self.params.len() {
-            candle_core::bail!("muon: {} states for {} parameters", states.len(), self.params.len());
-        }
-        for (p, s) in self.params.iter_mut().zip(states) {
-            p.momentum = s;
-        }
-        Ok(())
-    }
-
     /// The momentum buffers by name (`NAME.momentum_buffer`, as PyTorch's Muon calls them).
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         self.params
