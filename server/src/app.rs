@@ -163,17 +163,26 @@ fn refused(key: Option<&str>, request: &Request) -> Option<Response> {
     })
 }
 
+/// The routes that run the model, each counted in `gpt_requests_total` by route and status.
+const COUNTED_ROUTES: &[&str] = &[
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/api/chat",
+    "/api/generate",
+    "/api/embed",
+];
+
 async fn count_requests(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
-    let counted = matches!(
-        request.uri().path(),
-        "/v1/completions" | "/v1/chat/completions" | "/v1/messages" | "/v1/responses" | "/api/chat" | "/api/generate"
-    );
+    let route = COUNTED_ROUTES.iter().find(|&&r| r == request.uri().path());
     let response = next.run(request).await;
-    if counted {
+    if let Some(route) = route {
         state
             .metrics
             .requests
-            .with_label_values(&[response.status().as_str()])
+            .with_label_values(&[route, response.status().as_str()])
             .inc();
     }
     response

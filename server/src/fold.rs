@@ -185,6 +185,7 @@ impl Fold {
             }
             Event::Error(e) => Err(ApiError::Internal(e)),
             Event::TimedOut => Err(ApiError::Timeout),
+            Event::Embedding { .. } => Err(ApiError::Internal("an embedding in a generation's events".into())),
         }
     }
 
@@ -347,36 +348,18 @@ pub(crate) mod tests {
 
     pub(crate) fn request(prompts: usize, n: usize, best_of: usize, logprobs: Option<usize>) -> Arc<ValidRequest> {
         Arc::new(ValidRequest {
-            prompts: (0..prompts)
-                .map(|p| ValidPrompt {
-                    ids: vec![1; p + 2],
-                    text: format!("prompt{p}"),
-                })
-                .collect(),
             max_tokens: 4,
-            min_tokens: 0,
-            sampling: gpt::SamplingParams::default(),
-            stop: vec![],
-            stop_token_ids: vec![],
-            ignore_eos: false,
             n,
             best_of,
             logprobs,
-            prompt_logprobs: None,
-            echo: false,
-            stream: false,
-            include_usage: false,
-            continuous_usage: false,
-            beam_search: None,
-            include_stop_str: false,
-            skip_special_tokens: true,
-            allowed_token_ids: None,
-            tokens_as_ids: false,
-            request_id: None,
-            cache_salt: None,
-            adapter: None,
-            constraint: None,
-            speculative_tokens: None,
+            ..ValidRequest::new(
+                (0..prompts)
+                    .map(|p| ValidPrompt {
+                        ids: vec![1; p + 2],
+                        text: format!("prompt{p}"),
+                    })
+                    .collect(),
+            )
         })
     }
 

@@ -6,7 +6,7 @@ use prometheus::{
 
 pub struct Metrics {
     registry: Registry,
-    /// Completion requests by HTTP status.
+    /// Requests to the model by route and HTTP status.
     pub requests: IntCounterVec,
     pub prompt_tokens: IntCounter,
     pub generated_tokens: IntCounter,
@@ -51,8 +51,8 @@ impl Metrics {
     pub fn new() -> prometheus::Result<Self> {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
-            Opts::new("gpt_requests_total", "Completion requests by HTTP status"),
-            &["status"],
+            Opts::new("gpt_requests_total", "Requests to the model by route and HTTP status"),
+            &["route", "status"],
         )?;
         let prompt_tokens = IntCounter::new("gpt_prompt_tokens_total", "Prompt tokens processed")?;
         let generated_tokens = IntCounter::new("gpt_generated_tokens_total", "Tokens generated")?;

@@ -63,7 +63,7 @@ impl AppState {
     }
 
     /// The name responses give for a request with `adapter`.
-    /// The model for passes outside the engine (the attention view, embeddings): the served
+    /// The model for passes outside the engine (the attention view): the served
     /// one, or with an adapter's updates added (the base's weights shared).
     pub fn model_for(
         &self,

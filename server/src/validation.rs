@@ -444,6 +444,7 @@ pub fn validate(
         adapter: None,
         constraint,
         speculative_tokens,
+        embed: false,
     })
 }
 

@@ -85,6 +85,58 @@ async fn embeddings_equal_transformers_last_hidden_state() -> anyhow::Result<()>
     Ok(())
 }
 
+/// Embeddings requested while generations stream share the engine's steps with them: each
+/// vector and each text as it is alone, and the inputs' tokens counted among the engine's
+/// prompt tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_run_in_the_engine_beside_generations() -> anyhow::Result<()> {
+    let server = start(&fixture(), config()).await?;
+    let texts = [
+        "First Citizen:",
+        "Before we proceed any further, hear me speak.",
+        "All:",
+    ];
+    let body =
+        |seed: u64| json!({"prompt": "ROMEO:", "max_tokens": 48, "temperature": 0.8, "seed": seed, "stream": true});
+    let mut alone_texts = Vec::new();
+    for seed in 0..3 {
+        alone_texts.push(common::streamed_text(&server.stream(body(seed)).await?, 0).0);
+    }
+    let alone = server.call("/v1/embeddings", json!({"input": texts})).await?;
+    let counted = |metrics: &str| -> f64 {
+        (metrics.lines())
+            .find_map(|l| l.strip_prefix("gpt_prompt_tokens_total "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    let before = counted(&server.metrics().await?);
+    let streams = (0..3).map(|seed| server.stream(body(seed)));
+    let embeddings = (0..4).map(|_| server.call("/v1/embeddings", json!({"input": texts})));
+    let (streams, embeddings) = tokio::join!(
+        futures_util::future::join_all(streams),
+        futures_util::future::join_all(embeddings)
+    );
+    for (chunks, want) in streams.into_iter().zip(&alone_texts) {
+        assert_eq!(&common::streamed_text(&chunks?, 0).0, want);
+    }
+    for e in embeddings {
+        let e = e?;
+        for i in 0..texts.len() {
+            assert_eq!(
+                floats(&e["data"][i]["embedding"]),
+                floats(&alone["data"][i]["embedding"])
+            );
+        }
+    }
+    let prompt = server.tokenize("ROMEO:").await?.len();
+    let embedded = alone["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+    assert_eq!(
+        counted(&server.metrics().await?) - before,
+        (3 * prompt + 4 * embedded) as f64
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn bad_embedding_requests_name_the_field() -> anyhow::Result<()> {
     let server = start(&fixture(), config()).await?;

@@ -288,10 +288,14 @@ async fn health_models_metrics_and_openapi() -> anyhow::Result<()> {
         .post(json!({"prompt": "hi", "max_tokens": 3, "temperature": 0}))
         .await?;
     server.post(json!({"prompt": "hi", "temperature": -1})).await?;
+    server.call("/v1/embeddings", json!({"input": "hi"})).await?;
+    server.post_to("/v1/messages", json!({"max_tokens": 2})).await?;
     let metrics = server.metrics().await?;
     for line in [
-        "gpt_requests_total{status=\"200\"} 1",
-        "gpt_requests_total{status=\"400\"} 1",
+        "gpt_requests_total{route=\"/v1/embeddings\",status=\"200\"} 1",
+        "gpt_requests_total{route=\"/v1/messages\",status=\"400\"} 1",
+        "gpt_requests_total{route=\"/v1/completions\",status=\"200\"} 1",
+        "gpt_requests_total{route=\"/v1/completions\",status=\"400\"} 1",
         "gpt_generated_tokens_total",
         "gpt_prompt_tokens_total",
         "gpt_queue_depth 0",
@@ -301,13 +305,14 @@ async fn health_models_metrics_and_openapi() -> anyhow::Result<()> {
     ] {
         assert!(metrics.contains(line), "metrics lack {line:?}:\n{metrics}");
     }
-    // Three tokens of one request: a prefill step and two decode steps, each timed.
+    // Three tokens of one request (a prefill step and two decode steps) and the embedding's step,
+    // each timed.
     let value = |name: &str| -> f64 {
         (metrics.lines())
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
             .unwrap_or(f64::NAN)
     };
-    assert_eq!(value("gpt_step_duration_seconds_count"), 3.0, "{metrics}");
+    assert_eq!(value("gpt_step_duration_seconds_count"), 4.0, "{metrics}");
     assert!(value("gpt_step_duration_seconds_sum") > 0.0, "{metrics}");
 
     let spec: Value = get("/openapi.json").await?.json().await?;

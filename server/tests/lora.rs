@@ -69,6 +69,15 @@ impl Adapters {
         Ok(Self { dirs })
     }
 
+    /// The fixture served with both adapters.
+    async fn serve(&self) -> anyhow::Result<Server> {
+        let cfg = ServerConfig {
+            lora_modules: self.modules(),
+            ..config()
+        };
+        start(&fixture(), cfg).await
+    }
+
     fn modules(&self) -> Vec<gpt_server::adapters::LoraModule> {
         ["qkv", "proj"]
             .iter()
@@ -119,17 +128,43 @@ fn reference_logprobs(adapter: Option<&Path>, prompt: &str) -> anyhow::Result<Ve
     Ok((1..ids.len()).map(|t| log_p[t - 1][ids[t] as usize]).collect())
 }
 
+/// Embeddings under an adapter's name are the model crate's with the adapter set, each in one
+/// request that mixes the base and both adapters' inputs in the engine's steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_under_an_adapter_are_the_adapted_models() -> anyhow::Result<()> {
+    let adapters = Adapters::new()?;
+    let server = adapters.serve().await?;
+    let (model, tok) = gpt::load_dir(&fixture(), DType::F32, &Device::Cpu)?;
+    let ids = Tensor::new(tok.encode(PROMPT)?.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
+    let requests = ["tiny", "qkv", "proj"]
+        .map(|name| server.call("/v1/embeddings", json!({"model": name, "input": [PROMPT, "All:"]})));
+    let responses = futures_util::future::join_all(requests).await;
+    let mut seen = Vec::new();
+    for (response, adapter) in responses.into_iter().zip([None, Some(0), Some(1)]) {
+        let response = response?;
+        let mut model = model.clone();
+        if let Some(i) = adapter {
+            let adapter = gpt::Adapter::load(adapters.dirs[i].path(), model.config(), DType::F32, &Device::Cpu)?;
+            model.set_adapter(Some(&adapter))?;
+        }
+        let want = model.embeddings(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+        let got: Vec<f32> = (response["data"][0]["embedding"].as_array().into_iter().flatten())
+            .map(|v| v.as_f64().unwrap_or(f64::NAN) as f32)
+            .collect();
+        assert_eq!(got.len(), want.len());
+        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(diff < 1e-5, "{}: {diff}", response["model"]);
+        seen.push(got);
+    }
+    assert_ne!(seen[0], seen[1]);
+    assert_ne!(seen[0], seen[2]);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adapters_are_models_with_their_own_outputs_batched_with_the_base() -> anyhow::Result<()> {
     let adapters = Adapters::new()?;
-    let server = start(
-        &fixture(),
-        ServerConfig {
-            lora_modules: adapters.modules(),
-            ..config()
-        },
-    )
-    .await?;
+    let server = adapters.serve().await?;
     let models = server.get("/v1/models").await?;
     let listed: Vec<(String, Value, Value)> = models["data"]
         .as_array()

@@ -30,7 +30,7 @@ def complete(i):
 
 def served(port):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    return sum(float(v) for v in re.findall(r'^gpt_requests_total\{status="200"\} (\S+)$', text, re.M))
+    return sum(float(v) for v in re.findall(r'^gpt_requests_total\{route="/v1/completions",status="200"\} (\S+)$', text, re.M))
 
 
 with futures.ThreadPoolExecutor(32) as pool:

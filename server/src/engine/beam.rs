@@ -80,6 +80,7 @@ impl BeamGroup {
                 verify: false,
                 adapter: r.lora(),
                 greedy: false,
+                embed: false,
             }],
             Some(tokens) => self
                 .caches
@@ -92,6 +93,7 @@ impl BeamGroup {
                     verify: false,
                     adapter: r.lora(),
                     greedy: false,
+                    embed: false,
                 })
                 .collect(),
         };

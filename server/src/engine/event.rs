@@ -48,6 +48,12 @@ pub enum Event {
         completion_tokens: usize,
         cumulative_logprob: f64,
     },
+    /// Prompt `prompt`'s embedding (a request with [`super::ValidRequest::embed`]): its final
+    /// hidden state at its last token, L2-normalised.
+    Embedding {
+        prompt: usize,
+        vector: Vec<f32>,
+    },
     Error(String),
     /// A whole (not streamed) request ran past the server's request timeout; its sequences are
     /// freed. (A streamed one ends its choices with `finish_reason: "length"` instead.)

@@ -214,10 +214,22 @@ impl Queued for Group {
     }
 }
 
-/// What runs in a step: a sequence (sampling), or a prompt's beams (beam search).
+/// What runs in a step: a sequence (sampling), a prompt's beams (beam search), or a prompt to
+/// embed.
 enum Active {
     Seq(Box<Sequence>),
     Beams(Box<BeamGroup>),
+    Embed(Box<Embedding>),
+}
+
+/// A prompt to embed: prefilled in one step beside the generations (its cache dropped after),
+/// its embedding sent as [`Event::Embedding`].
+struct Embedding {
+    request: Arc<ValidRequest>,
+    prompt: usize,
+    cache: gpt::KvCache,
+    events: EventSink,
+    queued_at: Instant,
 }
 
 impl Active {
@@ -225,6 +237,7 @@ impl Active {
         match self {
             Active::Seq(s) => s.slots(),
             Active::Beams(b) => b.slots(),
+            Active::Embed(_) => 1,
         }
     }
 
@@ -232,6 +245,7 @@ impl Active {
         match self {
             Active::Seq(s) => &s.events,
             Active::Beams(b) => &b.events,
+            Active::Embed(e) => &e.events,
         }
     }
 
@@ -239,6 +253,7 @@ impl Active {
         match self {
             Active::Seq(s) => &s.request,
             Active::Beams(b) => &b.request,
+            Active::Embed(e) => &e.request,
         }
     }
 
@@ -246,6 +261,7 @@ impl Active {
         match self {
             Active::Seq(s) => s.queued_at(),
             Active::Beams(b) => b.queued_at(),
+            Active::Embed(e) => e.queued_at,
         }
     }
 
@@ -263,6 +279,9 @@ impl Active {
                 end_unstarted(&s.events, s.prompt, 1..s.slots());
             }
             Active::Beams(b) => b.cut(),
+            Active::Embed(e) => {
+                let _ = e.events.send(Event::Error("the server is shutting down".into()));
+            }
         }
     }
 
@@ -273,6 +292,18 @@ impl Active {
                 (vec![input], constraint.into_iter().collect())
             }
             Active::Beams(b) => b.step_inputs(),
+            Active::Embed(e) => {
+                let input = StepInput {
+                    tokens: &e.request.prompts[e.prompt].ids,
+                    cache: &mut e.cache,
+                    prompt_logprobs: None,
+                    verify: false,
+                    adapter: e.request.lora(),
+                    greedy: false,
+                    embed: true,
+                };
+                (vec![input], Vec::new())
+            }
         }
     }
 }
@@ -466,6 +497,16 @@ impl Worker {
     /// tokens asked for, no prompt logprobs), its answer at once.
     fn start(&mut self, group: Group) {
         let r = &group.request;
+        if r.embed {
+            self.running.push(Active::Embed(Box::new(Embedding {
+                cache: self.runner.model().new_cache(),
+                request: group.request,
+                prompt: group.prompt,
+                events: group.events,
+                queued_at: group.queued_at,
+            })));
+            return;
+        }
         if r.max_tokens == 0 && r.prompt_top_k().is_none() {
             if r.echo {
                 let _ = group.events.send(Event::Prompt {
@@ -575,6 +616,16 @@ impl Worker {
                         let _ = beams.events.send(Event::Error(e.to_string()));
                     }
                 },
+                Active::Embed(e) => {
+                    let event = match mine.map(|mut o| o.remove(0)) {
+                        Ok(out) => Event::Embedding {
+                            prompt: e.prompt,
+                            vector: out.embedding,
+                        },
+                        Err(err) => Event::Error(err.to_string()),
+                    };
+                    let _ = e.events.send(event);
+                }
             }
         }
         self.running = next;
@@ -587,10 +638,8 @@ impl Worker {
     /// the few speculative steps of each burst's start cost 4-8% of its tokens/s).
     fn propose(&mut self) {
         let Some(speculator) = &mut self.speculator else { return };
-        let prefilling = self
-            .running
-            .iter()
-            .any(|a| matches!(a, Active::Seq(s) if s.is_prefill()));
+        let prefilling = (self.running.iter())
+            .any(|a| matches!(a, Active::Embed(_)) || matches!(a, Active::Seq(s) if s.is_prefill()));
         if !self.scheduler.is_empty() || prefilling {
             return;
         }

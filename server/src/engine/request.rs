@@ -60,9 +60,55 @@ pub struct ValidRequest {
     pub speculative_tokens: Option<usize>,
     /// The LoRA adapter the request's `model` names (`None`: the base model).
     pub adapter: Option<Arc<crate::adapters::ServedAdapter>>,
+    /// The prompts are embedded, not continued: each prompt's prefill sends its
+    /// [`super::Event::Embedding`] and nothing else ([`ValidRequest::embeddings`]).
+    pub embed: bool,
 }
 
 impl ValidRequest {
+    /// A request for `prompts` with every option at its default: greedy, no tokens, one choice,
+    /// nothing returned beyond the text.
+    pub fn new(prompts: Vec<ValidPrompt>) -> Self {
+        Self {
+            prompts,
+            max_tokens: 0,
+            min_tokens: 0,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            n: 1,
+            best_of: 1,
+            logprobs: None,
+            prompt_logprobs: None,
+            echo: false,
+            stream: false,
+            include_usage: false,
+            continuous_usage: false,
+            beam_search: None,
+            include_stop_str: false,
+            skip_special_tokens: true,
+            allowed_token_ids: None,
+            tokens_as_ids: false,
+            request_id: None,
+            cache_salt: None,
+            constraint: None,
+            speculative_tokens: None,
+            adapter: None,
+            embed: false,
+        }
+    }
+
+    /// A request for the embeddings of `prompts` (under `adapter`), which the engine prefills in
+    /// its steps beside generation.
+    pub fn embeddings(prompts: Vec<ValidPrompt>, adapter: Option<Arc<crate::adapters::ServedAdapter>>) -> Self {
+        Self {
+            adapter,
+            embed: true,
+            ..Self::new(prompts)
+        }
+    }
+
     /// Top-N wanted at each prompt position from the prefill: for `echo` with `logprobs`, for
     /// `prompt_logprobs`, or the larger of the two.
     pub fn prompt_top_k(&self) -> Option<usize> {

@@ -30,6 +30,9 @@ pub struct StepInput<'a> {
     /// on a GPU the argmax is taken there, and a token comes back instead of a row the size of
     /// the vocabulary (at batch 64 with GPT-2's, 13 MB a step through the host).
     pub greedy: bool,
+    /// An embedding: the last row's final hidden state, L2-normalised, is wanted
+    /// ([`StepOutput::embedding`]) and no logits (the LM head skips the row).
+    pub embed: bool,
 }
 
 /// The log-probability of a token at one position, and the `k` most likely tokens there.
@@ -55,6 +58,10 @@ pub struct StepOutput {
     pub prompt_logprobs: Vec<PositionLogprob>,
     /// For `verify`: the raw logits of every new token but the last, in order.
     pub drafted: Vec<Vec<f32>>,
+    /// For `embed`: the last new token's final hidden state (the final norm's output), in f32,
+    /// L2-normalised: the pooling of vLLM and of the decoder embedding models (E5-Mistral,
+    /// Qwen3-Embedding) for causal decoders, where only the last position has read the whole text.
+    pub embedding: Vec<f32>,
 }
 
 pub struct Runner {
@@ -125,17 +132,27 @@ impl Runner {
         let which: Vec<LogitsFor> = inputs
             .iter()
             .map(|s| match (s.prompt_logprobs, s.verify) {
+                _ if s.embed => LogitsFor::Last,
                 (Some(_), _) | (_, true) => LogitsFor::All,
                 (None, false) => LogitsFor::Last,
             })
             .collect();
-        // Which input and position each hidden row belongs to.
+        // Which input and position each hidden row that goes through the LM head belongs to, and
+        // the hidden row of each embedding (which does not).
         let mut owners: Vec<Owner> = Vec::new();
+        let (mut head_rows, mut embed_rows): (Vec<u32>, Vec<(usize, u32)>) = (Vec::new(), Vec::new());
+        let mut row = 0u32;
         for (i, (input, w)) in inputs.iter().zip(&which).enumerate() {
             match w {
                 LogitsFor::All => owners.extend((0..input.tokens.len()).map(|pos| (i, pos))),
-                LogitsFor::Last => owners.push((i, input.tokens.len() - 1)),
+                LogitsFor::Last if !input.embed => owners.push((i, input.tokens.len() - 1)),
+                LogitsFor::Last => embed_rows.push((i, row)),
             }
+            let rows = if *w == LogitsFor::All { input.tokens.len() } else { 1 } as u32;
+            if !input.embed {
+                head_rows.extend(row..row + rows);
+            }
+            row += rows;
         }
         let hidden = {
             let adapters: Vec<Option<&gpt::Adapter>> = if inputs.iter().any(|s| s.adapter.is_some()) {
@@ -163,8 +180,29 @@ impl Runner {
                     0
                 }),
                 drafted: Vec::new(),
+                embedding: Vec::new(),
             })
             .collect();
+        let hidden = match embed_rows.is_empty() {
+            true => hidden,
+            false => {
+                let picked: Vec<u32> = embed_rows.iter().map(|&(_, r)| r).collect();
+                let picked = Tensor::new(picked.as_slice(), hidden.device())?;
+                // (embeddings, C) f32 on the host.
+                let vectors = hidden
+                    .index_select(&picked, 0)?
+                    .to_dtype(candle_core::DType::F32)?
+                    .to_vec2::<f32>()?;
+                for (&(i, _), mut v) in embed_rows.iter().zip(vectors) {
+                    l2_normalize(&mut v);
+                    outputs[i].embedding = v;
+                }
+                match head_rows.is_empty() {
+                    true => return Ok(outputs),
+                    false => hidden.index_select(&Tensor::new(head_rows.as_slice(), hidden.device())?, 0)?,
+                }
+            }
+        };
         let vocab = self.model.config().vocab_size;
         for start in (0..owners.len()).step_by(LM_HEAD_ROWS) {
             let rows = LM_HEAD_ROWS.min(owners.len() - start);
@@ -228,6 +266,20 @@ impl Runner {
 
 /// Which input a row of logits is of, and its position among the input's tokens.
 type Owner = (usize, usize);
+
+/// Scales `v` to unit length (a zero vector stays zero), as `torch.nn.functional.normalize`
+/// does: the norm summed in f64 and kept from zero by 1e-12.
+fn l2_normalize(v: &mut [f32]) {
+    let norm = v
+        .iter()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum::<f64>()
+        .sqrt()
+        .max(1e-12);
+    for x in v.iter_mut() {
+        *x = (f64::from(*x) / norm) as f32;
+    }
+}
 
 /// On a GPU: the rows of `logits` that `greedy` picks (`owners[r]` says whose row `r` is)
 /// reduced there to their argmax, written to those inputs' outputs, so that only the other rows
@@ -320,6 +372,7 @@ mod tests {
                 verify: false,
                 adapter: None,
                 greedy: false,
+                embed: false,
             },
             StepInput {
                 tokens: &bad,
@@ -328,6 +381,7 @@ mod tests {
                 verify: false,
                 adapter: None,
                 greedy: false,
+                embed: false,
             },
             StepInput {
                 tokens: &good[..1],
@@ -336,6 +390,7 @@ mod tests {
                 verify: false,
                 adapter: None,
                 greedy: false,
+                embed: false,
             },
         ];
         let out = runner.step(&mut inputs);
@@ -366,6 +421,7 @@ mod tests {
             verify: false,
             adapter: None,
             greedy: false,
+            embed: false,
         }]);
         let alone = alone[0].as_ref().expect("runs");
         let diff = alone
@@ -398,6 +454,7 @@ mod tests {
                     verify: false,
                     adapter: None,
                     greedy: false,
+                    embed: false,
                 }]);
                 rows.push(out.into_iter().next().ok_or(gpt::Error::EmptyInput("no output"))??.last);
             }
@@ -412,6 +469,7 @@ mod tests {
                     verify: false,
                     adapter: None,
                     greedy,
+                    embed: false,
                 })
                 .collect();
             let outs = runner.step(&mut inputs);
@@ -434,6 +492,63 @@ mod tests {
                 }
                 assert_eq!(out.prompt_logprobs.len(), if i == 0 { 2 } else { 0 });
             }
+        }
+        Ok(())
+    }
+
+    /// Embeddings in a step beside a prefill with prompt logprobs and a decode: each the model's
+    /// own whole-prompt embedding ([`Gpt::embeddings`], another code path), the others' logits as
+    /// in a step without them.
+    #[test]
+    fn embeddings_share_a_step_with_generation() -> gpt::Result<()> {
+        let runner = Runner::new(fixture_model());
+        let model = runner.model();
+        let prompts: [&[u32]; 4] = [&[5, 6, 7], &[9, 4, 100, 3], &[11], &[300, 2, 40, 41, 8]];
+        let embed = [false, true, false, true];
+        let run = |embedded: bool| -> gpt::Result<Vec<StepOutput>> {
+            let mut caches: Vec<KvCache> = prompts.iter().map(|_| model.new_cache()).collect();
+            let mut inputs: Vec<StepInput> = (prompts.iter().zip(&mut caches).zip(embed))
+                .enumerate()
+                .filter(|&(_, (_, e))| embedded || !e)
+                .map(|(i, ((tokens, cache), embed))| StepInput {
+                    tokens,
+                    cache,
+                    prompt_logprobs: (i == 0).then_some(2),
+                    verify: false,
+                    adapter: None,
+                    greedy: false,
+                    embed,
+                })
+                .collect();
+            runner.step(&mut inputs).into_iter().collect()
+        };
+        let with = run(true)?;
+        let without = run(false)?;
+        for (i, tokens) in prompts.iter().enumerate().filter(|&(i, _)| embed[i]) {
+            let out = &with[i];
+            assert!(
+                out.last.is_empty() && out.prompt_logprobs.is_empty(),
+                "input {i}: no logits"
+            );
+            let idx = Tensor::new(*tokens, &Device::Cpu)?.unsqueeze(0)?;
+            let want = model.embeddings(&idx)?.flatten_all()?.to_vec1::<f32>()?;
+            assert_eq!(out.embedding.len(), want.len());
+            let diff = (out.embedding.iter().zip(&want))
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-5, "input {i}: {diff}");
+            let norm: f32 = out.embedding.iter().map(|x| x * x).sum::<f32>().sqrt();
+            assert!((norm - 1.0).abs() < 1e-5, "input {i}: norm {norm}");
+        }
+        let generated: Vec<&StepOutput> = (with.iter().zip(embed)).filter(|&(_, e)| !e).map(|(o, _)| o).collect();
+        assert_eq!(generated.len(), without.len());
+        for (a, b) in generated.iter().zip(&without) {
+            assert!(a.embedding.is_empty());
+            assert_eq!((a.last.len(), &a.prompt_logprobs), (320, &b.prompt_logprobs));
+            let diff = (a.last.iter().zip(&b.last))
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-5, "{diff}");
         }
         Ok(())
     }

@@ -181,6 +181,7 @@ impl Sequence {
             verify,
             adapter: r.lora(),
             greedy,
+            embed: false,
         };
         (input, self.constraint.as_mut())
     }

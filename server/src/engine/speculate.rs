@@ -196,6 +196,7 @@ fn draft_proposals(runner: &Runner, seqs: &mut [&mut Sequence], wants: &[usize])
                             adapter: None,
                             // The draft's own greedy pick is its proposal.
                             greedy: true,
+                            embed: false,
                         });
                     }
                 }

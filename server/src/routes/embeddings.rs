@@ -1,8 +1,8 @@
 //! `POST /v1/embeddings` (OpenAI's shape, as vLLM and llama.cpp's server offer it): each input's
 //! embedding, the model's final hidden state at the input's last position, L2-normalised
 //! ([`gpt::Gpt::embeddings`]: the pooling of vLLM and of the decoder embedding models for causal
-//! decoders). Floats, or base64 of their little-endian bytes. Ollama's `/api/embed` shares
-//! [`embed`].
+//! decoders), computed by the engine in its steps beside the generations. Floats, or base64 of
+//! their little-endian bytes. Ollama's `/api/embed` shares [`embed`].
 
 use std::sync::Arc;
 
@@ -10,10 +10,10 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
-use candle_core::Tensor;
 use serde_json::json;
 
 use crate::api::{EmbeddingRequest, EmbeddingResponse, Prompt};
+use crate::engine::{Event, ValidPrompt, ValidRequest};
 use crate::error::ApiError;
 use crate::state::{blocking, AppState, ModelRequest};
 
@@ -38,7 +38,9 @@ fn inputs(prompt: Prompt) -> Vec<Input> {
 
 /// The embeddings of `inputs` under `model` (the served model or one of its adapters), and the
 /// tokens they held; `truncate`: an input longer than the context keeps its first tokens
-/// (Ollama's default) rather than being refused. `param` names the input field in errors.
+/// (Ollama's default) rather than being refused. `param` names the input field in errors. The
+/// inputs are tokenised off the async runtime and embedded by the engine, each a prefill in its
+/// steps beside the generations (continuous batching, the queue's limits and timeouts as theirs).
 pub async fn embed(
     state: &Arc<AppState>,
     model: Option<&str>,
@@ -59,17 +61,14 @@ pub async fn embed(
         ));
     }
     let adapter = state.adapter_for(model)?;
-    let state = state.clone();
-    // Tokenising and the forward passes are CPU work: off the async runtime.
-    blocking(move || {
-        let limits = &state.limits;
-        let internal = |e: gpt::Error| ApiError::Internal(e.to_string());
-        let model = state.model_for(adapter.as_deref())?;
-        let (mut out, mut tokens) = (Vec::with_capacity(inputs.len()), 0);
+    let shared = state.clone();
+    let prompts = blocking(move || {
+        let limits = &shared.limits;
+        let mut prompts = Vec::with_capacity(inputs.len());
         for (i, input) in inputs.into_iter().enumerate() {
             let at = format!("{param}[{i}]");
             let mut ids: Vec<u32> = match input {
-                Input::Text(text) => state
+                Input::Text(text) => shared
                     .tokenizer
                     .encode_prompt(&text)
                     .map_err(|e| ApiError::invalid(param, format!("{at}: {e}")))?,
@@ -97,20 +96,36 @@ pub async fn embed(
                     }
                 }
             }
-            tokens += ids.len();
-            let idx = Tensor::new(ids.as_slice(), model.device())
-                .and_then(|t| t.unsqueeze(0))
-                .map_err(|e| internal(e.into()))?;
-            let e = model.embeddings(&idx).map_err(internal)?;
-            out.push(
-                e.flatten_all()
-                    .and_then(|e| e.to_vec1::<f32>())
-                    .map_err(|e| internal(e.into()))?,
-            );
+            prompts.push(ValidPrompt {
+                ids,
+                text: String::new(),
+            });
         }
-        Ok((out, tokens))
+        Ok(prompts)
     })
-    .await
+    .await?;
+    let tokens = prompts.iter().map(|p| p.ids.len()).sum();
+    let mut vectors: Vec<Option<Vec<f32>>> = vec![None; prompts.len()];
+    let mut events = state
+        .engine
+        .submit(Arc::new(ValidRequest::embeddings(prompts, adapter)))?;
+    let mut left = vectors.len();
+    while left > 0 {
+        match events.recv().await {
+            Some(Event::Embedding { prompt, vector }) => {
+                if let Some(slot) = vectors.get_mut(prompt).filter(|v| v.is_none()) {
+                    *slot = Some(vector);
+                    left -= 1;
+                }
+            }
+            Some(Event::Error(e)) => return Err(ApiError::Internal(e)),
+            Some(Event::TimedOut) => return Err(ApiError::Timeout),
+            Some(_) => return Err(ApiError::Internal("a generation's event for an embedding".into())),
+            // The engine dropped the request before its embeddings: its thread failed.
+            None => return Err(ApiError::EngineFailed),
+        }
+    }
+    Ok((vectors.into_iter().flatten().collect(), tokens))
 }
 
 #[utoipa::path(
