@@ -84,8 +84,9 @@ pub fn tune_cpu_allocator() {
 }
 
 /// The allocator for a long-running server: blocks of 1 MiB or more (request-sized transients:
-/// a long prompt's activations and logits, attention maps, large response bodies) are mapped
-/// for each use and handed back to the OS when freed, everything smaller comes from the heap,
+/// logits, attention maps, large response bodies) are mapped for each use and handed back to the
+/// OS when freed (until [`keep_step_buffers`] raises the bound to the engine's step's activations),
+/// everything smaller comes from the heap,
 /// which is trimmed only when 64 MiB lie free at its top. [`tune_cpu_allocator`]'s
 /// settings (every block under 32 MiB kept in the heap, never trimmed) suit training's steps of
 /// one shape; under a server's mixed load the heap kept the peak of every burst and fragmented,
@@ -117,6 +118,27 @@ pub fn tune_cpu_allocator_for_serving() {
             }
         }
     }
+}
+
+/// Lets blocks up to `bytes` (within 1-32 MiB, glibc's ceiling) come from the heap in a server
+/// tuned by [`tune_cpu_allocator_for_serving`]: the engine's step activations, at most a full
+/// prefill budget's rows of the widest layer. Mapped for each use, every such block was faulted
+/// in page by page and its unmapping flushed the other cores' TLBs: on SmolLM2-135M that took
+/// 30% of a prefill's time and doubled a 512-token prompt's time to first token (1029 against
+/// 469 ms on EPYC-Zen5, `BENCHMARKS.md`). Blocks of one step's shapes recur step after step, so
+/// the heap reuses them rather than fragmenting. Does nothing where `MALLOC_MMAP_THRESHOLD_` is
+/// set, or on other C libraries.
+pub fn keep_step_buffers(bytes: usize) {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
+        let bytes = bytes.clamp(1 << 20, 32 << 20);
+        // SAFETY: mallopt only changes glibc's allocation thresholds, under the arena's lock.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, bytes as libc::c_int);
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    let _ = bytes;
 }
 
 /// Hands the C heap's free pages back to the OS: glibc's `malloc_trim`, which releases whole

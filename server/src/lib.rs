@@ -150,6 +150,14 @@ pub fn load_state(
         vocab = model.config().vocab_size,
         "loaded model"
     );
+    if device.is_cpu() {
+        // A full prefill budget's activations (f32) of the widest layer come from the heap.
+        let c = model.config();
+        let widest = c
+            .qkv_width()
+            .max(c.mlp_width() * if c.variant.gated_mlp { 2 } else { 1 });
+        gpt::device::keep_step_buffers(cfg.max_batch_prefill_tokens.max(1) * widest * 4);
+    }
     let limits = Limits {
         vocab_size: model.config().vocab_size,
         context: model.config().n_positions,
