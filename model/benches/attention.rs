@@ -65,6 +65,7 @@ fn main() -> anyhow::Result<()> {
                         keys: blocks(k)?,
                         values: blocks(v)?,
                         len: t,
+                        dropped: 0,
                     })
                 })
                 .collect::<anyhow::Result<_>>()?;

@@ -1,7 +1,8 @@
 //! The KV cache: each sequence's keys and values, layer by layer, so that decoding a token does
 //! not recompute the prompt. On the CPU in f32 they are held in blocks of [`KvCache::CHUNK`]
 //! positions that the fused attention reads where they are; elsewhere in one buffer per layer
-//! that grows. Freed buffers go back to the pool of [`crate::kv_pool`].
+//! that grows. Freed buffers go back to the pool of [`crate::kv_pool`]. A sliding-window layer's
+//! blocks go back once its queries can no longer see them (Mistral's rolling cache, in blocks).
 
 use candle_core::Tensor;
 
@@ -25,7 +26,7 @@ impl KvCache {
     pub fn new(cfg: &Config) -> Self {
         let chunk = Self::CHUNK.min(cfg.n_positions);
         Self {
-            layers: (0..cfg.n_layer).map(|_| LayerKv::new(chunk)).collect(),
+            layers: (0..cfg.n_layer).map(|l| LayerKv::new(chunk, cfg.window(l))).collect(),
             len: 0,
         }
     }
@@ -70,7 +71,7 @@ impl KvCache {
         Self {
             layers: (self.layers.iter())
                 .map(|l| {
-                    let mut empty = LayerKv::new(l.chunk);
+                    let mut empty = LayerKv::new(l.chunk, l.window);
                     empty.want = l.want;
                     empty
                 })
@@ -82,13 +83,28 @@ impl KvCache {
     /// Keeps the first `len` positions only, in place: the buffers stay, and the next positions
     /// are written over what follows. A step that failed half-way is undone this way (its layers
     /// may hold more than the cache counted), and speculative decoding drops the proposals the
-    /// model rejected, every step, so this copies nothing.
+    /// model rejected, every step, so this copies nothing. An error, changing nothing, where a
+    /// sliding-window layer no longer holds what a query at `len` would see (a window's blocks
+    /// go only when a step's first new position stops seeing them, so going back to where that
+    /// step began is always possible).
     pub fn truncate(&mut self, len: usize) -> candle_core::Result<()> {
+        for layer in &self.layers {
+            layer.check_window(len.min(layer.len))?;
+        }
         for layer in &mut self.layers {
             layer.len = layer.len.min(len);
         }
         self.len = self.len.min(len);
         Ok(())
+    }
+
+    /// The fewest positions [`KvCache::prefix`] and [`KvCache::truncate`] can keep: 0, unless a
+    /// sliding-window layer gave back blocks that a query at an earlier position would see.
+    pub fn shortest_prefix(&self) -> usize {
+        (self.layers.iter())
+            .filter_map(|l| l.window.filter(|_| l.dropped > 0).map(|w| l.first_held() + w - 1))
+            .max()
+            .unwrap_or(0)
     }
 
     /// A new cache with copies of the first `len` positions of every layer.
@@ -151,6 +167,10 @@ pub(crate) struct LayerKv {
     chunk: usize,
     /// Positions to make room for at the first allocation ([`KvCache::reserve`]).
     want: usize,
+    /// A sliding-window layer's window (positions a query sees, itself included).
+    window: Option<usize>,
+    /// In blocks: the leading blocks given back, whose positions no query sees any more.
+    dropped: usize,
 }
 
 #[derive(Debug)]
@@ -161,18 +181,29 @@ enum Store {
 }
 
 impl LayerKv {
-    fn new(chunk: usize) -> Self {
+    fn new(chunk: usize, window: Option<usize>) -> Self {
         Self {
             store: Store::Empty,
             len: 0,
             chunk: chunk.max(1),
             want: 0,
+            window,
+            dropped: 0,
+        }
+    }
+
+    /// Positions to make room for beside those needed now: what was reserved, except in blocks
+    /// under a sliding window, which take a block as they need one and give the oldest back.
+    fn wanted(&self) -> usize {
+        match (&self.store, self.window) {
+            (Store::Blocks(_), Some(_)) => 0,
+            _ => self.want,
         }
     }
 
     /// `positions`, or what was reserved if more, in whole chunks.
     fn rounded(&self, positions: usize) -> usize {
-        positions.max(self.want).div_ceil(self.chunk) * self.chunk
+        positions.max(self.wanted()).div_ceil(self.chunk) * self.chunk
     }
 
     fn clear(&mut self) {
@@ -182,14 +213,49 @@ impl LayerKv {
             Store::Blocks(blocks) => blocks.into_iter().for_each(|(k, v)| pool::put(k, v)),
         }
         self.len = 0;
+        self.dropped = 0;
     }
 
     pub(crate) fn room(&self) -> usize {
         match &self.store {
             Store::Empty => 0,
             Store::Whole(k, _) => k.dims()[1],
-            Store::Blocks(blocks) => blocks.len() * self.chunk,
+            Store::Blocks(blocks) => (self.dropped + blocks.len()) * self.chunk,
         }
+    }
+
+    /// The first position held (0 unless a sliding window's blocks were given back).
+    fn first_held(&self) -> usize {
+        self.dropped * self.chunk
+    }
+
+    /// An error where a query at position `len` would see positions no longer held.
+    fn check_window(&self, len: usize) -> candle_core::Result<()> {
+        let sees = self.window.map_or(0, |w| (len + 1).saturating_sub(w));
+        if sees < self.first_held() {
+            candle_core::bail!(
+                "kv-cache: a query at position {len} sees position {sees}, but this sliding-window layer holds positions from {} on",
+                self.first_held()
+            )
+        }
+        Ok(())
+    }
+
+    /// In blocks under a sliding window: gives back to the pool the blocks that the next
+    /// position's query (at `len`) and every later one no longer see, but for one block's worth
+    /// of positions before the window: going back up to a block (speculative decoding's rejected
+    /// proposals, a draft's among them) then always finds what it needs.
+    fn forget_unseen(&mut self) {
+        let (Some(w), Store::Blocks(blocks)) = (self.window, &mut self.store) else {
+            return;
+        };
+        // Whole blocks before the window and the slack.
+        let unseen = (self.len + 1).saturating_sub(w + self.chunk) / self.chunk;
+        let n = unseen.saturating_sub(self.dropped).min(blocks.len());
+        for (k, v) in blocks.drain(..n) {
+            pool::put(k, v);
+        }
+        self.dropped += n;
     }
 
     /// The `(n_head, head_dim, dtype, device)` of the buffers held, if any.
@@ -221,8 +287,9 @@ impl LayerKv {
         dtype: candle_core::DType,
         device: &candle_core::Device,
     ) -> candle_core::Result<()> {
+        self.forget_unseen();
         let need = self.len + extra;
-        if need.max(self.want) <= self.room() {
+        if need.max(self.wanted()) <= self.room() {
             return Ok(());
         }
         let room = self.rounded(need);
@@ -233,7 +300,7 @@ impl LayerKv {
         }
         match &mut self.store {
             Store::Blocks(blocks) => {
-                while blocks.len() * self.chunk < room {
+                while (self.dropped + blocks.len()) * self.chunk < room {
                     blocks.push(buffers(n_head, self.chunk, head_dim, dtype, device)?);
                 }
                 Ok(())
@@ -287,13 +354,13 @@ impl LayerKv {
         self.len += t;
     }
 
-    /// Where `t` positions appended now go in blocks: `(block, position in it, first of the
-    /// `t`, how many)`, block after block.
+    /// Where `t` positions appended now go in blocks: `(block held, position in it, first of
+    /// the `t`, how many)`, block after block.
     fn spans(&self, t: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
         let mut i = 0;
         std::iter::from_fn(move || {
             (i < t).then(|| {
-                let (b, at) = ((self.len + i) / self.chunk, (self.len + i) % self.chunk);
+                let (b, at) = ((self.len + i) / self.chunk - self.dropped, (self.len + i) % self.chunk);
                 let n = (self.chunk - at).min(t - i);
                 i += n;
                 (b, at, i - n, n)
@@ -371,6 +438,7 @@ impl LayerKv {
                 keys: blocks.iter().map(|(k, _)| k.clone()).collect(),
                 values: blocks.iter().map(|(_, v)| v.clone()).collect(),
                 len: self.len,
+                dropped: self.dropped,
             },
             _ => {
                 let (k, v) = self.held()?;
@@ -378,14 +446,21 @@ impl LayerKv {
                     keys: vec![k],
                     values: vec![v],
                     len: self.len,
+                    dropped: 0,
                 }
             }
         })
     }
 
     /// Keys and values of the positions held, `(n_head, len, head_dim)`: views of whole buffers,
-    /// or the blocks copied into one.
+    /// or the blocks copied into one (an error where a sliding window gave some back).
     pub(crate) fn held(&self) -> candle_core::Result<(Tensor, Tensor)> {
+        if self.dropped > 0 {
+            candle_core::bail!(
+                "kv-cache: positions before {} are no longer held (a sliding window)",
+                self.first_held()
+            )
+        }
         match &self.store {
             Store::Whole(k, v) => Ok((k.narrow(1, 0, self.len)?, v.narrow(1, 0, self.len)?)),
             Store::Blocks(blocks) => {
@@ -403,8 +478,9 @@ impl LayerKv {
     /// A copy of the first `len` positions in fresh buffers: of as few chunks as hold them when
     /// `exact`, else with the room reserved.
     fn copy(&self, len: usize, exact: bool) -> candle_core::Result<Self> {
-        let mut copy = Self::new(self.chunk);
+        let mut copy = Self::new(self.chunk, self.window);
         let len = len.min(self.len);
+        self.check_window(len)?;
         if !exact {
             copy.want = self.want;
         }
@@ -424,20 +500,21 @@ impl LayerKv {
                 copy.append(&k.narrow(1, 0, len)?.contiguous()?, &v.narrow(1, 0, len)?.contiguous()?)?;
             }
             Store::Blocks(blocks) => {
-                let (n_head, _, head_dim) = blocks[0].0.dims3()?;
-                let (dtype, device) = (blocks[0].0.dtype(), blocks[0].0.device());
                 let mut copied = Vec::new();
-                // Whole blocks: the positions past `len` in the last are never read.
-                for (k, v) in &blocks[..len.div_ceil(self.chunk)] {
-                    let (ck, cv) = buffers(n_head, self.chunk, head_dim, dtype, device)?;
+                // Whole blocks: the positions past `len` in the last are never read. (At least
+                // `dropped` blocks: a query at `len` sees from a held position, checked above.)
+                for (k, v) in &blocks[..len.div_ceil(self.chunk) - self.dropped] {
+                    let (n_head, _, head_dim) = k.dims3()?;
+                    let (ck, cv) = buffers(n_head, self.chunk, head_dim, k.dtype(), k.device())?;
                     ck.slice_set(k, 1, 0)?;
                     cv.slice_set(v, 1, 0)?;
                     copied.push((ck, cv));
                 }
                 copy.store = Store::Blocks(copied);
                 copy.len = len;
-                if !exact {
-                    copy.reserve(0, n_head, head_dim, dtype, device)?;
+                copy.dropped = self.dropped;
+                if let (false, Some((n_head, head_dim, dtype, device))) = (exact, copy.kind()) {
+                    copy.reserve(0, n_head, head_dim, dtype, &device)?;
                 }
             }
         }
@@ -502,7 +579,7 @@ mod tests {
     #[test]
     fn blocks_hold_what_was_appended_across_their_boundaries() -> candle_core::Result<()> {
         let (n_head, hs, dev) = (2, 4, Device::Cpu);
-        let mut kv = LayerKv::new(8);
+        let mut kv = LayerKv::new(8, None);
         let k = Tensor::randn(0f32, 1.0, (n_head, 21, hs), &dev)?;
         let v = Tensor::randn(0f32, 1.0, (n_head, 21, hs), &dev)?;
         kv.append(&k.narrow(1, 0, 5)?.contiguous()?, &v.narrow(1, 0, 5)?.contiguous()?)?;
@@ -521,7 +598,7 @@ mod tests {
         let c = n_head * hs;
         let qkv = Tensor::randn(0f32, 1.0, (12, 3 * c), &dev)?;
         let rows = qkv.flatten_all()?.to_vec1::<f32>()?;
-        let mut kv = LayerKv::new(8);
+        let mut kv = LayerKv::new(8, None);
         kv.reserve(5, n_head, hs, DType::F32, &dev)?;
         kv.write_rows(&rows, 3 * c, c, 0, 5)?;
         kv.reserve(10, n_head, hs, DType::F32, &dev)?;
@@ -541,7 +618,7 @@ mod tests {
         let (q_width, kv_width) = (3 * c, c);
         let qkv = Tensor::randn(0f32, 1.0, (4, q_width + 2 * kv_width), &dev)?;
         let rows = qkv.flatten_all()?.to_vec1::<f32>()?;
-        let mut kv = LayerKv::new(8);
+        let mut kv = LayerKv::new(8, None);
         kv.reserve(4, n_head, hs, DType::F32, &dev)?;
         kv.write_rows(&rows, q_width + 2 * kv_width, q_width, 0, 4)?;
         let (held_k, held_v) = kv.held()?;
@@ -549,6 +626,52 @@ mod tests {
         assert!(same(&held_k, &heads(q_width)?)? && same(&held_v, &heads(q_width + kv_width)?)?);
         // A width that is not the queries' and two caches' is refused.
         assert!(kv.write_rows(&rows, q_width + 2 * kv_width, c, 0, 1).is_err());
+        Ok(())
+    }
+
+    /// Under a window of 10 in blocks of 8, decoding one position at a time: the blocks before
+    /// the next query's window and a block of slack go back, at most four are held, and every
+    /// position the query sees reads as in a cache without a window; a copy or a check that
+    /// needs a position given back is an error.
+    #[test]
+    fn a_sliding_window_holds_only_the_blocks_its_queries_see() -> candle_core::Result<()> {
+        let (n_head, hs, dev) = (2, 4, Device::Cpu);
+        let c = n_head * hs;
+        let qkv = Tensor::randn(0f32, 1.0, (100, 3 * c), &dev)?;
+        let rows = qkv.flatten_all()?.to_vec1::<f32>()?;
+        let (chunk, w) = (8, 10);
+        let (mut local, mut global) = (LayerKv::new(chunk, Some(w)), LayerKv::new(chunk, None));
+        let read = |blocks: &[Tensor], dropped: usize, j: usize| -> candle_core::Result<Vec<f32>> {
+            blocks[j / chunk - dropped]
+                .narrow(1, j % chunk, 1)?
+                .flatten_all()?
+                .to_vec1::<f32>()
+        };
+        for step in 0..100 {
+            local.reserve(1, n_head, hs, DType::F32, &dev)?;
+            global.reserve(1, n_head, hs, DType::F32, &dev)?;
+            let seen = local.write_rows(&rows, 3 * c, c, step, 1)?;
+            let all = global.write_rows(&rows, 3 * c, c, step, 1)?;
+            let first = (step + 1).saturating_sub(w);
+            let slack = first.saturating_sub(chunk);
+            assert_eq!(
+                seen.dropped,
+                slack / chunk,
+                "step {step}: every block before the slack goes"
+            );
+            assert!(seen.keys.len() <= 4, "step {step}: {} blocks", seen.keys.len());
+            assert_eq!(all.dropped, 0);
+            for j in first..=step {
+                assert_eq!(read(&seen.keys, seen.dropped, j)?, read(&all.keys, 0, j)?);
+                assert_eq!(read(&seen.values, seen.dropped, j)?, read(&all.values, 0, j)?);
+            }
+        }
+        // A query at 99 saw from 90, with a block of slack before: blocks from 80 on are held.
+        assert_eq!(local.dropped, 10);
+        assert!(local.check_window(89).is_ok() && local.check_window(88).is_err());
+        assert!(local.copy(50, true).is_err() && local.held().is_err());
+        let copy = local.copy(90, true)?;
+        assert_eq!((copy.len, copy.dropped), (90, 10));
         Ok(())
     }
 }

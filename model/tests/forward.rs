@@ -35,19 +35,10 @@ fn changing_later_tokens_leaves_earlier_logits_unchanged() -> anyhow::Result<()>
     Ok(())
 }
 
-#[test]
-fn prefill_then_decode_matches_full_forward() -> anyhow::Result<()> {
-    // Decoding one token at a time past the cache's first 64-position buffer (it grows).
-    let cfg = Config {
-        n_positions: 128,
-        ..cfg()
-    };
-    let (_vm, model) = random_model(&cfg)?;
-    let ids = tokens(90, cfg.vocab_size, 7);
-    let full = model.forward(&batch(std::slice::from_ref(&ids))?, None)?.squeeze(0)?; // (T, V)
-
+/// The logits `(T, V)` of `ids` from a prefill of its first `prompt` tokens and then one token
+/// per step, and the cache that holds them.
+fn prefill_then_decode(model: &gpt::Gpt, ids: &[u32], prompt: usize) -> anyhow::Result<(Tensor, gpt::KvCache)> {
     let mut cache = model.new_cache();
-    let prompt = 17;
     let mut steps = vec![model.forward_step(
         &mut [SeqStep {
             tokens: &ids[..prompt],
@@ -62,10 +53,68 @@ fn prefill_then_decode_matches_full_forward() -> anyhow::Result<()> {
         };
         steps.push(model.forward_step(&mut [step], LogitsFor::Last)?);
     }
+    Ok((Tensor::cat(&steps, 0)?, cache))
+}
+
+#[test]
+fn prefill_then_decode_matches_full_forward() -> anyhow::Result<()> {
+    // Decoding one token at a time past the cache's first 64-position buffer (it grows).
+    let cfg = Config {
+        n_positions: 128,
+        ..cfg()
+    };
+    let (_vm, model) = random_model(&cfg)?;
+    let ids = tokens(90, cfg.vocab_size, 7);
+    let full = model.forward(&batch(std::slice::from_ref(&ids))?, None)?.squeeze(0)?; // (T, V)
+
+    let (incremental, cache) = prefill_then_decode(&model, &ids, 17)?;
     assert_eq!(cache.len(), ids.len());
-    let incremental = Tensor::cat(&steps, 0)?;
     let diff = max_abs_diff(&full, &incremental)?;
     assert!(diff < 1e-4, "cache vs full forward: max abs diff {diff}");
+    Ok(())
+}
+
+/// A sliding-window layer's cache gives its oldest blocks back as the sequence moves on:
+/// decoding to 200 positions under a window of 10 (every layer local, as Mistral's; a local
+/// layer beside a global one, as Gemma 3's) gives the full forward's logits, and a truncation or
+/// a prefix that needs a position no longer held is an error that changes nothing.
+#[test]
+fn a_sliding_window_decodes_past_the_blocks_it_gave_back() -> anyhow::Result<()> {
+    use gpt::arch::Family;
+    for (family, local) in [(Family::Mistral, vec![]), (Family::Gemma3, vec![true, false])] {
+        let shape = Config {
+            n_positions: 256,
+            ..cfg()
+        };
+        let mut cfg = gpt::arch::from_scratch(family, &shape, Some(2))?;
+        cfg.variant.sliding_window = Some(10);
+        cfg.variant.sliding_layers = local;
+        let (_vm, model) = random_model(&cfg)?;
+        let ids = tokens(200, cfg.vocab_size, 11);
+        let full = model.forward(&batch(std::slice::from_ref(&ids))?, None)?.squeeze(0)?; // (T, V)
+        let (incremental, mut cache) = prefill_then_decode(&model, &ids, 30)?;
+        let diff = max_abs_diff(&full, &incremental)?;
+        assert!(diff < 1e-4, "{family:?}: cache vs full forward: max abs diff {diff}");
+        // Back to where the last step began, and on again: the same last logits.
+        cache.truncate(199)?;
+        let again = model.forward_step(
+            &mut [SeqStep {
+                tokens: &ids[199..],
+                cache: &mut cache,
+            }],
+            LogitsFor::Last,
+        )?;
+        assert!(max_abs_diff(&again, &full.i(199..)?)? < 1e-4, "{family:?}");
+        // A query at 60 sees from 51, in the first block of 64, which went back (with a block
+        // of slack) once the cache held 137 positions.
+        assert!(cache.truncate(60).is_err() && cache.prefix(60).is_err(), "{family:?}");
+        assert_eq!(cache.prefix(140)?.len(), 140, "{family:?}: a block's worth back");
+        // The boundary: a query at 73 sees from 64, the first position held.
+        assert_eq!(cache.shortest_prefix(), 73, "{family:?}");
+        assert!(cache.prefix(73).is_ok() && cache.prefix(72).is_err(), "{family:?}");
+        assert_eq!(cache.len(), 200, "{family:?}: a refused truncation changes nothing");
+        assert_eq!(cache.prefix(195)?.len(), 195, "{family:?}");
+    }
     Ok(())
 }
 

@@ -399,11 +399,20 @@ fn cached_attention_matches_candle_on(simd: Simd) {
                     keys: blocks(&kv.keys[0]),
                     values: blocks(&kv.values[0]),
                     len: kv.len,
+                    dropped: 0,
                 })
                 .collect();
             let scale = 1.0 / (hs as f32).sqrt();
             let in_blocks = cached_attention(&qkv, &lens, &paged, n_head, scale).unwrap();
             assert_eq!(max_diff(&in_blocks, &got), 0.0, "{simd:?}, hs={hs}, blocks of {block}");
+            // Without its first block, a cache that attention reads from position 0 is refused.
+            let mut short = paged.clone();
+            for kv in short.iter_mut().filter(|kv| kv.keys.len() > 1) {
+                kv.keys.remove(0);
+                kv.values.remove(0);
+                kv.dropped = 1;
+            }
+            assert!(cached_attention(&qkv, &lens, &short, n_head, scale).is_err());
         }
         // Batch invariance: the middle sequence alone, then token by token.
         let scale = 1.0 / (hs as f32).sqrt();

@@ -80,11 +80,16 @@ impl PrefixStore {
         }
         let common = entry.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
         let most = common.min(prompt.len().saturating_sub(1));
-        match (top_k, &entry.logprobs) {
+        let n = match (top_k, &entry.logprobs) {
             (None, _) => most,
             (Some(k), Some((stored_k, _))) if *stored_k >= k => most.min(common.saturating_sub(1)),
             (Some(_), _) => 0,
+        };
+        // A sliding window may have given back what a shorter prefix would need.
+        if n < entry.cache.shortest_prefix() {
+            return 0;
         }
+        n
     }
 
     /// The longest stored prefix of `prompt`, copied into a fresh cache; `top_k` when the

@@ -18,11 +18,15 @@ use crate::Simd;
 /// `(n_head, B, head_dim)` tensors of `B` positions each (the same `B` for every block; the last
 /// may hold fewer than `B` positions), unit stride in the last dim. A cache of one contiguous
 /// buffer is one block ([`CachedKv::whole`]); the CPU's KV cache holds blocks of 64 positions.
+/// A sliding-window layer's cache no longer holds the blocks its queries cannot see: `keys[0]`
+/// is then block `dropped`, positions `dropped * B..`.
 #[derive(Debug, Clone)]
 pub struct CachedKv {
     pub keys: Vec<Tensor>,
     pub values: Vec<Tensor>,
     pub len: usize,
+    /// Leading blocks no longer held.
+    pub dropped: usize,
 }
 
 impl CachedKv {
@@ -33,6 +37,7 @@ impl CachedKv {
             keys: vec![k],
             values: vec![v],
             len,
+            dropped: 0,
         })
     }
 }
@@ -45,25 +50,37 @@ struct Block<'a> {
     pos_stride: usize,
 }
 
-/// Keys or values of one sequence, read in place: `len` positions in blocks of `block`.
+/// Keys or values of one sequence, read in place: `len` positions in blocks of `block`, the
+/// first `dropped` blocks no longer held.
 struct Heads<'a> {
     blocks: Vec<Block<'a>>,
     block: usize,
     len: usize,
+    dropped: usize,
 }
 
 impl<'a> Heads<'a> {
+    /// `earliest`: the first position any query reads (the caller's checks keep every read at or
+    /// after it), which must be held.
     fn new(
         blocks: &'a [(candle_core::StorageRef<'a>, &'a Layout)],
         len: usize,
+        dropped: usize,
+        earliest: usize,
         n_head: usize,
         hs: usize,
     ) -> Result<Self> {
         let block = blocks.first().and_then(|(_, l)| l.dims().get(1).copied()).unwrap_or(0);
-        if block * blocks.len() < len || (len > 0 && block == 0) {
+        if block * (dropped + blocks.len()) < len || (len > 0 && block == 0) {
             candle_core::bail!(
-                "cached-attention: {len} positions in {} blocks of {block}",
+                "cached-attention: {len} positions in {} blocks of {block} after {dropped} dropped",
                 blocks.len()
+            )
+        }
+        if earliest < dropped * block {
+            candle_core::bail!(
+                "cached-attention: position {earliest} is read, but the cache holds positions from {} on",
+                dropped * block
             )
         }
         let blocks = (blocks.iter())
@@ -86,13 +103,18 @@ impl<'a> Heads<'a> {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(Self { blocks, block, len })
+        Ok(Self {
+            blocks,
+            block,
+            len,
+            dropped,
+        })
     }
 
     /// Head `h` at position `j`.
     #[inline(always)]
     fn row(&self, h: usize, j: usize, hs: usize) -> &[f32] {
-        let b = &self.blocks[j / self.block];
+        let b = &self.blocks[j / self.block - self.dropped];
         &b.data[b.start + h * b.head_stride + (j % self.block) * b.pos_stride..][..hs]
     }
 
@@ -106,7 +128,11 @@ impl<'a> Heads<'a> {
         // The run's last position is in bounds (a panic here is a bug: the layout was checked in
         // `new`), and so then is every earlier one.
         let _ = self.row(h, j + n - 1, hs);
-        (self.row(h, j, hs).as_ptr(), n, self.blocks[j / self.block].pos_stride)
+        (
+            self.row(h, j, hs).as_ptr(),
+            n,
+            self.blocks[j / self.block - self.dropped].pos_stride,
+        )
     }
 }
 
@@ -267,8 +293,10 @@ pub fn cached_attention_masked(
         if t < len {
             candle_core::bail!("cached-attention: {len} new tokens but {t} cached positions")
         }
-        let keys = Heads::new(k, t, n_kv_head, hs)?;
-        let values = Heads::new(v, t, n_kv_head, hs)?;
+        // The first new row's window starts earliest (the plain kernels read from 0).
+        let earliest = masking.window.map_or(0, |w| (t - len + 1).saturating_sub(w));
+        let keys = Heads::new(k, t, kv.dropped, earliest, n_kv_head, hs)?;
+        let values = Heads::new(v, t, kv.dropped, earliest, n_kv_head, hs)?;
         seqs.push((keys, values, row0, len, t));
         row0 += len;
     }
