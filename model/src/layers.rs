@@ -30,17 +30,23 @@ pub enum Weight {
     Dense(Tensor),
     /// Packed for the CPU's inference kernel ([`PackedMatrix`]), in any [`WeightFormat`].
     Packed(Arc<PackedMatrix>),
-    /// A llama.cpp block format the packed kernel has no form for yet (Q5_0, Q5_1 and the
-    /// k-quants), multiplied by candle's quantized matrices (`QMatMul`), as stored.
+    /// A llama.cpp block format the packed kernel has no form for yet (the k-quants),
+    /// multiplied by candle's quantized matrices (`QMatMul`), as stored.
     Quant(Arc<candle_core::quantized::QTensor>),
-    /// llama.cpp's Q4_1 on the packed Q4_0 kernel: a Q4_1 block's `d·q + m` is Q4_0's `d·(q − 8)`
-    /// of the same codes and scale plus the block's offset `m + 8d`, so `x Wᵀ` is the Q4_0
-    /// product plus `(Σ of x over each block) · offsetsᵀ`, a product 32 times narrower.
-    /// (candle's own Q4_1 product ran at a quarter of llama.cpp's decode rate, `BENCHMARKS.md`.)
-    Q4_1 {
+    /// A llama.cpp block format held as the codes of one the packed kernel has, with the same
+    /// values: Q4_1 as Q4_0 (a Q4_1 block's `d·q + m` is Q4_0's `d·(q − 8)` of the same codes and
+    /// scale plus the block's offset `m + 8d`), Q5_0 as Q8_0 (`d·(q − 16)`: the same scale, each
+    /// code widened to a byte), Q5_1 as Q8_0 plus the offset `m + 16d`. `x Wᵀ` is the codes'
+    /// product plus `(Σ of x over each block) · offsetsᵀ`, a product 32 times narrower. Q5's
+    /// blocks of 32 take 34 bytes instead of 22 or 24. (candle's own products of these formats
+    /// ran at a quarter of llama.cpp's decode rate and a twentieth of its prefill's,
+    /// `BENCHMARKS.md`.)
+    Recoded {
         codes: Arc<PackedMatrix>,
-        /// `(in / 32, out)`: each block's offset, one row per block of inputs.
-        offsets: Tensor,
+        /// `(in / 32, out)`: each block's offset, one row per block of inputs (none: Q5_0).
+        offsets: Option<Tensor>,
+        /// The format the values came in (and go back out in: `gpt::gguf`).
+        stored: candle_core::quantized::GgmlDType,
     },
 }
 
@@ -71,10 +77,12 @@ impl Weight {
             Self::Dense(w) => matmul_wt(x, w, autocast),
             Self::Packed(p) => p.matmul(x),
             Self::Quant(q) => candle_core::quantized::QMatMul::from_arc(q.clone())?.forward(&x.contiguous()?),
-            Self::Q4_1 { codes, offsets } => {
+            Self::Recoded { codes, offsets, .. } => {
+                let y = codes.matmul(x)?; // (N, out)
+                let Some(offsets) = offsets else { return Ok(y) };
                 let (n, k) = x.dims2()?;
                 let sums = x.contiguous()?.reshape((n, k / 32, 32))?.sum(2)?; // (N, in / 32)
-                codes.matmul(x)? + sums.matmul(offsets)? // (N, out)
+                y + sums.matmul(offsets)?
             }
         }
     }
@@ -85,7 +93,10 @@ impl Weight {
             Self::Dense(w) => w.to_dtype(dtype),
             Self::Packed(p) => p.dense()?.to_dtype(dtype),
             Self::Quant(q) => q.dequantize(&q.device())?.to_dtype(dtype),
-            Self::Q4_1 { codes, offsets } => (codes.dense()? + spread_offsets(offsets)?)?.to_dtype(dtype),
+            Self::Recoded { codes, offsets, .. } => match offsets {
+                Some(offsets) => (codes.dense()? + spread_offsets(offsets)?)?.to_dtype(dtype),
+                None => codes.dense()?.to_dtype(dtype),
+            },
         }
     }
 
@@ -94,7 +105,7 @@ impl Weight {
         match self {
             Self::Dense(w) => Ok(w.clone()),
             Self::Packed(p) => self.dense(p.format().dtype()),
-            Self::Quant(_) | Self::Q4_1 { .. } => self.dense(DType::F32),
+            Self::Quant(_) | Self::Recoded { .. } => self.dense(DType::F32),
         }
     }
 
@@ -109,7 +120,7 @@ impl Weight {
                 let dims = q.shape().dims();
                 (dims[0], dims.get(1).copied().unwrap_or(1))
             }
-            Self::Q4_1 { codes, .. } => codes.dims(),
+            Self::Recoded { codes, .. } => codes.dims(),
         }
     }
 
@@ -119,9 +130,15 @@ impl Weight {
             Self::Dense(w) => gpt_kernels::tape::embedding(w, ids)?.to_dtype(dtype),
             Self::Packed(p) => p.rows(&ids.to_vec1::<u32>()?)?.to_dtype(dtype),
             Self::Quant(q) => q.embedding(ids)?.to_dtype(dtype),
-            Self::Q4_1 { codes, offsets } => {
-                let picked = offsets.t()?.index_select(ids, 0)?.t()?.contiguous()?; // (in / 32, n)
-                (codes.rows(&ids.to_vec1::<u32>()?)? + spread_offsets(&picked)?)?.to_dtype(dtype)
+            Self::Recoded { codes, offsets, .. } => {
+                let rows = codes.rows(&ids.to_vec1::<u32>()?)?;
+                match offsets {
+                    Some(offsets) => {
+                        let picked = offsets.t()?.index_select(ids, 0)?.t()?.contiguous()?; // (in / 32, n)
+                        (rows + spread_offsets(&picked)?)?.to_dtype(dtype)
+                    }
+                    None => rows.to_dtype(dtype),
+                }
             }
         }
     }
@@ -275,7 +292,7 @@ impl Conv1D {
     ) -> candle_core::Result<Tensor> {
         let part = match &self.weight {
             Weight::Dense(w) => Weight::Dense(w.narrow(0, start, len)?),
-            Weight::Packed(_) | Weight::Quant(_) | Weight::Q4_1 { .. } => {
+            Weight::Packed(_) | Weight::Quant(_) | Weight::Recoded { .. } => {
                 candle_core::bail!("forward_cols: the weight is packed for inference")
             }
         };
@@ -320,7 +337,7 @@ fn linear_act(
     };
     let y = match weight {
         Weight::Packed(p) => p.matmul_bias(&x, bias, gelu)?,
-        Weight::Dense(_) | Weight::Quant(_) | Weight::Q4_1 { .. } => {
+        Weight::Dense(_) | Weight::Quant(_) | Weight::Recoded { .. } => {
             let y = gpt_kernels::add_tiled(&weight.forward(&x, autocast)?, bias)?; // (rows, out)
             if gelu {
                 gpt_kernels::gelu(&y)?

@@ -125,30 +125,42 @@ fn a_small_llama_cpp_file_loads_and_runs() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Q4_1 matrices (run as Q4_0 codes plus an offset per block, `Weight::Q4_1`): their values are
-/// the file's own (dequantized by candle, exactly up to the offset's f32 rounding), and the model
-/// computes what the same values in f32 compute, within the activations' 8-bit quantization.
+/// Q4_1, Q5_0 and Q5_1 matrices (run as Q4_0 or Q8_0 codes, plus an offset per block for Q4_1
+/// and Q5_1: `Weight::Recoded`): their values are the file's own (dequantized by candle, exactly
+/// up to the offset's f32 rounding), and the model computes what the same values in f32
+/// compute, within the activations' 8-bit quantization.
 #[test]
-fn q4_1_matrices_hold_the_files_values_and_compute_with_them() -> anyhow::Result<()> {
-    let bytes = tiny_file_in(&[], GgmlDType::Q4_1)?;
-    let dir = tempfile::tempdir()?;
-    let path = dir.path().join("model.gguf");
-    std::fs::write(&path, &bytes)?;
-    let (q4_1, tok) = gpt::load_dir_as(&path, None, &Device::Cpu)?;
-    let (f32s, _) = gpt::load_dir_as(&path, Some(gpt::WeightFormat::F32), &Device::Cpu)?;
-    let (a, b) = (q4_1.named_tensors()?, f32s.named_tensors()?);
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        let d = (x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+fn recoded_matrices_hold_the_files_values_and_compute_with_them() -> anyhow::Result<()> {
+    for format in [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1] {
+        let bytes = tiny_file_in(&[], format)?;
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("model.gguf");
+        std::fs::write(&path, &bytes)?;
+        let (mut recoded, tok) = gpt::load_dir_as(&path, None, &Device::Cpu)?;
+        let (f32s, _) = gpt::load_dir_as(&path, Some(gpt::WeightFormat::F32), &Device::Cpu)?;
+        for (name, w) in recoded.matrices_mut() {
+            if !name.contains("wte") {
+                let ok = matches!(w, gpt::layers::Weight::Recoded { stored, .. } if *stored == format);
+                assert!(ok, "{format:?}: {name} is not recoded");
+            }
+        }
+        let (a, b) = (recoded.named_tensors()?, f32s.named_tensors()?);
+        for ((name, x), (_, y)) in a.iter().zip(&b) {
+            let d = (x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            assert!(
+                d < 1e-6,
+                "{format:?}: {name}: the values differ from candle's dequantization by {d}"
+            );
+        }
+        let ids = Tensor::new(vec![tok.encode("0123456789")?], &Device::Cpu)?;
+        let (x, y) = (recoded.forward(&ids, None)?, f32s.forward(&ids, None)?);
+        let scale = y.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let d = (x - &y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(
-            d < 1e-6,
-            "{name}: the Q4_1 values differ from candle's dequantization by {d}"
+            d < 0.02 * scale,
+            "{format:?} logits {d} from the f32 ones' (largest {scale})"
         );
     }
-    let ids = Tensor::new(vec![tok.encode("0123456789")?], &Device::Cpu)?;
-    let (x, y) = (q4_1.forward(&ids, None)?, f32s.forward(&ids, None)?);
-    let scale = y.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-    let d = (x - &y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-    assert!(d < 0.02 * scale, "Q4_1 logits {d} from the f32 ones' (largest {scale})");
     Ok(())
 }
 

@@ -152,8 +152,9 @@ impl Gpt {
                 Weight::Packed(p) => std::sync::Arc::make_mut(p)
                     .set_precision(precision)
                     .map_err(|e| Error::InvalidConfig(format!("--matmul-precision {precision} for `{name}`: {e}")))?,
-                Weight::Dense(_) | Weight::Quant(_) | Weight::Q4_1 { .. } if precision == MatmulPrecision::Highest => {}
-                Weight::Dense(_) | Weight::Quant(_) | Weight::Q4_1 { .. } => {
+                Weight::Dense(_) | Weight::Quant(_) | Weight::Recoded { .. }
+                    if precision == MatmulPrecision::Highest => {}
+                Weight::Dense(_) | Weight::Quant(_) | Weight::Recoded { .. } => {
                     return Err(Error::InvalidConfig(format!(
                         "--matmul-precision {precision} applies to f32 or bf16 weights on the CPU; `{name}` is held \
                          as a {:?} tensor on {:?}",
@@ -208,7 +209,7 @@ impl Gpt {
                 .into_iter()
                 .find(|f| f.ggml().is_none() && f.dtype() == w.dtype()),
             Weight::Packed(p) => Some(p.format()),
-            Weight::Quant(_) | Weight::Q4_1 { .. } => None,
+            Weight::Quant(_) | Weight::Recoded { .. } => None,
         }
     }
 

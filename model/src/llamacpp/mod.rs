@@ -4,8 +4,9 @@
 //! `output`, absent where the head is tied), and the tokenizer and chat template from the file
 //! itself (`tokenizer.ggml.*`, `tokenizer.chat_template`). The file's weight matrices stay in
 //! their block formats: packed for the project's kernels where they have the format (F32, F16,
-//! BF16, Q8_0, Q4_0; Q4_1 as Q4_0 codes with an offset per block), else multiplied by candle's
-//! quantized matrices (Q5_0, Q5_1, the k-quants). The file comes from a stranger: every count, size and offset is checked against
+//! BF16, Q8_0, Q4_0; Q4_1 as Q4_0 codes with an offset per block, Q5_0 as Q8_0 codes, Q5_1 as
+//! Q8_0 codes with an offset per block), else multiplied by candle's quantized matrices (the
+//! k-quants). The file comes from a stranger: every count, size and offset is checked against
 //! the file before anything is read or allocated, and each error names the file and the field.
 
 use std::path::Path;
@@ -466,10 +467,11 @@ fn stack(parts: Vec<QTensor>) -> Result<QTensor> {
 }
 
 /// A matrix as inference holds it on `device`: packed for the project's kernels where they have
-/// its format, else candle's quantized matrix (the CPU only); dense in `dtype` off the CPU.
+/// its format or one of the same values ([`Weight::Recoded`]), else candle's quantized matrix
+/// (the CPU only); dense in `dtype` off the CPU.
 fn weight(q: QTensor, dtype: DType, device: &Device) -> Result<Weight> {
-    if device.is_cpu() && q.dtype() == GgmlDType::Q4_1 {
-        return q4_1_weight(&q);
+    if device.is_cpu() && matches!(q.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1) {
+        return recoded(&q);
     }
     if device.is_cpu() {
         return Ok(match WeightFormat::from_ggml(q.dtype()) {
@@ -480,28 +482,70 @@ fn weight(q: QTensor, dtype: DType, device: &Device) -> Result<Weight> {
     Ok(Weight::Dense(q.dequantize(device)?.to_dtype(dtype)?))
 }
 
-/// A Q4_1 matrix as [`Weight::Q4_1`]: its blocks (`d`, `m`, 16 bytes of codes) as Q4_0 blocks
-/// of the same scale and codes (`d`, the codes), and each block's offset `m + 8d`.
-fn q4_1_weight(q: &QTensor) -> Result<Weight> {
+/// A Q4_1, Q5_0 or Q5_1 matrix as [`Weight::Recoded`]: each block (`d`, for Q4_1 and Q5_1 `m`,
+/// for Q5 the fifth bits `qh`, then the low four bits) as a block of the same scale `d` and the
+/// codes `q − 8` (Q4_0) or `q − 16` (Q8_0, a byte each), and for Q4_1 and Q5_1 its offset `m + 8d`
+/// or `m + 16d`: the same values (ggml's `dequantize_row_q5_0` reads the codes this way).
+fn recoded(q: &QTensor) -> Result<Weight> {
     let (rows, cols) = q.shape().dims2()?;
+    let stored = q.dtype();
+    let (block_bytes, codes_dtype, offset) = match stored {
+        GgmlDType::Q4_1 => (20, GgmlDType::Q4_0, Some(8.0)),
+        GgmlDType::Q5_0 => (22, GgmlDType::Q8_0, None),
+        GgmlDType::Q5_1 => (24, GgmlDType::Q8_0, Some(16.0)),
+        other => return Err(candle_core::Error::Msg(format!("{other:?} has no recoded form")).into()),
+    };
     let blocks = cols / 32;
     let data = q.data()?;
-    let mut q4_0 = Vec::with_capacity(rows * blocks * 18);
-    let mut offsets = Vec::with_capacity(rows * blocks);
-    for block in data.chunks_exact(20) {
-        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
-        let m = half::f16::from_le_bytes([block[2], block[3]]).to_f32();
-        q4_0.extend_from_slice(&block[..2]);
-        q4_0.extend_from_slice(&block[4..]);
-        offsets.push(m + 8.0 * d);
+    if data.len() != rows * blocks * block_bytes {
+        return Err(candle_core::Error::Msg(format!(
+            "a {stored:?} matrix ({rows}, {cols}) holds {} bytes, not {}",
+            data.len(),
+            rows * blocks * block_bytes
+        ))
+        .into());
     }
-    let codes = qtensor_from_ggml(GgmlDType::Q4_0, &q4_0, vec![rows, cols], &Device::Cpu)?;
-    let offsets = Tensor::from_vec(offsets, (rows, blocks), &Device::Cpu)?
-        .t()?
-        .contiguous()?; // (in / 32, out)
-    Ok(Weight::Q4_1 {
+    let mut codes = Vec::with_capacity(rows * blocks * codes_dtype.type_size());
+    let mut offsets = Vec::with_capacity(if offset.is_some() { rows * blocks } else { 0 });
+    for block in data.chunks_exact(block_bytes) {
+        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+        codes.extend_from_slice(&block[..2]);
+        let rest = match offset {
+            Some(shift) => {
+                offsets.push(half::f16::from_le_bytes([block[2], block[3]]).to_f32() + shift * d);
+                &block[4..]
+            }
+            None => &block[2..],
+        };
+        match stored {
+            GgmlDType::Q4_1 => codes.extend_from_slice(rest),
+            _ => {
+                let qh = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+                let qs = &rest[4..20];
+                let mut wide = [0u8; 32];
+                for (j, &byte) in qs.iter().enumerate() {
+                    let low = (byte & 0x0F) | ((((qh >> j) << 4) & 0x10) as u8);
+                    let high = (byte >> 4) | (((qh >> (j + 12)) & 0x10) as u8);
+                    wide[j] = (low as i8 - 16) as u8;
+                    wide[j + 16] = (high as i8 - 16) as u8;
+                }
+                codes.extend_from_slice(&wide);
+            }
+        }
+    }
+    let codes = qtensor_from_ggml(codes_dtype, &codes, vec![rows, cols], &Device::Cpu)?;
+    let offsets = match offset {
+        Some(_) => Some(
+            Tensor::from_vec(offsets, (rows, blocks), &Device::Cpu)?
+                .t()?
+                .contiguous()?, // (in / 32, out)
+        ),
+        None => None,
+    };
+    Ok(Weight::Recoded {
         codes: Arc::new(PackedMatrix::from_qtensor(&codes)?),
         offsets,
+        stored,
     })
 }
 
