@@ -584,18 +584,18 @@ def main():
     worker.join()
     cpu.append(cpu_sample(args.pid))
     rss.append(memory_sample(args, start, time.monotonic()))
-    served = {status: sum(n for (r, s), n in stats.status.items() if s == status and r in ("completions", "chat"))
-              for status in {s for (_, s) in stats.status}}
+    routes = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+    served = {(routes[r], s): n for (r, s), n in stats.status.items() if r in routes}
 
     def mismatches(after):
         """The server's counters since the start against the client's own counts."""
         def delta(name):
             return after.get(name, 0.0) - before.get(name, 0.0)
         out = []
-        for status, n in served.items():
-            got = delta(f'gpt_requests_total{{status="{status}"}}')
+        for (route, status), n in served.items():
+            got = delta(f'gpt_requests_total{{route="{route}",status="{status}"}}')
             if got != n:
-                out.append(f"status {status}: server {got:.0f}, client {n}")
+                out.append(f"{route} status {status}: server {got:.0f}, client {n}")
         got_tokens = delta("gpt_completion_tokens_total")
         if got_tokens != stats.completion_tokens:
             out.append(f"completion tokens: server {got_tokens:.0f}, client {stats.completion_tokens}")
