@@ -21,6 +21,15 @@ fn tiny_file(metadata_override: &[(&str, Value)]) -> anyhow::Result<Vec<u8>> {
 
 /// [`tiny_file`] with its matrices in `format`.
 fn tiny_file_in(metadata_override: &[(&str, Value)], format: GgmlDType) -> anyhow::Result<Vec<u8>> {
+    tiny_file_mixed(metadata_override, format, &[])
+}
+
+/// [`tiny_file_in`] with the tensors named in `formats` in their own formats.
+fn tiny_file_mixed(
+    metadata_override: &[(&str, Value)],
+    format: GgmlDType,
+    formats: &[(&str, GgmlDType)],
+) -> anyhow::Result<Vec<u8>> {
     let dev = Device::Cpu;
     let tokens: Vec<Value> = (0..VOCAB)
         .map(|i| Value::String(char::from(b'0' + i as u8).to_string()))
@@ -47,7 +56,8 @@ fn tiny_file_in(metadata_override: &[(&str, Value)], format: GgmlDType) -> anyho
             None => metadata.push((key.to_string(), value.clone())),
         }
     }
-    let matrix = |rows: usize, cols: usize| -> candle_core::Result<QTensor> {
+    let matrix = |name: &str, rows: usize, cols: usize| -> candle_core::Result<QTensor> {
+        let format = formats.iter().find(|(n, _)| *n == name).map_or(format, |(_, f)| *f);
         // Offset from zero, so that Q4_1's minimum per block matters.
         QTensor::quantize(&(Tensor::randn(0f32, 0.1, (rows, cols), &dev)? + 0.05)?, format)
     };
@@ -55,17 +65,17 @@ fn tiny_file_in(metadata_override: &[(&str, Value)], format: GgmlDType) -> anyho
         QTensor::quantize(&(Tensor::randn(0f32, 0.1, len, &dev)? + 1.0)?, GgmlDType::F32)
     };
     let tensors: Vec<(&str, QTensor)> = vec![
-        ("token_embd.weight", matrix(VOCAB, C)?),
+        ("token_embd.weight", matrix("token_embd.weight", VOCAB, C)?),
         ("output_norm.weight", vector(C)?),
         ("blk.0.attn_norm.weight", vector(C)?),
-        ("blk.0.attn_q.weight", matrix(C, C)?),
-        ("blk.0.attn_k.weight", matrix(16, C)?),
-        ("blk.0.attn_v.weight", matrix(16, C)?),
-        ("blk.0.attn_output.weight", matrix(C, C)?),
+        ("blk.0.attn_q.weight", matrix("blk.0.attn_q.weight", C, C)?),
+        ("blk.0.attn_k.weight", matrix("blk.0.attn_k.weight", 16, C)?),
+        ("blk.0.attn_v.weight", matrix("blk.0.attn_v.weight", 16, C)?),
+        ("blk.0.attn_output.weight", matrix("blk.0.attn_output.weight", C, C)?),
         ("blk.0.ffn_norm.weight", vector(C)?),
-        ("blk.0.ffn_gate.weight", matrix(64, C)?),
-        ("blk.0.ffn_up.weight", matrix(64, C)?),
-        ("blk.0.ffn_down.weight", matrix(C, 64)?),
+        ("blk.0.ffn_gate.weight", matrix("blk.0.ffn_gate.weight", 64, C)?),
+        ("blk.0.ffn_up.weight", matrix("blk.0.ffn_up.weight", 64, C)?),
+        ("blk.0.ffn_down.weight", matrix("blk.0.ffn_down.weight", C, 64)?),
     ];
     let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (*k, v)).collect();
@@ -160,6 +170,28 @@ fn recoded_matrices_hold_the_files_values_and_compute_with_them() -> anyhow::Res
             d < 0.02 * scale,
             "{format:?} logits {d} from the f32 ones' (largest {scale})"
         );
+    }
+    // llama.cpp's Q4_K_M keeps some `attn_v` in Q8_0 beside Q5_0 q and k: they stack into one
+    // Q8_0 product of the same values.
+    let mixed = tiny_file_mixed(&[], GgmlDType::Q5_0, &[("blk.0.attn_v.weight", GgmlDType::Q8_0)])?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, &mixed)?;
+    let (mut model, _) = gpt::load_dir_as(&path, None, &Device::Cpu)?;
+    let (f32s, _) = gpt::load_dir_as(&path, Some(gpt::WeightFormat::F32), &Device::Cpu)?;
+    let qkv: Vec<_> = (model.matrices_mut().into_iter())
+        .filter(|(name, _)| name.contains(gpt::arch::names::QKV))
+        .map(|(name, w)| {
+            (
+                name,
+                matches!(w, gpt::layers::Weight::Packed(p) if p.format() == gpt::WeightFormat::Q8_0),
+            )
+        })
+        .collect();
+    assert!(qkv.len() == 1 && qkv[0].1, "q, k and v: not one Q8_0 product: {qkv:?}");
+    for ((name, x), (_, y)) in model.named_tensors()?.iter().zip(&f32s.named_tensors()?) {
+        let d = (x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(d < 1e-6, "{name}: {d}");
     }
     Ok(())
 }

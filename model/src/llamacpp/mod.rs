@@ -446,9 +446,20 @@ fn unpermute_rows(q: QTensor, n_head: usize) -> Result<QTensor> {
 }
 
 /// Matrices of one block format and width stacked by rows (their blocks side by side, as they
-/// are stored): one product for q, k and v, or for gate and up. Matrices of different formats
-/// (llama.cpp's Q4_K_M keeps some in Q6_K) are dequantized to f32 first.
+/// are stored): one product for q, k and v, or for gate and up. Q5_0 beside Q8_0 (llama.cpp's
+/// Q4_K_M keeps some `attn_v` in Q8_0) stacks as Q8_0, its values recoded exactly; other mixes
+/// (Q6_K beside Q5_0) are dequantized to f32 first.
 fn stack(parts: Vec<QTensor>) -> Result<QTensor> {
+    let is = |d: GgmlDType| parts.iter().any(|p| p.dtype() == d);
+    let parts = match is(GgmlDType::Q5_0) && is(GgmlDType::Q8_0) {
+        true => (parts.into_iter())
+            .map(|p| match p.dtype() {
+                GgmlDType::Q5_0 => recoded_codes(&p).map(|(codes, _)| codes),
+                _ => Ok(p),
+            })
+            .collect::<Result<Vec<_>>>()?,
+        false => parts,
+    };
     let dtype = parts[0].dtype();
     let cols = parts[0].shape().dims2()?.1;
     let rows: usize = parts.iter().map(|p| p.shape().dims()[0]).sum();
@@ -482,11 +493,22 @@ fn weight(q: QTensor, dtype: DType, device: &Device) -> Result<Weight> {
     Ok(Weight::Dense(q.dequantize(device)?.to_dtype(dtype)?))
 }
 
-/// A Q4_1, Q5_0 or Q5_1 matrix as [`Weight::Recoded`]: each block (`d`, for Q4_1 and Q5_1 `m`,
-/// for Q5 the fifth bits `qh`, then the low four bits) as a block of the same scale `d` and the
-/// codes `q − 8` (Q4_0) or `q − 16` (Q8_0, a byte each), and for Q4_1 and Q5_1 its offset `m + 8d`
-/// or `m + 16d`: the same values (ggml's `dequantize_row_q5_0` reads the codes this way).
+/// A Q4_1, Q5_0 or Q5_1 matrix as [`Weight::Recoded`] (see [`recoded_codes`]).
 fn recoded(q: &QTensor) -> Result<Weight> {
+    let (codes, offsets) = recoded_codes(q)?;
+    Ok(Weight::Recoded {
+        codes: Arc::new(PackedMatrix::from_qtensor(&codes)?),
+        offsets,
+        stored: q.dtype(),
+    })
+}
+
+/// A Q4_1, Q5_0 or Q5_1 matrix as codes of a format the packed kernel has, and for Q4_1 and Q5_1
+/// each block's offset `(in / 32, out)`: each block (`d`, for Q4_1 and Q5_1 `m`, for Q5 the fifth
+/// bits `qh`, then the low four bits) as a block of the same scale `d` and the codes `q − 8`
+/// (Q4_0) or `q − 16` (Q8_0, a byte each), and the offset `m + 8d` or `m + 16d`: the same values
+/// (ggml's `dequantize_row_q5_0` reads the codes this way).
+fn recoded_codes(q: &QTensor) -> Result<(QTensor, Option<Tensor>)> {
     let (rows, cols) = q.shape().dims2()?;
     let stored = q.dtype();
     let (block_bytes, codes_dtype, offset) = match stored {
@@ -542,11 +564,7 @@ fn recoded(q: &QTensor) -> Result<Weight> {
         ),
         None => None,
     };
-    Ok(Weight::Recoded {
-        codes: Arc::new(PackedMatrix::from_qtensor(&codes)?),
-        offsets,
-        stored,
-    })
+    Ok((codes, offsets))
 }
 
 /// The model of a llama.cpp GGUF file and its tokenizer, on `device` (activations f32 on the CPU;
