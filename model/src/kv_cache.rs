@@ -287,17 +287,18 @@ impl LayerKv {
         dtype: candle_core::DType,
         device: &candle_core::Device,
     ) -> candle_core::Result<()> {
+        // The layout first: a sliding window's blocks reserve nothing ahead (`wanted`).
+        if let Store::Empty = self.store {
+            if in_blocks(dtype, device) {
+                self.store = Store::Blocks(Vec::new());
+            }
+        }
         self.forget_unseen();
         let need = self.len + extra;
         if need.max(self.wanted()) <= self.room() {
             return Ok(());
         }
         let room = self.rounded(need);
-        if let Store::Empty = self.store {
-            if in_blocks(dtype, device) {
-                self.store = Store::Blocks(Vec::new());
-            }
-        }
         match &mut self.store {
             Store::Blocks(blocks) => {
                 while (self.dropped + blocks.len()) * self.chunk < room {
@@ -641,6 +642,8 @@ mod tests {
         let rows = qkv.flatten_all()?.to_vec1::<f32>()?;
         let (chunk, w) = (8, 10);
         let (mut local, mut global) = (LayerKv::new(chunk, Some(w)), LayerKv::new(chunk, None));
+        // Both reserve a long sequence (`KvCache::reserve`): the window takes blocks as it goes.
+        (local.want, global.want) = (100, 100);
         let read = |blocks: &[Tensor], dropped: usize, j: usize| -> candle_core::Result<Vec<f32>> {
             blocks[j / chunk - dropped]
                 .narrow(1, j % chunk, 1)?
@@ -666,6 +669,7 @@ mod tests {
                 assert_eq!(read(&seen.values, seen.dropped, j)?, read(&all.values, 0, j)?);
             }
         }
+        assert_eq!(global.room(), 104, "without a window, the reservation is taken at once");
         // A query at 99 saw from 90, with a block of slack before: blocks from 80 on are held.
         assert_eq!(local.dropped, 10);
         assert!(local.check_window(89).is_ok() && local.check_window(88).is_err());
