@@ -477,8 +477,7 @@ impl Gpt {
             .reshape((b_sz, seq_len, self.cfg.n_embd))?
             .narrow(1, seq_len - 1, 1)?
             .squeeze(1)?; // (B, C)
-        let norm = last.sqr()?.sum_keepdim(1)?.sqrt()?.clamp(1e-12, f64::MAX)?;
-        Ok(last.broadcast_div(&norm)?)
+        unit_rows(&last)
     }
 
     fn forward_recorded(
@@ -611,4 +610,11 @@ impl Gpt {
         let x = layer_norm(&self.ln_f, &x, train.is_some())?;
         Ok(x.reshape((b_sz * seq_len, self.cfg.n_embd))?) // (B*T, C)
     }
+}
+
+/// Each row of `x` `(rows, C)` scaled to unit length (kept from dividing by zero by 1e-12, as
+/// `torch.nn.functional.normalize`): embeddings, here and in the server's engine.
+pub fn unit_rows(x: &Tensor) -> Result<Tensor> {
+    let norm = x.sqr()?.sum_keepdim(1)?.sqrt()?.clamp(1e-12, f64::MAX)?;
+    Ok(x.broadcast_div(&norm)?)
 }

@@ -189,12 +189,9 @@ impl Runner {
                 let picked: Vec<u32> = embed_rows.iter().map(|&(_, r)| r).collect();
                 let picked = Tensor::new(picked.as_slice(), hidden.device())?;
                 // (embeddings, C) f32 on the host.
-                let vectors = hidden
-                    .index_select(&picked, 0)?
-                    .to_dtype(candle_core::DType::F32)?
-                    .to_vec2::<f32>()?;
-                for (&(i, _), mut v) in embed_rows.iter().zip(vectors) {
-                    l2_normalize(&mut v);
+                let vectors =
+                    gpt::gpt::unit_rows(&hidden.index_select(&picked, 0)?.to_dtype(candle_core::DType::F32)?)?;
+                for (&(i, _), v) in embed_rows.iter().zip(vectors.to_vec2::<f32>()?) {
                     outputs[i].embedding = v;
                 }
                 match head_rows.is_empty() {
@@ -266,20 +263,6 @@ impl Runner {
 
 /// Which input a row of logits is of, and its position among the input's tokens.
 type Owner = (usize, usize);
-
-/// Scales `v` to unit length (a zero vector stays zero), as `torch.nn.functional.normalize`
-/// does: the norm summed in f64 and kept from zero by 1e-12.
-fn l2_normalize(v: &mut [f32]) {
-    let norm = v
-        .iter()
-        .map(|&x| f64::from(x) * f64::from(x))
-        .sum::<f64>()
-        .sqrt()
-        .max(1e-12);
-    for x in v.iter_mut() {
-        *x = (f64::from(*x) / norm) as f32;
-    }
-}
 
 /// On a GPU: the rows of `logits` that `greedy` picks (`owners[r]` says whose row `r` is)
 /// reduced there to their argmax, written to those inputs' outputs, so that only the other rows
