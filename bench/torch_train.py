@@ -7,6 +7,9 @@ and evaluation of --eval-iters batches every --eval-interval steps.
         nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, batch 12, 2000 iterations)
     python bench/torch_train.py throughput --threads 2 [--device cuda --bf16 --tf32]
         GPT-2-small shape (50257 tokens, 12x12x768), block 256, random tokens: training tokens/s
+    python bench/torch_train.py throughput --arch smollm2 --threads 2 [--bf16]
+        SmolLM2-135M's shape in `transformers`' own LlamaForCausalLM (random weights, sdpa
+        attention, tied head), the same AdamW: training tokens/s
 
 Prints one JSON object.
 """
@@ -125,14 +128,39 @@ def recipe(a):
             "best_val_loss": best, "final": evals[-1]}
 
 
+def smollm2(block_size):
+    """`transformers`' LlamaForCausalLM in SmolLM2-135M's shape, returning the mean loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=max(block_size, 2048),
+                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, idx, targets):
+            logits = self.inner(input_ids=idx).logits
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    return Wrapped(), 49152
+
+
 def throughput(a):
     torch.manual_seed(0)
-    model = GPT(50257, a.block_size, 12, 12, 768).to(a.device)
+    if a.arch == "smollm2":
+        model, vocab = smollm2(a.block_size)
+        model = model.to(a.device)
+    else:
+        model, vocab = GPT(50257, a.block_size, 12, 12, 768).to(a.device), 50257
     opt = optimizer(model, a)
     gen = torch.Generator().manual_seed(0)
     times = []
     for it in range(a.max_iters + 1):
-        x = torch.randint(50257, (a.batch_size, a.block_size), generator=gen).to(a.device)
+        x = torch.randint(vocab, (a.batch_size, a.block_size), generator=gen).to(a.device)
         t0 = time.perf_counter()
         with torch.autocast(a.device.split(":")[0], dtype=torch.bfloat16, enabled=a.bf16):
             loss = model(x, torch.roll(x, -1, 1))
@@ -144,7 +172,8 @@ def throughput(a):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     step = sorted(times[1:])[len(times[1:]) // 2]  # median, after a warm-up step
-    return {"device": a.device, "bf16_autocast": a.bf16, "batch_size": a.batch_size, "block_size": a.block_size,
+    return {"arch": a.arch, "parameters": sum(p.numel() for p in model.parameters()),
+            "device": a.device, "bf16_autocast": a.bf16, "batch_size": a.batch_size, "block_size": a.block_size,
             "s_per_step": step, "tokens_per_sec": a.batch_size * a.block_size / step}
 
 
@@ -169,6 +198,7 @@ def main():
     p.add_argument("--eval-iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cpu", help="throughput mode: cpu or cuda")
+    p.add_argument("--arch", default="gpt2", choices=["gpt2", "smollm2"], help="throughput mode: the shape")
     p.add_argument("--bf16", action="store_true", help="throughput mode: bf16 autocast")
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA")
     a = p.parse_args()

@@ -4,14 +4,17 @@
 //! runs them (`step`; on a GPU the host queues a phase while the previous one runs), and
 //! training tokens/s. Prints one JSON object.
 //!
-//!     [DEVICE=cpu|cuda] cargo bench -p gpt-train --bench train_step -- [recipe|shakespeare-char|gpt2] [BATCH] [BLOCK] [STEPS]
+//!     [DEVICE=cpu|cuda] cargo bench -p gpt-train --bench train_step -- [recipe|shakespeare-char|gpt2|smollm2] [BATCH] [BLOCK] [STEPS]
 //!
 //! On a CUDA GPU, f32 matrix products use TF32 unless TF32=0; AUTOCAST=bf16 multiplies in bf16.
 //!
 //! `recipe` is nanoGPT's CPU recipe (65 tokens, 4 layers, 4 heads, 128 wide; batch 12 x 64);
 //! `shakespeare-char` nanoGPT's GPU default (65 tokens, 6 x 6 x 384; batch 64 x 256); `gpt2` the
-//! GPT-2-small shape (50257 tokens, 12 x 12 x 768; batch 4 x 256 by default).
-//! `bench/torch_train.py throughput` measures the PyTorch side.
+//! GPT-2-small shape (50257 tokens, 12 x 12 x 768; batch 4 x 256 by default); `smollm2`
+//! SmolLM2-135M's (Llama family: 49152 tokens, 30 layers, 9 query and 3 key/value heads, 576 wide,
+//! gated SiLU MLP 1536 wide, RMSNorm, RoPE, tied head; batch 4 x 256 by default).
+//! `bench/torch_train.py throughput [--arch smollm2]` measures the PyTorch side (`transformers`'
+//! `LlamaForCausalLM` for SmolLM2).
 
 use std::time::Instant;
 
@@ -36,6 +39,17 @@ fn main() -> anyhow::Result<()> {
     let shape = args.first().map(String::as_str).unwrap_or("recipe");
     let (mut cfg, batch, block) = match shape {
         "gpt2" => (Config::gpt2_small(), 4, 256),
+        "smollm2" => {
+            let shape = Config {
+                n_layer: 30,
+                n_head: 9,
+                n_embd: 576,
+                ..Config::tiny(49152)
+            };
+            let mut cfg = gpt::arch::from_scratch(gpt::arch::Family::Llama, &shape, Some(3))?;
+            cfg.n_inner = Some(1536); // SmolLM2-135M's intermediate_size
+            (cfg, 4, 256)
+        }
         "shakespeare-char" => (Config::preset("shakespeare-char", Some(65))?, 64, 256),
         _ => (
             Config {
@@ -53,7 +67,7 @@ fn main() -> anyhow::Result<()> {
     let steps: usize = args
         .get(3)
         .and_then(|s| s.parse().ok())
-        .unwrap_or(if shape == "gpt2" { 5 } else { 30 });
+        .unwrap_or(if matches!(shape, "gpt2" | "smollm2") { 5 } else { 30 });
     (cfg.n_positions, cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) = (block, 0.0, 0.0, 0.0);
 
     let device = gpt::parse_device(&std::env::var("DEVICE").unwrap_or_else(|_| "cpu".into()))?;
