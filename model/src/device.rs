@@ -78,7 +78,7 @@ pub fn tune_cpu_allocator() {
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20); // the largest glibc allows
         libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, -1); // never: see above
         libc::mallopt(libc::M_TOP_PAD, 64 << 20);
     }
 }
