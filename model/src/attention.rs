@@ -163,8 +163,8 @@ impl CausalSelfAttention {
     /// (QK-norm) and rotated to each row's position (`positions` `(N)` u32), as `transformers`'
     /// `apply_rotary_pos_emb` does (the two halves of each head as the pairs); v unchanged.
     ///
-    /// `train`: for a backward pass, of candle's differentiable ops (its fused RoPE and RMSNorm
-    /// have none; the values are the same).
+    /// `train`: for a backward pass, the kernels' differentiable RoPE and RMSNorm (candle-nn's
+    /// fused ones have none; the values are the same).
     pub(crate) fn rotate(&self, qkv: &Tensor, positions: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         if self.rope.is_none() && self.qk_norm.is_none() {
             return Ok(qkv.clone());
@@ -179,7 +179,7 @@ impl CausalSelfAttention {
             .contiguous()?; // (1, N, nkv, hs)
         let v = qkv.narrow(1, qw + kvw, kvw)?; // (N, kv)
         let norm = |x: &Tensor, gain: &Tensor, eps: f32| match train {
-            true => candle_nn::ops::rms_norm_slow(x, gain, eps),
+            true => gpt_kernels::rms_norm(x, gain, eps),
             false => candle_nn::ops::rms_norm(x, gain, eps),
         };
         let (q, k) = match &self.qk_norm {
@@ -191,9 +191,9 @@ impl CausalSelfAttention {
                 let positions = positions.to_dtype(candle_core::DType::U32)?;
                 let cos = rope.cos.index_select(&positions, 0)?; // (N, hs / 2)
                 let sin = rope.sin.index_select(&positions, 0)?;
-                // `rope_slow` (candle's ops, with a backward pass) takes the rows third.
+                // candle-nn's `rope_thd` has no backward pass; the kernels' has.
                 let rotate = |x: &Tensor| match train {
-                    true => candle_nn::rotary_emb::rope_slow(&x.transpose(1, 2)?, &cos, &sin)?.transpose(1, 2),
+                    true => gpt_kernels::rope(x, &cos, &sin),
                     false => candle_nn::rotary_emb::rope_thd(x, &cos, &sin),
                 };
                 (rotate(&q)?, rotate(&k)?)
@@ -278,6 +278,11 @@ impl CausalSelfAttention {
         if gpt_kernels::fused(x) && x.device().is_cpu() && self.is_plain() {
             let rows = x.reshape((b_sz * seq_len, n_embd))?;
             let y = self.forward_rows(&rows, seq_len, train, segments, record)?;
+            return dropout(y, self.resid_pdrop, train.map(|d| d.site(1)))?.reshape((b_sz, seq_len, n_embd));
+        }
+        if gpt_kernels::fused(x) && x.device().is_cpu() && record.is_none() && self.runs_on_windows(seq_len) {
+            let rows = x.reshape((b_sz * seq_len, n_embd))?;
+            let y = self.forward_grouped_rows(&rows, seq_len, train, segments)?;
             return dropout(y, self.resid_pdrop, train.map(|d| d.site(1)))?.reshape((b_sz, seq_len, n_embd));
         }
         if gpt_kernels::fused(x)
@@ -394,13 +399,27 @@ impl CausalSelfAttention {
             let att = (heads(0)?.matmul(&heads(1)?.t()?)? * self.scale())?;
             record.push(gpt_kernels::causal_softmax(&att, false)?); // (B, nh, T, T)
         }
+        self.attend_windows(&qkv, seq_len, train, rows, segments)
+    }
+
+    /// The tiled window attention of `qkv` `(B * T, 3 nh hs)` then `c_proj`: the attention
+    /// weights' dropout (site 0) from `train`, a LoRA update's (site 4) from `rows` (`train`
+    /// counted in rows).
+    fn attend_windows(
+        &self,
+        qkv: &Tensor,
+        seq_len: usize,
+        train: Option<Dropout>,
+        rows: Option<Dropout>,
+        segments: Option<&Segments>,
+    ) -> candle_core::Result<Tensor> {
         let (p, d) = match train {
             Some(d) if self.attn_pdrop > 0.0 => (self.attn_pdrop, d.site(0)),
             _ => (0.0, Dropout { key: 0, first_row: 0 }),
         };
         let y = gpt_kernels::window_attention(
             gpt_kernels::Simd::detect(),
-            &qkv,
+            qkv,
             seq_len,
             self.n_head,
             self.scale() as f32,
@@ -410,6 +429,44 @@ impl CausalSelfAttention {
             segments.map(|s| s.starts.clone()),
         )?;
         self.c_proj.forward_t(&y, rows.map(|d| d.site(4))) // (B*T, C)
+    }
+
+    /// Whether the families' heads (rotations, QK-norm, grouped key/value heads, a scale of
+    /// their own) run on the fused window attention over windows of `seq_len`: neither scores
+    /// soft-capped nor a sliding window shorter than the window (the kernel has neither).
+    fn runs_on_windows(&self, seq_len: usize) -> bool {
+        !self.is_plain()
+            && self.masking.softcap.is_none()
+            && self.masking.window.is_none_or(|w| w >= seq_len)
+            && self.n_kv_head > 0
+            && self.n_head.is_multiple_of(self.n_kv_head)
+    }
+
+    /// [`Self::forward_rows`] for the families' heads ([`Self::runs_on_windows`]): `x` `(B * T,
+    /// C)` in windows of `seq_len`, one product for q, k and v, q and k normalised and rotated
+    /// (fused ops with their backward passes), the key/value heads repeated for their groups
+    /// ([`gpt_kernels::repeat_kv_heads`]), then the tiled window attention. On candle's ops
+    /// (`forward_recorded`'s composite) the repeated heads, the `(B, nh, T, T)` scores and
+    /// their backward pass were most of a SmolLM2-shaped training step's attention.
+    fn forward_grouped_rows(
+        &self,
+        x: &Tensor,
+        seq_len: usize,
+        train: Option<Dropout>,
+        segments: Option<&Segments>,
+    ) -> candle_core::Result<Tensor> {
+        let rows = train.map(|d| Dropout {
+            first_row: d.first_row * seq_len,
+            ..d
+        });
+        let qkv = self.c_attn.forward_t(x, rows.map(|d| d.site(3)))?; // (B*T, q + 2 kv)
+        let positions = match segments {
+            Some(s) => s.positions.clone(),
+            None => Tensor::arange(0u32, seq_len as u32, x.device())?.repeat(x.dim(0)? / seq_len.max(1))?,
+        };
+        let qkv = self.rotate(&qkv, &positions, train.is_some())?;
+        let qkv = gpt_kernels::repeat_kv_heads(&qkv, self.n_head, self.n_kv_head)?; // (B*T, 3 q)
+        self.attend_windows(&qkv, seq_len, train, rows, segments)
     }
 
     pub(crate) fn resid_pdrop(&self) -> f32 {

@@ -59,20 +59,18 @@ impl Mlp {
         }
     }
 
-    /// `act(gate) * up` for the gated MLP's `(.., 2 I)` projection.
+    /// `act(gate) * up` for the gated MLP's `(.., 2 I)` projection: the kernels' op for the
+    /// families' SiLU and GELU-tanh gates (one pass each way on the CPU), candle's ops otherwise.
     fn gate(&self, h: &Tensor) -> candle_core::Result<Tensor> {
-        let width = h.dim(candle_core::D::Minus1)? / 2;
-        let (gate, up) = (
-            h.narrow(candle_core::D::Minus1, 0, width)?,
-            h.narrow(candle_core::D::Minus1, width, width)?,
-        );
-        let gate = match self.activation {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluNew => gate.gelu()?,
-            Activation::Gelu => gate.gelu_erf()?,
-            Activation::Relu => gate.relu()?,
-        };
-        gate * up
+        let last = candle_core::D::Minus1;
+        let width = h.dim(last)? / 2;
+        let (gate, up) = (h.narrow(last, 0, width), || h.narrow(last, width, width));
+        match self.activation {
+            Activation::Silu => gpt_kernels::gated(h, gpt_kernels::GateActivation::Silu),
+            Activation::GeluNew => gpt_kernels::gated(h, gpt_kernels::GateActivation::GeluTanh),
+            Activation::Gelu => gate?.gelu_erf()? * up()?,
+            Activation::Relu => gate?.relu()? * up()?,
+        }
     }
 
     /// `train`: this layer's dropout key; the MLP's masks are its site 2.

@@ -530,8 +530,9 @@ pub(crate) fn layer_norm(ln: &LayerNorm, x: &Tensor, train: bool) -> candle_core
     match (train, ln.bias()) {
         (true, Some(bias)) => gpt_kernels::layer_norm(x, ln.weight(), bias, ln.eps() as f32),
         (false, _) if !ln.remove_mean() => candle_nn::ops::rms_norm(&x.contiguous()?, ln.weight(), ln.eps() as f32),
-        // candle's fused RMSNorm has no backward pass: training composes it of its ops.
-        (true, None) if !ln.remove_mean() => candle_nn::ops::rms_norm_slow(x, ln.weight(), ln.eps() as f32),
+        // candle's fused RMSNorm has no backward pass: training takes the kernels' (a composite
+        // of candle's ops off the CPU).
+        (true, None) if !ln.remove_mean() => gpt_kernels::rms_norm(x, ln.weight(), ln.eps() as f32),
         _ => ln.forward(&x.contiguous()?),
     }
 }

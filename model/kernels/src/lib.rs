@@ -40,7 +40,10 @@ pub mod train;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
-pub use elementwise::{add_dropout, add_tiled, causal_mask, causal_softmax, dropout, gelu, layer_norm};
+pub use elementwise::gated::GateActivation;
+pub use elementwise::{
+    add_dropout, add_tiled, causal_mask, causal_softmax, dropout, gated, gelu, layer_norm, rms_norm, rope,
+};
 pub use error::ParseError;
 pub use infer::{
     cached_attention, cached_attention_masked, cached_attention_on, grouped_attention, CachedKv, Masking, WriteRows,
@@ -49,8 +52,9 @@ pub use packed::{MatmulPrecision, PackedMatrix, WeightFormat};
 pub use rows::{argmax, argmax_on, log_sum_exp, log_sum_exp_on};
 pub use simd::Simd;
 pub use train::{
-    affine, affine_gelu, cross_entropy, frozen_affine, linear_product, lm_head_loss, product, scaled_linear_product,
-    segment_mask, segment_starts, window_attention, window_attention_runs_on, Autocast, Bf16Dot, Operand, IGNORE,
+    affine, affine_gelu, cross_entropy, frozen_affine, linear_product, lm_head_loss, product, repeat_kv_heads,
+    scaled_linear_product, segment_mask, segment_starts, window_attention, window_attention_runs_on, Autocast, Bf16Dot,
+    Operand, IGNORE,
 };
 
 /// The f32 data of a contiguous CPU tensor, for custom ops' `cpu_fwd`.

@@ -60,6 +60,78 @@ fn add_tiled_and_layer_norm_match_candle() {
     }
 }
 
+/// RMSNorm, RoPE and the gated activations, fused, against candle-nn's composites: values and
+/// the gradients of every input, through candle's backward pass and through the tape's.
+#[test]
+fn rms_norm_rope_and_gated_activations_match_candles_composites() {
+    let dev = &Device::Cpu;
+    let (n, heads, hd, inner) = (6, 3, 8, 10);
+    let x = Var::from_tensor(&Tensor::randn(0f32, 2.0, (n, heads * hd), dev).unwrap()).unwrap();
+    let gamma = Var::from_tensor(&Tensor::randn(1f32, 0.5, heads * hd, dev).unwrap()).unwrap();
+    let w = Var::from_tensor(&Tensor::randn(0f32, 0.3, (heads * hd, 2 * inner), dev).unwrap()).unwrap();
+    let angles = Tensor::randn(0f32, 3.0, (n, hd / 2), dev).unwrap();
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let g_rot = Tensor::randn(0f32, 1.0, (1, n, heads, hd), dev).unwrap();
+    let g_out = Tensor::randn(0f32, 1.0, (n, inner), dev).unwrap();
+    for act in [GateActivation::Silu, GateActivation::GeluTanh] {
+        // (rotated, gated): the norm's output rotated as heads, and a gated MLP's activation of
+        // the norm's output; the loss reads both.
+        let forward = |fused: bool| {
+            let h = match fused {
+                true => rms_norm(&x, &gamma, 1e-5),
+                false => candle_nn::ops::rms_norm_slow(&x, &gamma, 1e-5),
+            }
+            .unwrap();
+            // The plain ops as entries of a recording tape (outside one, just the ops).
+            let heads4 = tape::candle_ops(&[&h], |a| a[0].reshape((1, n, heads, hd))).unwrap();
+            let rotated = match fused {
+                true => rope(&heads4, &cos, &sin),
+                false => candle_nn::rotary_emb::rope_slow(&heads4.transpose(1, 2).unwrap(), &cos, &sin)
+                    .and_then(|r| r.transpose(1, 2)),
+            }
+            .unwrap();
+            let up = tape::candle_ops(&[&h, &w], |a| a[0].matmul(&a[1])).unwrap(); // (N, 2 I)
+            let gated_out = match fused {
+                true => gated(&up, act).unwrap(),
+                false => {
+                    let (a, b) = (up.narrow(1, 0, inner).unwrap(), up.narrow(1, inner, inner).unwrap());
+                    let a = match act {
+                        GateActivation::Silu => candle_nn::ops::silu(&a).unwrap(),
+                        GateActivation::GeluTanh => a.gelu().unwrap(),
+                    };
+                    (a * b).unwrap()
+                }
+            };
+            let loss = tape::candle_ops(&[&rotated, &gated_out], |a| {
+                a[0].mul(&g_rot)?.sum_all()? + a[1].mul(&g_out)?.sum_all()?
+            })
+            .unwrap();
+            (rotated, gated_out, loss)
+        };
+        let (ra, ya, la) = forward(true);
+        let (rb, yb, lb) = forward(false);
+        assert!(max_diff(&ra, &rb) < 1e-5, "{act:?}: rope {}", max_diff(&ra, &rb));
+        assert!(max_diff(&ya, &yb) < 1e-5, "{act:?}: gated {}", max_diff(&ya, &yb));
+        let candle_grads = |loss: &Tensor| {
+            let g = loss.backward().unwrap();
+            [&x, &gamma, &w].map(|v| g.get(v).unwrap().clone())
+        };
+        let (ga, gb) = (candle_grads(&la), candle_grads(&lb));
+        // The tape's backward pass over the fused ops gives candle's over them.
+        let (loss, tape) = tape::record(|| Ok::<_, candle_core::Error>(forward(true).2)).unwrap();
+        let gt: Vec<Tensor> = tape
+            .backward(&loss, 1.0, &[&x, &gamma, &w])
+            .unwrap()
+            .into_iter()
+            .map(|g| g.expect("a gradient for every leaf"))
+            .collect();
+        for (i, ((a, b), t)) in ga.iter().zip(&gb).zip(&gt).enumerate() {
+            assert!(max_diff(a, b) < 1e-4, "{act:?}: gradient {i}: {}", max_diff(a, b));
+            assert_eq!(max_diff(a, t), 0.0, "{act:?}: gradient {i} on the tape");
+        }
+    }
+}
+
 #[test]
 fn cross_entropy_matches_candle_forward_and_backward() {
     let dev = &Device::Cpu;

@@ -9,8 +9,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use crate::f32_slice;
 use crate::parallel;
 
-const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-const GELU_A: f32 = 0.044_715;
+pub(super) const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+pub(super) const GELU_A: f32 = 0.044_715;
 
 /// tanh(x) as a 13/6 rational function on [-7.9053, 7.9053] (|error| < 1e-6; beyond that range
 /// tanh is ±1 in f32). The coefficients are the published minimax fit used by Eigen's float tanh.

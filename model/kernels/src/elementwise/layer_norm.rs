@@ -22,7 +22,7 @@ const SUM_LANES: usize = 16;
 /// values come in fixed-size chunks, with no bounds check per value (one took the vectors
 /// apart).
 #[inline(always)]
-fn lane_sum<const K: usize>(cols: [&[f32]; K], f: impl Fn([f32; K]) -> f32) -> f32 {
+pub(super) fn lane_sum<const K: usize>(cols: [&[f32]; K], f: impl Fn([f32; K]) -> f32) -> f32 {
     let n = cols.first().map_or(0, |c| c.len());
     let mut acc = [0f32; SUM_LANES];
     let whole = n / SUM_LANES * SUM_LANES;

@@ -11,8 +11,11 @@
 
 pub mod add;
 pub mod dropout;
+pub mod gated;
 pub mod gelu;
 pub mod layer_norm;
+pub mod rms_norm;
+pub mod rope;
 pub mod softmax;
 
 use candle_core::{DType, Result, Tensor};
@@ -20,8 +23,11 @@ use candle_core::{DType, Result, Tensor};
 use crate::{fused, tape};
 use add::AddTiled;
 use dropout::Dropout;
+use gated::{GateActivation, Gated};
 use gelu::Gelu;
 use layer_norm::LayerNorm;
+use rms_norm::RmsNorm;
+use rope::Rope;
 use softmax::CausalSoftmax;
 
 /// Dropout of `x` with probability `p`, the mask drawn from the counter-based generator keyed by
@@ -91,6 +97,45 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
     } else {
         candle_nn::ops::layer_norm_slow(x, gamma, beta, eps)
     }
+}
+
+/// RMSNorm over the last dimension with weight `gamma`, differentiable; fused on the CPU in f32,
+/// else candle-nn's composite.
+pub fn rms_norm(x: &Tensor, gamma: &Tensor, eps: f32) -> Result<Tensor> {
+    if fused(x) && x.device().is_cpu() && gamma.dtype() == DType::F32 {
+        tape::op2(&x.contiguous()?, &gamma.contiguous()?, RmsNorm { eps })
+    } else {
+        candle_nn::ops::rms_norm_slow(x, gamma, eps)
+    }
+}
+
+/// Rotary position embedding of `x` `(1, N, H, D)` (rows of heads), row `n` by the angles of
+/// `cos[n]` and `sin[n]` `(N, D / 2)`, the two halves of each head as the pairs (`transformers`'
+/// `rotate_half`); differentiable. Fused on the CPU in f32, else candle-nn's `rope_slow`.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if fused(x) && x.device().is_cpu() && cos.dtype() == DType::F32 && sin.dtype() == DType::F32 {
+        tape::op3(&x.contiguous()?, &cos.contiguous()?, &sin.contiguous()?, Rope)
+    } else {
+        candle_nn::rotary_emb::rope_slow(&x.transpose(1, 2)?, cos, sin)?.transpose(1, 2)
+    }
+}
+
+/// `act(h[.., :I]) ⊙ h[.., I:]` for a gated MLP's `(.., 2 I)` projection, differentiable; fused on
+/// the CPU in f32, else candle's ops.
+pub fn gated(h: &Tensor, act: GateActivation) -> Result<Tensor> {
+    if fused(h) && h.device().is_cpu() {
+        return tape::op1(&h.contiguous()?, Gated(act));
+    }
+    let width = h.dim(candle_core::D::Minus1)? / 2;
+    let (gate, up) = (
+        h.narrow(candle_core::D::Minus1, 0, width)?,
+        h.narrow(candle_core::D::Minus1, width, width)?,
+    );
+    let gate = match act {
+        GateActivation::Silu => candle_nn::ops::silu(&gate)?,
+        GateActivation::GeluTanh => gate.gelu()?,
+    };
+    gate * up
 }
 
 /// Causal softmax of attention scores `(.., T_q, T_k)` (see [`CausalSoftmax`]), differentiable;

@@ -5,6 +5,7 @@
 
 pub mod bf16;
 pub mod cross_entropy;
+mod grouped;
 pub mod head_loss;
 pub mod linear;
 pub mod operand;
@@ -121,6 +122,40 @@ pub fn window_attention(
             starts: segments,
             probs: keep.then(Default::default),
         },
+    )
+}
+
+/// Grouped-query attention's rows `(N, (nh + 2 nkv) hs)` (queries, keys, values, head after
+/// head) with each key and value head repeated for its group of `nh / nkv` query heads:
+/// `(N, 3 nh hs)`, what [`window_attention`] takes; differentiable (the gradient sums each
+/// group). With as many key/value heads as query heads, `qkv` itself. One pass each way on the
+/// CPU in f32, else candle's ops.
+pub fn repeat_kv_heads(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
+    if n_kv_head == n_head {
+        return Ok(qkv.clone());
+    }
+    let op = grouped::RepeatKv { n_head, n_kv_head };
+    if qkv.device().is_cpu() && crate::fused(qkv) {
+        return tape::op1(&qkv.contiguous()?, op);
+    }
+    let (rows, width) = qkv.dims2()?;
+    if n_kv_head == 0 || !n_head.is_multiple_of(n_kv_head) || !width.is_multiple_of(n_head + 2 * n_kv_head) {
+        candle_core::bail!("repeat-kv-heads: {width} columns for {n_head} query heads over {n_kv_head} key/value heads")
+    }
+    let hs = width / (n_head + 2 * n_kv_head);
+    let repeat = |start: usize| -> Result<Tensor> {
+        qkv.narrow(1, start * hs, n_kv_head * hs)?
+            .reshape((rows, n_kv_head, 1, hs))?
+            .broadcast_as((rows, n_kv_head, n_head / n_kv_head, hs))?
+            .reshape((rows, n_head * hs))
+    };
+    Tensor::cat(
+        &[
+            &qkv.narrow(1, 0, n_head * hs)?,
+            &repeat(n_head)?,
+            &repeat(n_head + n_kv_head)?,
+        ],
+        1,
     )
 }
 
