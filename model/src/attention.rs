@@ -166,7 +166,33 @@ impl CausalSelfAttention {
     /// `train`: for a backward pass, the kernels' differentiable RoPE and RMSNorm (candle-nn's
     /// fused ones have none; the values are the same).
     pub(crate) fn rotate(&self, qkv: &Tensor, positions: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        if self.rope.is_none() && self.qk_norm.is_none() {
+        let gains = self.qk_norm.as_ref().map(|(q, k, _)| (q, k));
+        self.rotate_with(qkv, gains, positions, train)
+    }
+
+    /// [`Self::rotate`] on the residual stream's rows while a tape may record: candle's ops
+    /// (the narrows, the concatenation) as one entry of the tape with the gains among its
+    /// inputs, so that their gradients reach them.
+    fn rotate_on_tape(&self, qkv: &Tensor, positions: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        use gpt_kernels::tape::candle_ops;
+        match &self.qk_norm {
+            _ if self.rope.is_none() && self.qk_norm.is_none() => Ok(qkv.clone()),
+            Some((q, k, _)) => candle_ops(&[qkv, q, k], |a| {
+                self.rotate_with(&a[0], Some((&a[1], &a[2])), positions, train)
+            }),
+            None => candle_ops(&[qkv], |a| self.rotate_with(&a[0], None, positions, train)),
+        }
+    }
+
+    /// [`Self::rotate`] with QK-norm's gains `(q, k)` given.
+    fn rotate_with(
+        &self,
+        qkv: &Tensor,
+        gains: Option<(&Tensor, &Tensor)>,
+        positions: &Tensor,
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        if self.rope.is_none() && gains.is_none() {
             return Ok(qkv.clone());
         }
         let (n, _) = qkv.dims2()?;
@@ -182,8 +208,9 @@ impl CausalSelfAttention {
             true => gpt_kernels::rms_norm(x, gain, eps),
             false => candle_nn::ops::rms_norm(x, gain, eps),
         };
-        let (q, k) = match &self.qk_norm {
-            Some((qn, kn, eps)) => (norm(&q, qn, *eps)?, norm(&k, kn, *eps)?),
+        let eps = self.qk_norm.as_ref().map_or(0.0, |(_, _, eps)| *eps);
+        let (q, k) = match gains {
+            Some((qn, kn)) => (norm(&q, qn, eps)?, norm(&k, kn, eps)?),
             None => (q, k),
         };
         let (q, k) = match &self.rope {
@@ -377,7 +404,10 @@ impl CausalSelfAttention {
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
         if !self.is_plain() {
-            candle_core::bail!("attention: the fused window attention takes GPT-2's heads only")
+            if record.is_some() {
+                candle_core::bail!("attention: the families' probabilities are not recorded on rows")
+            }
+            return self.forward_grouped_rows(x, seq_len, train, segments);
         }
         // A LoRA update's input dropout (sites 3 and 4), its masks counted in rows.
         let rows = train.map(|d| Dropout {
@@ -434,7 +464,7 @@ impl CausalSelfAttention {
     /// Whether the families' heads (rotations, QK-norm, grouped key/value heads, a scale of
     /// their own) run on the fused window attention over windows of `seq_len`: neither scores
     /// soft-capped nor a sliding window shorter than the window (the kernel has neither).
-    fn runs_on_windows(&self, seq_len: usize) -> bool {
+    pub(crate) fn runs_on_windows(&self, seq_len: usize) -> bool {
         !self.is_plain()
             && self.masking.softcap.is_none()
             && self.masking.window.is_none_or(|w| w >= seq_len)
@@ -464,7 +494,7 @@ impl CausalSelfAttention {
             Some(s) => s.positions.clone(),
             None => Tensor::arange(0u32, seq_len as u32, x.device())?.repeat(x.dim(0)? / seq_len.max(1))?,
         };
-        let qkv = self.rotate(&qkv, &positions, train.is_some())?;
+        let qkv = self.rotate_on_tape(&qkv, &positions, train.is_some())?;
         let qkv = gpt_kernels::repeat_kv_heads(&qkv, self.n_head, self.n_kv_head)?; // (B*T, 3 q)
         self.attend_windows(&qkv, seq_len, train, rows, segments)
     }

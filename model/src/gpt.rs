@@ -202,7 +202,7 @@ impl Block {
             segments,
             record,
         )?;
-        let x = add(x, &h, self.attn.resid_pdrop(), 1)?;
+        let x = add(x, &self.post_attn(h, train.is_some())?, self.attn.resid_pdrop(), 1)?;
         let rows = train.map(|d| Dropout {
             first_row: d.first_row * seq_len,
             ..d
@@ -210,7 +210,7 @@ impl Block {
         let h = self
             .mlp
             .forward_undropped(&layer_norm(&self.ln_2, &x, train.is_some())?, rows)?;
-        add(&x, &h, self.mlp.resid_pdrop, 2)
+        add(&x, &self.post_mlp(h, train.is_some())?, self.mlp.resid_pdrop, 2)
     }
 
     /// Inference on packed rows ([`CausalSelfAttention::forward_packed`]), with the adapters'
@@ -398,7 +398,8 @@ impl Gpt {
     fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let x = self.wte.rows(ids, self.dtype())?;
         match self.cfg.variant.embed_scale {
-            true => x.affine((self.cfg.n_embd as f64).sqrt(), 0.0),
+            // One of candle's ops: an entry of a recording tape.
+            true => gpt_kernels::tape::candle_ops(&[&x], |a| a[0].affine((self.cfg.n_embd as f64).sqrt(), 0.0)),
             false => Ok(x),
         }
     }
@@ -491,6 +492,18 @@ impl Gpt {
         Ok(logits.reshape((b_sz, seq_len, self.cfg.vocab_size))?)
     }
 
+    /// Whether a family other than GPT-2 runs its windows of `seq_len` as rows of the residual
+    /// stream (`Block::forward_rows`, every op then one of the tape's): on the CPU in f32, every
+    /// layer's attention on the fused window attention (no soft-capped scores, no sliding
+    /// window shorter than `seq_len`) and the MLP's gate on the fused op.
+    pub(crate) fn family_runs_on_rows(&self, seq_len: usize) -> bool {
+        !self.cfg.is_gpt2_shaped()
+            && self.device().is_cpu()
+            && self.cfg.variant.gated_mlp
+            && matches!(self.cfg.activation_function, Activation::Silu | Activation::GeluNew)
+            && self.blocks.iter().all(|b| b.attn.runs_on_windows(seq_len))
+    }
+
     /// The final LayerNorm's output `(B*T, C)` for `(B, T)` windows: the LM head's input;
     /// `positions` for packed windows (see [`Gpt::forward_at`]).
     fn forward_hidden(
@@ -514,11 +527,12 @@ impl Gpt {
         // it has no segments).
         let head_dim = self.cfg.n_embd / self.cfg.n_head.max(1);
         let fused_rows = gpt_kernels::fused(&tok)
-            && self.cfg.is_gpt2_shaped()
-            && (tok.device().is_cpu()
-                || (gpt_kernels::cuda_tape()
-                    && positions.is_none()
-                    && gpt_kernels::window_attention_runs_on(&tok, head_dim)));
+            && ((self.cfg.is_gpt2_shaped()
+                && (tok.device().is_cpu()
+                    || (gpt_kernels::cuda_tape()
+                        && positions.is_none()
+                        && gpt_kernels::window_attention_runs_on(&tok, head_dim))))
+                || (record.is_none() && self.family_runs_on_rows(seq_len)));
         let (pos, segments) = match positions {
             None => (
                 self.wpe

@@ -31,9 +31,22 @@ fn both_ways(
 }
 
 fn check(cfg: &Config, autocast: Autocast, rows: usize, t: usize, eps: f32) -> anyhow::Result<()> {
-    let (varmap, model) = common::random_model(cfg)?;
+    let (varmap, model) = trainable_model(cfg)?;
     let model = model.with_autocast(autocast);
     compare(cfg, &model, &varmap, rows, t, eps)
+}
+
+/// [`common::random_model`] as `gpt-train` builds it ([`Gpt::new_trainable`]: the families'
+/// stacked q/k/v and gate/up as variables of their own).
+fn trainable_model(cfg: &Config) -> anyhow::Result<(VarMap, Gpt)> {
+    let varmap = VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let model = Gpt::new_trainable(vb, cfg)?;
+    for var in varmap.all_vars() {
+        let noise = Tensor::randn(0f32, 0.3, var.shape(), &Device::Cpu)?;
+        var.set(&(var.as_tensor() + noise)?)?;
+    }
+    Ok((varmap, model))
 }
 
 /// The gradients of `varmap`'s variables in `model`, by candle's backward and by the tape: all
@@ -168,6 +181,47 @@ fn the_tapes_gradients_are_candles() -> anyhow::Result<()> {
 }
 
 /// A fixed (sinusoidal) position table is a constant: no gradient, and no error.
+/// The other families train on the tape too (RMSNorm, rotations, grouped heads, QK-norm, q/k/v
+/// biases, Gemma's norms after each branch and scaled embedding, an untied head, dropout at
+/// every site, bf16 products): every gradient candle's, value for value. Soft-capped scores
+/// (Gemma 2) and a sliding window shorter than the context keep candle's backward pass.
+#[test]
+fn the_families_gradients_on_the_tape_are_candles() -> anyhow::Result<()> {
+    use gpt::arch::{from_scratch, Family};
+    let shape = Config {
+        n_embd: 48,
+        n_head: 6,
+        n_layer: 2,
+        resid_pdrop: 0.1,
+        attn_pdrop: 0.1,
+        embd_pdrop: 0.1,
+        ..Config::tiny(40)
+    };
+    for (family, kv) in [
+        (Family::Llama, Some(2)),
+        (Family::Qwen2, Some(3)),
+        (Family::Qwen3, Some(1)),
+        (Family::Gemma3, Some(2)),
+    ] {
+        let mut cfg = from_scratch(family, &shape, kv)?;
+        cfg.n_inner = Some(64);
+        check(&cfg, Autocast::Off, 3, 16, 0.0)?;
+        check(&cfg, Autocast::Bf16, 2, 8, 0.1)?;
+        let untied = Config {
+            tie_word_embeddings: false,
+            ..cfg.clone()
+        };
+        check(&untied, Autocast::Off, 2, 8, 0.0)?;
+    }
+    for (family, window) in [(Family::Gemma2, None), (Family::Mistral, Some(8))] {
+        let mut cfg = from_scratch(family, &shape, Some(2))?;
+        cfg.variant.sliding_window = window;
+        let (_, model) = trainable_model(&cfg)?;
+        assert!(!model.trains_on_tape(), "{family:?}");
+    }
+    Ok(())
+}
+
 #[test]
 fn a_fixed_position_table_gets_no_gradient() -> anyhow::Result<()> {
     let cfg = Config {

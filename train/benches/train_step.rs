@@ -91,7 +91,7 @@ fn main() -> anyhow::Result<()> {
         1
     };
     let varmap = VarMap::new();
-    let model = Gpt::new(seeded_var_builder(&varmap, 0, &device), &cfg)?.with_autocast(autocast);
+    let model = Gpt::new_trainable(seeded_var_builder(&varmap, 0, &device), &cfg)?.with_autocast(autocast);
     let named = gpt_train::init::named_vars(&varmap)?;
     let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
     let cfg_opt = AdamWConfig {

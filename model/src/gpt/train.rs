@@ -13,7 +13,8 @@ use crate::layers::{Autocast, Dropout, Weight};
 impl Gpt {
     /// Whether [`Gpt::loss`]'s backward pass can run on a tape ([`gpt_kernels::tape::record`],
     /// then [`gpt_kernels::tape::Tape::backward`]) instead of candle's `backward`: the fused path
-    /// in f32 (dense weights), with GPT-2's GELU; on a CUDA GPU, with `GPT_CUDA_TAPE=1`
+    /// in f32 (dense weights), with GPT-2's GELU, or the other families' layers where they run
+    /// as rows on the CPU ([`Gpt::family_runs_on_rows`]); on a CUDA GPU, with `GPT_CUDA_TAPE=1`
     /// ([`gpt_kernels::cuda_tape`]), also f32 products (no autocast), no LoRA adapter, heads the
     /// GPU's attention kernel takes, and windows that are not packed ([`Gpt::loss`], not
     /// [`Gpt::loss_at`]: the kernel has no segments). Elsewhere the forward pass runs candle ops
@@ -29,10 +30,21 @@ impl Gpt {
                 && !self.has_adapter()
                 && gpt_kernels::window_attention_runs_on(self.ln_f.weight(), head_dim)
         };
-        (on_cpu() || on_gpu())
-            && gpt_kernels::fused(self.ln_f.weight())
-            && self.cfg.is_gpt2_shaped()
-            && self.cfg.activation_function == Activation::GeluNew
+        // The other families: on the CPU, as rows at every window length up to the context,
+        // logits that are not soft-capped (candle's ops outside the fused head and loss), and no
+        // adapter (their stacked updates are made of the layers' matrices by candle's ops,
+        // outside the pass: `Adapter::restack`).
+        let family = || {
+            on_cpu()
+                && self.family_runs_on_rows(self.cfg.n_positions)
+                && self.cfg.variant.final_softcap.is_none()
+                && !self.has_adapter()
+        };
+        let gpt2 = || {
+            (on_cpu() || on_gpu()) && self.cfg.is_gpt2_shaped() && self.cfg.activation_function == Activation::GeluNew
+        };
+        gpt_kernels::fused(self.ln_f.weight())
+            && (gpt2() || family())
             && matches!(&self.wte, Weight::Dense(w) if w.dtype() == DType::F32)
     }
 
