@@ -17,6 +17,10 @@
 #   SERVERS=gpt-server ...                        # one server only (no llama.cpp build)
 #   CHECKPOINT=weights SERVERS=gpt-server WEIGHTS=f32 PROFILES=concurrent STREAMS=4 DURATION=20 \
 #     OUT=target/bench/guidellm-ci PLOT=target/bench/guidellm-ci/plot.png bash bench/guidellm.sh  # CI
+#   GGUF=path/model.gguf PROFILES=concurrent STREAMS=16 bash bench/guidellm.sh
+#                                                 # both servers on one GGUF file (guidellm's tokenizer
+#                                                 # from the file, through transformers:
+#                                                 # TOKENIZER_PYTHON, one with torch and gguf)
 # Fails if guidellm saw any request error.
 # Needs what bench/llamacpp_setup.sh says (for llama-server), and Python 3 for guidellm's venv.
 set -euo pipefail
@@ -42,7 +46,19 @@ if [ ! -x "$venv/bin/guidellm" ]; then
   "$venv/bin/pip" install -q --disable-pip-version-check "guidellm[plot]==${GUIDELLM_VERSION:-0.8.1}"
 fi
 
-if [ -n "${CHECKPOINT:-}" ]; then
+if [ -n "${GGUF:-}" ]; then
+  GGUF=$(cd "$(dirname "$GGUF")" && pwd)/$(basename "$GGUF")
+  weights=$(basename "$GGUF" .gguf)
+  [[ $servers == *llama-server* ]] && llama_cpp_build llama-server
+  # guidellm counts and makes its synthetic prompts with a Hugging Face tokenizer: the file's own.
+  model=$out/tokenizer-$weights
+  [ -f "$model/tokenizer.json" ] || "${TOKENIZER_PYTHON:-$venv/bin/python}" -c "
+import os, sys
+from transformers import AutoTokenizer
+path, out = sys.argv[1], sys.argv[2]
+AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).save_pretrained(out)" \
+    "$GGUF" "$model"
+elif [ -n "${CHECKPOINT:-}" ]; then
   [[ $servers == *llama-server* ]] && { echo "CHECKPOINT= serves gpt-server only (llama-server reads GGUF)"; exit 1; }
   model=$CHECKPOINT
 elif [[ $servers == *llama-server* ]]; then
@@ -61,11 +77,13 @@ start_server() { # SERVER WEIGHTS
   local log=$out/$1-$2.log
   case $1 in
     gpt-server)
-      ./target/release/gpt-server --checkpoint "$model" --dtype "$2" --port "$port" --device cpu \
+      local source=(--checkpoint "$model" --dtype "$2")
+      [ -n "${GGUF:-}" ] && source=(--checkpoint "$GGUF")
+      ./target/release/gpt-server "${source[@]}" --port "$port" --device cpu \
         --model-name gpt2 --max-batch-size $parallel --max-queue 1024 --prefix-cache-mib 0 > "$log" 2>&1 & ;;
     llama-server)
       # One slot per stream, each with room for a request (the context is shared among slots).
-      "$work/build/bin/llama-server" -m "$work/gpt2-$2.gguf" --port "$port" -t "$threads" \
+      "$work/build/bin/llama-server" -m "${GGUF:-$work/gpt2-$2.gguf}" --port "$port" -t "$threads" \
         --parallel $parallel -c $((parallel * 256)) --alias gpt2 --no-cache-prompt --cache-ram 0 > "$log" 2>&1 & ;;
   esac
   server_pid=$!
