@@ -132,6 +132,47 @@ fn rms_norm_rope_and_gated_activations_match_candles_composites() {
     }
 }
 
+/// Grouped-query heads repeated for their groups: the fused op's values and gradient (each
+/// key/value head's the sum of its group's) equal candle's broadcast and concatenation; head
+/// counts that do not group are refused.
+#[test]
+fn repeated_kv_heads_match_candles_broadcast_and_sum_back() {
+    let dev = &Device::Cpu;
+    let (rows, nh, nkv, hs) = (5, 6, 2, 4);
+    let qkv = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, (nh + 2 * nkv) * hs), dev).unwrap()).unwrap();
+    let g = Tensor::randn(0f32, 1.0, (rows, 3 * nh * hs), dev).unwrap();
+    let composite = {
+        let part = |start: usize, heads: usize| qkv.narrow(1, start * hs, heads * hs).unwrap();
+        let repeat = |start: usize| {
+            part(start, nkv)
+                .reshape((rows, nkv, 1, hs))
+                .and_then(|t| t.broadcast_as((rows, nkv, nh / nkv, hs)))
+                .and_then(|t| t.reshape((rows, nh * hs)))
+                .unwrap()
+        };
+        Tensor::cat(&[part(0, nh), repeat(nh), repeat(nh + nkv)], 1).unwrap()
+    };
+    let fused = repeat_kv_heads(&qkv, nh, nkv).unwrap();
+    assert_eq!(max_diff(&fused, &composite), 0.0);
+    let grad = |y: &Tensor| {
+        (y * &g)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap()
+            .get(&qkv)
+            .unwrap()
+            .clone()
+    };
+    let d = max_diff(&grad(&fused), &grad(&composite));
+    assert!(d < 1e-6, "{d}");
+    for (nh, nkv) in [(6, 4), (6, 0)] {
+        let err = repeat_kv_heads(&qkv, nh, nkv).expect_err("heads that do not group");
+        assert!(err.to_string().contains("heads"), "{err}");
+    }
+}
+
 #[test]
 fn cross_entropy_matches_candle_forward_and_backward() {
     let dev = &Device::Cpu;
