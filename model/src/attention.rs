@@ -176,11 +176,11 @@ impl CausalSelfAttention {
     fn rotate_on_tape(&self, qkv: &Tensor, positions: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         use gpt_kernels::tape::candle_ops;
         match &self.qk_norm {
-            _ if self.rope.is_none() && self.qk_norm.is_none() => Ok(qkv.clone()),
             Some((q, k, _)) => candle_ops(&[qkv, q, k], |a| {
                 self.rotate_with(&a[0], Some((&a[1], &a[2])), positions, train)
             }),
-            None => candle_ops(&[qkv], |a| self.rotate_with(&a[0], None, positions, train)),
+            None if self.rope.is_some() => candle_ops(&[qkv], |a| self.rotate_with(&a[0], None, positions, train)),
+            None => Ok(qkv.clone()),
         }
     }
 
@@ -302,14 +302,12 @@ impl CausalSelfAttention {
         record: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
         let (b_sz, seq_len, n_embd) = x.dims3()?;
-        if gpt_kernels::fused(x) && x.device().is_cpu() && self.is_plain() {
+        // GPT-2's heads, or the families' where the window attention takes them (not recording
+        // their probabilities), as rows on the CPU.
+        let on_rows = self.is_plain() || (record.is_none() && self.runs_on_windows(seq_len));
+        if gpt_kernels::fused(x) && x.device().is_cpu() && on_rows {
             let rows = x.reshape((b_sz * seq_len, n_embd))?;
             let y = self.forward_rows(&rows, seq_len, train, segments, record)?;
-            return dropout(y, self.resid_pdrop, train.map(|d| d.site(1)))?.reshape((b_sz, seq_len, n_embd));
-        }
-        if gpt_kernels::fused(x) && x.device().is_cpu() && record.is_none() && self.runs_on_windows(seq_len) {
-            let rows = x.reshape((b_sz * seq_len, n_embd))?;
-            let y = self.forward_grouped_rows(&rows, seq_len, train, segments)?;
             return dropout(y, self.resid_pdrop, train.map(|d| d.site(1)))?.reshape((b_sz, seq_len, n_embd));
         }
         if gpt_kernels::fused(x)

@@ -62,15 +62,21 @@ impl Mlp {
     /// `act(gate) * up` for the gated MLP's `(.., 2 I)` projection: the kernels' op for the
     /// families' SiLU and GELU-tanh gates (one pass each way on the CPU), candle's ops otherwise.
     fn gate(&self, h: &Tensor) -> candle_core::Result<Tensor> {
-        let last = candle_core::D::Minus1;
-        let width = h.dim(last)? / 2;
-        let (gate, up) = (h.narrow(last, 0, width), || h.narrow(last, width, width));
-        match self.activation {
-            Activation::Silu => gpt_kernels::gated(h, gpt_kernels::GateActivation::Silu),
-            Activation::GeluNew => gpt_kernels::gated(h, gpt_kernels::GateActivation::GeluTanh),
-            Activation::Gelu => gate?.gelu_erf()? * up()?,
-            Activation::Relu => gate?.relu()? * up()?,
-        }
+        let act = match self.activation {
+            Activation::Silu => gpt_kernels::GateActivation::Silu,
+            Activation::GeluNew => gpt_kernels::GateActivation::GeluTanh,
+            Activation::Gelu | Activation::Relu => {
+                let last = candle_core::D::Minus1;
+                let width = h.dim(last)? / 2;
+                let (gate, up) = (h.narrow(last, 0, width)?, h.narrow(last, width, width)?);
+                let gate = match self.activation {
+                    Activation::Gelu => gate.gelu_erf()?,
+                    _ => gate.relu()?,
+                };
+                return gate * up;
+            }
+        };
+        gpt_kernels::gated(h, act)
     }
 
     /// `train`: this layer's dropout key; the MLP's masks are its site 2.

@@ -5,7 +5,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::gelu::{fast_tanh, gelu_new, GELU_A, SQRT_2_OVER_PI};
+use super::gelu::{gelu_new, gelu_new_and_slope};
 use crate::f32_slice;
 use crate::parallel;
 
@@ -28,11 +28,7 @@ impl GateActivation {
                 let s = 1.0 / (1.0 + crate::rows::exp(-x));
                 (x * s, s * (1.0 + x * (1.0 - s)))
             }
-            Self::GeluTanh => {
-                let t = fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x));
-                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_A * x * x);
-                (0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
-            }
+            Self::GeluTanh => gelu_new_and_slope(x),
         }
     }
 

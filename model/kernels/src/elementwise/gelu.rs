@@ -9,8 +9,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use crate::f32_slice;
 use crate::parallel;
 
-pub(super) const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-pub(super) const GELU_A: f32 = 0.044_715;
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_A: f32 = 0.044_715;
 
 /// tanh(x) as a 13/6 rational function on [-7.9053, 7.9053] (|error| < 1e-6; beyond that range
 /// tanh is ±1 in f32). The coefficients are the published minimax fit used by Eigen's float tanh.
@@ -34,6 +34,14 @@ pub(crate) fn fast_tanh(x: f32) -> f32 {
 #[inline(always)]
 pub(crate) fn gelu_new(x: f32) -> f32 {
     0.5 * x * (1.0 + fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x)))
+}
+
+/// (gelu_new(x), its derivative at x): what the gradients multiply.
+#[inline(always)]
+pub(crate) fn gelu_new_and_slope(x: f32) -> (f32, f32) {
+    let t = fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x));
+    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_A * x * x);
+    (0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
 }
 
 /// GELU, tanh approximation (GPT-2's `gelu_new`).
@@ -90,9 +98,7 @@ impl CustomOp2 for GeluGrad {
             #[inline(always)]
             |start, out| {
                 for ((d, &x), &g) in out.iter_mut().zip(&x[start..]).zip(&g[start..]) {
-                    let t = fast_tanh(SQRT_2_OVER_PI * (x + GELU_A * x * x * x));
-                    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_A * x * x);
-                    d.write(g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du));
+                    d.write(g * gelu_new_and_slope(x).1);
                 }
             },
         );

@@ -36,6 +36,21 @@ impl RepeatKv {
     }
 }
 
+impl RepeatKv {
+    /// The input head that output head `j` of `(N, 3 nh hs)` copies: query head `j`, then key
+    /// head `(j - nh) / group`, then value head `(j - 2 nh) / group`.
+    #[inline(always)]
+    fn source(&self, j: usize) -> usize {
+        let (nh, nkv) = (self.n_head, self.n_kv_head);
+        let group = nh / nkv;
+        match j {
+            j if j < nh => j,
+            j if j < 2 * nh => nh + (j - nh) / group,
+            j => nh + nkv + (j - 2 * nh) / group,
+        }
+    }
+}
+
 impl CustomOp1 for RepeatKv {
     fn name(&self) -> &'static str {
         "repeat-kv-heads"
@@ -45,7 +60,7 @@ impl CustomOp1 for RepeatKv {
         let x = f32_slice(storage, layout, "repeat-kv-heads")?;
         let (nh, nkv) = (self.n_head, self.n_kv_head);
         let (hs, rows) = self.dims("repeat-kv-heads", layout, nh + 2 * nkv)?;
-        let (w_in, w_out, group) = ((nh + 2 * nkv) * hs, 3 * nh * hs, nh / nkv);
+        let (w_in, w_out) = ((nh + 2 * nkv) * hs, 3 * nh * hs);
         let y = parallel::collect(
             rows * w_out,
             parallel::rows_per_chunk(w_out) * w_out,
@@ -54,12 +69,7 @@ impl CustomOp1 for RepeatKv {
                 for (r, yr) in out.chunks_exact_mut(w_out).enumerate() {
                     let xr = &x[(start / w_out + r) * w_in..][..w_in];
                     for (yh, j) in yr.chunks_exact_mut(hs).zip(0..) {
-                        // Output head j: query head j, then key head (j - nh) / group, then value.
-                        let from = match j {
-                            j if j < nh => j,
-                            j if j < 2 * nh => nh + (j - nh) / group,
-                            j => nh + nkv + (j - 2 * nh) / group,
-                        };
+                        let from = self.source(j);
                         for (y, &v) in yh.iter_mut().zip(&xr[from * hs..][..hs]) {
                             y.write(v);
                         }
@@ -88,7 +98,7 @@ impl CustomOp1 for GroupSum {
         let g = f32_slice(storage, layout, "repeat-kv-heads-grad")?;
         let (nh, nkv) = (self.0.n_head, self.0.n_kv_head);
         let (hs, rows) = self.0.dims("repeat-kv-heads-grad", layout, 3 * nh)?;
-        let (w_in, w_out, group) = (3 * nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
+        let (w_in, w_out) = (3 * nh * hs, (nh + 2 * nkv) * hs);
         let mut dx = vec![0f32; rows * w_out];
         parallel::chunks_mut(
             &mut dx,
@@ -98,9 +108,8 @@ impl CustomOp1 for GroupSum {
                 for (r, dr) in out.chunks_exact_mut(w_out).enumerate() {
                     let gr = &g[(start / w_out + r) * w_in..][..w_in];
                     dr[..nh * hs].copy_from_slice(&gr[..nh * hs]);
-                    for (part, j) in (nh..3 * nh).map(|j| (j >= 2 * nh, j)) {
-                        let within = if part { j - 2 * nh } else { j - nh };
-                        let to = nh + usize::from(part) * nkv + within / group;
+                    for j in nh..3 * nh {
+                        let to = self.0.source(j);
                         for (d, &v) in dr[to * hs..][..hs].iter_mut().zip(&gr[j * hs..][..hs]) {
                             *d += v;
                         }
