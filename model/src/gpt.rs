@@ -259,6 +259,9 @@ pub struct Gpt {
     /// Activation checkpointing of every block while training on the tape
     /// ([`Gpt::with_activation_checkpointing`]).
     checkpointing: bool,
+    /// What the CPU's KV cache stores, where not the activations' dtype
+    /// ([`Gpt::with_kv_cache_dtype`]).
+    kv_dtype: Option<DType>,
 }
 
 /// The `(n_positions, n_embd)` table PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(..).
@@ -312,6 +315,7 @@ impl Gpt {
             cfg: cfg.clone(),
             autocast: Autocast::Off,
             checkpointing: false,
+            kv_dtype: None,
         })
     }
 
@@ -391,6 +395,7 @@ impl Gpt {
             cfg: cfg.clone(),
             autocast: Autocast::Off,
             checkpointing: false,
+            kv_dtype: None,
         })
     }
 
@@ -436,7 +441,32 @@ impl Gpt {
 
     /// A fresh cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(&self.cfg)
+        KvCache::stored_as(&self.cfg, self.kv_cache_dtype())
+    }
+
+    /// The dtype of the keys and values its caches hold ([`Gpt::with_kv_cache_dtype`]).
+    pub fn kv_cache_dtype(&self) -> DType {
+        self.kv_dtype.unwrap_or(self.dtype())
+    }
+
+    /// The model with caches that hold keys and values in `dtype`: the activations' own, or on
+    /// the CPU with f32 activations f16 (half the memory a position takes, as llama.cpp keeps
+    /// its cache; each value rounded to f16's 11 bits once, when written, and read as f32 by the
+    /// fused attention). Anything else is an error that names it.
+    pub fn with_kv_cache_dtype(mut self, dtype: DType) -> Result<Self> {
+        let activations = self.dtype();
+        self.kv_dtype = match dtype {
+            d if d == activations => None,
+            DType::F16 if activations == DType::F32 && self.device().is_cpu() => Some(DType::F16),
+            other => {
+                return Err(crate::Error::InvalidConfig(format!(
+                    "a KV cache in {other:?}: with {activations:?} activations on {} the cache holds {activations:?}{}",
+                    crate::device_name(self.device()),
+                    if self.device().is_cpu() { " or F16" } else { "" }
+                )))
+            }
+        };
+        Ok(self)
     }
 
     /// The model over whole windows, no cache: logits `(B, T, V)` in f32 for every position of

@@ -4,10 +4,60 @@
 //! that grows. Freed buffers go back to the pool of [`crate::kv_pool`]. A sliding-window layer's
 //! blocks go back once its queries can no longer see them (Mistral's rolling cache, in blocks).
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::config::Config;
 use crate::kv_pool::pool;
+
+/// What a server's KV cache stores (`--kv-cache-dtype`): `f32`, `f16` (on the CPU; half the
+/// memory, as llama.cpp's default cache), or `auto`: f16 where the weights are already held in a
+/// lossy format (quantized, f16 or bf16), f32 with f32 weights, whose outputs then stay those
+/// of `transformers` to f32's rounding. On a GPU the cache is in the activations' dtype.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    #[default]
+    Auto,
+    F32,
+    F16,
+}
+
+impl KvCacheDtype {
+    /// The dtype `model`'s caches would store ([`crate::Gpt::with_kv_cache_dtype`]'s argument).
+    pub fn resolve(self, model: &crate::Gpt) -> DType {
+        let exact = model.weight_format() == Some(gpt_kernels::WeightFormat::F32);
+        match self {
+            Self::F32 => DType::F32,
+            Self::F16 => DType::F16,
+            Self::Auto if model.device().is_cpu() && model.dtype() == DType::F32 && !exact => DType::F16,
+            Self::Auto => model.dtype(),
+        }
+    }
+}
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = crate::Error;
+
+    fn from_str(s: &str) -> crate::Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "f32" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
+            _ => Err(crate::Error::InvalidConfig(format!(
+                "unknown KV cache dtype `{s}`: expected auto, f32 or f16"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for KvCacheDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+        })
+    }
+}
 
 /// Keys and values of every layer for one sequence, so that decoding a token does not recompute
 /// the prompt. Positions continue from [`KvCache::len`]. Its CPU buffers go back to the pool of
@@ -24,9 +74,18 @@ impl KvCache {
     pub(crate) const CHUNK: usize = 64;
 
     pub fn new(cfg: &Config) -> Self {
+        Self::stored_as(cfg, DType::F32)
+    }
+
+    /// A cache whose blocks on the CPU hold keys and values in `stored` (f32 or f16: see
+    /// [`crate::Gpt::with_kv_cache_dtype`]); elsewhere, and for other dtypes, they are held in
+    /// the activations' dtype.
+    pub fn stored_as(cfg: &Config, stored: DType) -> Self {
         let chunk = Self::CHUNK.min(cfg.n_positions);
         Self {
-            layers: (0..cfg.n_layer).map(|l| LayerKv::new(chunk, cfg.window(l))).collect(),
+            layers: (0..cfg.n_layer)
+                .map(|l| LayerKv::new(chunk, cfg.window(l), stored))
+                .collect(),
             len: 0,
         }
     }
@@ -71,7 +130,7 @@ impl KvCache {
         Self {
             layers: (self.layers.iter())
                 .map(|l| {
-                    let mut empty = LayerKv::new(l.chunk, l.window);
+                    let mut empty = LayerKv::new(l.chunk, l.window, l.stored);
                     empty.want = l.want;
                     empty
                 })
@@ -171,6 +230,8 @@ pub(crate) struct LayerKv {
     window: Option<usize>,
     /// In blocks: the leading blocks given back, whose positions no query sees any more.
     dropped: usize,
+    /// The dtype of the blocks (f32 or f16; the fused attention reads either as f32).
+    stored: DType,
 }
 
 #[derive(Debug)]
@@ -181,7 +242,7 @@ enum Store {
 }
 
 impl LayerKv {
-    fn new(chunk: usize, window: Option<usize>) -> Self {
+    fn new(chunk: usize, window: Option<usize>, stored: DType) -> Self {
         Self {
             store: Store::Empty,
             len: 0,
@@ -189,6 +250,10 @@ impl LayerKv {
             want: 0,
             window,
             dropped: 0,
+            stored: match stored {
+                DType::F16 => DType::F16,
+                _ => DType::F32,
+            },
         }
     }
 
@@ -302,7 +367,7 @@ impl LayerKv {
         match &mut self.store {
             Store::Blocks(blocks) => {
                 while (self.dropped + blocks.len()) * self.chunk < room {
-                    blocks.push(buffers(n_head, self.chunk, head_dim, dtype, device)?);
+                    blocks.push(buffers(n_head, self.chunk, head_dim, self.stored, device)?);
                 }
                 Ok(())
             }
@@ -381,19 +446,25 @@ impl LayerKv {
             }
             Store::Blocks(blocks) => {
                 for (b, at, i, n) in self.spans(t) {
-                    blocks[b].0.slice_set(&k.narrow(1, i, n)?.contiguous()?, 1, at)?;
-                    blocks[b].1.slice_set(&v.narrow(1, i, n)?.contiguous()?, 1, at)?;
+                    blocks[b]
+                        .0
+                        .slice_set(&k.narrow(1, i, n)?.to_dtype(self.stored)?.contiguous()?, 1, at)?;
+                    blocks[b]
+                        .1
+                        .slice_set(&v.narrow(1, i, n)?.to_dtype(self.stored)?.contiguous()?, 1, at)?;
                 }
             }
             Store::Empty => candle_core::bail!("kv-cache: no room reserved"),
         }
         self.len += t;
-        self.held()
+        let (held_k, held_v) = self.held()?;
+        Ok((held_k.to_dtype(k.dtype())?, held_v.to_dtype(v.dtype())?))
     }
 
     /// Writes `t` positions from rows `row0..row0 + t` of the `(N, ld)` projection `qkv` (the
     /// queries in its first `q_width` columns, then the keys and the values, `kv_width` each,
-    /// head after head), after [`Self::reserve`]; returns every position held. CPU, f32.
+    /// head after head), after [`Self::reserve`]; returns every position held. CPU, f32 (the
+    /// blocks f32 or f16).
     pub(crate) fn write_rows(
         &mut self,
         qkv: &[f32],
@@ -454,7 +525,8 @@ impl LayerKv {
     }
 
     /// Keys and values of the positions held, `(n_head, len, head_dim)`: views of whole buffers,
-    /// or the blocks copied into one (an error where a sliding window gave some back).
+    /// or the blocks copied into one, in the dtype they are stored in (an error where a sliding
+    /// window gave some back).
     pub(crate) fn held(&self) -> candle_core::Result<(Tensor, Tensor)> {
         if self.dropped > 0 {
             candle_core::bail!(
@@ -479,7 +551,7 @@ impl LayerKv {
     /// A copy of the first `len` positions in fresh buffers: of as few chunks as hold them when
     /// `exact`, else with the room reserved.
     fn copy(&self, len: usize, exact: bool) -> candle_core::Result<Self> {
-        let mut copy = Self::new(self.chunk, self.window);
+        let mut copy = Self::new(self.chunk, self.window, self.stored);
         let len = len.min(self.len);
         self.check_window(len)?;
         if !exact {
@@ -553,18 +625,15 @@ impl Drop for LayerKv {
 }
 
 /// Allocates the pool of [`crate::set_kv_pool_limit`] up to its limit at once with blocks for the
-/// caches of a model of `cfg` in `dtype` on `device`, every page written, so that a server's KV
-/// memory is resident from its start instead of growing to each new peak of its load (as vLLM
-/// allocates its KV cache at startup). Only the CPU's f32 caches are blocks of one size (see
-/// [`KvCache`]); for others nothing is allocated. Returns the bytes the pool holds.
-pub fn fill_kv_pool(
-    cfg: &Config,
-    dtype: candle_core::DType,
-    device: &candle_core::Device,
-) -> candle_core::Result<usize> {
-    if in_blocks(dtype, device) {
+/// caches of a model of `cfg` whose caches store `stored` ([`crate::Gpt::kv_cache_dtype`]) on
+/// `device`, every page written, so that a server's KV memory is resident from its start instead
+/// of growing to each new peak of its load (as vLLM allocates its KV cache at startup). Only the
+/// CPU's caches of f32 activations are blocks of one size (see [`KvCache`]), in f32 or f16; for
+/// others nothing is allocated. Returns the bytes the pool holds.
+pub fn fill_kv_pool(cfg: &Config, stored: DType, device: &candle_core::Device) -> candle_core::Result<usize> {
+    if matches!(stored, DType::F32 | DType::F16) && in_blocks(DType::F32, device) {
         let block = KvCache::CHUNK.min(cfg.n_positions).max(1);
-        pool::fill(cfg.n_kv_head().max(1), block, cfg.head_dim())?;
+        pool::fill(stored, cfg.n_kv_head().max(1), block, cfg.head_dim())?;
     }
     Ok(pool::bytes())
 }
@@ -580,7 +649,7 @@ mod tests {
     #[test]
     fn blocks_hold_what_was_appended_across_their_boundaries() -> candle_core::Result<()> {
         let (n_head, hs, dev) = (2, 4, Device::Cpu);
-        let mut kv = LayerKv::new(8, None);
+        let mut kv = LayerKv::new(8, None, DType::F32);
         let k = Tensor::randn(0f32, 1.0, (n_head, 21, hs), &dev)?;
         let v = Tensor::randn(0f32, 1.0, (n_head, 21, hs), &dev)?;
         kv.append(&k.narrow(1, 0, 5)?.contiguous()?, &v.narrow(1, 0, 5)?.contiguous()?)?;
@@ -599,7 +668,7 @@ mod tests {
         let c = n_head * hs;
         let qkv = Tensor::randn(0f32, 1.0, (12, 3 * c), &dev)?;
         let rows = qkv.flatten_all()?.to_vec1::<f32>()?;
-        let mut kv = LayerKv::new(8, None);
+        let mut kv = LayerKv::new(8, None, DType::F32);
         kv.reserve(5, n_head, hs, DType::F32, &dev)?;
         kv.write_rows(&rows, 3 * c, c, 0, 5)?;
         kv.reserve(10, n_head, hs, DType::F32, &dev)?;
@@ -619,7 +688,7 @@ mod tests {
         let (q_width, kv_width) = (3 * c, c);
         let qkv = Tensor::randn(0f32, 1.0, (4, q_width + 2 * kv_width), &dev)?;
         let rows = qkv.flatten_all()?.to_vec1::<f32>()?;
-        let mut kv = LayerKv::new(8, None);
+        let mut kv = LayerKv::new(8, None, DType::F32);
         kv.reserve(4, n_head, hs, DType::F32, &dev)?;
         kv.write_rows(&rows, q_width + 2 * kv_width, q_width, 0, 4)?;
         let (held_k, held_v) = kv.held()?;
@@ -627,6 +696,24 @@ mod tests {
         assert!(same(&held_k, &heads(q_width)?)? && same(&held_v, &heads(q_width + kv_width)?)?);
         // A width that is not the queries' and two caches' is refused.
         assert!(kv.write_rows(&rows, q_width + 2 * kv_width, c, 0, 1).is_err());
+
+        // Blocks in f16: what the fused projection's rows write, and what is appended, is held
+        // rounded to f16 (read back as f32 by `append`); the pool's f16 blocks are not f32's.
+        let mut kv = LayerKv::new(8, None, DType::F16);
+        kv.reserve(4, n_head, hs, DType::F32, &dev)?;
+        kv.write_rows(&rows, q_width + 2 * kv_width, q_width, 0, 4)?;
+        let (held_k, held_v) = kv.held()?;
+        assert_eq!(held_k.dtype(), DType::F16);
+        let rounded = |t: Tensor| t.to_dtype(DType::F16)?.to_dtype(DType::F32);
+        let (held_k, held_v) = (held_k.to_dtype(DType::F32)?, held_v.to_dtype(DType::F32)?);
+        assert!(same(&held_k, &rounded(heads(q_width)?)?)? && same(&held_v, &rounded(heads(q_width + kv_width)?)?)?);
+        assert!(!same(&held_k, &heads(q_width)?)?, "rounded, not the f32 values");
+        let (k, v) = (heads(q_width)?.contiguous()?, heads(q_width + kv_width)?.contiguous()?);
+        let (all_k, _) = kv.append(&k.narrow(1, 0, 2)?, &v.narrow(1, 0, 2)?)?;
+        assert_eq!(all_k.dtype(), DType::F32);
+        assert!(same(&all_k.narrow(1, 4, 2)?, &rounded(k.narrow(1, 0, 2)?)?)?);
+        let copy = kv.copy(6, true)?;
+        assert!(matches!(&copy.store, Store::Blocks(b) if b[0].0.dtype() == DType::F16));
         Ok(())
     }
 
@@ -641,7 +728,10 @@ mod tests {
         let qkv = Tensor::randn(0f32, 1.0, (100, 3 * c), &dev)?;
         let rows = qkv.flatten_all()?.to_vec1::<f32>()?;
         let (chunk, w) = (8, 10);
-        let (mut local, mut global) = (LayerKv::new(chunk, Some(w)), LayerKv::new(chunk, None));
+        let (mut local, mut global) = (
+            LayerKv::new(chunk, Some(w), DType::F32),
+            LayerKv::new(chunk, None, DType::F32),
+        );
         // Both reserve a long sequence (`KvCache::reserve`): the window takes blocks as it goes.
         (local.want, global.want) = (100, 100);
         let read = |blocks: &[Tensor], dropped: usize, j: usize| -> candle_core::Result<Vec<f32>> {

@@ -101,11 +101,11 @@ pub(crate) mod pool {
         Some(pair)
     }
 
-    /// Adds f32 CPU pairs of `(n_head, room, head_dim)` buffers while they fit under the limit,
-    /// each page written (resident now, not at its first use).
-    pub(crate) fn fill(n_head: usize, room: usize, head_dim: usize) -> candle_core::Result<()> {
+    /// Adds CPU pairs of `(n_head, room, head_dim)` buffers in `dtype` (f32 or f16) while they
+    /// fit under the limit, each page written (resident now, not at its first use).
+    pub(crate) fn fill(dtype: DType, n_head: usize, room: usize, head_dim: usize) -> candle_core::Result<()> {
         let n = n_head * room * head_dim;
-        let pair = 2 * n * 4;
+        let pair = 2 * n * dtype.size_in_bytes();
         loop {
             let full = {
                 let pool = lock();
@@ -114,13 +114,20 @@ pub(crate) mod pool {
             if pair == 0 || full {
                 return Ok(());
             }
-            let fresh = || {
-                let mut data = vec![0f32; n];
-                // `vec![0; n]` may leave fresh pages unmapped (calloc): write one value a page.
-                for page in data.chunks_mut(1024) {
-                    page[0] = std::hint::black_box(0.0);
+            // `vec![0; n]` may leave fresh pages unmapped (calloc): one value written a page.
+            fn resident<T: candle_core::WithDType>(
+                n: usize,
+                shape: (usize, usize, usize),
+            ) -> candle_core::Result<Tensor> {
+                let mut data = vec![T::from_f64(0.0); n];
+                for page in data.chunks_mut(4096 / std::mem::size_of::<T>()) {
+                    page[0] = std::hint::black_box(T::from_f64(0.0));
                 }
-                Tensor::from_vec(data, (n_head, room, head_dim), &Device::Cpu)
+                Tensor::from_vec(data, shape, &Device::Cpu)
+            }
+            let fresh = || match dtype {
+                DType::F16 => resident::<half::f16>(n, (n_head, room, head_dim)),
+                _ => resident::<f32>(n, (n_head, room, head_dim)),
             };
             put(fresh()?, fresh()?);
         }

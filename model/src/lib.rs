@@ -37,7 +37,7 @@ pub use error::{Error, Result};
 pub use generate::generate;
 pub use gpt::{Gpt, LogitsFor, SeqStep};
 pub use gpt_kernels::{MatmulPrecision, WeightFormat};
-pub use kv_cache::{fill_kv_pool, KvCache};
+pub use kv_cache::{fill_kv_pool, KvCache, KvCacheDtype};
 pub use kv_pool::{kv_pool_bytes, set_kv_pool_limit};
 pub use layers::{Autocast, Dropout, Weight};
 pub use lora::Adapter;

@@ -1,6 +1,6 @@
 //! The pool of freed KV-cache buffers (`gpt::set_kv_pool_limit`): dropped caches' buffers are
 //! kept up to the limit and taken again, holding another sequence's keys and values, without
-//! changing any result. One test in its own binary, as the pool is process-wide.
+//! changing any result; caches in f16. One test in its own binary, as the pool is process-wide.
 
 mod common;
 
@@ -123,5 +123,53 @@ fn freed_buffers_are_kept_to_the_limit_and_reused_without_changing_results() -> 
     drop(large);
     assert_eq!(gpt::kv_pool_bytes(), 2 * kept, "only the new size is kept");
     gpt::set_kv_pool_limit(0);
+    caches_in_f16_hold_half_the_bytes_within_rounding_of_f32()
+}
+
+/// Caches that store f16 on the CPU (`Gpt::with_kv_cache_dtype`): half the pool's bytes a
+/// position, logits within f16's rounding of the f32 cache's (not equal to them), the prompt in
+/// one step equal to it token by token (head sizes 8: the portable kernel; 64: the vector
+/// kernels), and dtypes the cache cannot hold refused by name.
+fn caches_in_f16_hold_half_the_bytes_within_rounding_of_f32() -> anyhow::Result<()> {
+    for (n_embd, n_head) in [(32, 4), (128, 2)] {
+        let cfg = Config {
+            n_positions: 256,
+            n_embd,
+            n_head,
+            ..Config::tiny(97)
+        };
+        let (_vm, model) = random_model(&cfg)?;
+        let half = model.clone().with_kv_cache_dtype(candle_core::DType::F16)?;
+        assert_eq!(half.kv_cache_dtype(), candle_core::DType::F16);
+        let (prompt, steps) = (tokens(40, cfg.vocab_size, 1), tokens(30, cfg.vocab_size, 2));
+        let reference = run(&model, &mut model.new_cache(), &prompt, &steps)?;
+        gpt::set_kv_pool_limit(64 << 20);
+        let mut cache = half.new_cache();
+        cache.reserve(prompt.len() + steps.len())?;
+        let got = run(&half, &mut cache, &prompt, &steps)?;
+        drop(cache);
+        assert_eq!(
+            gpt::kv_pool_bytes(),
+            2 * cfg.n_layer * cfg.n_embd * 128 * 2,
+            "f16 blocks"
+        );
+        gpt::set_kv_pool_limit(0);
+        let diff = (reference.iter().flatten())
+            .zip(got.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let scale = reference.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(
+            diff > 0.0 && diff < 1e-2 * scale,
+            "hs {}: f16 cache's logits {diff} from f32's (largest {scale})",
+            n_embd / n_head
+        );
+        // The prompt token by token: its last logits equal the prompt's in one step.
+        let mut one = half.new_cache();
+        let by_token = run(&half, &mut one, &prompt[..1], &prompt[1..])?;
+        assert_eq!(by_token.last(), got.first());
+        let refused = model.clone().with_kv_cache_dtype(candle_core::DType::BF16);
+        assert!(refused.is_err_and(|e| e.to_string().contains("BF16")));
+    }
     Ok(())
 }

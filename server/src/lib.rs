@@ -57,6 +57,9 @@ pub struct ServerConfig {
     /// MiB of KV cache allocated at startup and kept for reuse (`gpt::set_kv_pool_limit`,
     /// `gpt::fill_kv_pool`); `None`: [`default_kv_cache_bytes`].
     pub kv_cache_mib: Option<usize>,
+    /// What the KV cache stores (`gpt::KvCacheDtype`: f16 on the CPU where the weights are
+    /// quantized or 16-bit, by default).
+    pub kv_cache_dtype: gpt::KvCacheDtype,
     /// How the CPU's products with f32 or bf16 weights round (`high`: bf16 products on AMX tiles).
     pub matmul_precision: gpt::MatmulPrecision,
     /// A request running longer is ended (`None`: no limit).
@@ -99,6 +102,7 @@ impl Default for ServerConfig {
             cors_origins: Vec::new(),
             prefix_cache_mib: 256,
             kv_cache_mib: None,
+            kv_cache_dtype: gpt::KvCacheDtype::Auto,
             matmul_precision: gpt::MatmulPrecision::Highest,
             request_timeout: Some(std::time::Duration::from_secs(600)),
             stream_timeout: std::time::Duration::from_secs(60),
@@ -139,6 +143,8 @@ pub fn load_state(
 ) -> anyhow::Result<Arc<AppState>> {
     let (model, tokenizer) = gpt::load_dir_as(checkpoint, format, device)?;
     let model = model.with_matmul_precision(cfg.matmul_precision)?;
+    let kv_dtype = cfg.kv_cache_dtype.resolve(&model);
+    let model = model.with_kv_cache_dtype(kv_dtype)?;
     tracing::info!(
         checkpoint = %checkpoint.display(),
         parameters = model.num_parameters(),
@@ -146,6 +152,7 @@ pub fn load_state(
         dtype = ?model.dtype(),
         weights = model.weight_format().map_or("?".to_string(), |f| f.to_string()),
         matmul_precision = %cfg.matmul_precision,
+        kv_cache = ?kv_dtype,
         context = model.config().n_positions,
         vocab = model.config().vocab_size,
         "loaded model"
@@ -220,13 +227,13 @@ pub fn load_state(
         Some(mib) => mib << 20,
         None => default_kv_cache_bytes(
             model.config(),
-            model.dtype(),
+            model.kv_cache_dtype(),
             cfg.max_batch_size,
             cfg.prefix_cache_mib << 20,
         ),
     };
     gpt::set_kv_pool_limit(kv_bytes);
-    let kv_held = gpt::fill_kv_pool(model.config(), model.dtype(), model.device())?;
+    let kv_held = gpt::fill_kv_pool(model.config(), model.kv_cache_dtype(), model.device())?;
     tracing::info!(
         limit_mib = kv_bytes >> 20,
         allocated_mib = kv_held >> 20,
@@ -241,6 +248,8 @@ pub fn load_state(
                     let (draft, draft_tokenizer) = gpt::load_dir_as(dir, format, device)
                         .with_context(|| format!("loading the draft model in {}", dir.display()))?;
                     let draft = draft.with_matmul_precision(cfg.matmul_precision)?;
+                    let draft_kv = cfg.kv_cache_dtype.resolve(&draft);
+                    let draft = draft.with_kv_cache_dtype(draft_kv)?;
                     gpt::speculative::check_draft((&model, &*tokenizer), (&draft, &draft_tokenizer))
                         .with_context(|| format!("the draft model in {}", dir.display()))?;
                     tracing::info!(

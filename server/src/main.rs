@@ -80,12 +80,18 @@ struct Args {
     /// prompt, few-shot examples) reuse its cache instead of prefilling it again. 0 turns it off.
     #[arg(long, env = "GPT_SERVER_PREFIX_CACHE_MIB", default_value_t = 256)]
     prefix_cache_mib: usize,
-    /// MiB of KV cache allocated at startup (on the CPU in f32, in blocks of 64 positions) and
+    /// MiB of KV cache allocated at startup (on the CPU in blocks of 64 positions) and
     /// kept: sequences take blocks from it and give them back, so that memory stays flat under
     /// a long mixed load; past it, blocks are allocated and freed as needed. 0: none. Default: a
     /// full batch at the whole context plus the prefix cache's bound, at most 1024.
     #[arg(long, env = "GPT_SERVER_KV_CACHE_MIB")]
     kv_cache_mib: Option<usize>,
+    /// What the KV cache stores: f32, f16 (on the CPU: half the memory a position takes, as
+    /// llama.cpp's cache; each key and value rounded to f16 once) or auto: f16 where the weights
+    /// are quantized, f16 or bf16, f32 with f32 weights (outputs then equal `transformers`' to
+    /// f32's rounding). On a GPU the cache is in the activations' dtype.
+    #[arg(long, env = "GPT_SERVER_KV_CACHE_DTYPE", default_value = "auto")]
+    kv_cache_dtype: gpt::KvCacheDtype,
     /// After Ctrl-C / SIGTERM, how long in-flight generations may run before they are cut.
     #[arg(long, env = "GPT_SERVER_SHUTDOWN_GRACE_SECS", default_value_t = 10)]
     shutdown_grace_secs: u64,
@@ -280,6 +286,7 @@ async fn run() -> Result<()> {
         cors_origins: args.cors_origins.clone(),
         prefix_cache_mib: args.prefix_cache_mib,
         kv_cache_mib: args.kv_cache_mib,
+        kv_cache_dtype: args.kv_cache_dtype,
         matmul_precision: args.matmul_precision,
         request_timeout: (args.request_timeout_secs > 0).then(|| Duration::from_secs(args.request_timeout_secs)),
         stream_timeout: Duration::from_secs(args.stream_timeout_secs),

@@ -518,6 +518,39 @@ fn cached_attention_matches_candle_on(simd: Simd) {
             let scale = 1.0 / (hs as f32).sqrt();
             let in_blocks = cached_attention(&qkv, &lens, &paged, n_head, scale).unwrap();
             assert_eq!(max_diff(&in_blocks, &got), 0.0, "{simd:?}, hs={hs}, blocks of {block}");
+            // Blocks stored in f16: the same bits as f32 blocks holding the rounded values
+            // (read as f32, the same operations), and within f16's rounding of the f32 result.
+            let cast = |dtype: DType| -> Vec<CachedKv> {
+                let cast = |blocks: &[Tensor]| blocks.iter().map(|b| b.to_dtype(dtype).unwrap()).collect();
+                (paged.iter())
+                    .map(|kv| CachedKv {
+                        keys: cast(&kv.keys),
+                        values: cast(&kv.values),
+                        ..kv.clone()
+                    })
+                    .collect()
+            };
+            let (half, rounded) = (cast(DType::F16), cast(DType::F16));
+            let rounded: Vec<CachedKv> = (rounded.into_iter())
+                .map(|kv| CachedKv {
+                    keys: kv.keys.iter().map(|b| b.to_dtype(DType::F32).unwrap()).collect(),
+                    values: kv.values.iter().map(|b| b.to_dtype(DType::F32).unwrap()).collect(),
+                    ..kv
+                })
+                .collect();
+            let from_half = cached_attention(&qkv, &lens, &half, n_head, scale).unwrap();
+            let from_rounded = cached_attention(&qkv, &lens, &rounded, n_head, scale).unwrap();
+            assert_eq!(
+                max_diff(&from_half, &from_rounded),
+                0.0,
+                "{simd:?}, hs={hs}: f16 blocks"
+            );
+            let d = max_diff(&from_half, &got);
+            assert!(d > 0.0 && d < 5e-3, "{simd:?}, hs={hs}: f16 blocks {d} from f32's");
+            // A cache whose blocks mix f16 and f32 is an error.
+            let mut mixed = half.clone();
+            mixed[0].values = paged[0].values.clone();
+            assert!(cached_attention(&qkv, &lens, &mixed, n_head, scale).is_err());
             // Without its first block, a cache that attention reads from position 0 is refused.
             let mut short = paged.clone();
             for kv in short.iter_mut().filter(|kv| kv.keys.len() > 1) {

@@ -179,6 +179,7 @@ impl Gpt {
             cfg: self.cfg.clone(),
             autocast: self.autocast,
             checkpointing: self.checkpointing,
+            kv_dtype: self.kv_dtype,
         }
     }
 

@@ -110,7 +110,7 @@ impl Engine {
             context: model.config().n_positions,
         };
         let c = model.config();
-        let bytes_per_token = c.kv_bytes_per_token(model.dtype());
+        let bytes_per_token = c.kv_bytes_per_token(model.kv_cache_dtype());
         let model_params = model.num_parameters();
         let worker = Worker {
             prefix: PrefixStore::new(cfg.prefix_cache_bytes, bytes_per_token),

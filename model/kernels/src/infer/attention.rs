@@ -42,9 +42,42 @@ impl CachedKv {
     }
 }
 
+/// How a cache stores its keys and values, each read as f32: f32, or f16 (half the memory, as
+/// llama.cpp keeps its cache; 11 bits of mantissa, within 2^-11 of each value).
+pub(crate) trait Stored: Copy + Send + Sync + 'static {
+    fn slice(cpu: &candle_core::CpuStorage) -> Result<&[Self]>;
+    fn get(self) -> f32;
+}
+
+impl Stored for f32 {
+    fn slice(cpu: &candle_core::CpuStorage) -> Result<&[Self]> {
+        cpu.as_slice::<f32>()
+    }
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self
+    }
+}
+
+impl Stored for half::f16 {
+    fn slice(cpu: &candle_core::CpuStorage) -> Result<&[Self]> {
+        cpu.as_slice::<half::f16>()
+    }
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// What the kernels read: [`Stored`], with the vector loads where there are vector kernels.
+#[cfg(target_arch = "x86_64")]
+use x86::Load as Kv;
+#[cfg(not(target_arch = "x86_64"))]
+use Stored as Kv;
+
 /// One block of [`Heads`] where its storage lies.
-struct Block<'a> {
-    data: &'a [f32],
+struct Block<'a, T> {
+    data: &'a [T],
     start: usize,
     head_stride: usize,
     pos_stride: usize,
@@ -52,14 +85,14 @@ struct Block<'a> {
 
 /// Keys or values of one sequence, read in place: `len` positions in blocks of `block`, the
 /// first `dropped` blocks no longer held.
-struct Heads<'a> {
-    blocks: Vec<Block<'a>>,
+struct Heads<'a, T> {
+    blocks: Vec<Block<'a, T>>,
     block: usize,
     len: usize,
     dropped: usize,
 }
 
-impl<'a> Heads<'a> {
+impl<'a, T: Stored> Heads<'a, T> {
     /// `earliest`: the first position any query reads (the caller's checks keep every read at or
     /// after it), which must be held.
     fn new(
@@ -96,7 +129,7 @@ impl<'a> Heads<'a> {
                     )
                 }
                 Ok(Block {
-                    data: cpu.as_slice::<f32>()?,
+                    data: T::slice(cpu)?,
                     start: layout.start_offset(),
                     head_stride: stride[0],
                     pos_stride: stride[1],
@@ -113,7 +146,7 @@ impl<'a> Heads<'a> {
 
     /// Head `h` at position `j`.
     #[inline(always)]
-    fn row(&self, h: usize, j: usize, hs: usize) -> &[f32] {
+    fn row(&self, h: usize, j: usize, hs: usize) -> &[T] {
         let b = &self.blocks[j / self.block - self.dropped];
         &b.data[b.start + h * b.head_stride + (j % self.block) * b.pos_stride..][..hs]
     }
@@ -123,7 +156,7 @@ impl<'a> Heads<'a> {
     /// long. Checked once here, for loops that would otherwise check every position. (Inlined:
     /// a call inside the kernels' loops made them keep their sums in memory, 25% slower.)
     #[inline(always)]
-    fn run(&self, h: usize, j: usize, hs: usize) -> (*const f32, usize, usize) {
+    fn run(&self, h: usize, j: usize, hs: usize) -> (*const T, usize, usize) {
         let n = (self.block - j % self.block).min(self.len - j);
         // The run's last position is in bounds (a panic here is a bug: the layout was checked in
         // `new`), and so then is every earlier one.
@@ -138,7 +171,8 @@ impl<'a> Heads<'a> {
 
 /// Writes rows `row0..row0 + rows` of a `(N, ld)` f32 matrix, columns `col0..col0 + nh * hs`,
 /// into positions `at..at + rows` of an `(nh, room, hs)` buffer, head after head: a step's new
-/// keys or values into a sequence's cache, in place (`Tensor::inplace_op1`). CPU, f32.
+/// keys or values into a sequence's cache, in place (`Tensor::inplace_op1`). CPU, the buffer in
+/// f32 or f16.
 pub struct WriteRows<'a> {
     pub src: &'a [f32],
     pub ld: usize,
@@ -177,15 +211,24 @@ impl candle_core::InplaceOp1 for WriteRows<'_> {
                 self.ld
             )
         }
-        let candle_core::CpuStorage::F32(data) = storage else {
-            candle_core::bail!("write-rows: the buffer is not f32")
-        };
-        let data = &mut data[start..end];
-        for i in 0..self.rows {
+        let heads = (0..self.rows).flat_map(|i| {
             let row = &self.src[(self.row0 + i) * self.ld + self.col0..][..width];
-            for (h, head) in row.chunks_exact(hs).enumerate() {
-                data[(h * room + self.at + i) * hs..][..hs].copy_from_slice(head);
+            row.chunks_exact(hs)
+                .enumerate()
+                .map(move |(h, head)| ((h * room + self.at + i) * hs, head))
+        });
+        match storage {
+            candle_core::CpuStorage::F32(data) => {
+                let data = &mut data[start..end];
+                heads.for_each(|(at, head)| data[at..][..hs].copy_from_slice(head));
             }
+            candle_core::CpuStorage::F16(data) => {
+                use half::slice::HalfFloatSliceExt;
+                let data = &mut data[start..end];
+                // Rounded to nearest (F16C's conversion where the CPU has it).
+                heads.for_each(|(at, head)| data[at..][..hs].convert_from_f32_slice(head));
+            }
+            _ => candle_core::bail!("write-rows: the buffer is not f32 or f16"),
         }
         Ok(())
     }
@@ -259,7 +302,6 @@ pub fn cached_attention_masked(
     if masking.window == Some(0) {
         candle_core::bail!("cached-attention: a window of 0 positions")
     }
-    let plain = masking == Masking::default();
     assert!(simd.is_available(), "{simd:?} is not available on this CPU");
     let (n_rows, width) = qkv.dims2()?;
     let hs = width / (n_head + 2 * n_kv_head).max(1);
@@ -275,13 +317,55 @@ pub fn cached_attention_masked(
             "cached-attention: {n_rows} rows of {width} for lengths {lens:?}, {n_head} heads and {n_kv_head} key/value heads"
         )
     }
-    let group = n_head / n_kv_head;
     let qkv = qkv.contiguous()?;
     let (q_storage, q_layout) = qkv.storage_and_layout();
     let Storage::Cpu(q_cpu) = &*q_storage else {
         candle_core::bail!("cached-attention: qkv is not on the CPU")
     };
     let q = crate::f32_slice(q_cpu, q_layout, "cached-attention")?;
+    let shape = Shape {
+        n_rows,
+        width,
+        hs,
+        n_head,
+        n_kv_head,
+    };
+    let y = match kv.first().and_then(|kv| kv.keys.first()).map(Tensor::dtype) {
+        Some(candle_core::DType::F16) => attend_all::<half::f16>(simd, q, shape, lens, kv, scale, masking)?,
+        _ => attend_all::<f32>(simd, q, shape, lens, kv, scale, masking)?,
+    };
+    Tensor::from_vec(y, (n_rows, c), &Device::Cpu)
+}
+
+/// The sizes of [`cached_attention_masked`]'s operands, checked.
+#[derive(Clone, Copy)]
+struct Shape {
+    n_rows: usize,
+    width: usize,
+    hs: usize,
+    n_head: usize,
+    n_kv_head: usize,
+}
+
+/// [`cached_attention_masked`] over caches stored as `T` (every block of every cache: another
+/// is an error naming it); returns `(N, C)`'s values.
+fn attend_all<T: Kv>(
+    simd: Simd,
+    q: &[f32],
+    Shape {
+        n_rows,
+        width,
+        hs,
+        n_head,
+        n_kv_head,
+    }: Shape,
+    lens: &[usize],
+    kv: &[CachedKv],
+    scale: f32,
+    masking: Masking,
+) -> Result<Vec<f32>> {
+    let plain = masking == Masking::default();
+    let (c, group) = (n_head * hs, n_head / n_kv_head);
     fn guards(blocks: &[Tensor]) -> Vec<(candle_core::StorageRef<'_>, &Layout)> {
         blocks.iter().map(Tensor::storage_and_layout).collect()
     }
@@ -295,8 +379,8 @@ pub fn cached_attention_masked(
         }
         // The first new row's window starts earliest (the plain kernels read from 0).
         let earliest = masking.window.map_or(0, |w| (t - len + 1).saturating_sub(w));
-        let keys = Heads::new(k, t, kv.dropped, earliest, n_kv_head, hs)?;
-        let values = Heads::new(v, t, kv.dropped, earliest, n_kv_head, hs)?;
+        let keys = Heads::<T>::new(k, t, kv.dropped, earliest, n_kv_head, hs)?;
+        let values = Heads::<T>::new(v, t, kv.dropped, earliest, n_kv_head, hs)?;
         seqs.push((keys, values, row0, len, t));
         row0 += len;
     }
@@ -321,38 +405,38 @@ pub fn cached_attention_masked(
                 masking,
             };
             // SAFETY: each task writes head `h`'s columns of its sequence's rows only, and `y`
-            // outlives the pool's call; `simd` is available (asserted above).
+            // outlives the pool's call; `simd` is available (asserted by the caller).
             unsafe {
                 let y = y_at as *mut f32;
                 match (simd, hs) {
                     _ if !plain => head.attend(y),
                     #[cfg(target_arch = "x86_64")]
-                    (Simd::Avx512, 32) => x86::attend512::<2, 4>(&head, y),
+                    (Simd::Avx512, 32) => x86::attend512::<T, 2, 4>(&head, y),
                     #[cfg(target_arch = "x86_64")]
-                    (Simd::Avx512, 64) => x86::attend512::<4, 4>(&head, y),
+                    (Simd::Avx512, 64) => x86::attend512::<T, 4, 4>(&head, y),
                     #[cfg(target_arch = "x86_64")]
-                    (Simd::Avx512, 128) => x86::attend512::<8, 2>(&head, y),
+                    (Simd::Avx512, 128) => x86::attend512::<T, 8, 2>(&head, y),
                     #[cfg(target_arch = "x86_64")]
-                    (Simd::Avx2, 32) => x86::attend::<4>(&head, y),
+                    (Simd::Avx2, 32) => x86::attend::<T, 4>(&head, y),
                     #[cfg(target_arch = "x86_64")]
-                    (Simd::Avx2, 64) => x86::attend::<8>(&head, y),
+                    (Simd::Avx2, 64) => x86::attend::<T, 8>(&head, y),
                     #[cfg(target_arch = "x86_64")]
-                    (Simd::Avx2, 128) => x86::attend::<16>(&head, y),
+                    (Simd::Avx2, 128) => x86::attend::<T, 16>(&head, y),
                     _ => head.attend(y),
                 }
             }
         }
     });
     drop(guards);
-    Tensor::from_vec(y, (n_rows, c), &Device::Cpu)
+    Ok(y)
 }
 
 /// One (sequence, head) task: its new tokens' rows, in plain Rust (other head sizes and CPUs;
 /// `x86::attend` is the same computation for head sizes 32, 64 and 128 with AVX2).
-struct Head<'a> {
+struct Head<'a, T> {
     q: &'a [f32],
-    keys: &'a Heads<'a>,
-    values: &'a Heads<'a>,
+    keys: &'a Heads<'a, T>,
+    values: &'a Heads<'a, T>,
     /// The query head, and the key/value head it reads.
     h: usize,
     kv_h: usize,
@@ -367,7 +451,7 @@ struct Head<'a> {
     masking: Masking,
 }
 
-impl Head<'_> {
+impl<T: Stored> Head<'_, T> {
     /// # Safety
     /// `y` is `(N, C)` and no other thread writes this head's columns of these rows.
     unsafe fn attend(&self, y: *mut f32) {
@@ -403,13 +487,13 @@ impl Head<'_> {
                 let mut acc = [0f32; LANES];
                 for (j, &p) in keys.iter().enumerate() {
                     let v = &self.values.row(self.kv_h, first + j, hs)[d0..d0 + width];
-                    if let Ok(v) = <&[f32; LANES]>::try_from(v) {
+                    if let Ok(v) = <&[T; LANES]>::try_from(v) {
                         for l in 0..LANES {
-                            acc[l] += p * v[l];
+                            acc[l] += p * v[l].get();
                         }
                     } else {
                         for (a, &x) in acc.iter_mut().zip(v) {
-                            *a += p * x;
+                            *a += p * x.get();
                         }
                     }
                 }
@@ -427,17 +511,24 @@ const LANES: usize = 16;
 
 /// `a . b` with 16 partial sums, added pairwise (vectorisable without reassociation).
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<T: Stored>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = [0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y.get())
+        .sum();
     for (x, y) in ca.zip(cb) {
-        let (x, y): (&[f32; LANES], &[f32; LANES]) = (
-            x.try_into().unwrap_or(&[0.0; LANES]),
-            y.try_into().unwrap_or(&[0.0; LANES]),
-        );
+        let Ok::<&[f32; LANES], _>(x) = x.try_into() else {
+            continue;
+        };
+        let Ok::<&[T; LANES], _>(y) = y.try_into() else {
+            continue;
+        };
         for l in 0..LANES {
-            acc[l] += x[l] * y[l];
+            acc[l] += x[l] * y[l].get();
         }
     }
     let mut width = LANES;
@@ -454,7 +545,47 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::Head;
+    use super::{Head, Stored};
+
+    /// Loading stored keys and values into f32 registers.
+    pub(crate) trait Load: Stored {
+        /// 16 values from `p`.
+        ///
+        /// # Safety
+        /// AVX-512F available; 16 values readable at `p`.
+        unsafe fn load16(p: *const Self) -> __m512;
+        /// 8 values from `p`.
+        ///
+        /// # Safety
+        /// AVX2 and F16C available; 8 values readable at `p`.
+        unsafe fn load8(p: *const Self) -> __m256;
+    }
+
+    impl Load for f32 {
+        #[inline(always)]
+        unsafe fn load16(p: *const Self) -> __m512 {
+            // SAFETY: the caller's contract.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn load8(p: *const Self) -> __m256 {
+            // SAFETY: the caller's contract.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+    }
+
+    impl Load for half::f16 {
+        #[inline(always)]
+        unsafe fn load16(p: *const Self) -> __m512 {
+            // SAFETY: the caller's contract (`vcvtph2ps` is AVX-512F).
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+        }
+        #[inline(always)]
+        unsafe fn load8(p: *const Self) -> __m256 {
+            // SAFETY: the caller's contract.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+        }
+    }
 
     /// [`Head::attend`] on AVX-512 for head sizes `16 * CH`, the new tokens in groups of up to
     /// `R` rows that share each key's and value's loads (a long prompt's keys and values sit in
@@ -469,7 +600,7 @@ mod x86 {
     /// # Safety
     /// As [`Head::attend`]; `head.hs == 16 * CH`; the CPU must have AVX-512F.
     #[target_feature(enable = "avx512f")]
-    pub(crate) unsafe fn attend512<const CH: usize, const R: usize>(head: &Head, y: *mut f32) {
+    pub(crate) unsafe fn attend512<T: Load, const CH: usize, const R: usize>(head: &Head<T>, y: *mut f32) {
         let mut scores = vec![0f32; R * head.t];
         let mut i0 = 0;
         while i0 < head.len {
@@ -477,10 +608,10 @@ mod x86 {
             // SAFETY: the caller's contract, for rows i0..i0 + rows of this task.
             unsafe {
                 match rows {
-                    1 => group::<CH, 1>(head, i0, &mut scores, y),
-                    2 => group::<CH, 2>(head, i0, &mut scores, y),
-                    3 => group::<CH, 3>(head, i0, &mut scores, y),
-                    _ => group::<CH, 4>(head, i0, &mut scores, y),
+                    1 => group::<T, CH, 1>(head, i0, &mut scores, y),
+                    2 => group::<T, CH, 2>(head, i0, &mut scores, y),
+                    3 => group::<T, CH, 3>(head, i0, &mut scores, y),
+                    _ => group::<T, CH, 4>(head, i0, &mut scores, y),
                 }
             }
             i0 += rows;
@@ -494,7 +625,12 @@ mod x86 {
     /// rows of the head's columns) with no other thread writing them.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn group<const CH: usize, const R: usize>(head: &Head, i0: usize, scores: &mut [f32], y: *mut f32) {
+    unsafe fn group<T: Load, const CH: usize, const R: usize>(
+        head: &Head<T>,
+        i0: usize,
+        scores: &mut [f32],
+        y: *mut f32,
+    ) {
         let (hs, t) = (head.hs, head.t);
         // Row r sees keys ..n[r] (causal); the group's first row sees the fewest.
         let n: [usize; R] = std::array::from_fn(|r| t - head.len + i0 + r + 1);
@@ -507,10 +643,10 @@ mod x86 {
             // Scores, every row against the keys of the last (a row's extra ones are unused):
             // 16 keys at a time, their lane sums taken together (`sums16`), then one at a time.
             let scale = _mm512_set1_ps(head.scale);
-            let dot = |q: &[__m512; CH], k: *const f32| {
-                let mut acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+            let dot = |q: &[__m512; CH], k: *const T| {
+                let mut acc = _mm512_mul_ps(q[0], T::load16(k));
                 for (c, &qc) in q.iter().enumerate().skip(1) {
-                    acc = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k.add(16 * c)), acc);
+                    acc = _mm512_fmadd_ps(qc, T::load16(k.add(16 * c)), acc);
                 }
                 acc
             };
@@ -556,7 +692,7 @@ mod x86 {
                 let (values, run, stride) = head.values.run(head.kv_h, j0, hs);
                 for j in j0..j0 + run.min(n[0] - j0) {
                     let v = values.add((j - j0) * stride);
-                    let v: [__m512; CH] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(16 * c)));
+                    let v: [__m512; CH] = std::array::from_fn(|c| T::load16(v.add(16 * c)));
                     for (r, acc) in acc.iter_mut().enumerate() {
                         let p = _mm512_set1_ps(scores[r * t + j]);
                         for (a, &v) in acc.iter_mut().zip(&v) {
@@ -571,7 +707,7 @@ mod x86 {
                     let v = head.values.row(head.kv_h, j, hs).as_ptr();
                     let p = _mm512_set1_ps(scores[r * t + j]);
                     for (c, a) in acc.iter_mut().enumerate() {
-                        *a = _mm512_fmadd_ps(p, _mm512_loadu_ps(v.add(16 * c)), *a);
+                        *a = _mm512_fmadd_ps(p, T::load16(v.add(16 * c)), *a);
                     }
                 }
                 let out = y.add((head.row0 + i0 + r) * head.c + head.h * hs);
@@ -657,9 +793,9 @@ mod x86 {
     /// multiply-adds are independent).
     ///
     /// # Safety
-    /// As [`Head::attend`]; `head.hs == 8 * CH`; the CPU must have AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn attend<const CH: usize>(head: &Head, y: *mut f32) {
+    /// As [`Head::attend`]; `head.hs == 8 * CH`; the CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn attend<T: Load, const CH: usize>(head: &Head<T>, y: *mut f32) {
         let (hs, offset) = (head.hs, head.t - head.len);
         let mut scores = vec![0f32; head.t];
         // SAFETY: within this function's contract (its `# Safety`): `y` is `(N, C)` and this task's head columns of its rows are its own; the keys and values hold `t` positions.
@@ -677,8 +813,8 @@ mod x86 {
                     let k = head.keys.row(head.kv_h, j, hs).as_ptr();
                     let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     for c in (0..CH).step_by(2) {
-                        a = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(k.add(8 * c)), a);
-                        b = _mm256_fmadd_ps(q[c + 1], _mm256_loadu_ps(k.add(8 * c + 8)), b);
+                        a = _mm256_fmadd_ps(q[c], T::load8(k.add(8 * c)), a);
+                        b = _mm256_fmadd_ps(q[c + 1], T::load8(k.add(8 * c + 8)), b);
                     }
                     let sum = _mm256_add_ps(a, b);
                     let sum = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps::<1>(sum));
@@ -697,7 +833,7 @@ mod x86 {
                     let v = head.values.row(head.kv_h, j, hs).as_ptr();
                     let p = _mm256_set1_ps(p);
                     for (c, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add(8 * c)), *a);
+                        *a = _mm256_fmadd_ps(p, T::load8(v.add(8 * c)), *a);
                     }
                 }
                 let inv = _mm256_set1_ps(1.0 / total);
