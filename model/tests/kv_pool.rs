@@ -170,6 +170,13 @@ fn caches_in_f16_hold_half_the_bytes_within_rounding_of_f32() -> anyhow::Result<
         assert_eq!(by_token.last(), got.first());
         let refused = model.clone().with_kv_cache_dtype(candle_core::DType::BF16);
         assert!(refused.is_err_and(|e| e.to_string().contains("BF16")));
+        // `auto`: f32 beside f32 weights, f16 beside quantized ones.
+        let quantized = model.clone().with_weight_format(gpt::WeightFormat::Q8_0)?;
+        assert_eq!(gpt::KvCacheDtype::Auto.resolve(&model), candle_core::DType::F32);
+        assert_eq!(gpt::KvCacheDtype::Auto.resolve(&quantized), candle_core::DType::F16);
+        assert!("bf16"
+            .parse::<gpt::KvCacheDtype>()
+            .is_err_and(|e| e.to_string().contains("bf16")));
     }
     Ok(())
 }
