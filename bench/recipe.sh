@@ -87,6 +87,7 @@ if [[ " $parts " == *" ablation "* ]]; then
     gpt_train "s$seed-modern-500" "${s[@]}" --batch-size 12 --max-iters 500 --recipe modern
     gpt_train "s$seed-modern-batch24-300" "${s[@]}" --max-iters 300 --recipe modern --batch-size 24
     gpt_train "s$seed-modern-original-scale-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --muon-scale original
+    gpt_train "s$seed-modern-gpt2-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch gpt2
     gpt_train "s$seed-modern-llama-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch llama
     gpt_train "s$seed-modern-qwen3-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch qwen3
     gpt_train "s$seed-modern-zero-init-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --zero-init-proj

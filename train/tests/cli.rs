@@ -20,9 +20,10 @@ fn resumed_run_matches_an_uninterrupted_one_bit_for_bit() -> anyhow::Result<()> 
     for dropout in ["0", "0.2"] {
         resumed_run_matches(dropout, &[])?;
     }
-    // Muon's momentum buffers beside AdamW's moments, the WSD schedule; on GPT-2 and a family.
+    // Muon's momentum buffers beside AdamW's moments, the WSD schedule; on GPT-2 and a family
+    // (the recipe's own: Llama's layout, its head untied).
+    resumed_run_matches("0", &["--recipe", "modern", "--arch", "gpt2"])?;
     resumed_run_matches("0", &["--recipe", "modern"])?;
-    resumed_run_matches("0", &["--recipe", "modern", "--arch", "llama"])?;
     Ok(())
 }
 
@@ -117,6 +118,10 @@ fn a_run_stops_at_the_first_evaluation_at_the_loss_asked_for() -> anyhow::Result
         seconds.windows(2).all(|w| w[1] > w[0]) && seconds[0] >= 0.0,
         "{seconds:?}"
     );
+    // The recipe's model without --arch: Llama's layout, its head untied.
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(stopped.join("best/config.json"))?)?;
+    assert_eq!(config["model_type"], "llama", "{config}");
+    assert_eq!(config["tie_word_embeddings"], false, "{config}");
     Ok(())
 }
 
