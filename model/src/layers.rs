@@ -50,6 +50,35 @@ pub enum Weight {
     },
 }
 
+/// `x Wᵀ` for a frozen weight held packed or quantized, differentiable in `x` (`dx = dy W`,
+/// [`Weight::input_gradient`]): an adapter trains on a base left in its block format, as QLoRA
+/// trains on a 4-bit base, holding the base's bytes rather than an f32 copy four to eight times
+/// larger. The products are the inference kernels' (activations to int8 where the weights are
+/// quantized, as llama.cpp's); the gradient's are f32 on the dequantized values.
+struct FrozenProduct(Weight);
+
+impl candle_core::CustomOp1 for FrozenProduct {
+    fn name(&self) -> &'static str {
+        "frozen-product"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let x = gpt_kernels::f32_slice(storage, layout, "frozen-product")?;
+        let x = Tensor::from_slice(x, layout.shape(), &Device::Cpu)?;
+        let y = self.0.forward_frozen(&x)?;
+        let shape = y.shape().clone();
+        Ok((candle_core::CpuStorage::F32(y.flatten_all()?.to_vec1::<f32>()?), shape))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        self.0.input_gradient(dy).map(Some)
+    }
+}
+
 /// `offsets_t` `(blocks, rows)` as the `(rows, blocks * 32)` values it adds: each block's offset
 /// over its 32 positions.
 fn spread_offsets(offsets_t: &Tensor) -> candle_core::Result<Tensor> {
@@ -71,10 +100,20 @@ impl Weight {
         }
     }
 
-    /// `x @ W^T` for `x` `(rows, in)`, under `autocast` for dense weights.
+    /// `x @ W^T` for `x` `(rows, in)`, under `autocast` for dense weights. Differentiable in `x`
+    /// for every form (a frozen packed or quantized base under a training adapter: QLoRA).
     pub fn forward(&self, x: &Tensor, autocast: Autocast) -> candle_core::Result<Tensor> {
         match self {
             Self::Dense(w) => matmul_wt(x, w, autocast),
+            _ if x.track_op() => x.apply_op1(FrozenProduct(self.clone())),
+            _ => self.forward_frozen(x),
+        }
+    }
+
+    /// [`Self::forward`] of a packed or quantized weight, not differentiable.
+    fn forward_frozen(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(w) => matmul_wt(x, w, Autocast::Off),
             Self::Packed(p) => p.matmul(x),
             Self::Quant(q) => candle_core::quantized::QMatMul::from_arc(q.clone())?.forward(&x.contiguous()?),
             Self::Recoded { codes, offsets, .. } => {
@@ -83,6 +122,24 @@ impl Weight {
                 let (n, k) = x.dims2()?;
                 let sums = x.contiguous()?.reshape((n, k / 32, 32))?.sum(2)?; // (N, in / 32)
                 y + sums.matmul(offsets)?
+            }
+        }
+    }
+
+    /// `dy W` for `dy` `(rows, out)`: the gradient of `x Wᵀ` with respect to `x`, without a
+    /// dense copy of a packed `W` (dequantized a few hundred rows at a time).
+    fn input_gradient(&self, dy: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(w) => dy.matmul(&w.to_dtype(dy.dtype())?),
+            Self::Packed(p) => p.input_gradient(dy),
+            Self::Quant(q) => dy.matmul(&q.dequantize(&q.device())?),
+            Self::Recoded { codes, offsets, .. } => {
+                let dx = codes.input_gradient(dy)?; // (N, in)
+                let Some(offsets) = offsets else { return Ok(dx) };
+                // Each block's offset adds `dy · offsetsᵀ` to its 32 inputs' gradients.
+                let (n, k) = dx.dims2()?;
+                let per_block = dy.matmul(&offsets.t()?)?; // (N, in / 32)
+                dx + per_block.unsqueeze(2)?.broadcast_as((n, k / 32, 32))?.reshape((n, k))?
             }
         }
     }
@@ -318,7 +375,8 @@ impl Conv1D {
 }
 
 /// `(.., in)` → `(.., out)`, as one 2-D matmul over all leading dimensions, then GELU (tanh
-/// form) if `gelu`. Packed weights add the bias and apply GELU in the kernel's epilogue.
+/// form) if `gelu`. Packed weights add the bias and apply GELU in the kernel's epilogue (where
+/// no gradient is asked of `x`).
 fn linear_act(
     x: &Tensor,
     weight: &Weight,
@@ -336,8 +394,10 @@ fn linear_act(
         x.reshape((rows, d_in))?
     };
     let y = match weight {
-        Weight::Packed(p) => p.matmul_bias(&x, bias, gelu)?,
-        Weight::Dense(_) | Weight::Quant(_) | Weight::Recoded { .. } => {
+        // The epilogue has no backward pass: under a training adapter the product is
+        // `Weight::forward`'s, differentiable in `x`.
+        Weight::Packed(p) if !x.track_op() => p.matmul_bias(&x, bias, gelu)?,
+        _ => {
             let y = gpt_kernels::add_tiled(&weight.forward(&x, autocast)?, bias)?; // (rows, out)
             if gelu {
                 gpt_kernels::gelu(&y)?

@@ -125,6 +125,12 @@ pub struct TrainArgs {
     /// Dropout of the LoRA update's input while training (PEFT's lora_dropout; default 0)
     #[arg(long, requires = "lora_r")]
     pub lora_dropout: Option<f64>,
+    /// Hold the frozen base in this format while the adapter trains, as QLoRA does (CPU):
+    /// `stored` (a GGUF file's own block formats, as gpt-server runs them), q8_0 or q4_0
+    /// (quantized at load), f16 or bf16; the products are the inference kernels', the gradient
+    /// through the base f32 on its dequantized values [default: f32, the base dequantized]
+    #[arg(long, requires = "lora_r", value_parser = parse_lora_base)]
+    pub lora_base: Option<String>,
     /// Complete checkpoints kept in OUT/checkpoints, the newest ones.
     #[arg(long)]
     pub keep_last: Option<usize>,
@@ -514,6 +520,20 @@ pub struct LoraRun {
     pub targets: Vec<String>,
     #[serde(default)]
     pub dropout: f64,
+    /// `--lora-base`: the format the frozen base is held in (none: f32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+}
+
+/// `--lora-base`: `stored` or a weight format.
+fn parse_lora_base(s: &str) -> std::result::Result<String, String> {
+    match s {
+        "stored" => Ok(s.to_string()),
+        _ => s
+            .parse::<gpt::WeightFormat>()
+            .map(|f| f.to_string())
+            .map_err(|e| format!("{e} (or stored)")),
+    }
 }
 
 impl LoraRun {
@@ -778,6 +798,7 @@ impl TrainArgs {
                 .clone()
                 .unwrap_or_else(|| default.split(',').map(str::to_string).collect()),
             dropout: self.lora_dropout.unwrap_or(0.0),
+            base: self.lora_base.clone(),
         });
         let Some(saved) = saved else {
             if flags.is_some() && self.init_from.is_none() {
@@ -789,16 +810,19 @@ impl TrainArgs {
             (None, saved) => Ok(saved.clone()),
             (Some(flags), Some(saved)) if flags == *saved => Ok(Some(flags)),
             (Some(flags), Some(saved)) => bail!(
-                "the run being resumed trains a LoRA adapter of rank {}, alpha {}, dropout {} on {:?}; \
-                 --lora-r {} --lora-alpha {} --lora-dropout {} --lora-targets {:?} would change it",
+                "the run being resumed trains a LoRA adapter of rank {}, alpha {}, dropout {} on {:?} \
+                 (base {}); --lora-r {} --lora-alpha {} --lora-dropout {} --lora-targets {:?} (--lora-base {}) \
+                 would change it",
                 saved.r,
                 saved.alpha,
                 saved.dropout,
                 saved.targets,
+                saved.base.as_deref().unwrap_or("f32"),
                 flags.r,
                 flags.alpha,
                 flags.dropout,
-                flags.targets
+                flags.targets,
+                flags.base.as_deref().unwrap_or("f32")
             ),
             (Some(_), None) => bail!("--lora-r: the run being resumed trains every weight, not an adapter"),
         }

@@ -152,6 +152,9 @@ pub fn lora_model(run: &RunConfig, lora: &LoraRun, varmap: &VarMap, device: &Dev
     let dir = checkpoint::resolve(&named.to_string_lossy())
         .context("--init-from")?
         .dir;
+    if let Some(base) = &lora.base {
+        return quantized_base_model(run, lora, base, &dir, varmap, device);
+    }
     // GPT-2's straight from the file where there is one (a packed copy for inference, then an
     // f32 copy of it, would double the base's memory while loading); the other families' as
     // their trainable model holds them (q, k, v stacked...: `gpt::arch::trainable_tensors`).
@@ -165,6 +168,43 @@ pub fn lora_model(run: &RunConfig, lora: &LoraRun, varmap: &VarMap, device: &Dev
         .with_context(|| format!("--init-from {}", dir.display()))?;
     let vb = crate::init::seeded_var_builder(varmap, run.seed, device);
     let adapter = Adapter::init(lora.peft_config(Some(named)), &run.model, &vb)?;
+    model.set_adapter(Some(&adapter))?;
+    Ok((model, adapter))
+}
+
+/// [`lora_model`] with the base held as inference holds it, in `base` (`--lora-base`: `stored`
+/// or a weight format), on the CPU: QLoRA's frozen quantized base.
+fn quantized_base_model(
+    run: &RunConfig,
+    lora: &LoraRun,
+    base: &str,
+    dir: &Path,
+    varmap: &VarMap,
+    device: &Device,
+) -> Result<(Gpt, Adapter)> {
+    if !device.is_cpu() {
+        bail!("--lora-base {base}: a base held packed or quantized trains on the CPU only; on a GPU leave it out");
+    }
+    let format = match base {
+        "stored" => None,
+        f => Some(
+            f.parse::<gpt::WeightFormat>()
+                .map_err(|e| anyhow::anyhow!("--lora-base: {e}"))?,
+        ),
+    };
+    // The embedding and the head dense, as QLoRA leaves them (and the loss then fused).
+    let (model, _) = gpt::load_dir_as(dir, format, device).with_context(|| format!("--init-from {}", dir.display()))?;
+    let mut model = model.with_dense_embeddings()?;
+    let (have, want) = (model.config(), &run.model);
+    if (have.resid_pdrop, have.embd_pdrop, have.attn_pdrop) != (want.resid_pdrop, want.embd_pdrop, want.attn_pdrop) {
+        bail!(
+            "--lora-base {base} keeps the base's dropout ({}); --dropout {} would change it",
+            have.resid_pdrop,
+            want.resid_pdrop
+        );
+    }
+    let vb = crate::init::seeded_var_builder(varmap, run.seed, device);
+    let adapter = Adapter::init(lora.peft_config(run.init_from.as_deref()), &run.model, &vb)?;
     model.set_adapter(Some(&adapter))?;
     Ok((model, adapter))
 }

@@ -131,6 +131,93 @@ fn families_fine_tune_from_their_checkpoints_and_resume_exactly() -> anyhow::Res
         "from the GGUF file: {} vs {mean_nll}",
         first_eval(&out)?
     );
+
+    // QLoRA: an adapter on the Q8_0 file's base left quantized (`--lora-base stored`) against
+    // the same adapter on the base dequantized: the same start within the int8 products'
+    // rounding, and it learns as that one does.
+    let q8 = dir.path().join("llama-gqa-q8_0.gguf");
+    gpt_test_support::write_llama_cpp_gguf(&family_dir("llama-gqa"), &q8, candle_core::quantized::GgmlDType::Q8_0)?;
+    let q = q8.to_str().unwrap_or_default();
+    let lora_from = |file: &str, out: &std::path::Path, extra: &[&str]| {
+        let flags = [
+            "--init-from",
+            file,
+            "--val-data",
+            v,
+            "--block-size",
+            "32",
+            "--max-iters",
+            "20",
+            "--eval-interval",
+            "20",
+            "--log-interval",
+            "1",
+            "--learning-rate",
+            "3e-3",
+            "--lora-r",
+            "4",
+            "--lora-targets",
+            "all-linear",
+        ];
+        run_with(out, &[&flags[..], extra].concat())
+    };
+    let lora = |out: &std::path::Path, extra: &[&str]| lora_from(q, out, extra);
+    let (dense, quantized) = (dir.path().join("qlora-f32"), dir.path().join("qlora-stored"));
+    let run = lora(&dense, &[])?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let run = lora(&quantized, &["--lora-base", "stored"])?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let (a, b) = (eval_losses(&dense)?, eval_losses(&quantized)?);
+    // The base packed in f32 (the inference kernels, no int8 products): the dense run's
+    // losses to f32's rounding, its gradient through the frozen products the same.
+    let packed = dir.path().join("qlora-packed-f32");
+    let run = lora(&packed, &["--lora-base", "f32"])?;
+    assert!(run.status.success(), "{}", stderr(&run));
+    let c = eval_losses(&packed)?;
+    assert!(
+        a.iter().zip(&c).all(|(a, c)| (a.1 - c.1).abs() < 1e-5),
+        "packed f32 against dense: {a:?} vs {c:?}"
+    );
+    assert!((a[0].1 - b[0].1).abs() < 2e-2, "the start: {a:?} vs {b:?}");
+    assert!(b[1].1 < b[0].1 - 0.05, "the quantized base's adapter learns: {b:?}");
+    assert!(
+        (a[1].1 - b[1].1).abs() < 0.1 * (a[0].1 - a[1].1),
+        "as the dense base's does: {a:?} vs {b:?}"
+    );
+    assert!(quantized.join("best/adapter_model.safetensors").is_file());
+    // Q4_1 (held as Q4_0's codes and an offset per block): the same against its own file
+    // dequantized.
+    let q41 = dir.path().join("llama-gqa-q4_1.gguf");
+    gpt_test_support::write_llama_cpp_gguf(&family_dir("llama-gqa"), &q41, candle_core::quantized::GgmlDType::Q4_1)?;
+    let q41 = q41.to_str().unwrap_or_default();
+    let on = |out: &str, extra: &[&str]| -> anyhow::Result<Vec<(u64, f64)>> {
+        let out = dir.path().join(out);
+        let run = lora_from(q41, &out, extra)?;
+        assert!(run.status.success(), "{}", stderr(&run));
+        eval_losses(&out)
+    };
+    let (a, b) = (on("q41-f32", &[])?, on("q41-stored", &["--lora-base", "stored"])?);
+    assert!((a[0].1 - b[0].1).abs() < 2e-2, "Q4_1, the start: {a:?} vs {b:?}");
+    assert!(
+        (a[1].1 - b[1].1).abs() < 0.1 * (a[0].1 - a[1].1),
+        "Q4_1: {a:?} vs {b:?}"
+    );
+    // The base keeps its own dropout; a format that is not one is named.
+    let run = lora(
+        &dir.path().join("qlora-dropout"),
+        &["--lora-base", "stored", "--dropout", "0.3"],
+    )?;
+    assert!(
+        !run.status.success() && stderr(&run).contains("--dropout"),
+        "{}",
+        stderr(&run)
+    );
+    let run = lora(&dir.path().join("qlora-bad"), &["--lora-base", "q3_k"])?;
+    assert!(
+        !run.status.success() && stderr(&run).contains("q3_k"),
+        "{}",
+        stderr(&run)
+    );
     Ok(())
 }
 

@@ -979,3 +979,29 @@ fn vectorised_passes_give_the_same_bits_on_every_instruction_set() {
         );
     }
 }
+
+/// A packed matrix's rows decoded a block at a time equal its values one at a time, and its
+/// input gradient `dy W` (W dequantized 256 rows at a time) equals `dy` times its dense copy,
+/// in every format, over a row count that leaves a partial chunk and a partial panel.
+#[test]
+fn packed_rows_and_input_gradient_match_the_dense_copy() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let (n, k, m) = (300, 96, 7);
+    let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+    let dy = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
+    for format in WeightFormat::ALL {
+        let packed = PackedMatrix::from_dense(&w, format)?;
+        let dense = packed.dense()?;
+        assert_eq!(
+            max_diff(&packed.dense_rows(17, 250)?, &dense.narrow(0, 17, 250)?),
+            0.0,
+            "{format}"
+        );
+        let got = packed.input_gradient(&dy)?;
+        let want = dy.matmul(&dense)?;
+        let d = max_diff(&got, &want);
+        assert!(d < 1e-4, "{format}: {d}");
+        assert!(packed.dense_rows(290, 11).is_err() && packed.input_gradient(&dy.narrow(1, 0, 299)?).is_err());
+    }
+    Ok(())
+}

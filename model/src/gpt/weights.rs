@@ -202,6 +202,17 @@ impl Gpt {
         out
     }
 
+    /// The model with its token embedding and LM head as dense f32 tensors, the blocks' matrices
+    /// left as they are: QLoRA's base, whose embeddings stay unquantized, and on which the
+    /// training loss takes the fused LM head and cross-entropy (no `(rows, vocab)` logits).
+    pub fn with_dense_embeddings(mut self) -> Result<Self> {
+        self.wte = Weight::Dense(self.wte.dense(DType::F32)?);
+        if let Some(head) = &mut self.lm_head {
+            *head = Weight::Dense(head.dense(DType::F32)?);
+        }
+        Ok(self)
+    }
+
     /// The format of the weight matrices (that of the LM head).
     pub fn weight_format(&self) -> Option<WeightFormat> {
         match &self.wte {
