@@ -6,6 +6,9 @@ tokenized by the base's tokenizer.
     python bench/lora_peft.py BASE --data data/tinyshakespeare.txt --r 8 --targets c_attn \
         --batch-size 4 --block-size 256 --steps 6 --threads 2
 
+BASE may be a GGUF file (`transformers` loads it dequantized to f32, with its tokenizer): PEFT's
+LoRA on the model a QLoRA run here holds quantized (`--targets q_proj,v_proj`).
+
 Prints one JSON object: the median tokens/s of the steps after the first, and the peak RSS.
 """
 import argparse
@@ -17,7 +20,7 @@ import time
 import torch
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer
-from transformers import GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 
 def main():
@@ -34,11 +37,19 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    ids = Tokenizer.from_file(f"{a.base}/tokenizer.json").encode(open(a.data).read()).ids
+    gguf = a.base.endswith(".gguf")
+    if gguf:
+        import os
+
+        where, name = os.path.dirname(os.path.abspath(a.base)), os.path.basename(a.base)
+        ids = AutoTokenizer.from_pretrained(where, gguf_file=name)(open(a.data).read()).input_ids
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, torch_dtype=torch.float32)
+    else:
+        ids = Tokenizer.from_file(f"{a.base}/tokenizer.json").encode(open(a.data).read()).ids
+        model = GPT2LMHeadModel.from_pretrained(a.base)
     data = torch.tensor(ids, dtype=torch.long)
-    model = GPT2LMHeadModel.from_pretrained(a.base)
     config = LoraConfig(
-        r=a.r, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","), fan_in_fan_out=True
+        r=a.r, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","), fan_in_fan_out=not gguf
     )
     model = get_peft_model(model, config)
     model.train()
