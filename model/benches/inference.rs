@@ -155,6 +155,7 @@ fn run(
         decode_s.push(start.elapsed().as_secs_f64());
     }
 
+    let decode_median = median(decode_s);
     let report = serde_json::json!({
         "impl": "candle",
         "device": gpt::device_name(device),
@@ -168,7 +169,10 @@ fn run(
         "batch": batch,
         "decode_prompt": PROMPT,
         "decode_new_tokens": new_tokens,
-        "decode_tok_per_s": (batch * new_tokens) as f64 / median(decode_s),
+        "decode_tok_per_s": (batch * new_tokens) as f64 / decode_median,
+        // What each decode step reads of the weights, and at batch 1 the rate it reads them.
+        "weight_bytes": model.weight_bytes(),
+        "decode_weight_gb_per_s": (new_tokens * model.weight_bytes()) as f64 / decode_median / 1e9,
     });
     println!("{report}");
     Ok(())

@@ -166,6 +166,21 @@ impl Weight {
         }
     }
 
+    /// Bytes held: the tensor's, the packed panels', the quantized blocks' (and offsets').
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::Dense(w) => w.elem_count() * w.dtype().size_in_bytes(),
+            Self::Packed(p) => p.size_in_bytes(),
+            Self::Quant(q) => q.storage_size_in_bytes(),
+            Self::Recoded { codes, offsets, .. } => {
+                codes.size_in_bytes()
+                    + offsets
+                        .as_ref()
+                        .map_or(0, |o| o.elem_count() * o.dtype().size_in_bytes())
+            }
+        }
+    }
+
     pub fn dims(&self) -> (usize, usize) {
         match self {
             Self::Dense(w) => {

@@ -213,6 +213,17 @@ impl Gpt {
         Ok(self)
     }
 
+    /// Bytes of the matrices a decode step reads, as held: every block's, and the LM head (the
+    /// token embedding where tied; of a separate embedding only a row is read). Against a
+    /// machine's memory bandwidth, the bound on batch-1 decode.
+    pub fn weight_bytes(&self) -> usize {
+        let blocks: usize = (self.blocks.iter())
+            .flat_map(|b| [&b.attn.c_attn, &b.attn.c_proj, &b.mlp.c_fc, &b.mlp.c_proj])
+            .map(|conv| conv.weight.bytes())
+            .sum();
+        blocks + self.head().bytes()
+    }
+
     /// The format of the weight matrices (that of the LM head).
     pub fn weight_format(&self) -> Option<WeightFormat> {
         match &self.wte {

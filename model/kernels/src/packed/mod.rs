@@ -151,6 +151,11 @@ impl PackedMatrix {
         }
     }
 
+    /// Bytes of the packed panels (what a product with one row of `x` reads).
+    pub fn size_in_bytes(&self) -> usize {
+        self.bytes().len()
+    }
+
     /// `(n, k)`: output columns, inputs.
     pub fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
