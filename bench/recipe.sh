@@ -78,21 +78,24 @@ if [[ " $parts " == *" ablation "* ]]; then
     s=(--seed "$seed" --eval-interval 50)
     gpt_train "s$seed-nanogpt-2000" "${s[@]}" --batch-size 12 --max-iters 2000
     gpt_train "s$seed-nanogpt-600" "${s[@]}" --batch-size 12 --max-iters 600
-    gpt_train "s$seed-adamw-wsd-6e-3-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --optimizer adamw
-    gpt_train "s$seed-adamw-wsd-3e-3-1400" "${s[@]}" --batch-size 12 --max-iters 1400 --recipe modern --optimizer adamw \
-      --learning-rate 3e-3
+    # The recipe's optimizer and schedule on GPT-2's layout (--arch gpt2), then the layouts.
+    gpt_train "s$seed-adamw-wsd-6e-3-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch gpt2 \
+      --optimizer adamw
+    gpt_train "s$seed-adamw-wsd-3e-3-1400" "${s[@]}" --batch-size 12 --max-iters 1400 --recipe modern --arch gpt2 \
+      --optimizer adamw --learning-rate 3e-3
     gpt_train "s$seed-muon-cosine-1e-3-600" "${s[@]}" --batch-size 12 --max-iters 600 --optimizer muon
-    gpt_train "s$seed-muon-wsd-1e-3-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --learning-rate 1e-3
+    gpt_train "s$seed-muon-wsd-1e-3-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch gpt2 \
+      --learning-rate 1e-3
     gpt_train "s$seed-modern-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern
-    gpt_train "s$seed-modern-500" "${s[@]}" --batch-size 12 --max-iters 500 --recipe modern
-    gpt_train "s$seed-modern-batch24-300" "${s[@]}" --max-iters 300 --recipe modern --batch-size 24
-    gpt_train "s$seed-modern-original-scale-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --muon-scale original
+    gpt_train "s$seed-modern-gpt2-500" "${s[@]}" --batch-size 12 --max-iters 500 --recipe modern --arch gpt2
+    gpt_train "s$seed-modern-gpt2-batch24-300" "${s[@]}" --max-iters 300 --recipe modern --arch gpt2 --batch-size 24
+    gpt_train "s$seed-modern-gpt2-original-scale-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern \
+      --arch gpt2 --muon-scale original
     gpt_train "s$seed-modern-gpt2-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch gpt2
     gpt_train "s$seed-modern-llama-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch llama
     gpt_train "s$seed-modern-qwen3-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch qwen3
-    gpt_train "s$seed-modern-zero-init-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --zero-init-proj
-    gpt_train "s$seed-modern-llama-untied-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch llama \
-      --untied-head
+    gpt_train "s$seed-modern-gpt2-zero-init-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch gpt2 \
+      --zero-init-proj
   done
 fi
 if [[ " $parts " == *" cost "* ]]; then

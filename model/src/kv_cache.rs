@@ -10,9 +10,9 @@ use crate::config::Config;
 use crate::kv_pool::pool;
 
 /// What a server's KV cache stores (`--kv-cache-dtype`): `f32`, `f16` (on the CPU; half the
-/// memory, as llama.cpp's default cache), or `auto`: f16 where the weights are already held in a
-/// lossy format (quantized, f16 or bf16), f32 with f32 weights, whose outputs then stay those
-/// of `transformers` to f32's rounding. On a GPU the cache is in the activations' dtype.
+/// memory, as llama.cpp's default cache), or `auto`: f16 where any weight matrix is already held
+/// in a lossy format (quantized, f16 or bf16), f32 where all are f32, whose outputs then stay
+/// those of `transformers` to f32's rounding. On a GPU the cache is in the activations' dtype.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum KvCacheDtype {
     #[default]
@@ -23,13 +23,16 @@ pub enum KvCacheDtype {
 
 impl KvCacheDtype {
     /// The dtype `model`'s caches would store ([`crate::Gpt::with_kv_cache_dtype`]'s argument).
+    /// Off the CPU, and where the fused CPU attention is off (`GPT_CPU_FUSED=0`), the
+    /// activations' dtype whatever was asked.
     pub fn resolve(self, model: &crate::Gpt) -> DType {
-        let exact = model.weight_format() == Some(gpt_kernels::WeightFormat::F32);
+        let blocks = model.device().is_cpu() && model.dtype() == DType::F32 && gpt_kernels::cpu_fused();
         match self {
+            _ if !blocks => model.dtype(),
             Self::F32 => DType::F32,
             Self::F16 => DType::F16,
-            Self::Auto if model.device().is_cpu() && model.dtype() == DType::F32 && !exact => DType::F16,
-            Self::Auto => model.dtype(),
+            Self::Auto if model.matrices_are_f32() => DType::F32,
+            Self::Auto => DType::F16,
         }
     }
 }

@@ -127,7 +127,8 @@ impl Weight {
     }
 
     /// `dy W` for `dy` `(rows, out)`: the gradient of `x Wᵀ` with respect to `x`, without a
-    /// dense copy of a packed `W` (dequantized a few hundred rows at a time).
+    /// dense copy of a packed `W` (dequantized a few hundred rows at a time; candle's quantized
+    /// matrices, the k-quants, dequantized whole for the product, one layer at a time).
     fn input_gradient(&self, dy: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Self::Dense(w) => dy.matmul(&w.to_dtype(dy.dtype())?),

@@ -806,6 +806,11 @@ impl TrainArgs {
             }
             return Ok(flags);
         };
+        // A resume without `--lora-base` keeps the run's.
+        let flags = flags.map(|f| LoraRun {
+            base: f.base.or_else(|| saved.lora.as_ref().and_then(|l| l.base.clone())),
+            ..f
+        });
         match (flags, &saved.lora) {
             (None, saved) => Ok(saved.clone()),
             (Some(flags), Some(saved)) if flags == *saved => Ok(Some(flags)),

@@ -198,8 +198,11 @@ fn quantized_base_model(
     let (have, want) = (model.config(), &run.model);
     if (have.resid_pdrop, have.embd_pdrop, have.attn_pdrop) != (want.resid_pdrop, want.embd_pdrop, want.attn_pdrop) {
         bail!(
-            "--lora-base {base} keeps the base's dropout ({}); --dropout {} would change it",
+            "--lora-base {base} keeps the base's dropout (residual, embedding, attention: {}, {}, {}); \
+             --dropout {} would change it",
             have.resid_pdrop,
+            have.embd_pdrop,
+            have.attn_pdrop,
             want.resid_pdrop
         );
     }

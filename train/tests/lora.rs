@@ -462,3 +462,50 @@ fn an_adapter_saved_here_loads_in_peft_with_the_same_logits() -> Result<()> {
     }
     Ok(())
 }
+
+/// QLoRA on GPT-2: the base packed in f32 (`--lora-base f32`) trains the adapter on candle's ops
+/// to the dense base's losses (to f32's rounding), and quantized (`q8_0`) it learns as that one
+/// does; a resume that would change the base's format is refused by name.
+#[test]
+fn a_lora_run_on_a_packed_or_quantized_base_learns_as_on_the_dense_one() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let base = tiny_base(tmp.path())?;
+    let logged = ["--log-interval", "1"];
+    let losses = |name: &str, extra: &[&str]| -> Result<Vec<(u64, f64)>> {
+        let out = tmp.path().join(name);
+        let o = lora_run(&base, &out, "20", &[&logged[..], extra].concat())?;
+        anyhow::ensure!(o.status.success(), "{name}: {}", stderr(&o));
+        common::train_losses(&out)
+    };
+    let dense = losses("dense", &[])?;
+    let packed = losses("packed", &["--lora-base", "f32"])?;
+    let quantized = losses("q8_0", &["--lora-base", "q8_0"])?;
+    assert_eq!(dense.len(), packed.len());
+    for ((step, a), (_, b)) in dense.iter().zip(&packed) {
+        assert!((a - b).abs() < 1e-3, "step {step}: dense {a} against packed {b}");
+    }
+    let (first, last) = (dense[0].1, dense[dense.len() - 1].1);
+    let (q_first, q_last) = (quantized[0].1, quantized[quantized.len() - 1].1);
+    assert!((first - q_first).abs() < 2e-2, "the start: {first} against {q_first}");
+    assert!(
+        (last - q_last).abs() < 0.2 * (first - last).abs().max(0.05),
+        "dense {dense:?} against q8_0 {quantized:?}"
+    );
+    let o = common::train(
+        &support::shakespeare_path(),
+        &tmp.path().join("q8_0"),
+        &[
+            "--resume",
+            "--max-iters",
+            "30",
+            "--lora-r",
+            "4",
+            "--lora-targets",
+            "c_attn,c_fc",
+            "--lora-base",
+            "q4_0",
+        ],
+    )?;
+    assert!(!o.status.success() && stderr(&o).contains("q4_0"), "{}", stderr(&o));
+    Ok(())
+}

@@ -46,6 +46,15 @@ impl Gpt {
         gpt_kernels::fused(self.ln_f.weight())
             && (gpt2() || family())
             && matches!(&self.wte, Weight::Dense(w) if w.dtype() == DType::F32)
+            && self.matrices_are_dense()
+    }
+
+    /// Whether every block's matrix is a tensor (a base held packed or quantized under a QLoRA
+    /// adapter trains on candle's ops: its products are not tape ops).
+    fn matrices_are_dense(&self) -> bool {
+        (self.blocks.iter())
+            .flat_map(|b| [&b.attn.c_attn, &b.attn.c_proj, &b.mlp.c_fc, &b.mlp.c_proj])
+            .all(|c| matches!(c.weight, Weight::Dense(_)))
     }
 
     /// Whether any layer carries a LoRA adapter.

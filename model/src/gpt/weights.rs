@@ -224,6 +224,19 @@ impl Gpt {
         blocks + self.head().bytes()
     }
 
+    /// Whether every weight matrix (the blocks', the head's) is held in f32.
+    pub fn matrices_are_f32(&self) -> bool {
+        let f32 = |w: &Weight| match w {
+            Weight::Dense(t) => t.dtype() == DType::F32,
+            Weight::Packed(p) => p.format() == WeightFormat::F32,
+            Weight::Quant(_) | Weight::Recoded { .. } => false,
+        };
+        f32(self.head())
+            && (self.blocks.iter())
+                .flat_map(|b| [&b.attn.c_attn, &b.attn.c_proj, &b.mlp.c_fc, &b.mlp.c_proj])
+                .all(|c| f32(&c.weight))
+    }
+
     /// The format of the weight matrices (that of the LM head).
     pub fn weight_format(&self) -> Option<WeightFormat> {
         match &self.wte {

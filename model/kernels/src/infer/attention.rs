@@ -46,7 +46,8 @@ impl CachedKv {
 /// llama.cpp keeps its cache; 11 bits of mantissa, within 2^-11 of each value).
 pub(crate) trait Stored: Copy + Send + Sync + 'static {
     fn slice(cpu: &candle_core::CpuStorage) -> Result<&[Self]>;
-    fn get(self) -> f32;
+    /// `row` as f32: itself, or widened into `buf` (at least as long as `row`).
+    fn widened<'a>(row: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
 }
 
 impl Stored for f32 {
@@ -54,8 +55,8 @@ impl Stored for f32 {
         cpu.as_slice::<f32>()
     }
     #[inline(always)]
-    fn get(self) -> f32 {
-        self
+    fn widened<'a>(row: &'a [Self], _: &'a mut [f32]) -> &'a [f32] {
+        row
     }
 }
 
@@ -63,9 +64,13 @@ impl Stored for half::f16 {
     fn slice(cpu: &candle_core::CpuStorage) -> Result<&[Self]> {
         cpu.as_slice::<half::f16>()
     }
+    /// A row at a time (F16C's conversion where the CPU has it), not a value at a time.
     #[inline(always)]
-    fn get(self) -> f32 {
-        self.to_f32()
+    fn widened<'a>(row: &'a [Self], buf: &'a mut [f32]) -> &'a [f32] {
+        use half::slice::HalfFloatSliceExt;
+        let buf = &mut buf[..row.len()];
+        row.convert_to_f32_slice(buf);
+        buf
     }
 }
 
@@ -457,6 +462,7 @@ impl<T: Stored> Head<'_, T> {
     unsafe fn attend(&self, y: *mut f32) {
         let (hs, offset) = (self.hs, self.t - self.len);
         let mut scores = vec![0f32; self.t];
+        let (mut key, mut value) = (vec![0f32; hs], [0f32; LANES]);
         for i in 0..self.len {
             let row = self.row0 + i;
             let q = &self.q[row * self.ld + self.h * hs..][..hs];
@@ -465,7 +471,7 @@ impl<T: Stored> Head<'_, T> {
             let keys = &mut scores[first..offset + i + 1];
             let mut max = f32::NEG_INFINITY;
             for (j, s) in keys.iter_mut().enumerate() {
-                *s = dot(q, self.keys.row(self.kv_h, first + j, hs)) * self.scale;
+                *s = dot(q, T::widened(self.keys.row(self.kv_h, first + j, hs), &mut key)) * self.scale;
                 if let Some(cap) = self.masking.softcap {
                     *s = (*s / cap).tanh() * cap;
                 }
@@ -486,14 +492,14 @@ impl<T: Stored> Head<'_, T> {
                 let width = LANES.min(hs - d0);
                 let mut acc = [0f32; LANES];
                 for (j, &p) in keys.iter().enumerate() {
-                    let v = &self.values.row(self.kv_h, first + j, hs)[d0..d0 + width];
-                    if let Ok(v) = <&[T; LANES]>::try_from(v) {
+                    let v = T::widened(&self.values.row(self.kv_h, first + j, hs)[d0..d0 + width], &mut value);
+                    if let Ok(v) = <&[f32; LANES]>::try_from(v) {
                         for l in 0..LANES {
-                            acc[l] += p * v[l].get();
+                            acc[l] += p * v[l];
                         }
                     } else {
                         for (a, &x) in acc.iter_mut().zip(v) {
-                            *a += p * x.get();
+                            *a += p * x;
                         }
                     }
                 }
@@ -511,24 +517,19 @@ const LANES: usize = 16;
 
 /// `a . b` with 16 partial sums, added pairwise (vectorisable without reassociation).
 #[inline(always)]
-fn dot<T: Stored>(a: &[f32], b: &[T]) -> f32 {
+fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y.get())
-        .sum();
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
     for (x, y) in ca.zip(cb) {
         let Ok::<&[f32; LANES], _>(x) = x.try_into() else {
             continue;
         };
-        let Ok::<&[T; LANES], _>(y) = y.try_into() else {
+        let Ok::<&[f32; LANES], _>(y) = y.try_into() else {
             continue;
         };
         for l in 0..LANES {
-            acc[l] += x[l] * y[l].get();
+            acc[l] += x[l] * y[l];
         }
     }
     let mut width = LANES;
