@@ -455,23 +455,19 @@ impl Gpt {
     /// fused attention). Anything else is an error that names it.
     pub fn with_kv_cache_dtype(mut self, dtype: DType) -> Result<Self> {
         let activations = self.dtype();
-        self.kv_dtype =
-            match dtype {
-                d if d == activations => None,
-                // The blocks the fused CPU attention reads (`GPT_CPU_FUSED` not 0).
-                DType::F16 if activations == DType::F32 && self.device().is_cpu() && gpt_kernels::cpu_fused() => {
-                    Some(DType::F16)
-                }
-                other => return Err(crate::Error::InvalidConfig(format!(
-                    "a KV cache in {other:?}: with {activations:?} activations on {} the cache holds {activations:?}{}",
-                    crate::device_name(self.device()),
-                    if self.device().is_cpu() && activations == DType::F32 {
-                        " or F16 (with the fused attention)"
-                    } else {
-                        ""
-                    }
-                ))),
-            };
+        // The blocks the fused CPU attention reads (`GPT_CPU_FUSED` not 0) may hold f16.
+        let blocks = activations == DType::F32 && self.device().is_cpu() && gpt_kernels::cpu_fused();
+        self.kv_dtype = match dtype {
+            d if d == activations => None,
+            DType::F16 if blocks => Some(DType::F16),
+            other => {
+                let or = if blocks { " or F16" } else { "" };
+                let device = crate::device_name(self.device());
+                return Err(crate::Error::InvalidConfig(format!(
+                    "a KV cache in {other:?}: with {activations:?} activations on {device} it holds {activations:?}{or}"
+                )));
+            }
+        };
         Ok(self)
     }
 
