@@ -67,6 +67,9 @@ impl candle_core::CustomOp1 for FrozenProduct {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        if let Weight::Packed(p) = &self.0 {
+            return candle_core::CustomOp1::cpu_fwd(&**p, storage, layout);
+        }
         let x = gpt_kernels::f32_slice(storage, layout, "frozen-product")?;
         let x = Tensor::from_slice(x, layout.shape(), &Device::Cpu)?;
         let y = self.0.forward_frozen(&x)?;

@@ -172,6 +172,11 @@ impl PackedMatrix {
 
     /// Rows `r0..r0 + n` of `W`, `(n, k)` in f32 (dequantized if quantized).
     pub fn dense_rows(&self, r0: usize, n: usize) -> Result<Tensor> {
+        Tensor::from_vec(self.decode_rows(r0, n)?, (n, self.k), &Device::Cpu)
+    }
+
+    /// [`Self::dense_rows`]' values, row after row.
+    fn decode_rows(&self, r0: usize, n: usize) -> Result<Vec<f32>> {
         if r0 + n > self.n {
             candle_core::bail!("rows {r0}..{} of a matrix of {} rows", r0 + n, self.n)
         }
@@ -179,7 +184,7 @@ impl PackedMatrix {
         for r in r0..r0 + n {
             self.decode_row(r, &mut values);
         }
-        Tensor::from_vec(values, (n, self.k), &Device::Cpu)
+        Ok(values)
     }
 
     /// Appends row `r` of `W` in f32 to `out`: [`Self::value`]'s values, a block at a time for
@@ -227,14 +232,18 @@ impl PackedMatrix {
             )
         }
         let dy = dy.to_dtype(DType::F32)?.contiguous()?;
-        let dy_values = dy.flatten_all()?.to_vec1::<f32>()?;
+        let (storage, layout) = dy.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            candle_core::bail!("packed-matmul gradient: dy is not on the CPU")
+        };
+        let dy_values = crate::f32_slice(cpu, layout, "packed-matmul gradient")?;
         // dx = Σ over chunks of W's rows of dy[:, chunk] · W[chunk, :], on the training products.
         let mut dx = vec![0f32; m * self.k];
         for r0 in (0..n).step_by(ROWS) {
             let rows = ROWS.min(n - r0);
-            let w = self.dense_rows(r0, rows)?.flatten_all()?.to_vec1::<f32>()?;
+            let w = self.decode_rows(r0, rows)?;
             let a = Operand {
-                data: &dy_values,
+                data: dy_values,
                 offset: r0,
                 rows: m,
                 cols: rows,
@@ -253,7 +262,7 @@ impl PackedMatrix {
             if r >= self.n {
                 candle_core::bail!("token id {id} is outside the embedding's {} rows", self.n)
             }
-            values.extend((0..self.k).map(|c| self.value(r, c)));
+            self.decode_row(r, &mut values);
         }
         Tensor::from_vec(values, (ids.len(), self.k), &Device::Cpu)
     }
