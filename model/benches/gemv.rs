@@ -6,7 +6,10 @@
 //! weight (>= 1 GB in all: this VM reports a 260 MiB L3) that they come from memory, not cache, as in a decode step over all
 //! layers. Prints one JSON line per shape.
 //!
-//!     [THREADS=2] cargo bench -p gpt --bench gemv
+//!     [THREADS=2] [SHAPES=768x2304,...] [COPIES=N] cargo bench -p gpt --bench gemv
+//!
+//! `SHAPES` (in x out) measures another model's products; `COPIES=1` one copy of each weight,
+//! from cache where it fits (the kernel's arithmetic rate rather than the memory's).
 
 mod common;
 
@@ -60,9 +63,25 @@ fn gemv_pool(w: &[f32], x: &[f32], out: &mut [f32]) {
 fn main() -> anyhow::Result<()> {
     gpt::device::fix_cpu_thread_count();
     let threads: usize = std::env::var("THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
-    for (d_in, d_out) in [(768, 2304), (768, 3072), (3072, 768), (768, 50257)] {
+    // `SHAPES=576x1728,1536x576` (in x out) for another model's products than GPT-2 small's.
+    let shapes: Vec<(usize, usize)> = match std::env::var("SHAPES") {
+        Ok(s) => s
+            .split(',')
+            .map(|p| {
+                let (i, o) = p
+                    .split_once('x')
+                    .ok_or_else(|| anyhow::anyhow!("SHAPES: {p:?} is not INxOUT"))?;
+                Ok((i.trim().parse()?, o.trim().parse()?))
+            })
+            .collect::<anyhow::Result<_>>()?,
+        Err(_) => vec![(768, 2304), (768, 3072), (3072, 768), (768, 50257)],
+    };
+    for (d_in, d_out) in shapes {
         let size = d_in * d_out;
-        let copies = (1_000_000_000 / (size * 4)).max(1);
+        let copies = std::env::var("COPIES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or((1_000_000_000 / (size * 4)).max(1));
         let w: Vec<f32> = (0..size * copies)
             .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-4)
             .collect();

@@ -119,13 +119,11 @@ impl Weight {
             Self::Dense(w) => matmul_wt(x, w, Autocast::Off),
             Self::Packed(p) => p.matmul(x),
             Self::Quant(q) => candle_core::quantized::QMatMul::from_arc(q.clone())?.forward(&x.contiguous()?),
-            Self::Recoded { codes, offsets, .. } => {
-                let y = codes.matmul(x)?; // (N, out)
-                let Some(offsets) = offsets else { return Ok(y) };
-                let (n, k) = x.dims2()?;
-                let sums = x.contiguous()?.reshape((n, k / 32, 32))?.sum(2)?; // (N, in / 32)
-                y + sums.matmul(offsets)?
-            }
+            // The offsets' product in the same pass, each task adding its columns' terms.
+            Self::Recoded { codes, offsets, .. } => match offsets {
+                Some(offsets) => codes.matmul_offsets(x, offsets),
+                None => codes.matmul(x),
+            },
         }
     }
 

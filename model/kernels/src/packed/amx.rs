@@ -222,7 +222,7 @@ pub(super) fn run(
                 }
             }
             // SAFETY: this task's columns of `y`, written above; AMX's CPUs all have AVX-512.
-            unsafe { super::epilogue::epilogue(ep, Simd::detect(), y_at as *mut f32, m, n, col0, cols) };
+            unsafe { super::epilogue::epilogue(ep, Simd::detect(), y_at as *mut f32, 0, m, n, col0, cols) };
         }
         if tiles == Tiles::Hardware {
             // SAFETY: as `configure`.

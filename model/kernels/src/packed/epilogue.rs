@@ -1,16 +1,28 @@
-//! What a product's tasks apply to the outputs they have just written: the bias, then GELU
-//! (the fused `x @ W^T + b` and the MLP's first layer), and that product as a candle op.
+//! What a product's tasks apply to the outputs they have just written: a recoded block format's
+//! offsets, the bias, then GELU (the fused `x @ W^T + b` and the MLP's first layer), and those
+//! products as candle ops.
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape};
 
 use super::PackedMatrix;
 use crate::simd::{Kernel, Simd, Vec16};
 
-/// What each task applies to the outputs it has written: the bias, then GELU.
+/// What each task applies to the outputs it has written: the offsets, the bias, then GELU.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Epilogue<'a> {
+    pub offsets: Option<Offsets<'a>>,
     pub bias: Option<&'a [f32]>,
     pub gelu: bool,
+}
+
+/// A block format's offsets per block of 32 inputs ([`PackedMatrix::matmul_offsets`]):
+/// `y[i, c] += Σ_b sums[i, b] · table[b, c]`, `sums` `(m, blocks)` the sums of `x` over each
+/// block, `table` `(blocks, n)`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Offsets<'a> {
+    pub sums: &'a [f32],
+    pub table: &'a [f32],
+    pub blocks: usize,
 }
 
 /// [`PackedMatrix::matmul_bias`] as a candle op of `x` and the bias.
@@ -28,37 +40,84 @@ impl CustomOp2 for WithEpilogue<'_> {
         let ep = Epilogue {
             bias: Some(crate::f32_slice(b, lb, "packed-matmul-bias")?),
             gelu: self.gelu,
+            offsets: None,
         };
         self.w.forward_cpu(x, lx, ep)
     }
 }
 
-/// The epilogue (bias, then GELU) on columns `col0..col0 + cols` of `y` `(m, n)`, which a task
-/// has just written, on `simd`'s vectors (the GELU's rational tanh vectorises; at the baseline's
+/// [`PackedMatrix::matmul_offsets`] as a candle op of `x` and the offsets' table.
+pub(super) struct WithOffsets<'a>(pub(super) &'a PackedMatrix);
+
+impl CustomOp2 for WithOffsets<'_> {
+    fn name(&self) -> &'static str {
+        "packed-matmul-offsets"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, t: &CpuStorage, lt: &Layout) -> Result<(CpuStorage, Shape)> {
+        let w = self.0;
+        let blocks = w.k / super::BLOCK;
+        if !w.k.is_multiple_of(super::BLOCK) || lt.shape().dims() != [blocks, w.n] {
+            candle_core::bail!(
+                "packed-matmul-offsets: a table of {:?} for a ({}, {}) weight in blocks of {}",
+                lt.shape().dims(),
+                w.n,
+                w.k,
+                super::BLOCK
+            )
+        }
+        let table = crate::f32_slice(t, lt, "packed-matmul-offsets")?;
+        let xs = crate::f32_slice(x, lx, "packed-matmul-offsets")?;
+        // Each block's sum in order (as `x.reshape((m, k / 32, 32)).sum(2)`).
+        let sums: Vec<f32> = xs.chunks_exact(super::BLOCK).map(|b| b.iter().sum()).collect();
+        let ep = Epilogue {
+            offsets: Some(Offsets {
+                sums: &sums,
+                table,
+                blocks,
+            }),
+            ..Epilogue::default()
+        };
+        w.forward_cpu(x, lx, ep)
+    }
+}
+
+/// The epilogue (offsets, bias, then GELU) on columns `col0..col0 + cols` of `y`'s rows
+/// `r0..r0 + m` (`y` points at row `r0` of `(.., n)`), which a task has just written, on `simd`'s vectors (the GELU's rational tanh vectorises; at the baseline's
 /// 4 lanes a long prefill's MLP spent ~6% of its time here).
 ///
 /// # Safety
 /// `y` holds `m * n` f32 and no other thread touches these columns meanwhile; `simd` available.
-pub(super) unsafe fn epilogue(ep: Epilogue, simd: Simd, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn epilogue(
+    ep: Epilogue,
+    simd: Simd,
+    y: *mut f32,
+    r0: usize,
+    m: usize,
+    n: usize,
+    col0: usize,
+    cols: usize,
+) {
     /// The epilogue as a kernel of plain Rust that the instruction set's compilation vectorises.
     struct EpilogueKernel<'a> {
         ep: Epilogue<'a>,
         y: *mut f32,
-        shape: (usize, usize, usize, usize),
+        shape: (usize, usize, usize, usize, usize),
     }
     impl Kernel for EpilogueKernel<'_> {
         type Output = ();
         #[inline(always)]
         fn run<V: Vec16>(self) {
-            let (m, n, col0, cols) = self.shape;
+            let (r0, m, n, col0, cols) = self.shape;
             // SAFETY: the caller's contract (the columns are its own).
-            unsafe { epilogue_any(self.ep, self.y, m, n, col0, cols) }
+            unsafe { epilogue_any(self.ep, self.y, r0, m, n, col0, cols) }
         }
     }
     simd.run(EpilogueKernel {
         ep,
         y,
-        shape: (m, n, col0, cols),
+        shape: (r0, m, n, col0, cols),
     })
 }
 
@@ -67,7 +126,26 @@ pub(super) unsafe fn epilogue(ep: Epilogue, simd: Simd, y: *mut f32, m: usize, n
 /// # Safety
 /// As [`epilogue`]'s.
 #[inline(always)]
-unsafe fn epilogue_any(ep: Epilogue, y: *mut f32, m: usize, n: usize, col0: usize, cols: usize) {
+unsafe fn epilogue_any(ep: Epilogue, y: *mut f32, r0: usize, m: usize, n: usize, col0: usize, cols: usize) {
+    if let Some(o) = ep.offsets {
+        for i in 0..m {
+            // SAFETY: the caller's columns of row `i`, in bounds.
+            let out = unsafe { std::slice::from_raw_parts_mut(y.add(i * n + col0), cols) };
+            let sums = &o.sums[(r0 + i) * o.blocks..(r0 + i + 1) * o.blocks];
+            // A task's columns are at most `GROUP * LANES`: the blocks' terms summed first, then
+            // added (as `y + sums.matmul(table)`).
+            let mut acc = [0f32; super::GROUP * super::LANES];
+            for (b, &s) in sums.iter().enumerate() {
+                let row = &o.table[b * n + col0..b * n + col0 + cols];
+                for (a, &t) in acc.iter_mut().zip(row) {
+                    *a += s * t;
+                }
+            }
+            for (v, a) in out.iter_mut().zip(acc) {
+                *v += a;
+            }
+        }
+    }
     let Some(bias) = ep.bias else { return };
     for i in 0..m {
         // SAFETY: the caller's columns of row `i`, in bounds.

@@ -221,7 +221,7 @@ pub(super) fn run(
             #[cfg(not(target_arch = "x86_64"))]
             simd.run(Portable(&t));
             // SAFETY: this task's columns, written above.
-            unsafe { super::epilogue::epilogue(ep, simd, t.y, m, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
+            unsafe { super::epilogue::epilogue(ep, simd, t.y, 0, m, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
         }
     });
 }

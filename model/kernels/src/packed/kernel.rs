@@ -291,7 +291,7 @@ fn run_format<F: Format, const XT: bool>(
                 format: std::marker::PhantomData,
             });
             // SAFETY: this item's block of `y`, written above.
-            unsafe { epilogue(ep, simd, t.y, rows, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
+            unsafe { epilogue(ep, simd, t.y, r0, rows, w.n, t.col0, (w.n - t.col0).min(GROUP * LANES)) };
         }
     });
 }
