@@ -440,8 +440,8 @@ mod avx512_vnni {
 
     use super::{block_bytes, code_bias, Task, BLOCK, GROUP, LANES};
 
-    /// Rows per register tile: `R x 2` f32 accumulators and as many integer sums, two weight
-    /// vectors and a broadcast: 29 of the 32 registers at 6.
+    /// Rows per register tile: `R` f32 accumulators and as many integer sums, the weights
+    /// (q4_0: low and high codes) and the broadcasts.
     const ROWS: usize = 6;
 
     /// Every row of one task ([`super::for_each_tile`]); `Q4`: q4_0 weights.
@@ -454,44 +454,62 @@ mod avx512_vnni {
             // SAFETY: the caller's contract; rows `i0..i0 + rows` exist.
             unsafe {
                 match rows {
-                    6 => rows_tile::<6, Q4>(t, i0, span, prefetch),
-                    5 => rows_tile::<5, Q4>(t, i0, span, prefetch),
-                    4 => rows_tile::<4, Q4>(t, i0, span, prefetch),
-                    3 => rows_tile::<3, Q4>(t, i0, span, prefetch),
-                    2 => rows_tile::<2, Q4>(t, i0, span, prefetch),
-                    _ => rows_tile::<1, Q4>(t, i0, span, prefetch),
+                    6 => panels::<6, Q4>(t, i0, span, prefetch),
+                    5 => panels::<5, Q4>(t, i0, span, prefetch),
+                    4 => panels::<4, Q4>(t, i0, span, prefetch),
+                    3 => panels::<3, Q4>(t, i0, span, prefetch),
+                    2 => panels::<2, Q4>(t, i0, span, prefetch),
+                    _ => panels::<1, Q4>(t, i0, span, prefetch),
                 }
             }
         });
     }
 
-    /// Rows `i0..i0 + R` times the task's two panels over blocks `b0..b1` of `k`, from the
-    /// outputs in `y` if `accumulate`, from zero otherwise.
+    /// Rows `i0..i0 + R` times the task's panels, one after the other. On an EPYC Zen 4 one row
+    /// had read both panels at once (two streams, the activations' broadcasts shared) at 17-24
+    /// GB/s (Q4_0) and 21-28 GB/s (Q8_0) from memory, and reads them one at a time at 25-33 and
+    /// 27-35, the machine's read bandwidth (30.4, `bench/bandwidth.rs`); decode and prefill
+    /// gained at every batch tried (`BENCHMARKS.md`).
     ///
     /// # Safety
-    /// As [`task`]'s, with rows `i0..i0 + R` among the task's and `b0 <= b1 <=` its blocks.
+    /// As [`rows_tile`]'s.
     #[inline(always)]
-    #[allow(clippy::needless_range_loop)] // acc[i][j] reads as the formula
+    unsafe fn panels<const R: usize, const Q4: bool>(t: &Task, i0: usize, span: (usize, usize, bool), prefetch: usize) {
+        for j in 0..GROUP {
+            let lanes = (t.n - t.col0).saturating_sub(j * LANES).min(LANES);
+            if lanes > 0 {
+                // SAFETY: the caller's contract; panel `j` of the task exists.
+                unsafe { rows_tile::<R, Q4>(t, i0, (j, lanes), span, prefetch) }
+            }
+        }
+    }
+
+    /// Rows `i0..i0 + R` times panel `j` of the task (its first `lanes` columns) over blocks
+    /// `b0..b1` of `k`, from the outputs in `y` if `accumulate`, from zero otherwise.
+    ///
+    /// # Safety
+    /// As [`task`]'s, with rows `i0..i0 + R` among the task's, panel `j` among its panels and
+    /// `b0 <= b1 <=` its blocks.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // acc[i] reads as the formula
     unsafe fn rows_tile<const R: usize, const Q4: bool>(
         t: &Task,
         i0: usize,
+        (j, lanes): (usize, usize),
         (b0, b1, accumulate): (usize, usize, bool),
         prefetch: usize,
     ) {
-        let cols = (t.n - t.col0).min(GROUP * LANES);
         let blocks = t.k / BLOCK;
         let size = block_bytes(Q4);
         // SAFETY: the caller's contract (`task`'s): every pointer below is within the rows of the
-        // quantized activations, the task's panels, or its columns of `y`.
+        // quantized activations, the task's panel `j`, or its columns of `y`.
         unsafe {
             let (flip, low) = (_mm512_set1_epi8(-128), _mm512_set1_epi8(15));
-            let mut acc = [[_mm512_setzero_ps(); GROUP]; R];
-            let y = |i: usize| t.y.add((i0 + i) * t.n + t.col0);
+            let mut acc = [_mm512_setzero_ps(); R];
+            let y = |i: usize| t.y.add((i0 + i) * t.n + t.col0 + j * LANES);
             if accumulate {
                 for i in 0..R {
-                    for j in 0..GROUP {
-                        acc[i][j] = load_cols(y(i).add(j * LANES), cols.saturating_sub(j * LANES));
-                    }
+                    acc[i] = load_cols(y(i), lanes);
                 }
             }
             let codes = t.q.codes.as_ptr().add(i0 * t.k);
@@ -500,66 +518,46 @@ mod avx512_vnni {
             let x4 = |i: usize, b: usize, p: usize| {
                 _mm512_set1_epi32((codes.add(i * t.k + b * BLOCK + p) as *const i32).read_unaligned())
             };
+            let panel = t.panels.add(j * t.panel_bytes);
             for b in b0..b1 {
-                let block: [*const u8; GROUP] = std::array::from_fn(|j| t.panels.add(j * t.panel_bytes + b * size));
+                let block = panel.add(b * size);
                 if prefetch > 0 {
-                    for p in block {
-                        for line in 0..size.div_ceil(64) {
-                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(prefetch + 64 * line) as *const i8);
-                        }
+                    for line in 0..size.div_ceil(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(prefetch + 64 * line) as *const i8);
                     }
                 }
-                let mut dots = [[_mm512_setzero_si512(); GROUP]; R];
-                for i in 0..R {
-                    let start = _mm512_set1_epi32(-code_bias(Q4) * *sums.add(i * blocks + b));
-                    dots[i] = [start; GROUP];
-                }
+                let mut dots: [__m512i; R] =
+                    std::array::from_fn(|i| _mm512_set1_epi32(-code_bias(Q4) * *sums.add(i * blocks + b)));
                 if Q4 {
                     for g in 0..BLOCK / 8 {
-                        // Positions 4g.. (low codes) and 16 + 4g.. (high) of each panel.
-                        let pairs: [__m512i; GROUP] =
-                            std::array::from_fn(|j| _mm512_loadu_si512(block[j].add(64 * g) as *const _));
-                        let lo = pairs.map(|p| _mm512_and_si512(p, low));
-                        let hi = pairs.map(|p| _mm512_and_si512(_mm512_srli_epi16::<4>(p), low));
+                        // Positions 4g.. (low codes) and 16 + 4g.. (high).
+                        let pairs = _mm512_loadu_si512(block.add(64 * g) as *const _);
+                        let lo = _mm512_and_si512(pairs, low);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(pairs), low);
                         for i in 0..R {
                             let (xl, xh) = (x4(i, b, 4 * g), x4(i, b, 16 + 4 * g));
-                            for j in 0..GROUP {
-                                dots[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dots[i][j], lo[j], xl), hi[j], xh);
-                            }
+                            dots[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dots[i], lo, xl), hi, xh);
                         }
                     }
                 } else {
                     for g in 0..BLOCK / 4 {
-                        let w: [__m512i; GROUP] = std::array::from_fn(|j| {
-                            _mm512_xor_si512(_mm512_loadu_si512(block[j].add(64 * g) as *const _), flip)
-                        });
+                        let w = _mm512_xor_si512(_mm512_loadu_si512(block.add(64 * g) as *const _), flip);
                         for i in 0..R {
-                            let x = x4(i, b, 4 * g);
-                            for j in 0..GROUP {
-                                dots[i][j] = _mm512_dpbusd_epi32(dots[i][j], w[j], x);
-                            }
+                            dots[i] = _mm512_dpbusd_epi32(dots[i], w, x4(i, b, 4 * g));
                         }
                     }
                 }
-                let dw: [__m512; GROUP] = std::array::from_fn(|j| {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(block[j].add(size - 2 * LANES) as *const _))
-                });
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(size - 2 * LANES) as *const _));
                 for i in 0..R {
                     let dx = _mm512_set1_ps(*scales.add(i * blocks + b));
-                    for j in 0..GROUP {
-                        acc[i][j] =
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i][j]), _mm512_mul_ps(dx, dw[j]), acc[i][j]);
-                    }
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i]), _mm512_mul_ps(dx, dw), acc[i]);
                 }
             }
             for i in 0..R {
-                for j in 0..GROUP {
-                    let lanes = cols.saturating_sub(j * LANES).min(LANES);
-                    if lanes == LANES {
-                        _mm512_storeu_ps(y(i).add(j * LANES), acc[i][j]);
-                    } else if lanes > 0 {
-                        _mm512_mask_storeu_ps(y(i).add(j * LANES), (1u32 << lanes) as u16 - 1, acc[i][j]);
-                    }
+                if lanes == LANES {
+                    _mm512_storeu_ps(y(i), acc[i]);
+                } else {
+                    _mm512_mask_storeu_ps(y(i), (1u32 << lanes) as u16 - 1, acc[i]);
                 }
             }
         }
