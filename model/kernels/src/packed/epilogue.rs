@@ -83,8 +83,9 @@ impl CustomOp2 for WithOffsets<'_> {
 }
 
 /// The epilogue (offsets, bias, then GELU) on columns `col0..col0 + cols` of `y`'s rows
-/// `r0..r0 + m` (`y` points at row `r0` of `(.., n)`), which a task has just written, on `simd`'s vectors (the GELU's rational tanh vectorises; at the baseline's
-/// 4 lanes a long prefill's MLP spent ~6% of its time here).
+/// `r0..r0 + m` (`y` points at row `r0` of `(.., n)`), which a task has just written, on
+/// `simd`'s vectors (the GELU's rational tanh vectorises; at the baseline's 4 lanes a long
+/// prefill's MLP spent ~6% of its time here).
 ///
 /// # Safety
 /// `y` holds `m * n` f32 and no other thread touches these columns meanwhile; `simd` available.

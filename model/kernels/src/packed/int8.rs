@@ -467,9 +467,9 @@ mod avx512_vnni {
 
     /// Rows `i0..i0 + R` times the task's panels, one after the other. On an EPYC Zen 4 one row
     /// had read both panels at once (two streams, the activations' broadcasts shared) at 17-24
-    /// GB/s (Q4_0) and 21-28 GB/s (Q8_0) from memory, and reads them one at a time at 25-33 and
-    /// 27-35, the machine's read bandwidth (30.4, `bench/bandwidth.rs`); decode and prefill
-    /// gained at every batch tried (`BENCHMARKS.md`).
+    /// GB/s (Q4_0) and 21-28 GB/s (Q8_0) from memory, and reads them one at a time at 19-38 and
+    /// 23-38, the machine's read bandwidth (30.4, `bench/bandwidth.rs`) on the larger matrices;
+    /// decode at batch 1, 4 and 6 gained, prefill stayed within the noise (`BENCHMARKS.md`).
     ///
     /// # Safety
     /// As [`rows_tile`]'s.
