@@ -96,6 +96,16 @@ if [[ " $parts " == *" ablation "* ]]; then
     gpt_train "s$seed-modern-qwen3-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch qwen3
     gpt_train "s$seed-modern-gpt2-zero-init-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch gpt2 \
       --zero-init-proj
+    # The batch ramped up (--batch-ramp-iters): 3 -> 12 rows over the first 200 steps; 6 -> 24
+    # over 150 of 400.
+    gpt_train "s$seed-modern-ramp-3-12-200-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern \
+      --batch-ramp-iters 200 --batch-size-start 3
+    gpt_train "s$seed-modern-ramp-6-24-150-400" "${s[@]}" --batch-size 24 --max-iters 400 --recipe modern \
+      --batch-ramp-iters 150 --batch-size-start 6
+    gpt_train "s$seed-modern-batch24-400" "${s[@]}" --batch-size 24 --max-iters 400 --recipe modern
+    gpt_train "s$seed-modern-ramp-6-24-150-350" "${s[@]}" --batch-size 24 --max-iters 350 --recipe modern \
+      --batch-ramp-iters 150 --batch-size-start 6
+    gpt_train "s$seed-modern-batch24-350" "${s[@]}" --batch-size 24 --max-iters 350 --recipe modern
   done
 fi
 if [[ " $parts " == *" cost "* ]]; then

@@ -226,6 +226,15 @@ pub struct TrainArgs {
     /// Sequences per micro-batch.
     #[arg(long)]
     pub batch_size: Option<usize>,
+    /// Ramp the batch up over the first N steps: from --batch-size-start, growing linearly to
+    /// --batch-size at step N (rounded down to a multiple of the ranks), as modded-nanogpt's and
+    /// GPT-3's batch-size warmups do: early steps, whose gradients point the same way at any
+    /// batch, cost less. 0: no ramp [default: 0].
+    #[arg(long)]
+    pub batch_ramp_iters: Option<usize>,
+    /// The batch size the ramp starts from [default: a quarter of --batch-size, at least 1].
+    #[arg(long)]
+    pub batch_size_start: Option<usize>,
     /// Optimisation steps in all.
     #[arg(long)]
     pub max_iters: Option<usize>,
@@ -466,6 +475,9 @@ pub struct RunConfig {
     #[serde(with = "model_config")]
     pub model: Config,
     pub batch_size: usize,
+    /// (Absent from runs saved before it existed: none.)
+    #[serde(default)]
+    pub batch_ramp: Option<BatchRamp>,
     pub max_iters: usize,
     pub learning_rate: f64,
     pub min_lr: f64,
@@ -509,6 +521,26 @@ pub struct RunConfig {
     pub eval_iters: usize,
     pub log_interval: usize,
     pub seed: u64,
+}
+
+/// `--batch-ramp-iters` and `--batch-size-start`: the batch grows from `start` sequences to the
+/// run's `--batch-size` over the first `iters` steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchRamp {
+    pub start: usize,
+    pub iters: usize,
+}
+
+impl BatchRamp {
+    /// [`RunConfig::batch_at`] for a run of `batch_size` sequences a micro-batch.
+    pub fn batch_at(self, batch_size: usize, step: usize, ranks: usize) -> usize {
+        if step >= self.iters {
+            return batch_size;
+        }
+        let start = self.start.min(batch_size);
+        let b = start + (batch_size - start) * step / self.iters;
+        (b / ranks.max(1) * ranks.max(1)).max(ranks.max(1)).min(batch_size)
+    }
 }
 
 /// A LoRA run's adapter settings (`--lora-r`, `--lora-alpha`, `--lora-targets`,
@@ -728,6 +760,7 @@ impl TrainArgs {
             (files, _) => files.to_vec(),
         };
         let max_iters = pick!(max_iters, defaults::MAX_ITERS);
+        let batch_size = pick!(batch_size, defaults::BATCH_SIZE);
         let recipe = pick!(recipe, Recipe::Nanogpt);
         let r = recipe.defaults();
         let optimizer = pick!(optimizer, r.optimizer);
@@ -740,7 +773,8 @@ impl TrainArgs {
             data_format: pick!(data_format, Default::default()),
             tokenizer: pick!(tokenizer, defaults::TOKENIZER.to_string()),
             device: pick!(device, defaults::DEVICE.to_string()),
-            batch_size: pick!(batch_size, defaults::BATCH_SIZE),
+            batch_size,
+            batch_ramp: self.batch_ramp(batch_size, saved)?,
             max_iters,
             learning_rate: pick!(learning_rate, r.learning_rate),
             min_lr: pick!(min_lr, r.min_lr),
@@ -782,6 +816,26 @@ impl TrainArgs {
 }
 
 impl TrainArgs {
+    /// The batch ramp: from the flags (`--batch-size-start` alone is an error: it starts no
+    /// ramp), else the resumed run's.
+    fn batch_ramp(&self, batch_size: usize, saved: Option<&RunConfig>) -> Result<Option<BatchRamp>> {
+        let iters = match self.batch_ramp_iters {
+            Some(iters) => iters,
+            None if self.batch_size_start.is_some() => {
+                bail!("--batch-size-start starts a ramp: pass --batch-ramp-iters N (the steps it lasts)")
+            }
+            None => return Ok(saved.and_then(|s| s.batch_ramp)),
+        };
+        if iters == 0 {
+            return Ok(None);
+        }
+        let start = self.batch_size_start.unwrap_or((batch_size / 4).max(1));
+        if start == 0 || start > batch_size {
+            bail!("--batch-size-start {start}: the ramp starts at 1 to --batch-size ({batch_size}) sequences");
+        }
+        Ok(Some(BatchRamp { start, iters }))
+    }
+
     /// The LoRA settings: from the flags, or the resumed run's (which the flags may not change:
     /// its adapter has that shape).
     fn lora(&self, saved: Option<&RunConfig>, model: &Config) -> Result<Option<LoraRun>> {
@@ -912,7 +966,35 @@ impl RunConfig {
         self.model.n_positions
     }
 
-    pub fn tokens_per_step(&self) -> usize {
-        self.batch_size * self.block_size() * self.gradient_accumulation_steps
+    /// Sequences per micro-batch at `step` among `ranks` (the batch ramp's, else `batch_size`):
+    /// along the ramp `start + (batch_size - start) · step / iters`, rounded down to a multiple of
+    /// `ranks` (at least `ranks`), so that every rank trains an equal share.
+    pub fn batch_at(&self, step: usize, ranks: usize) -> usize {
+        match self.batch_ramp {
+            Some(ramp) => ramp.batch_at(self.batch_size, step, ranks),
+            None => self.batch_size,
+        }
+    }
+
+    /// Tokens of one step at `step` (every micro-batch, every rank).
+    pub fn tokens_at(&self, step: usize, ranks: usize) -> usize {
+        self.batch_at(step, ranks) * self.block_size() * self.gradient_accumulation_steps
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BatchRamp;
+
+    #[test]
+    fn the_batch_ramps_linearly_to_the_full_batch_in_multiples_of_the_ranks() {
+        let ramp = BatchRamp { start: 4, iters: 8 };
+        let one: Vec<usize> = (0..10).map(|s| ramp.batch_at(12, s, 1)).collect();
+        assert_eq!(one, [4, 5, 6, 7, 8, 9, 10, 11, 12, 12]);
+        let three: Vec<usize> = (0..10).map(|s| ramp.batch_at(12, s, 3)).collect();
+        assert_eq!(three, [3, 3, 6, 6, 6, 9, 9, 9, 12, 12]);
+        // A start above the ranks' share still gives every rank a row.
+        assert_eq!(BatchRamp { start: 1, iters: 4 }.batch_at(8, 0, 2), 2);
+        assert_eq!(BatchRamp { start: 12, iters: 8 }.batch_at(12, 3, 1), 12);
     }
 }

@@ -379,11 +379,12 @@ impl<'w> Trainer<'w> {
     pub fn step(&mut self, lr: f64) -> Result<f64> {
         self.restack_adapter()?;
         let (run, step) = (&self.run, self.state.step);
+        let batch_size = run.batch_at(step, self.world.size());
         let batches = (0..run.gradient_accumulation_steps)
             .map(|micro| {
                 let mut rng = data::batch_rng(run.seed, step, micro as u64);
                 self.data
-                    .batch(true, run.batch_size, run.block_size(), &mut rng, &self.device)
+                    .batch(true, batch_size, run.block_size(), &mut rng, &self.device)
             })
             .collect::<Result<Vec<_>>>()?;
         let objective = Objective {
@@ -492,7 +493,10 @@ impl<'w> Trainer<'w> {
         let step = self.state.step;
         let log_now = step.is_multiple_of(self.run.log_interval) || step == self.run.max_iters;
         let secs = self.interval_start.0.elapsed().as_secs_f64().max(1e-9);
-        let tokens_per_sec = ((step - self.interval_start.1) * self.run.tokens_per_step()) as f64 / secs;
+        let tokens: usize = (self.interval_start.1..step)
+            .map(|s| self.run.tokens_at(s, self.world.size()))
+            .sum();
+        let tokens_per_sec = tokens as f64 / secs;
         if !log_now {
             self.progress.step(step, train_loss, lr, tokens_per_sec, "", false);
             return Ok(());

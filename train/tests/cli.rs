@@ -24,6 +24,55 @@ fn resumed_run_matches_an_uninterrupted_one_bit_for_bit() -> anyhow::Result<()> 
     // (the recipe's own: Llama's layout, its head untied).
     resumed_run_matches("0", &["--recipe", "modern", "--arch", "gpt2"])?;
     resumed_run_matches("0", &["--recipe", "modern"])?;
+    // Stopped half way along a batch ramp.
+    resumed_run_matches(
+        "0",
+        &[
+            "--recipe",
+            "modern",
+            "--batch-ramp-iters",
+            "24",
+            "--batch-size-start",
+            "2",
+        ],
+    )?;
+    Ok(())
+}
+
+/// `--batch-ramp-iters N` trains its first steps on fewer rows (their losses differ from the run
+/// without it), and a ramp that starts at the full batch is the run without one, bit for bit.
+#[test]
+fn a_batch_ramp_starts_small_and_a_full_start_changes_nothing() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let corpus = write(dir.path(), "corpus.txt", shakespeare(40_000)?)?;
+    let run = |name: &str, extra: &[&str]| -> anyhow::Result<Vec<(u64, f64)>> {
+        let out_dir = dir.path().join(name);
+        let flags = [&["--max-iters", "6", "--batch-size", "4"][..], extra].concat();
+        let out = train(&corpus, &out_dir, &flags)?;
+        assert!(out.status.success(), "{}", stderr(&out));
+        train_losses(&out_dir)
+    };
+    let plain = run("plain", &[])?;
+    let full = run("full", &["--batch-ramp-iters", "4", "--batch-size-start", "4"])?;
+    let ramped = run("ramped", &["--batch-ramp-iters", "4", "--batch-size-start", "1"])?;
+    assert_eq!(plain, full);
+    assert_eq!(plain.len(), 6);
+    assert_ne!(plain[0], ramped[0], "step 1 trains on 1 row, not 4");
+    for (flags, says) in [
+        (&["--batch-size-start", "2"][..], "--batch-ramp-iters"),
+        (
+            &["--batch-ramp-iters", "4", "--batch-size-start", "9"][..],
+            "--batch-size-start 9",
+        ),
+    ] {
+        let args = common::train_args(
+            &corpus,
+            &dir.path().join("bad"),
+            &[&["--batch-size", "4"][..], flags].concat(),
+        );
+        let err = fails(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
+        assert!(err.contains(says), "{err}");
+    }
     Ok(())
 }
 
