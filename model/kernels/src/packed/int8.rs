@@ -301,13 +301,16 @@ mod avx2 {
 
     use super::{block_bytes, code_bias, Task, BLOCK, GROUP, LANES};
 
-    /// Rows per register tile, one panel at a time: `R x 2` f32 accumulators and as many integer
-    /// sums, the weights and their magnitudes (q4_0: low and high codes), a broadcast and the
-    /// ones: 14 of the 16 registers at 2.
-    const ROWS: usize = 2;
+    /// Rows per register tile of several rows, one half panel (8 columns) at a time: `R` f32
+    /// accumulators and as many integer sums, the weights and their magnitudes (q4_0: low and
+    /// high codes), a broadcast and the ones: 14 of the 16 registers at 4. A tile of two rows
+    /// over both halves (`R x 2` accumulators) had spilled them to the stack (perf annotate), and
+    /// Q8_0 prefill ran at 0.75-1.09x llama.cpp's on an EPYC Zen 3.
+    const ROWS: usize = 4;
 
-    /// Every row of one task ([`super::for_each_tile`]), one panel after the other; `Q4`: q4_0
-    /// weights.
+    /// Every row of one task ([`super::for_each_tile`]), one panel after the other; one row over
+    /// both halves of a panel at once (the activations' broadcasts shared), several rows a half
+    /// at a time (each weight load shared by more rows); `Q4`: q4_0 weights.
     ///
     /// # Safety
     /// AVX2, FMA and F16C available; the task's operands valid, its columns its own.
@@ -320,28 +323,45 @@ mod avx2 {
                 if lanes == 0 {
                     break;
                 }
-                // SAFETY: the caller's contract; rows `i0..i0 + rows` and panel `j` exist.
-                unsafe {
-                    match rows {
-                        2 => rows_tile::<2, Q4>(t, i0, (j, lanes), span, prefetch),
-                        _ => rows_tile::<1, Q4>(t, i0, (j, lanes), span, prefetch),
+                if rows == 1 {
+                    // SAFETY: the caller's contract; row `i0` and panel `j` exist.
+                    unsafe { rows_tile::<1, 2, Q4>(t, i0, (j, 0, lanes), span, prefetch) };
+                    continue;
+                }
+                for half in 0..2 {
+                    let lanes = lanes.saturating_sub(half * HALF).min(HALF);
+                    if lanes == 0 {
+                        break;
+                    }
+                    let prefetch = if half == 0 { prefetch } else { 0 };
+                    // SAFETY: the caller's contract; rows `i0..i0 + rows` and panel `j` exist.
+                    unsafe {
+                        match rows {
+                            4 => rows_tile::<4, 1, Q4>(t, i0, (j, half, lanes), span, prefetch),
+                            3 => rows_tile::<3, 1, Q4>(t, i0, (j, half, lanes), span, prefetch),
+                            _ => rows_tile::<2, 1, Q4>(t, i0, (j, half, lanes), span, prefetch),
+                        }
                     }
                 }
             }
         });
     }
 
-    /// Rows `i0..i0 + R` times panel `j` of the task (its first `lanes` columns) over blocks
-    /// `b0..b1` of `k`, from the outputs in `y` if `accumulate`, from zero otherwise.
+    /// Columns in half a panel: one AVX2 vector of f32.
+    const HALF: usize = LANES / 2;
+
+    /// Rows `i0..i0 + R` times halves `h0..h0 + H` of panel `j` of the task (their first `lanes`
+    /// columns) over blocks `b0..b1` of `k`, from the outputs in `y` if `accumulate`, from zero
+    /// otherwise.
     ///
     /// # Safety
     /// As [`task`]'s, with rows `i0..i0 + R` among the task's and `b0 <= b1 <=` its blocks.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // acc[i][h] reads as the formula
-    unsafe fn rows_tile<const R: usize, const Q4: bool>(
+    unsafe fn rows_tile<const R: usize, const H: usize, const Q4: bool>(
         t: &Task,
         i0: usize,
-        (j, lanes): (usize, usize),
+        (j, h0, lanes): (usize, usize, usize),
         (b0, b1, accumulate): (usize, usize, bool),
         prefetch: usize,
     ) {
@@ -351,13 +371,13 @@ mod avx2 {
         // quantized activations, the task's panel `j`, or its columns of `y`.
         unsafe {
             let ones = _mm256_set1_epi16(1);
-            let y = |i: usize| t.y.add((i0 + i) * t.n + t.col0 + j * LANES);
-            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            let y = |i: usize| t.y.add((i0 + i) * t.n + t.col0 + j * LANES + h0 * HALF);
+            let mut acc = [[_mm256_setzero_ps(); H]; R];
             if accumulate {
                 for i in 0..R {
                     let mut start = [0f32; LANES];
                     std::ptr::copy_nonoverlapping(y(i), start.as_mut_ptr(), lanes);
-                    acc[i] = [_mm256_loadu_ps(start.as_ptr()), _mm256_loadu_ps(start.as_ptr().add(8))];
+                    acc[i] = std::array::from_fn(|h| _mm256_loadu_ps(start.as_ptr().add(HALF * h)));
                 }
             }
             let codes = t.q.codes.as_ptr().add(i0 * t.k);
@@ -367,6 +387,10 @@ mod avx2 {
                 _mm256_set1_epi32((codes.add(i * t.k + b * BLOCK + p) as *const i32).read_unaligned())
             };
             let panel = t.panels.add(j * t.panel_bytes);
+            // Half `h`'s 32 bytes of line `g` of block `block`.
+            let line = |block: *const u8, g: usize, h: usize| {
+                _mm256_loadu_si256(block.add(64 * g + 32 * (h0 + h)) as *const _)
+            };
             for b in b0..b1 {
                 let block = panel.add(b * size);
                 if prefetch > 0 {
@@ -374,51 +398,62 @@ mod avx2 {
                         _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(prefetch + 64 * line) as *const i8);
                     }
                 }
-                let mut dots = [[_mm256_setzero_si256(); 2]; R];
+                let mut dots = [[_mm256_setzero_si256(); H]; R];
                 if Q4 {
                     // Codes 0..16 times the activations' codes: each 16-bit sum of two pairs of
-                    // products at most 4 · 15 · 127 = 7620, exact. `-8 · Σq` is added below.
+                    // products at most 4 · 15 · 127 = 7620, and of a block's four such at most
+                    // 30480, exact in 16 bits: widened to 32 once a block. `-8 · Σq` is added
+                    // below.
                     let low = _mm256_set1_epi8(15);
+                    let mut sums16 = [[_mm256_setzero_si256(); H]; R];
                     for g in 0..BLOCK / 8 {
-                        // Columns 0..8 and 8..16, positions 4g.. (low codes) and 16 + 4g.. (high).
-                        let pairs: [__m256i; 2] =
-                            std::array::from_fn(|h| _mm256_loadu_si256(block.add(64 * g + 32 * h) as *const _));
+                        // Positions 4g.. (low codes) and 16 + 4g.. (high).
+                        let pairs: [__m256i; H] = std::array::from_fn(|h| line(block, g, h));
                         let lo = pairs.map(|p| _mm256_and_si256(p, low));
                         let hi = pairs.map(|p| _mm256_and_si256(_mm256_srli_epi16::<4>(p), low));
                         for i in 0..R {
                             let (xl, xh) = (x4(i, b, 4 * g), x4(i, b, 16 + 4 * g));
-                            for h in 0..2 {
+                            for h in 0..H {
                                 let four =
                                     _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl), _mm256_maddubs_epi16(hi[h], xh));
-                                dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(four, ones));
+                                if R == 1 {
+                                    dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(four, ones));
+                                } else {
+                                    sums16[i][h] = _mm256_add_epi16(sums16[i][h], four);
+                                }
                             }
                         }
                     }
                     for i in 0..R {
                         let start = _mm256_set1_epi32(-code_bias(true) * *sums.add(i * blocks + b));
-                        dots[i] = dots[i].map(|d| _mm256_add_epi32(d, start));
+                        for h in 0..H {
+                            let widened = match R {
+                                1 => dots[i][h],
+                                _ => _mm256_madd_epi16(sums16[i][h], ones),
+                            };
+                            dots[i][h] = _mm256_add_epi32(widened, start);
+                        }
                     }
                 } else {
                     for g in 0..BLOCK / 4 {
-                        // Columns 0..8 and 8..16, four positions each.
-                        let w: [__m256i; 2] =
-                            std::array::from_fn(|h| _mm256_loadu_si256(block.add(64 * g + 32 * h) as *const _));
+                        // Four positions of each of the half's 8 columns.
+                        let w: [__m256i; H] = std::array::from_fn(|h| line(block, g, h));
                         let magnitude = w.map(|w| _mm256_abs_epi8(w));
                         for i in 0..R {
                             let x = x4(i, b, 4 * g);
-                            for h in 0..2 {
+                            for h in 0..H {
                                 let pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(x, w[h]));
                                 dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(pairs, ones));
                             }
                         }
                     }
                 }
-                let dw: [__m256; 2] = std::array::from_fn(|h| {
-                    _mm256_cvtph_ps(_mm_loadu_si128(block.add(size - 2 * LANES + 16 * h) as *const _))
+                let dw: [__m256; H] = std::array::from_fn(|h| {
+                    _mm256_cvtph_ps(_mm_loadu_si128(block.add(size - 2 * LANES + 16 * (h0 + h)) as *const _))
                 });
                 for i in 0..R {
                     let dx = _mm256_set1_ps(*scales.add(i * blocks + b));
-                    for h in 0..2 {
+                    for h in 0..H {
                         acc[i][h] =
                             _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[i][h]), _mm256_mul_ps(dx, dw[h]), acc[i][h]);
                     }
@@ -426,8 +461,9 @@ mod avx2 {
             }
             for i in 0..R {
                 let mut out = [0f32; LANES];
-                _mm256_storeu_ps(out.as_mut_ptr(), acc[i][0]);
-                _mm256_storeu_ps(out.as_mut_ptr().add(8), acc[i][1]);
+                for h in 0..H {
+                    _mm256_storeu_ps(out.as_mut_ptr().add(HALF * h), acc[i][h]);
+                }
                 std::ptr::copy_nonoverlapping(out.as_ptr(), y(i), lanes);
             }
         }
