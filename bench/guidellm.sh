@@ -67,7 +67,9 @@ elif [[ $servers == *llama-server* ]]; then
 else
   gpt2_checkpoint
 fi
-cargo build -q --release --locked -p gpt-server
+# The set .ci/run builds (cargo unifies features over the packages built together: gpt-server
+# alone is another build, which had cost CI minutes twice over).
+cargo build -q --release --locked -p gpt-server -p gpt-train
 
 server_pid=
 stop_server() { [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null; server_pid=; }

@@ -28,7 +28,9 @@ name=$(basename "$checkpoint")
 out=target/soak/$name
 mkdir -p "$out"
 rm -f "$out"/report.json "$out"/probe*.json "$out"/probe.txt "$out"/verdict.json # none of an earlier run
-cargo build -q --release --locked -p gpt-server
+# The set .ci/run builds (cargo unifies features over the packages built together: gpt-server
+# alone is another build, which had cost CI minutes twice over).
+cargo build -q --release --locked -p gpt-server -p gpt-train
 serve() { # PORT LOG: a server in the background, its pid in $!; then wait_healthy PORT
   ./target/release/gpt-server --checkpoint "$checkpoint" --model-name soak --port "$1" --device cpu \
     --prefix-cache-mib "${PREFIX_CACHE_MIB:-16}" > "$2" 2>&1 &
