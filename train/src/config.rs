@@ -537,9 +537,9 @@ impl BatchRamp {
         if step >= self.iters {
             return batch_size;
         }
-        let start = self.start.min(batch_size);
+        let (start, ranks) = (self.start.min(batch_size), ranks.max(1));
         let b = start + (batch_size - start) * step / self.iters;
-        (b / ranks.max(1) * ranks.max(1)).max(ranks.max(1)).min(batch_size)
+        (b / ranks * ranks).max(ranks).min(batch_size) // not clamp: it panics if ranks > batch_size
     }
 }
 
@@ -970,10 +970,8 @@ impl RunConfig {
     /// along the ramp `start + (batch_size - start) · step / iters`, rounded down to a multiple of
     /// `ranks` (at least `ranks`), so that every rank trains an equal share.
     pub fn batch_at(&self, step: usize, ranks: usize) -> usize {
-        match self.batch_ramp {
-            Some(ramp) => ramp.batch_at(self.batch_size, step, ranks),
-            None => self.batch_size,
-        }
+        self.batch_ramp
+            .map_or(self.batch_size, |ramp| ramp.batch_at(self.batch_size, step, ranks))
     }
 
     /// Tokens of one step at `step` (every micro-batch, every rank).
