@@ -402,8 +402,9 @@ mod avx2 {
                 if Q4 {
                     // Codes 0..16 times the activations' codes: each 16-bit sum of two pairs of
                     // products at most 4 · 15 · 127 = 7620, and of a block's four such at most
-                    // 30480, exact in 16 bits: widened to 32 once a block. `-8 · Σq` is added
-                    // below.
+                    // 30480, exact in 16 bits: widened to 32 once a block in a tile of several
+                    // rows (one row widens each step, as before: its decode rate, in this VM's
+                    // noise, could not show which is faster). `-8 · Σq` is added below.
                     let low = _mm256_set1_epi8(15);
                     let mut sums16 = [[_mm256_setzero_si256(); H]; R];
                     for g in 0..BLOCK / 8 {
