@@ -169,6 +169,33 @@ fn main() -> anyhow::Result<()> {
             let qgb = (size * copies) as f64 * bytes / 1e9;
             q.insert(name.into(), serde_json::json!({"gb_per_s": qgb / secs, "tok_equiv_ms": secs / copies as f64 * 1e3, "max_diff": diff}));
         }
+        // Q4_K (rows of whole 256-blocks): candle's `QMatMul` against the Q4_0 codes with an
+        // offset per block that a GGUF file's Q4_K matrices run as (`gpt::llamacpp::weight`).
+        if d_in.is_multiple_of(256) {
+            let qs = qt(candle_core::quantized::GgmlDType::Q4K)?;
+            let candle_q4k = common::best_secs(5, || {
+                for t in &qs {
+                    xt.apply_op1_no_bwd(t)?;
+                }
+                Ok(())
+            })?;
+            let recoded = qt(candle_core::quantized::GgmlDType::Q4K)?
+                .into_iter()
+                .map(|t| gpt::llamacpp::weight(t, candle_core::DType::F32, &Device::Cpu))
+                .collect::<gpt::Result<Vec<_>>>()?;
+            let ours = common::best_secs(5, || {
+                for w in &recoded {
+                    w.forward(&xt, gpt::layers::Autocast::Off)?;
+                }
+                Ok(())
+            })?;
+            let ms = |secs: f64| secs / copies as f64 * 1e3;
+            q.insert(
+                "qtensor_q4_k".into(),
+                serde_json::json!({"tok_equiv_ms": ms(candle_q4k)}),
+            );
+            q.insert("recoded_q4_k".into(), serde_json::json!({"tok_equiv_ms": ms(ours)}));
+        }
         let pool = common::best_secs(5, || {
             for c in 0..copies {
                 gemv_pool(&w[c * size..(c + 1) * size], &x, &mut out);

@@ -30,13 +30,14 @@ pub enum Weight {
     Dense(Tensor),
     /// Packed for the CPU's inference kernel ([`PackedMatrix`]), in any [`WeightFormat`].
     Packed(Arc<PackedMatrix>),
-    /// A llama.cpp block format the packed kernel has no form for yet (the k-quants),
-    /// multiplied by candle's quantized matrices (`QMatMul`), as stored.
+    /// A llama.cpp block format the packed kernel has no form for (Q5_K, Q6_K), multiplied by
+    /// candle's quantized matrices (`QMatMul`), as stored.
     Quant(Arc<candle_core::quantized::QTensor>),
     /// A llama.cpp block format held as the codes of one the packed kernel has, with the same
-    /// values: Q4_1 as Q4_0 (a Q4_1 block's `d·q + m` is Q4_0's `d·(q − 8)` of the same codes and
+    /// values (Q4_K's to within a 256th of a quantization step): Q4_1 as Q4_0 (a Q4_1 block's `d·q + m` is Q4_0's `d·(q − 8)` of the same codes and
     /// scale plus the block's offset `m + 8d`), Q5_0 as Q8_0 (`d·(q − 16)`: the same scale, each
-    /// code widened to a byte), Q5_1 as Q8_0 plus the offset `m + 16d`. `x Wᵀ` is the codes'
+    /// code widened to a byte), Q5_1 as Q8_0 plus the offset `m + 16d`; Q4_K as Q4_0 with an
+    /// offset per sub-block, its scales rounded to f16 (`llamacpp::q4k_codes`). `x Wᵀ` is the codes'
     /// product plus `(Σ of x over each block) · offsetsᵀ`, a product 32 times narrower. Q5's
     /// blocks of 32 take 34 bytes instead of 22 or 24. (candle's own products of these formats
     /// ran at a quarter of llama.cpp's decode rate and a twentieth of its prefill's,
