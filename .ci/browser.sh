@@ -15,6 +15,7 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import selenium" 2>/d
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "selenium==4.*"
 fi
+[ "${SETUP_ONLY:-}" = 1 ] && exit 0  # (.ci/prefetch.sh: the environment made, nothing run)
 cargo build --release --locked -p gpt-server -p gpt-train  # the set .ci/run builds: no rebuild
 
 mkdir -p target/ci/browser

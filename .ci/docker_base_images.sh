@@ -6,7 +6,9 @@
 #   rust:1.95-slim-bookworm  the same plus gcc, libc6-dev and this machine's Rust toolchain
 #   nginx:bookworm           the same plus nginx-light (the load balancer of docker-compose.lb.yml)
 # The root file systems are cached as tarballs in target/ci/docker between runs.
-# Called by .ci/docker.sh; needs root and a running Docker engine.
+# Called by .ci/docker.sh; needs root and a running Docker engine. With --rootfs-only it makes
+# the cached root file systems and nothing else (no engine needed: .ci/prefetch.sh, while the
+# workspace builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=target/ci/docker
@@ -31,6 +33,13 @@ rootfs() {
     rm -rf "$dir"
   fi
 }
+
+if [ "${1:-}" = --rootfs-only ]; then
+  rootfs bookworm-slim ""
+  rootfs bookworm-gcc gcc,libc6-dev
+  rootfs bookworm-nginx nginx-light
+  exit 0
+fi
 
 path=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 if ! docker image inspect debian:bookworm-slim >/dev/null 2>&1; then

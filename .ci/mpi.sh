@@ -24,4 +24,6 @@ else
   echo "no Slurm cluster: the srun test will be reported as ignored"
   unset SLURM_CONF
 fi
-cargo test --release -p gpt-train --features mpi --test distributed
+# Over the whole workspace, as the tests stage builds it: `-p gpt-train` alone resolves the shared
+# crates' features otherwise, and CI rebuilt candle and the tokenizers for it (5.5 min).
+cargo test --release --workspace --features gpt-train/mpi --test distributed

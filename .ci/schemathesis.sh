@@ -11,6 +11,7 @@ if [ ! -x "$venv/bin/st" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "schemathesis==4.32.5"
 fi
+[ "${SETUP_ONLY:-}" = 1 ] && exit 0  # (.ci/prefetch.sh: the environment made, nothing run)
 cargo build --release --locked -p gpt-server -p gpt-train
 
 # A tiny model with a long context, trained for one step with the fixture's byte-level BPE: the

@@ -45,6 +45,7 @@ if [ ! -x "$venv/bin/guidellm" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "guidellm[plot]==${GUIDELLM_VERSION:-0.8.1}"
 fi
+[ "${SETUP_ONLY:-}" = 1 ] && exit 0  # (.ci/prefetch.sh: the environment made, nothing run)
 
 if [ -n "${GGUF:-}" ]; then
   GGUF=$(cd "$(dirname "$GGUF")" && pwd)/$(basename "$GGUF")
