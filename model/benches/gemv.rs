@@ -170,7 +170,8 @@ fn main() -> anyhow::Result<()> {
             q.insert(name.into(), serde_json::json!({"gb_per_s": qgb / secs, "tok_equiv_ms": secs / copies as f64 * 1e3, "max_diff": diff}));
         }
         // Q4_K (rows of whole 256-blocks): candle's `QMatMul` against the Q4_0 codes with an
-        // offset per block that a GGUF file's Q4_K matrices run as (`gpt::llamacpp::weight`).
+        // offset per sub-block of 32 that a GGUF file's Q4_K matrices run as
+        // (`gpt::llamacpp::weight`). The copies are f32's count: 1/7 of the bytes.
         if d_in.is_multiple_of(256) {
             let qs = qt(candle_core::quantized::GgmlDType::Q4K)?;
             let candle_q4k = common::best_secs(5, || {
@@ -183,6 +184,10 @@ fn main() -> anyhow::Result<()> {
                 .into_iter()
                 .map(|t| gpt::llamacpp::weight(t, candle_core::DType::F32, &Device::Cpu))
                 .collect::<gpt::Result<Vec<_>>>()?;
+            anyhow::ensure!(
+                matches!(recoded[0], gpt::layers::Weight::Recoded { .. }),
+                "Q4_K is not recoded"
+            );
             let ours = common::best_secs(5, || {
                 for w in &recoded {
                     w.forward(&xt, gpt::layers::Autocast::Off)?;
