@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Not mistral-window: llama.cpp runs Mistral as its `llama` architecture, which has no sliding
 # window (its tokens part from transformers' once the context passes the window, 2026-12-06);
 # nor gemma3-scalar, whose query scalar llama.cpp cannot express (export refuses it).
-CASES = ["llama-gqa", "llama3-scaled", "qwen2-bias", "qwen3-qknorm", "mistral", "gemma2-softcap", "gemma3-local"]
+CASES = ["llama-gqa", "llama3-scaled", "qwen2-bias", "qwen3-qknorm", "arcee-relu2", "mistral", "gemma2-softcap", "gemma3-local"]
 
 
 def post(url, body):

@@ -1,7 +1,7 @@
 //! The decoder families against `transformers`: each `tests/fixtures/families/<case>` was written
 //! by `transformers` (`make_family_fixtures.py`: Llama with grouped-query and multi-query
 //! attention, tied and untied heads and Llama 3's rotary rescaling; Qwen2's q, k, v biases;
-//! Qwen3's QK-norm and head width; Mistral with and without a sliding window shorter than the
+//! Qwen3's QK-norm and head width; Arcee's ungated squared-ReLU MLP; Mistral with and without a sliding window shorter than the
 //! sequences; Gemma 2's soft-capping and sliding layers; Gemma 3's QK-norm, local RoPE base and
 //! query scalar, one config as `transformers` 4 wrote it), every parameter random, with the logits it computes
 //! and its greedy continuation. Each must load from the checkpoint as saved, give those logits
@@ -317,6 +317,8 @@ fn every_family_takes_peft_adapters() -> anyhow::Result<()> {
         ("llama-gqa", all),
         ("gemma3-local", "q_proj,v_proj"),
         ("qwen2-bias", all),
+        // An ungated MLP: up and down only.
+        ("arcee-relu2", "q_proj,k_proj,v_proj,o_proj,up_proj,down_proj"),
     ] {
         let adapter = out.path().join(case);
         let ids = expected(case)?.sequences[0].clone();

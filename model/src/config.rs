@@ -20,6 +20,9 @@ pub enum Activation {
     /// SiLU (swish), the gate of Llama's MLP.
     #[serde(rename = "silu", alias = "swish")]
     Silu,
+    /// Squared ReLU, `relu(x)²` (Arcee's ungated MLP).
+    #[serde(rename = "relu2")]
+    Relu2,
 }
 
 /// How positions enter the model. `transformers` knows only the learned table; a sinusoidal
@@ -52,6 +55,10 @@ pub enum Family {
     Mistral,
     /// Qwen2 and Qwen2.5: Llama's layout with biases on q, k and v.
     Qwen2,
+    /// Arcee's AFM (`ArceeForCausalLM`, llama.cpp's `arcee`): Llama's layout with an ungated
+    /// MLP of squared ReLU, `down(relu(up x)²)` (So et al., 2021, "Primer"), the activation of
+    /// modded-nanogpt and nanochat.
+    Arcee,
     /// Qwen3: Llama's layout with a per-head RMSNorm of q and k (QK-norm) and its own head width.
     Qwen3,
     /// Gemma 2 (Gemma Team, 2024): norms after attention and the MLP too, `(1 + w)` gains, a
@@ -65,12 +72,13 @@ pub enum Family {
 }
 
 impl Family {
-    pub const ALL: [Family; 7] = [
+    pub const ALL: [Family; 8] = [
         Self::Gpt2,
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
         Self::Qwen3,
+        Self::Arcee,
         Self::Gemma2,
         Self::Gemma3,
     ];
@@ -83,6 +91,7 @@ impl Family {
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Arcee => "arcee",
             Self::Gemma2 => "gemma2",
             Self::Gemma3 => "gemma3_text",
         }
@@ -96,6 +105,7 @@ impl Family {
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Arcee => "ArceeForCausalLM",
             Self::Gemma2 => "Gemma2ForCausalLM",
             Self::Gemma3 => "Gemma3ForCausalLM",
         }
@@ -114,6 +124,11 @@ impl Family {
     /// attention and the MLP as well as before, the embedding scaled by sqrt(hidden).
     pub fn is_gemma(self) -> bool {
         matches!(self, Self::Gemma2 | Self::Gemma3)
+    }
+
+    /// Whether a Llama-layout family's MLP is gated (all but Arcee's).
+    pub fn gated_mlp(self) -> bool {
+        self != Self::Arcee
     }
 
     /// Whether the family's decoder is GPT-2's (learned positions, LayerNorm, multi-head
@@ -418,6 +433,11 @@ impl Config {
 
     pub fn mlp_width(&self) -> usize {
         self.n_inner.unwrap_or(4 * self.n_embd)
+    }
+
+    /// The width of the MLP's first product: gate and up side by side where it is gated.
+    pub fn mlp_in_width(&self) -> usize {
+        self.mlp_width() * if self.variant.gated_mlp { 2 } else { 1 }
     }
 
     /// The attention window of layer `layer` (positions a query sees, itself included), `None`

@@ -65,15 +65,11 @@ impl Mlp {
         let act = match self.activation {
             Activation::Silu => gpt_kernels::GateActivation::Silu,
             Activation::GeluNew => gpt_kernels::GateActivation::GeluTanh,
-            Activation::Gelu | Activation::Relu => {
+            act @ (Activation::Gelu | Activation::Relu | Activation::Relu2) => {
                 let last = candle_core::D::Minus1;
                 let width = h.dim(last)? / 2;
                 let (gate, up) = (h.narrow(last, 0, width)?, h.narrow(last, width, width)?);
-                let gate = match self.activation {
-                    Activation::Gelu => gate.gelu_erf()?,
-                    _ => gate.relu()?,
-                };
-                return gate * up;
+                return activation(&gate, act)? * up;
             }
         };
         gpt_kernels::gated(h, act)
@@ -108,9 +104,7 @@ impl Mlp {
             // The same GELU as the packed kernel's epilogue, so that rows without an update of
             // `c_fc` get what they get in a step without adapters.
             Activation::GeluNew => gpt_kernels::gelu(&self.c_fc.forward_updated(x, fc)?)?, // (N, 4C)
-            Activation::Gelu => self.c_fc.forward_updated(x, fc)?.gelu_erf()?,
-            Activation::Relu => self.c_fc.forward_updated(x, fc)?.relu()?,
-            Activation::Silu => candle_nn::ops::silu(&self.c_fc.forward_updated(x, fc)?)?,
+            act => activation(&self.c_fc.forward_updated(x, fc)?, act)?,
         };
         self.c_proj.forward_updated(&h, proj)
     }
@@ -122,10 +116,20 @@ impl Mlp {
         }
         match self.activation {
             Activation::GeluNew => self.c_fc.forward_gelu_t(x, drop), // (.., 4C), tanh approximation
-            Activation::Gelu => self.c_fc.forward_t(x, drop)?.gelu_erf(),
-            Activation::Relu => self.c_fc.forward_t(x, drop)?.relu(),
-            Activation::Silu => candle_nn::ops::silu(&self.c_fc.forward_t(x, drop)?),
+            act => activation(&self.c_fc.forward_t(x, drop)?, act),
         }
+    }
+}
+
+/// `act(h)` on candle's ops, for the activations without a fused kernel (GPT-2's GELU-tanh and
+/// the SiLU and GELU-tanh gates have theirs).
+fn activation(h: &Tensor, act: Activation) -> candle_core::Result<Tensor> {
+    match act {
+        Activation::GeluNew => h.gelu(),
+        Activation::Gelu => h.gelu_erf(),
+        Activation::Relu => h.relu(),
+        Activation::Relu2 => h.relu()?.sqr(),
+        Activation::Silu => candle_nn::ops::silu(h),
     }
 }
 

@@ -297,9 +297,15 @@ impl LoraConfig {
             "mlp.down_proj" => (mlp, c),
             _ => (mlp, c),
         };
-        let (prefix, block_layers): (&str, &[&str]) = match cfg.is_gpt2_shaped() {
-            true => ("transformer.h", &LAYERS),
-            false => ("model.layers", &FAMILY_LAYERS),
+        let (prefix, block_layers): (&str, Vec<&str>) = match cfg.is_gpt2_shaped() {
+            true => ("transformer.h", LAYERS.to_vec()),
+            // An ungated MLP (Arcee's) has no gate.
+            false => (
+                "model.layers",
+                (FAMILY_LAYERS.into_iter())
+                    .filter(|l| cfg.variant.gated_mlp || *l != "mlp.gate_proj")
+                    .collect(),
+            ),
         };
         let matches =
             |name: &str, target: &str| target == ALL_LINEAR || name == target || name.ends_with(&format!(".{target}"));
@@ -309,7 +315,7 @@ impl LoraConfig {
             if self.layers_to_transform.as_ref().is_some_and(|l| !l.contains(&i)) {
                 continue;
             }
-            for layer in block_layers {
+            for &layer in &block_layers {
                 let name = format!("{prefix}.{i}.{layer}");
                 let mut hit = false;
                 for (t, target) in self.target_modules.iter().enumerate() {
@@ -645,7 +651,13 @@ fn fused(
                 ],
             ),
             (o, vec![("self_attn.o_proj", cfg.n_embd)]),
-            (gate_up, vec![("mlp.gate_proj", mlp), ("mlp.up_proj", mlp)]),
+            (
+                gate_up,
+                match cfg.variant.gated_mlp {
+                    true => vec![("mlp.gate_proj", mlp), ("mlp.up_proj", mlp)],
+                    false => vec![("mlp.up_proj", mlp)],
+                },
+            ),
             (down, vec![("mlp.down_proj", cfg.n_embd)]),
         ];
         for (product, parts) in groups {

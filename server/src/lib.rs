@@ -160,9 +160,7 @@ pub fn load_state(
     if device.is_cpu() {
         // A full prefill budget's activations (f32) of the widest layer come from the heap.
         let c = model.config();
-        let widest = c
-            .qkv_width()
-            .max(c.mlp_width() * if c.variant.gated_mlp { 2 } else { 1 });
+        let widest = c.qkv_width().max(c.mlp_in_width());
         gpt::device::keep_step_buffers(cfg.max_batch_prefill_tokens.max(1) * widest * 4);
     }
     let limits = Limits {

@@ -180,8 +180,9 @@ pub struct TrainArgs {
     #[arg(long)]
     pub preset: Option<String>,
     /// The decoder family to train from scratch at that shape: gpt2, llama, mistral, qwen2,
-    /// qwen3, gemma2, gemma3 (RMSNorm, rotary positions, a gated MLP and the family's own
-    /// choices; saved as that family's checkpoint for `transformers` and llama.cpp) [default:
+    /// qwen3, arcee, gemma2, gemma3 (RMSNorm, rotary positions, a gated MLP, or arcee's ungated
+    /// squared ReLU, and the family's own choices; saved as that family's checkpoint for
+    /// `transformers` and llama.cpp) [default:
     /// gpt2; llama with an untied head under --recipe modern].
     #[arg(long)]
     pub arch: Option<String>,

@@ -322,7 +322,7 @@ pub fn muon_blocks(cfg: &gpt::Config, name: &str, var: &Var) -> Option<Blocks> {
     let outputs = if name.ends_with(&format!("{QKV}.weight")) {
         vec![cfg.q_width(), cfg.kv_width(), cfg.kv_width()]
     } else if name.ends_with(&format!("{GATE_UP}.weight")) {
-        vec![cfg.mlp_width(); 2]
+        vec![cfg.mlp_width(); if cfg.variant.gated_mlp { 2 } else { 1 }]
     } else {
         vec![rows]
     };

@@ -221,7 +221,7 @@ fn families_fine_tune_from_their_checkpoints_and_resume_exactly() -> anyhow::Res
     Ok(())
 }
 
-/// `--arch`: a Llama, Qwen3 or Gemma 3 trained from scratch at a preset's shape (grouped-query
+/// `--arch`: a Llama, Qwen3, Gemma 3 or Arcee (squared ReLU) trained from scratch at a preset's shape (grouped-query
 /// attention from --n-kv-head) learns, and its checkpoint is that family's: `transformers` loads
 /// it as its own class and computes the logits this project computes (`check_family_load.py`).
 #[test]
@@ -231,7 +231,7 @@ fn families_train_from_scratch_and_load_in_transformers() -> anyhow::Result<()> 
     let mut pairs = Vec::new();
     // Qwen3 with the modern recipe's choices: its own head, output projections from zero, Muon.
     let modern = ["--untied-head", "--zero-init-proj", "--recipe", "modern"];
-    for arch in ["llama", "qwen3", "gemma3"] {
+    for arch in ["llama", "qwen3", "gemma3", "arcee"] {
         let out = dir.path().join(arch);
         let flags = [
             "--arch",

@@ -1,9 +1,10 @@
-//! Llama (Touvron et al., 2023) and the families that share its layout: Mistral, Qwen2/2.5 and
-//! Qwen3 (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`).
-//! Pre-norm blocks with RMSNorm, rotary positions (half-split, as `transformers` rotates), a
-//! gated SiLU MLP, grouped-query attention; Qwen2 adds biases on q, k and v, Qwen3 a per-head
-//! RMSNorm of q and k. The checkpoint's q, k and v (and gate and up) matrices are loaded side by
-//! side into one product each, as vLLM's `QKVParallelLinear` does.
+//! Llama (Touvron et al., 2023) and the families that share its layout: Mistral, Qwen2/2.5,
+//! Qwen3 and Arcee (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
+//! `Qwen3ForCausalLM`, `ArceeForCausalLM`). Pre-norm blocks with RMSNorm, rotary positions
+//! (half-split, as `transformers` rotates), a gated SiLU MLP, grouped-query attention; Qwen2 adds
+//! biases on q, k and v, Qwen3 a per-head RMSNorm of q and k, Arcee an ungated MLP (`up` and
+//! `down` only) of squared ReLU. The checkpoint's q, k and v (and gate and up) matrices are
+//! loaded side by side into one product each, as vLLM's `QKVParallelLinear` does.
 
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
@@ -93,8 +94,9 @@ struct HfConfig {
     /// `LlamaConfig` and the others here default to an untied head.
     #[serde(default)]
     tie_word_embeddings: bool,
-    #[serde(default = "default_act")]
-    hidden_act: Activation,
+    /// Default: SiLU (Arcee: squared ReLU), as `transformers`' configs default.
+    #[serde(default)]
+    hidden_act: Option<Activation>,
     #[serde(default)]
     mlp_bias: bool,
     /// Qwen2 and Qwen3: the window applies only where this is true, on the layers from
@@ -107,9 +109,6 @@ struct HfConfig {
 
 fn default_rms_eps() -> f64 {
     1e-6
-}
-fn default_act() -> Activation {
-    Activation::Silu
 }
 
 /// Token ids from `config.json`'s `bos_token_id`/`eos_token_id`: a number or a list of them.
@@ -214,7 +213,7 @@ pub fn config_from_hf(family: Family, value: serde_json::Value) -> Result<Config
         n_kv_head: Some(c.n_kv_head()),
         head_dim: Some(hf.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads.max(1))),
         rms_norm: true,
-        gated_mlp: true,
+        gated_mlp: family.gated_mlp(),
         rope: Some(rope(c)?),
         // Qwen2 has biases on q, k and v whatever `attention_bias` says.
         qkv_bias: c.attention_bias || family == Family::Qwen2,
@@ -227,7 +226,10 @@ pub fn config_from_hf(family: Family, value: serde_json::Value) -> Result<Config
         ..Variant::default()
     };
     Ok(Config {
-        activation_function: hf.hidden_act,
+        activation_function: hf.hidden_act.unwrap_or(match family {
+            Family::Arcee => Activation::Relu2,
+            _ => Activation::Silu,
+        }),
         tie_word_embeddings: hf.tie_word_embeddings,
         ..c.config(variant)?
     })
@@ -335,7 +337,7 @@ pub(crate) struct LayerWeights {
     pub mlp_norm: Tensor,
     /// The norms of the attention's and the MLP's outputs (Gemma).
     pub post_norms: Option<(Tensor, Tensor)>,
-    /// gate and up side by side.
+    /// gate and up side by side (up alone where the MLP is ungated).
     pub gate_up: (Weight, Tensor),
     pub down: (Weight, Tensor),
 }
@@ -354,7 +356,7 @@ pub(crate) struct FamilyWeights {
 ///
 /// `trainable`: `vb` makes variables (a trainer's), and each is a tensor the decoder computes
 /// with, updated in place by the optimizer: q, k and v one variable ([`QKV`]), gate and up one
-/// ([`GATE_UP`]), Gemma's gains held as `1 + w`. [`trainable_tensors`] maps a checkpoint onto
+/// ([`GATE_UP`]; up alone where the MLP is ungated), Gemma's gains held as `1 + w`. [`trainable_tensors`] maps a checkpoint onto
 /// them.
 pub(crate) fn weights_from_hf(vb: &VarBuilder, cfg: &Config, trainable: bool) -> candle_core::Result<FamilyWeights> {
     let (c, v) = (cfg.n_embd, &cfg.variant);
@@ -392,7 +394,7 @@ pub(crate) fn weights_from_hf(vb: &VarBuilder, cfg: &Config, trainable: bool) ->
             let (qkv, gate_up) = match trainable {
                 true => (
                     linear(vb, &format!("{p}.{QKV}"), c, cfg.qkv_width(), v.qkv_bias, std)?,
-                    linear(vb, &format!("{p}.{GATE_UP}"), c, 2 * cfg.mlp_width(), v.mlp_bias, std)?,
+                    linear(vb, &format!("{p}.{GATE_UP}"), c, cfg.mlp_in_width(), v.mlp_bias, std)?,
                 ),
                 false => (qkv(vb, &p, cfg)?, gate_up(vb, &p, cfg)?),
             };
@@ -471,7 +473,10 @@ pub fn trainable_tensors(
             Ok(())
         };
         stack(QKV, &[n.q, n.k, n.v], v.qkv_bias)?;
-        stack(GATE_UP, &[n.gate, n.up], v.mlp_bias)?;
+        match v.gated_mlp {
+            true => stack(GATE_UP, &[n.gate, n.up], v.mlp_bias)?,
+            false => stack(GATE_UP, &[n.up], v.mlp_bias)?,
+        }
     }
     for (name, t) in tensors {
         let gain = v.family.is_gemma() && name.ends_with("norm.weight");
@@ -516,10 +521,14 @@ pub(crate) fn qkv(vb: &VarBuilder, prefix: &str, cfg: &Config) -> candle_core::R
     ))
 }
 
-/// gate and up of layer `prefix` side by side: the `(2 I, C)` weight and its bias.
+/// gate and up of layer `prefix` side by side: the `(2 I, C)` weight and its bias (`(I, C)`, up
+/// alone, where the MLP is ungated).
 pub(crate) fn gate_up(vb: &VarBuilder, prefix: &str, cfg: &Config) -> candle_core::Result<(Tensor, Tensor)> {
     let (c, w, bias) = (cfg.n_embd, cfg.mlp_width(), cfg.variant.mlp_bias);
     let n = names(cfg.variant.family);
+    if !cfg.variant.gated_mlp {
+        return linear(vb, &format!("{prefix}.{}", n.up), c, w, bias, 0.02);
+    }
     let (g, gb) = linear(vb, &format!("{prefix}.{}", n.gate), c, w, bias, 0.02)?;
     let (u, ub) = linear(vb, &format!("{prefix}.{}", n.up), c, w, bias, 0.02)?;
     Ok((Tensor::cat(&[&g, &u], 0)?, Tensor::cat(&[&gb, &ub], 0)?))

@@ -74,7 +74,8 @@ pub fn trainable_tensors(
 /// positions (base 10000), a gated MLP of about 8/3 the width (a multiple of 32, as Llama's
 /// SwiGLU keeps 4x's parameters), `n_kv_head` key/value heads, a tied head, and the family's own
 /// choices: q, k, v biases (Qwen2), QK-norm (Qwen3, Gemma 3), Gemma's norms after the layers,
-/// scaled embedding, GELU-tanh gate and (Gemma 2) soft-caps at its defaults. No sliding windows.
+/// scaled embedding, GELU-tanh gate and (Gemma 2) soft-caps at its defaults, Arcee's ungated
+/// squared-ReLU MLP of 4x the width (the same parameters). No sliding windows.
 pub fn from_scratch(family: Family, shape: &Config, n_kv_head: Option<usize>) -> crate::Result<Config> {
     if family.is_gpt2() {
         return Ok(shape.clone());
@@ -86,7 +87,7 @@ pub fn from_scratch(family: Family, shape: &Config, n_kv_head: Option<usize>) ->
         n_kv_head: Some(n_kv_head.unwrap_or(shape.n_head)),
         head_dim: Some(head_dim),
         rms_norm: true,
-        gated_mlp: true,
+        gated_mlp: family.gated_mlp(),
         rope: Some(crate::config::Rope {
             theta: 10_000.0,
             scaling: None,
@@ -104,13 +105,17 @@ pub fn from_scratch(family: Family, shape: &Config, n_kv_head: Option<usize>) ->
         }),
         ..Default::default()
     };
+    use crate::config::Activation;
     let cfg = Config {
-        n_inner: Some((8 * shape.n_embd / 3).div_ceil(32) * 32),
+        n_inner: Some(match family.gated_mlp() {
+            true => (8 * shape.n_embd / 3).div_ceil(32) * 32,
+            false => 4 * shape.n_embd,
+        }),
         layer_norm_epsilon: if gemma { 1e-6 } else { 1e-5 },
-        activation_function: if gemma {
-            crate::config::Activation::GeluNew
-        } else {
-            crate::config::Activation::Silu
+        activation_function: match family {
+            _ if gemma => Activation::GeluNew,
+            Family::Arcee => Activation::Relu2,
+            _ => Activation::Silu,
         },
         position_embedding: crate::config::PositionEmbedding::Rope,
         bias: false,

@@ -26,6 +26,7 @@ fn architecture(family: Family) -> Option<&'static str> {
         Family::Llama | Family::Mistral => "llama",
         Family::Qwen2 => "qwen2",
         Family::Qwen3 => "qwen3",
+        Family::Arcee => "arcee",
         Family::Gemma2 => "gemma2",
         Family::Gemma3 => "gemma3",
         Family::Gpt2 => return None,
@@ -348,8 +349,8 @@ fn tensors(model: &Gpt, format: WeightFormat) -> Result<Vec<(String, QTensor)>> 
         )?;
         let t = match (v.family, stem, suffix) {
             // llama.cpp's converter interleaves the Llama family's q and k rows for its rotation.
-            (Family::Llama | Family::Mistral, "attn_q", _) => interleave(&t, cfg.n_head)?,
-            (Family::Llama | Family::Mistral, "attn_k", _) => interleave(&t, cfg.n_kv_head())?,
+            (f, "attn_q", _) if super::permuted_qk(f) => interleave(&t, cfg.n_head)?,
+            (f, "attn_k", _) if super::permuted_qk(f) => interleave(&t, cfg.n_kv_head())?,
             // Gemma's converter stores the gains as `1 + w` (the checkpoint's `w`).
             (f, norm, "weight") if f.is_gemma() && norm.ends_with("norm") => (t + 1.0)?,
             _ => t,

@@ -32,13 +32,20 @@ use tokenizer::tokenizer;
 
 /// The `general.architecture`s loaded, and their families. llama.cpp writes Mistral's and
 /// SmolLM's checkpoints as `llama`.
-const ARCHITECTURES: [(&str, Family); 5] = [
+const ARCHITECTURES: [(&str, Family); 6] = [
     ("llama", Family::Llama),
     ("qwen2", Family::Qwen2),
     ("qwen3", Family::Qwen3),
+    ("arcee", Family::Arcee),
     ("gemma2", Family::Gemma2),
     ("gemma3", Family::Gemma3),
 ];
+
+/// Whether llama.cpp's converter stores `family`'s q and k rows permuted (its `LlamaModel.permute`,
+/// for the interleaved rotation its `llama` graph applies; Arcee's converter inherits it).
+fn permuted_qk(family: Family) -> bool {
+    matches!(family, Family::Llama | Family::Mistral | Family::Arcee)
+}
 
 /// The longest context accepted from a file's `context_length` (the rotary tables are made for
 /// every position).
@@ -375,7 +382,7 @@ fn config(f: &File, vocab_size: usize) -> Result<Config> {
         n_kv_head: Some(n_kv_head),
         head_dim: Some(head_dim),
         rms_norm: true,
-        gated_mlp: true,
+        gated_mlp: family.gated_mlp(),
         rope: Some(Rope { theta, scaling }),
         qkv_bias: f.has("blk.0.attn_q.bias"),
         o_bias: f.has("blk.0.attn_output.bias"),
@@ -404,9 +411,10 @@ fn config(f: &File, vocab_size: usize) -> Result<Config> {
         n_head,
         n_inner: Some(f.size(&key("feed_forward_length"), MAX)?),
         layer_norm_epsilon: f.float(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
-        activation_function: match gemma {
-            true => Activation::GeluNew,
-            false => Activation::Silu,
+        activation_function: match family {
+            _ if gemma => Activation::GeluNew,
+            Family::Arcee => Activation::Relu2,
+            _ => Activation::Silu,
         },
         resid_pdrop: 0.0,
         embd_pdrop: 0.0,
@@ -583,8 +591,9 @@ fn recoded_codes(q: &QTensor) -> Result<(QTensor, Option<Tensor>)> {
 /// `d·sc` (an f16 times a 6-bit integer) to within 2⁻¹¹ of itself: each value moves by at most
 /// `|s − d·sc|·8`, a 256th of the sub-block's own quantization step `d·sc` (where llama.cpp's
 /// product rounds the activations to 8 bits). 18 bytes per 32 values, as stored, plus a 4-byte
-/// offset. On this project's Q4_0 kernel one token's product ran 1.2-2.3x faster than
-/// through candle's `QMatMul` (576×1536 to 2048×8192, EPYC Zen 3), 512 tokens' at 0.65-1.15x.
+/// offset. On this project's Q4_0 kernel one token's product ran 1.06-1.88x faster than
+/// through candle's `QMatMul` (in × out 1536×576 to 8192×2048, EPYC Zen 3, BENCHMARKS.md), 512
+/// tokens' at 0.65-1.15x.
 /// Q5_K stays in candle's form: as Q8_0 codes (34 bytes per 32 values against 22) its products
 /// ran 2x faster at 512 tokens but up to 20% slower at one, the rate decode runs at. None where
 /// a scale does not fit in an f16 (the matrix then stays in candle's form too).
@@ -658,7 +667,8 @@ pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Resul
         let b = |name: &str| format!("blk.{i}.{name}");
         let mut q = f.tensor(&b("attn_q.weight"), &[qw, c])?;
         let mut k = f.tensor(&b("attn_k.weight"), &[kvw, c])?;
-        if cfg.variant.family == Family::Llama {
+        let permuted = permuted_qk(cfg.variant.family);
+        if permuted {
             q = unpermute_rows(q, cfg.n_head)?;
             k = unpermute_rows(k, cfg.n_kv_head())?;
         }
@@ -670,9 +680,8 @@ pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Resul
             }
         };
         // The Llama family's q and k biases are interleaved as their rows are.
-        let llama = cfg.variant.family == Family::Llama;
         let heads = |b: Tensor, n: usize| -> Result<Tensor> {
-            match llama {
+            match permuted {
                 true => Ok(b.reshape((n, (), 2))?.transpose(1, 2)?.contiguous()?.flatten_all()?),
                 false => Ok(b),
             }
@@ -689,9 +698,11 @@ pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Resul
             false => Tensor::zeros(qw + 2 * kvw, dtype, device)?,
         };
         let o_bias = bias("attn_output.bias", c, cfg.variant.o_bias)?;
-        let gate_up_bias = match cfg.variant.mlp_bias {
-            true => Tensor::cat(&[bias("ffn_gate.bias", w, true)?, bias("ffn_up.bias", w, true)?], 0)?,
-            false => Tensor::zeros(2 * w, dtype, device)?,
+        let gated = cfg.variant.gated_mlp;
+        let gate_up_bias = match (cfg.variant.mlp_bias, gated) {
+            (true, true) => Tensor::cat(&[bias("ffn_gate.bias", w, true)?, bias("ffn_up.bias", w, true)?], 0)?,
+            (true, false) => bias("ffn_up.bias", w, true)?,
+            (false, _) => Tensor::zeros(cfg.mlp_in_width(), dtype, device)?,
         };
         let down_bias = bias("ffn_down.bias", c, cfg.variant.mlp_bias)?;
         let qk_norm = match cfg.variant.qk_norm {
@@ -702,8 +713,12 @@ pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Resul
             false => None,
         };
         let o = f.tensor(&b("attn_output.weight"), &[c, qw])?;
-        let gate = f.tensor(&b("ffn_gate.weight"), &[w, c])?;
         let up = f.tensor(&b("ffn_up.weight"), &[w, c])?;
+        // An ungated MLP (Arcee's) has no gate: up alone.
+        let gate_up = match gated {
+            true => stack(vec![f.tensor(&b("ffn_gate.weight"), &[w, c])?, up])?,
+            false => up,
+        };
         let down = f.tensor(&b("ffn_down.weight"), &[c, w])?;
         // Gemma's norms after the attention and the MLP (their gains stored as `1 + w`).
         let post_norms = match cfg.variant.post_norms {
@@ -720,7 +735,7 @@ pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Resul
             qk_norm,
             mlp_norm: to(f.vector(&b("ffn_norm.weight"), c)?)?,
             post_norms,
-            gate_up: (weight(stack(vec![gate, up])?, dtype, device)?, gate_up_bias),
+            gate_up: (weight(gate_up, dtype, device)?, gate_up_bias),
             down: (weight(down, dtype, device)?, down_bias),
         });
     }

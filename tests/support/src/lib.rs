@@ -18,11 +18,12 @@ pub fn repo(path: &str) -> PathBuf {
 /// The repository's copy of tinyshakespeare (`data/`).
 /// The random-weight checkpoints `transformers` saved of each decoder family
 /// (`tests/fixtures/make_family_fixtures.py`), by case.
-pub const FAMILY_CASES: [&str; 9] = [
+pub const FAMILY_CASES: [&str; 10] = [
     "llama-gqa",
     "llama3-scaled",
     "qwen2-bias",
     "qwen3-qknorm",
+    "arcee-relu2",
     "mistral",
     "mistral-window",
     "gemma2-softcap",
@@ -247,8 +248,8 @@ pub fn write_llama_cpp_gguf(dir: &Path, path: &Path, format: GgmlDType) -> anyho
             .map(|(_, g)| *g)
             .ok_or_else(|| anyhow::anyhow!("{name}"))?;
         let t = match (arch, ours, suffix) {
-            ("llama", "attn_q", "weight") => permute(&t, n_head)?,
-            ("llama", "attn_k", "weight") => permute(&t, n_kv)?,
+            ("llama" | "arcee", "attn_q", "weight") => permute(&t, n_head)?,
+            ("llama" | "arcee", "attn_k", "weight") => permute(&t, n_kv)?,
             // Gemma's converter stores the norms' gains as `1 + w`.
             (_, norm, "weight") if gemma && norm.ends_with("norm") => (t + 1.0)?,
             _ => t,
