@@ -96,6 +96,10 @@ if [[ " $parts " == *" ablation "* ]]; then
     gpt_train "s$seed-modern-qwen3-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch qwen3
     gpt_train "s$seed-modern-gpt2-zero-init-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch gpt2 \
       --zero-init-proj
+    # Squared ReLU (Arcee's ungated MLP, 4x wide: SwiGLU's parameters) in place of the recipe's
+    # SwiGLU, the head untied as the recipe's.
+    gpt_train "s$seed-modern-arcee-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern --arch arcee \
+      --untied-head
     # The batch ramped up (--batch-ramp-iters): 3 -> 12 rows over the first 200 steps; 6 -> 24
     # over 150 of 400.
     gpt_train "s$seed-modern-ramp-3-12-200-600" "${s[@]}" --batch-size 12 --max-iters 600 --recipe modern \

@@ -713,11 +713,15 @@ pub fn load(path: &Path, format: Option<WeightFormat>, device: &Device) -> Resul
             false => None,
         };
         let o = f.tensor(&b("attn_output.weight"), &[c, qw])?;
-        let up = f.tensor(&b("ffn_up.weight"), &[w, c])?;
         // An ungated MLP (Arcee's) has no gate: up alone.
-        let gate_up = match gated {
-            true => stack(vec![f.tensor(&b("ffn_gate.weight"), &[w, c])?, up])?,
-            false => up,
+        let gate = match gated {
+            true => Some(f.tensor(&b("ffn_gate.weight"), &[w, c])?),
+            false => None,
+        };
+        let up = f.tensor(&b("ffn_up.weight"), &[w, c])?;
+        let gate_up = match gate {
+            Some(gate) => stack(vec![gate, up])?,
+            None => up,
         };
         let down = f.tensor(&b("ffn_down.weight"), &[c, w])?;
         // Gemma's norms after the attention and the MLP (their gains stored as `1 + w`).
