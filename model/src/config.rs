@@ -131,6 +131,16 @@ impl Family {
         self != Self::Arcee
     }
 
+    /// The family's MLP activation where its config does not name one (`transformers`' default;
+    /// what llama.cpp's graph for it applies).
+    pub fn activation(self) -> Activation {
+        match self {
+            Self::Gpt2 | Self::Gemma2 | Self::Gemma3 => Activation::GeluNew,
+            Self::Arcee => Activation::Relu2,
+            Self::Llama | Self::Mistral | Self::Qwen2 | Self::Qwen3 => Activation::Silu,
+        }
+    }
+
     /// Whether the family's decoder is GPT-2's (learned positions, LayerNorm, multi-head
     /// attention, `Conv1D` weights): the one the trainer's tape and fused training kernels run.
     pub fn is_gpt2(self) -> bool {

@@ -106,7 +106,7 @@ pub fn config_from_hf(family: Family, value: serde_json::Value) -> Result<Config
         rope_local,
     };
     Ok(Config {
-        activation_function: hf.hidden_activation.or(hf.hidden_act).unwrap_or(Activation::GeluNew),
+        activation_function: hf.hidden_activation.or(hf.hidden_act).unwrap_or(family.activation()),
         tie_word_embeddings: hf.tie_word_embeddings,
         ..c.config(variant)?
     })

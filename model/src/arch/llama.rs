@@ -226,10 +226,7 @@ pub fn config_from_hf(family: Family, value: serde_json::Value) -> Result<Config
         ..Variant::default()
     };
     Ok(Config {
-        activation_function: hf.hidden_act.unwrap_or(match family {
-            Family::Arcee => Activation::Relu2,
-            _ => Activation::Silu,
-        }),
+        activation_function: hf.hidden_act.unwrap_or(family.activation()),
         tie_word_embeddings: hf.tie_word_embeddings,
         ..c.config(variant)?
     })

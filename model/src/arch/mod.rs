@@ -105,18 +105,13 @@ pub fn from_scratch(family: Family, shape: &Config, n_kv_head: Option<usize>) ->
         }),
         ..Default::default()
     };
-    use crate::config::Activation;
     let cfg = Config {
         n_inner: Some(match family.gated_mlp() {
             true => (8 * shape.n_embd / 3).div_ceil(32) * 32,
             false => 4 * shape.n_embd,
         }),
         layer_norm_epsilon: if gemma { 1e-6 } else { 1e-5 },
-        activation_function: match family {
-            _ if gemma => Activation::GeluNew,
-            Family::Arcee => Activation::Relu2,
-            _ => Activation::Silu,
-        },
+        activation_function: family.activation(),
         position_embedding: crate::config::PositionEmbedding::Rope,
         bias: false,
         tie_word_embeddings: true,

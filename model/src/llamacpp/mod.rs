@@ -19,7 +19,7 @@ use gpt_kernels::{PackedMatrix, WeightFormat};
 
 use crate::arch::llama::{FamilyWeights, LayerWeights};
 use crate::arch::Family;
-use crate::config::{Activation, Config, PositionEmbedding, Rope, RopeScaling, Variant};
+use crate::config::{Config, PositionEmbedding, Rope, RopeScaling, Variant};
 use crate::error::{Error, Result};
 use crate::layers::Weight;
 use crate::tokenizer::Tokenizer;
@@ -411,11 +411,7 @@ fn config(f: &File, vocab_size: usize) -> Result<Config> {
         n_head,
         n_inner: Some(f.size(&key("feed_forward_length"), MAX)?),
         layer_norm_epsilon: f.float(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
-        activation_function: match family {
-            _ if gemma => Activation::GeluNew,
-            Family::Arcee => Activation::Relu2,
-            _ => Activation::Silu,
-        },
+        activation_function: family.activation(),
         resid_pdrop: 0.0,
         embd_pdrop: 0.0,
         attn_pdrop: 0.0,
@@ -489,34 +485,23 @@ fn stack(parts: Vec<QTensor>) -> Result<QTensor> {
 /// its format or one of the same values ([`Weight::Recoded`]), else candle's quantized matrix
 /// (the CPU only); dense in `dtype` off the CPU.
 pub fn weight(q: QTensor, dtype: DType, device: &Device) -> Result<Weight> {
-    if device.is_cpu() && matches!(q.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1) {
-        return recoded(&q);
+    if !device.is_cpu() {
+        return Ok(Weight::Dense(q.dequantize(device)?.to_dtype(dtype)?));
     }
-    if device.is_cpu() && q.dtype() == GgmlDType::Q4K {
-        if let Some((codes, offsets)) = q4k_codes(&q)? {
-            return Ok(Weight::Recoded {
-                codes: Arc::new(PackedMatrix::from_qtensor(&codes)?),
-                offsets: Some(offsets),
-                stored: q.dtype(),
-            });
-        }
-    }
-    if device.is_cpu() {
-        return Ok(match WeightFormat::from_ggml(q.dtype()) {
-            Some(_) => Weight::Packed(Arc::new(PackedMatrix::from_qtensor(&q)?)),
-            None => Weight::Quant(Arc::new(q)),
-        });
-    }
-    Ok(Weight::Dense(q.dequantize(device)?.to_dtype(dtype)?))
-}
-
-/// A Q4_1, Q5_0 or Q5_1 matrix as [`Weight::Recoded`] (see [`recoded_codes`]).
-fn recoded(q: &QTensor) -> Result<Weight> {
-    let (codes, offsets) = recoded_codes(q)?;
-    Ok(Weight::Recoded {
-        codes: Arc::new(PackedMatrix::from_qtensor(&codes)?),
-        offsets,
-        stored: q.dtype(),
+    // The formats held as the codes of one the packed kernel has ([`recoded_codes`], [`q4k_codes`]).
+    let recoded = match q.dtype() {
+        GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 => Some(recoded_codes(&q)?),
+        GgmlDType::Q4K => q4k_codes(&q)?.map(|(codes, offsets)| (codes, Some(offsets))),
+        _ => None,
+    };
+    Ok(match (recoded, WeightFormat::from_ggml(q.dtype())) {
+        (Some((codes, offsets)), _) => Weight::Recoded {
+            codes: Arc::new(PackedMatrix::from_qtensor(&codes)?),
+            offsets,
+            stored: q.dtype(),
+        },
+        (None, Some(_)) => Weight::Packed(Arc::new(PackedMatrix::from_qtensor(&q)?)),
+        (None, None) => Weight::Quant(Arc::new(q)),
     })
 }
 
