@@ -75,8 +75,6 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
 }
 
-/// The Python the tests that need its packages run (`GPT_TEST_PYTHON`, which the build scripts
-/// probe), else `python3`.
 /// `len` values uniform in [-1, 1) from a splitmix64 stream keyed by `seed`: full-rank
 /// matrices, as gradients are (values in an arithmetic pattern make low-rank ones).
 pub fn uniform(len: usize, seed: u64) -> Vec<f32> {
@@ -92,6 +90,7 @@ pub fn uniform(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// The Python the tests that need its packages run (`GPT_TEST_PYTHON`), else `python3`.
 pub fn python() -> String {
     std::env::var("GPT_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
 }
