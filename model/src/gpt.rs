@@ -121,14 +121,14 @@ impl Mlp {
     }
 }
 
-/// `act(h)` on candle's ops, for the activations without a fused kernel (GPT-2's GELU-tanh and
-/// the SiLU and GELU-tanh gates have theirs).
+/// `act(h)`: candle's ops, or the kernels' fused op for squared ReLU (GPT-2's GELU-tanh and the
+/// SiLU and GELU-tanh gates have theirs elsewhere).
 fn activation(h: &Tensor, act: Activation) -> candle_core::Result<Tensor> {
     match act {
         Activation::GeluNew => h.gelu(),
         Activation::Gelu => h.gelu_erf(),
         Activation::Relu => h.relu(),
-        Activation::Relu2 => h.relu()?.sqr(),
+        Activation::Relu2 => gpt_kernels::relu2(h),
         Activation::Silu => candle_nn::ops::silu(h),
     }
 }
@@ -537,12 +537,16 @@ impl Gpt {
     /// Whether a family other than GPT-2 runs its windows of `seq_len` as rows of the residual
     /// stream (`Block::forward_rows`, every op then one of the tape's): on the CPU in f32, every
     /// layer's attention on the fused window attention (no soft-capped scores, no sliding
-    /// window shorter than `seq_len`) and the MLP's gate on the fused op.
+    /// window shorter than `seq_len`) and the MLP's activation on a fused op (a SiLU or GELU-tanh
+    /// gate; ungated, squared ReLU or GELU-tanh).
     pub(crate) fn family_runs_on_rows(&self, seq_len: usize) -> bool {
+        let fused_activation = match self.cfg.variant.gated_mlp {
+            true => matches!(self.cfg.activation_function, Activation::Silu | Activation::GeluNew),
+            false => matches!(self.cfg.activation_function, Activation::Relu2 | Activation::GeluNew),
+        };
         !self.cfg.is_gpt2_shaped()
             && self.device().is_cpu()
-            && self.cfg.variant.gated_mlp
-            && matches!(self.cfg.activation_function, Activation::Silu | Activation::GeluNew)
+            && fused_activation
             && self.blocks.iter().all(|b| b.attn.runs_on_windows(seq_len))
     }
 

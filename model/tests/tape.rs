@@ -182,7 +182,7 @@ fn the_tapes_gradients_are_candles() -> anyhow::Result<()> {
 
 /// A fixed (sinusoidal) position table is a constant: no gradient, and no error.
 /// The other families train on the tape too (RMSNorm, rotations, grouped heads, QK-norm, q/k/v
-/// biases, Gemma's norms after each branch and scaled embedding, an untied head, dropout at
+/// biases, Arcee's ungated squared-ReLU MLP, Gemma's norms after each branch and scaled embedding, an untied head, dropout at
 /// every site, bf16 products): every gradient candle's, value for value. Soft-capped scores
 /// (Gemma 2) and a sliding window shorter than the context keep candle's backward pass.
 #[test]
@@ -202,6 +202,7 @@ fn the_families_gradients_on_the_tape_are_candles() -> anyhow::Result<()> {
         (Family::Qwen2, Some(3)),
         (Family::Qwen3, Some(1)),
         (Family::Gemma3, Some(2)),
+        (Family::Arcee, Some(2)),
     ] {
         let mut cfg = from_scratch(family, &shape, kv)?;
         cfg.n_inner = Some(64);

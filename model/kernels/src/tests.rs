@@ -31,6 +31,27 @@ fn gelu_matches_candle_forward_and_backward() {
     assert!(d < 1e-4, "{d}");
 }
 
+/// Squared ReLU fused against candle's `relu` then `sqr`: the same bits both ways (one product
+/// forward, `2 x · dy` back), zeros included.
+#[test]
+fn relu2_matches_candle_forward_and_backward() {
+    let mut values: Vec<f32> = support::uniform(7 * 33, 5).iter().map(|v| 3.0 * v).collect();
+    values[..4].copy_from_slice(&[0.0, -0.0, -1.0, 1.0]);
+    let x = Var::from_tensor(&Tensor::from_vec(values, (7, 33), &Device::Cpu).unwrap()).unwrap();
+    let g = Tensor::from_vec(support::uniform(7 * 33, 6), (7, 33), &Device::Cpu).unwrap();
+    let (ours, theirs) = (relu2(&x).unwrap(), x.relu().unwrap().sqr().unwrap());
+    assert_eq!(max_diff(&ours, &theirs), 0.0);
+    let ga = (ours * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let gb = (theirs * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let d = max_diff(ga.get(&x).unwrap(), gb.get(&x).unwrap());
+    assert!(d <= 1e-6, "{d}");
+    let zeros = ga.get(&x).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert!(
+        zeros[..3].iter().all(|&z| z == 0.0),
+        "no gradient at or below zero: {zeros:?}"
+    );
+}
+
 /// Forward values and the gradients of every input against candle's composite ops.
 #[test]
 fn add_tiled_and_layer_norm_match_candle() {

@@ -6,9 +6,6 @@
 use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use crate::f32_slice;
-use crate::parallel;
-
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_A: f32 = 0.044_715;
 
@@ -53,18 +50,7 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(storage, layout, "gelu")?;
-        let y = parallel::collect(
-            x.len(),
-            parallel::GRAIN,
-            #[inline(always)]
-            |start, out| {
-                for (y, &x) in out.iter_mut().zip(&x[start..]) {
-                    y.write(gelu_new(x));
-                }
-            },
-        );
-        Ok((CpuStorage::F32(y), layout.shape().clone()))
+        super::map(storage, layout, "gelu", gelu_new)
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -88,21 +74,7 @@ impl CustomOp2 for GeluGrad {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x, g) = (f32_slice(s1, l1, "gelu-grad")?, f32_slice(s2, l2, "gelu-grad")?);
-        if x.len() != g.len() {
-            candle_core::bail!("gelu-grad: {:?} and {:?}", l1.dims(), l2.dims())
-        }
-        let dx = parallel::collect(
-            x.len(),
-            parallel::GRAIN,
-            #[inline(always)]
-            |start, out| {
-                for ((d, &x), &g) in out.iter_mut().zip(&x[start..]).zip(&g[start..]) {
-                    d.write(g * gelu_new_and_slope(x).1);
-                }
-            },
-        );
-        Ok((CpuStorage::F32(dx), l1.shape().clone()))
+        super::map_grad((s1, l1), (s2, l2), "gelu-grad", |x| gelu_new_and_slope(x).1)
     }
 
     #[cfg(feature = "cuda")]

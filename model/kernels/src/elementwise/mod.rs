@@ -1,5 +1,5 @@
 //! Element-wise and row-wise ops with their backward rules, used by training and inference
-//! alike: one file per op (`gelu`, `softmax`, `add`, `layer_norm`, `dropout`), and here the
+//! alike: one file per op (`gelu`, `relu2`, `softmax`, `add`, `layer_norm`, `dropout`), and here the
 //! dispatch that picks them or candle's own ops.
 //!
 //! On the CPU, candle's GELU calls libm's scalar `tanhf` per element and its backward builds ten
@@ -14,21 +14,66 @@ pub mod dropout;
 pub mod gated;
 pub mod gelu;
 pub mod layer_norm;
+pub mod relu2;
 pub mod rms_norm;
 pub mod rope;
 pub mod softmax;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 
-use crate::{fused, tape};
+use crate::{f32_slice, fused, parallel, tape};
 use add::AddTiled;
 use dropout::Dropout;
 use gated::{GateActivation, Gated};
 use gelu::Gelu;
 use layer_norm::LayerNorm;
+use relu2::Relu2;
 use rms_norm::RmsNorm;
 use rope::Rope;
 use softmax::CausalSoftmax;
+
+/// `f` of every value of an f32 tensor, in one pass on the pool: an element-wise op's forward.
+#[inline(always)]
+fn map(storage: &CpuStorage, layout: &Layout, op: &str, f: impl Fn(f32) -> f32 + Sync) -> Result<(CpuStorage, Shape)> {
+    let x = f32_slice(storage, layout, op)?;
+    let y = parallel::collect(
+        x.len(),
+        parallel::GRAIN,
+        #[inline(always)]
+        |start, out| {
+            for (y, &x) in out.iter_mut().zip(&x[start..]) {
+                y.write(f(x));
+            }
+        },
+    );
+    Ok((CpuStorage::F32(y), layout.shape().clone()))
+}
+
+/// `g · slope(x)` for an element-wise op's input `x` (`s1`) and its output's gradient `g` (`s2`),
+/// in one pass on the pool: the op's backward.
+#[inline(always)]
+fn map_grad(
+    (s1, l1): (&CpuStorage, &Layout),
+    (s2, l2): (&CpuStorage, &Layout),
+    op: &str,
+    slope: impl Fn(f32) -> f32 + Sync,
+) -> Result<(CpuStorage, Shape)> {
+    let (x, g) = (f32_slice(s1, l1, op)?, f32_slice(s2, l2, op)?);
+    if x.len() != g.len() {
+        candle_core::bail!("{op}: {:?} and {:?}", l1.dims(), l2.dims())
+    }
+    let dx = parallel::collect(
+        x.len(),
+        parallel::GRAIN,
+        #[inline(always)]
+        |start, out| {
+            for ((d, &x), &g) in out.iter_mut().zip(&x[start..]).zip(&g[start..]) {
+                d.write(g * slope(x));
+            }
+        },
+    );
+    Ok((CpuStorage::F32(dx), l1.shape().clone()))
+}
 
 /// Dropout of `x` with probability `p`, the mask drawn from the counter-based generator keyed by
 /// `key` for the rows of a batch starting at row `first_row` (see the `dropout` module);
@@ -136,6 +181,14 @@ pub fn gated(h: &Tensor, act: GateActivation) -> Result<Tensor> {
         GateActivation::GeluTanh => gate.gelu()?,
     };
     gate * up
+}
+
+/// `max(x, 0)²` (squared ReLU), differentiable; fused on the CPU in f32, else candle's ops.
+pub fn relu2(x: &Tensor) -> Result<Tensor> {
+    if fused(x) && x.device().is_cpu() {
+        return tape::op1(&x.contiguous()?, Relu2);
+    }
+    x.relu()?.sqr()
 }
 
 /// Causal softmax of attention scores `(.., T_q, T_k)` (see [`CausalSoftmax`]), differentiable;
