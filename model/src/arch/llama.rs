@@ -470,10 +470,7 @@ pub fn trainable_tensors(
             Ok(())
         };
         stack(QKV, &[n.q, n.k, n.v], v.qkv_bias)?;
-        match v.gated_mlp {
-            true => stack(GATE_UP, &[n.gate, n.up], v.mlp_bias)?,
-            false => stack(GATE_UP, &[n.up], v.mlp_bias)?,
-        }
+        stack(GATE_UP, &n.mlp_in(v.gated_mlp), v.mlp_bias)?;
     }
     for (name, t) in tensors {
         let gain = v.family.is_gemma() && name.ends_with("norm.weight");
@@ -522,11 +519,9 @@ pub(crate) fn qkv(vb: &VarBuilder, prefix: &str, cfg: &Config) -> candle_core::R
 /// alone, where the MLP is ungated).
 pub(crate) fn gate_up(vb: &VarBuilder, prefix: &str, cfg: &Config) -> candle_core::Result<(Tensor, Tensor)> {
     let (c, w, bias) = (cfg.n_embd, cfg.mlp_width(), cfg.variant.mlp_bias);
-    let n = names(cfg.variant.family);
-    if !cfg.variant.gated_mlp {
-        return linear(vb, &format!("{prefix}.{}", n.up), c, w, bias, 0.02);
-    }
-    let (g, gb) = linear(vb, &format!("{prefix}.{}", n.gate), c, w, bias, 0.02)?;
-    let (u, ub) = linear(vb, &format!("{prefix}.{}", n.up), c, w, bias, 0.02)?;
-    Ok((Tensor::cat(&[&g, &u], 0)?, Tensor::cat(&[&gb, &ub], 0)?))
+    let parts = (names(cfg.variant.family).mlp_in(cfg.variant.gated_mlp).into_iter())
+        .map(|part| linear(vb, &format!("{prefix}.{part}"), c, w, bias, 0.02))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let (weights, biases): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
+    Ok((Tensor::cat(&weights, 0)?, Tensor::cat(&biases, 0)?))
 }

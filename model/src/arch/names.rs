@@ -55,6 +55,17 @@ pub const GEMMA: Names = Names {
     ..NAMES
 };
 
+impl Names {
+    /// The matrices that the MLP's first product stacks, in its order: gate and up, or up alone
+    /// where the MLP is ungated (Arcee's).
+    pub fn mlp_in(&self, gated: bool) -> Vec<&'static str> {
+        match gated {
+            true => vec![self.gate, self.up],
+            false => vec![self.up],
+        }
+    }
+}
+
 /// The names of `family`'s checkpoints.
 pub fn names(family: Family) -> &'static Names {
     match family.is_gemma() {

@@ -80,12 +80,8 @@ impl Gpt {
             linear(n.k, attn.c_attn(), qw, kvw, v.qkv_bias)?;
             linear(n.v, attn.c_attn(), qw + kvw, kvw, v.qkv_bias)?;
             linear(n.o, attn.c_proj(), 0, cfg.n_embd, v.o_bias)?;
-            match v.gated_mlp {
-                true => {
-                    linear(n.gate, &mlp.c_fc, 0, w, v.mlp_bias)?;
-                    linear(n.up, &mlp.c_fc, w, w, v.mlp_bias)?;
-                }
-                false => linear(n.up, &mlp.c_fc, 0, w, v.mlp_bias)?,
+            for (j, part) in n.mlp_in(v.gated_mlp).into_iter().enumerate() {
+                linear(part, &mlp.c_fc, j * w, w, v.mlp_bias)?;
             }
             linear(n.down, &mlp.c_proj, 0, cfg.n_embd, v.mlp_bias)?;
             out.push((format!("{p}.{}.weight", n.attn_norm), gain(b.ln_1.weight())?));
