@@ -195,6 +195,11 @@ impl CausalSelfAttention {
         if self.rope.is_none() && gains.is_none() {
             return Ok(qkv.clone());
         }
+        if !train && !qkv.track_op() && gpt_kernels::fused(qkv) && qkv.device().is_cpu() {
+            if let Some(y) = self.rotate_on_host(qkv, gains, positions)? {
+                return Ok(y);
+            }
+        }
         let (n, _) = qkv.dims2()?;
         let (qw, kvw) = self.widths();
         let hd = self.head_dim;
@@ -497,6 +502,43 @@ impl CausalSelfAttention {
         self.attend_windows(&qkv, seq_len, train, rows, segments)
     }
 
+    /// [`Self::rotate_with`] at inference on the CPU in f32: one pass over the rows
+    /// ([`gpt_kernels::infer::rotate_qkv`], the same values as the candle ops). `None` where the
+    /// tables or gains are not contiguous f32 on the CPU.
+    fn rotate_on_host(
+        &self,
+        qkv: &Tensor,
+        gains: Option<(&Tensor, &Tensor)>,
+        positions: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let tables = self.rope.as_ref().map(|r| (&r.cos, &r.sin));
+        let usable = |t: &Tensor| t.dtype() == candle_core::DType::F32 && t.is_contiguous() && t.device().is_cpu();
+        if !tables.into_iter().chain(gains).all(|(a, b)| usable(a) && usable(b)) {
+            return Ok(None);
+        }
+        let qkv = qkv.contiguous()?;
+        let positions = positions.to_dtype(candle_core::DType::U32)?.to_vec1::<u32>()?;
+        let heads = gpt_kernels::infer::QkvHeads {
+            n_head: self.n_head,
+            n_kv_head: self.n_kv_head,
+            head_dim: self.head_dim,
+        };
+        let eps = self.qk_norm.as_ref().map_or(0.0, |(_, _, eps)| *eps);
+        let (storage, layout) = qkv.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            return Ok(None);
+        };
+        let rows = gpt_kernels::f32_slice(cpu, layout, "rotate")?;
+        let y = with_f32(tables, |tables| {
+            with_f32(gains, |gains| {
+                let norm = gains.map(|(q, k)| gpt_kernels::infer::QkNorm { q, k, eps });
+                gpt_kernels::infer::rotate_qkv(rows, heads, &positions, tables, norm)
+            })
+        })?;
+        drop(storage);
+        Ok(Some(Tensor::from_vec(y, qkv.shape(), qkv.device())?))
+    }
+
     pub(crate) fn resid_pdrop(&self) -> f32 {
         self.resid_pdrop
     }
@@ -616,4 +658,21 @@ impl CausalSelfAttention {
     pub(crate) fn c_proj(&self) -> &Conv1D {
         &self.c_proj
     }
+}
+
+/// `f` on the f32 values of a pair of contiguous CPU tensors (their storage held meanwhile), or
+/// on `None`.
+fn with_f32<R>(
+    pair: Option<(&Tensor, &Tensor)>,
+    f: impl FnOnce(Option<(&[f32], &[f32])>) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let Some((a, b)) = pair else { return f(None) };
+    let ((sa, la), (sb, lb)) = (a.storage_and_layout(), b.storage_and_layout());
+    let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb) else {
+        candle_core::bail!("with_f32: a tensor is not on the CPU")
+    };
+    f(Some((
+        gpt_kernels::f32_slice(ca, la, "rotate")?,
+        gpt_kernels::f32_slice(cb, lb, "rotate")?,
+    )))
 }

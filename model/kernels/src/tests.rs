@@ -1026,3 +1026,113 @@ fn packed_rows_and_input_gradient_match_the_dense_copy() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A generation step's fused q/k normalisation and rotation against candle-nn's ops as the model
+/// composed them before (narrow and copy each part, `rms_norm` per head, the tables' rows
+/// gathered, `rope_thd`, the parts concatenated): the same bits, with and without QK-norm and
+/// rotary tables, grouped key/value heads, rows at scattered positions; bad shapes are errors.
+#[test]
+fn rotate_qkv_is_candles_norm_and_rope_bit_for_bit() {
+    use crate::infer::{rotate_qkv, QkNorm, QkvHeads};
+    let dev = &Device::Cpu;
+    let (n, nh, nkv, hd, max_pos) = (5, 6, 2, 16, 40);
+    let heads = QkvHeads {
+        n_head: nh,
+        n_kv_head: nkv,
+        head_dim: hd,
+    };
+    let (qw, kvw) = (nh * hd, nkv * hd);
+    let qkv = Tensor::randn(0f32, 2.0, (n, heads.width()), dev).unwrap();
+    let angles = Tensor::randn(0f32, 3.0, (max_pos, hd / 2), dev).unwrap();
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let (gq, gk) = (
+        Tensor::randn(1f32, 0.5, hd, dev).unwrap(),
+        Tensor::randn(1f32, 0.5, hd, dev).unwrap(),
+    );
+    let positions: Vec<u32> = vec![0, 7, 39, 3, 3];
+    let pos_t = Tensor::new(positions.as_slice(), dev).unwrap();
+    let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for (rotate, normed) in [(true, true), (true, false), (false, true)] {
+        let q = qkv
+            .narrow(1, 0, qw)
+            .unwrap()
+            .reshape((1, n, nh, hd))
+            .unwrap()
+            .contiguous()
+            .unwrap();
+        let k = qkv
+            .narrow(1, qw, kvw)
+            .unwrap()
+            .reshape((1, n, nkv, hd))
+            .unwrap()
+            .contiguous()
+            .unwrap();
+        let v = qkv.narrow(1, qw + kvw, kvw).unwrap();
+        let (q, k) = match normed {
+            true => (
+                candle_nn::ops::rms_norm(&q, &gq, 1e-6).unwrap(),
+                candle_nn::ops::rms_norm(&k, &gk, 1e-6).unwrap(),
+            ),
+            false => (q, k),
+        };
+        let (q, k) = match rotate {
+            true => {
+                let (c, s) = (
+                    cos.index_select(&pos_t, 0).unwrap(),
+                    sin.index_select(&pos_t, 0).unwrap(),
+                );
+                (
+                    candle_nn::rotary_emb::rope_thd(&q, &c, &s).unwrap(),
+                    candle_nn::rotary_emb::rope_thd(&k, &c, &s).unwrap(),
+                )
+            }
+            false => (q, k),
+        };
+        let theirs = Tensor::cat(
+            &[
+                q.reshape((n, qw)).unwrap(),
+                k.reshape((n, kvw)).unwrap(),
+                v.contiguous().unwrap(),
+            ],
+            1,
+        )
+        .unwrap();
+        let (cos_v, sin_v, gq_v, gk_v) = (values(&cos), values(&sin), values(&gq), values(&gk));
+        let tables = rotate.then_some((cos_v.as_slice(), sin_v.as_slice()));
+        let norm = normed.then_some(QkNorm {
+            q: &gq_v,
+            k: &gk_v,
+            eps: 1e-6,
+        });
+        let ours = rotate_qkv(&values(&qkv), heads, &positions, tables, norm).unwrap();
+        let theirs = values(&theirs);
+        assert!(
+            ours.iter().zip(&theirs).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "rotate {rotate}, norm {normed}: not candle's bits"
+        );
+    }
+    let (cos_v, sin_v) = (values(&cos), values(&sin));
+    let tables = Some((cos_v.as_slice(), sin_v.as_slice()));
+    let qkv_v = values(&qkv);
+    assert!(
+        rotate_qkv(&qkv_v, heads, &[0, 1, 40, 2, 3], tables, None).is_err(),
+        "position past the tables"
+    );
+    assert!(
+        rotate_qkv(&qkv_v[1..], heads, &positions, tables, None).is_err(),
+        "not whole rows"
+    );
+    assert!(
+        rotate_qkv(&qkv_v, heads, &positions[1..], tables, None).is_err(),
+        "positions not one per row"
+    );
+    let short = QkNorm {
+        q: &cos_v[..hd - 1],
+        k: &cos_v[..hd],
+        eps: 1e-6,
+    };
+    assert!(
+        rotate_qkv(&qkv_v, heads, &positions, tables, Some(short)).is_err(),
+        "gains of another width"
+    );
+}

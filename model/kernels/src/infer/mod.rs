@@ -3,11 +3,13 @@
 
 mod attention;
 mod lora;
+mod rotate;
 
 pub use attention::{
     cached_attention, cached_attention_masked, cached_attention_on, grouped_attention, CachedKv, Masking, WriteRows,
 };
 pub use lora::lora_rows;
+pub use rotate::{rotate_qkv, QkNorm, QkvHeads};
 #[cfg(feature = "cuda")]
 pub mod decode_attention;
 #[cfg(feature = "cuda")]
