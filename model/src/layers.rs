@@ -44,7 +44,9 @@ pub enum Weight {
     /// `BENCHMARKS.md`.)
     Recoded {
         codes: Arc<PackedMatrix>,
-        /// `(in / 32, out)`: each block's offset, one row per block of inputs (none: Q5_0).
+        /// Each block's offset per output (none: Q5_0), in the order the product's tasks read
+        /// them ([`PackedMatrix::group_offsets`]; [`PackedMatrix::offsets_by_block`] gives them
+        /// back as `(in / 32, out)`).
         offsets: Option<Tensor>,
         /// The format the values came in (and go back out in: `gpt::gguf`).
         stored: candle_core::quantized::GgmlDType,
@@ -131,7 +133,7 @@ impl Weight {
     /// `dy W` for `dy` `(rows, out)`: the gradient of `x Wᵀ` with respect to `x`, without a
     /// dense copy of a packed `W` (dequantized a few hundred rows at a time; candle's quantized
     /// matrices, the k-quants, dequantized whole for the product, one layer at a time).
-    fn input_gradient(&self, dy: &Tensor) -> candle_core::Result<Tensor> {
+    pub(crate) fn input_gradient(&self, dy: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Self::Dense(w) => dy.matmul(&w.to_dtype(dy.dtype())?),
             Self::Packed(p) => p.input_gradient(dy),
@@ -141,7 +143,7 @@ impl Weight {
                 let Some(offsets) = offsets else { return Ok(dx) };
                 // Each block's offset adds `dy · offsetsᵀ` to its 32 inputs' gradients.
                 let (n, k) = dx.dims2()?;
-                let per_block = dy.matmul(&offsets.t()?)?; // (N, in / 32)
+                let per_block = dy.matmul(&codes.offsets_by_block(offsets)?.t()?)?; // (N, in / 32)
                 dx + per_block.unsqueeze(2)?.broadcast_as((n, k / 32, 32))?.reshape((n, k))?
             }
         }
@@ -154,7 +156,7 @@ impl Weight {
             Self::Packed(p) => p.dense()?.to_dtype(dtype),
             Self::Quant(q) => q.dequantize(&q.device())?.to_dtype(dtype),
             Self::Recoded { codes, offsets, .. } => match offsets {
-                Some(offsets) => (codes.dense()? + spread_offsets(offsets)?)?.to_dtype(dtype),
+                Some(offsets) => (codes.dense()? + spread_offsets(&codes.offsets_by_block(offsets)?)?)?.to_dtype(dtype),
                 None => codes.dense()?.to_dtype(dtype),
             },
         }
@@ -206,10 +208,11 @@ impl Weight {
             Self::Packed(p) => p.rows(&ids.to_vec1::<u32>()?)?.to_dtype(dtype),
             Self::Quant(q) => q.embedding(ids)?.to_dtype(dtype),
             Self::Recoded { codes, offsets, .. } => {
-                let rows = codes.rows(&ids.to_vec1::<u32>()?)?;
+                let ids = ids.to_vec1::<u32>()?;
+                let rows = codes.rows(&ids)?;
                 match offsets {
                     Some(offsets) => {
-                        let picked = offsets.t()?.index_select(ids, 0)?.t()?.contiguous()?; // (in / 32, n)
+                        let picked = codes.offsets_of_rows(offsets, &ids)?.t()?; // (in / 32, n)
                         (rows + spread_offsets(&picked)?)?.to_dtype(dtype)
                     }
                     None => rows.to_dtype(dtype),

@@ -495,11 +495,14 @@ pub fn weight(q: QTensor, dtype: DType, device: &Device) -> Result<Weight> {
         _ => None,
     };
     Ok(match (recoded, WeightFormat::from_ggml(q.dtype())) {
-        (Some((codes, offsets)), _) => Weight::Recoded {
-            codes: Arc::new(PackedMatrix::from_qtensor(&codes)?),
-            offsets,
-            stored: q.dtype(),
-        },
+        (Some((codes, offsets)), _) => {
+            let codes = PackedMatrix::from_qtensor(&codes)?;
+            Weight::Recoded {
+                offsets: offsets.map(|o| codes.group_offsets(&o)).transpose()?,
+                codes: Arc::new(codes),
+                stored: q.dtype(),
+            }
+        }
         (None, Some(_)) => Weight::Packed(Arc::new(PackedMatrix::from_qtensor(&q)?)),
         (None, None) => Weight::Quant(Arc::new(q)),
     })
@@ -859,6 +862,50 @@ mod tests {
         let scale = reference.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         let d = (y - &reference)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(d < 0.02 * scale, "product {d} from the f32 one's (largest {scale})");
+        Ok(())
+    }
+
+    /// Q4_1 and Q5_1 matrices held as codes and offsets give candle's dequantized values back
+    /// through every use: the whole matrix, rows of it (a tied head's token embeddings: the
+    /// offsets of a few columns of the tasks' table, one past the first group of 32), the product
+    /// and the gradient of the product. 70 rows: the last group of columns is partial.
+    #[test]
+    fn offset_formats_give_their_values_through_every_use() -> anyhow::Result<()> {
+        let (rows, cols) = (70, 128);
+        let w = (Tensor::randn(0f32, 0.05, (rows, cols), &Device::Cpu)? + 0.01)?;
+        let x = Tensor::randn(0f32, 1.0, (3, cols), &Device::Cpu)?;
+        let dy = Tensor::randn(0f32, 1.0, (3, rows), &Device::Cpu)?;
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q5_1] {
+            let q = QTensor::quantize(&w, dtype)?;
+            let exact = q.dequantize(&Device::Cpu)?;
+            let weight = weight(q, DType::F32, &Device::Cpu)?;
+            assert!(
+                matches!(&weight, Weight::Recoded { offsets: Some(_), .. }),
+                "{dtype:?} not recoded"
+            );
+            let close = |a: &Tensor, b: &Tensor, what: &str| -> anyhow::Result<()> {
+                let d = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                anyhow::ensure!(
+                    d <= 1e-5 * scale.max(1e-6),
+                    "{dtype:?} {what}: {d} off (largest {scale})"
+                );
+                Ok(())
+            };
+            close(&weight.dense(DType::F32)?, &exact, "values")?;
+            let ids = Tensor::new(&[69u32, 0, 33, 5][..], &Device::Cpu)?;
+            close(&weight.rows(&ids, DType::F32)?, &exact.index_select(&ids, 0)?, "rows")?;
+            // The product quantizes the activations to 8 bits, as llama.cpp's does.
+            let y = weight.forward(&x, crate::layers::Autocast::Off)?;
+            let reference = x.matmul(&exact.t()?)?;
+            let scale = reference.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            let d = (y - &reference)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            assert!(
+                d < 0.02 * scale,
+                "{dtype:?} product {d} from the f32 one's (largest {scale})"
+            );
+            close(&weight.input_gradient(&dy)?, &dy.matmul(&exact)?, "input gradient")?;
+        }
         Ok(())
     }
 }

@@ -17,7 +17,7 @@ pub(crate) struct Epilogue<'a> {
 
 /// A block format's offsets per block of 32 inputs ([`PackedMatrix::matmul_offsets`]):
 /// `y[i, c] += Σ_b sums[i, b] · table[b, c]`, `sums` `(m, blocks)` the sums of `x` over each
-/// block, `table` `(blocks, n)`.
+/// block, `table` in the tasks' order ([`PackedMatrix::group_offsets`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Offsets<'a> {
     pub sums: &'a [f32],
@@ -57,13 +57,13 @@ impl CustomOp2 for WithOffsets<'_> {
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, t: &CpuStorage, lt: &Layout) -> Result<(CpuStorage, Shape)> {
         let w = self.0;
         let blocks = w.k / super::BLOCK;
-        if !w.k.is_multiple_of(super::BLOCK) || lt.shape().dims() != [blocks, w.n] {
+        let want = [w.n.div_ceil(super::OFFSET_GROUP) * blocks, super::OFFSET_GROUP];
+        if !w.k.is_multiple_of(super::BLOCK) || lt.shape().dims() != want {
             candle_core::bail!(
-                "packed-matmul-offsets: a table of {:?} for a ({}, {}) weight in blocks of {}",
+                "packed-matmul-offsets: a table of {:?} for a ({}, {}) weight, not {want:?}",
                 lt.shape().dims(),
                 w.n,
                 w.k,
-                super::BLOCK
             )
         }
         let table = crate::f32_slice(t, lt, "packed-matmul-offsets")?;
@@ -129,6 +129,7 @@ pub(super) unsafe fn epilogue(
 #[inline(always)]
 unsafe fn epilogue_any(ep: Epilogue, y: *mut f32, r0: usize, m: usize, n: usize, col0: usize, cols: usize) {
     if let Some(o) = ep.offsets {
+        debug_assert!(col0.is_multiple_of(super::OFFSET_GROUP) && cols <= super::OFFSET_GROUP);
         for i in 0..m {
             // SAFETY: the caller's columns of row `i`, in bounds.
             let out = unsafe { std::slice::from_raw_parts_mut(y.add(i * n + col0), cols) };
@@ -136,8 +137,10 @@ unsafe fn epilogue_any(ep: Epilogue, y: *mut f32, r0: usize, m: usize, n: usize,
             // A task's columns are at most `GROUP * LANES`: the blocks' terms summed first, then
             // added (as `y + sums.matmul(table)`).
             let mut acc = [0f32; super::GROUP * super::LANES];
+            // The task's group of columns: its offsets, block after block, in one run.
+            let group = &o.table[col0 / super::OFFSET_GROUP * o.blocks * super::OFFSET_GROUP..];
             for (b, &s) in sums.iter().enumerate() {
-                let row = &o.table[b * n + col0..b * n + col0 + cols];
+                let row = &group[b * super::OFFSET_GROUP..b * super::OFFSET_GROUP + cols];
                 for (a, &t) in acc.iter_mut().zip(row) {
                     *a += s * t;
                 }
