@@ -418,6 +418,10 @@ fn linear_act(
         // The epilogue has no backward pass: under a training adapter the product is
         // `Weight::forward`'s, differentiable in `x`.
         Weight::Packed(p) if !x.track_op() => p.matmul_bias(&x, bias, gelu)?,
+        Weight::Recoded { codes, offsets, .. } if !x.track_op() => match offsets {
+            Some(offsets) => codes.matmul_offsets_bias(&x, offsets, bias, gelu)?,
+            None => codes.matmul_bias(&x, bias, gelu)?,
+        },
         _ => {
             let y = gpt_kernels::add_tiled(&weight.forward(&x, autocast)?, bias)?; // (rows, out)
             if gelu {

@@ -2,7 +2,7 @@
 //! offsets, the bias, then GELU (the fused `x @ W^T + b` and the MLP's first layer), and those
 //! products as candle ops.
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape};
 
 use super::PackedMatrix;
 use crate::simd::{Kernel, Simd, Vec16};
@@ -25,10 +25,22 @@ pub(crate) struct Offsets<'a> {
     pub blocks: usize,
 }
 
-/// [`PackedMatrix::matmul_bias`] as a candle op of `x` and the bias.
+/// [`PackedMatrix::matmul_bias`] as a candle op of `x` and the bias, and
+/// [`PackedMatrix::matmul_offsets_bias`] as one of `x`, the offsets' table and the bias.
 pub(super) struct WithEpilogue<'a> {
     pub(super) w: &'a PackedMatrix,
     pub(super) gelu: bool,
+}
+
+impl WithEpilogue<'_> {
+    /// The bias `b` and GELU where asked.
+    fn epilogue<'b>(&self, b: &'b CpuStorage, lb: &Layout) -> Result<Epilogue<'b>> {
+        Ok(Epilogue {
+            bias: Some(crate::f32_slice(b, lb, "packed-matmul-bias")?),
+            gelu: self.gelu,
+            offsets: None,
+        })
+    }
 }
 
 impl CustomOp2 for WithEpilogue<'_> {
@@ -37,12 +49,25 @@ impl CustomOp2 for WithEpilogue<'_> {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, b: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        let ep = Epilogue {
-            bias: Some(crate::f32_slice(b, lb, "packed-matmul-bias")?),
-            gelu: self.gelu,
-            offsets: None,
-        };
-        self.w.forward_cpu(x, lx, ep)
+        self.w.forward_cpu(x, lx, self.epilogue(b, lb)?)
+    }
+}
+
+impl CustomOp3 for WithEpilogue<'_> {
+    fn name(&self) -> &'static str {
+        "packed-matmul-offsets-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        t: &CpuStorage,
+        lt: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        with_offsets(self.w, x, lx, t, lt, self.epilogue(b, lb)?)
     }
 }
 
@@ -55,31 +80,42 @@ impl CustomOp2 for WithOffsets<'_> {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, t: &CpuStorage, lt: &Layout) -> Result<(CpuStorage, Shape)> {
-        let w = self.0;
-        let blocks = w.k / super::BLOCK;
-        let want = [w.n.div_ceil(super::OFFSET_GROUP) * blocks, super::OFFSET_GROUP];
-        if !w.k.is_multiple_of(super::BLOCK) || lt.shape().dims() != want {
-            candle_core::bail!(
-                "packed-matmul-offsets: a table of {:?} for a ({}, {}) weight, not {want:?}",
-                lt.shape().dims(),
-                w.n,
-                w.k,
-            )
-        }
-        let table = crate::f32_slice(t, lt, "packed-matmul-offsets")?;
-        let xs = crate::f32_slice(x, lx, "packed-matmul-offsets")?;
-        // Each block's sum in order (as `x.reshape((m, k / 32, 32)).sum(2)`).
-        let sums: Vec<f32> = xs.chunks_exact(super::BLOCK).map(|b| b.iter().sum()).collect();
-        let ep = Epilogue {
-            offsets: Some(Offsets {
-                sums: &sums,
-                table,
-                blocks,
-            }),
-            ..Epilogue::default()
-        };
-        w.forward_cpu(x, lx, ep)
+        with_offsets(self.0, x, lx, t, lt, Epilogue::default())
     }
+}
+
+/// `x @ W^T` with the offsets of table `t` (in the tasks' order) added, then `ep`'s bias and GELU.
+fn with_offsets(
+    w: &PackedMatrix,
+    x: &CpuStorage,
+    lx: &Layout,
+    t: &CpuStorage,
+    lt: &Layout,
+    ep: Epilogue,
+) -> Result<(CpuStorage, Shape)> {
+    let blocks = w.k / super::BLOCK;
+    let want = [w.n.div_ceil(super::OFFSET_GROUP) * blocks, super::OFFSET_GROUP];
+    if !w.k.is_multiple_of(super::BLOCK) || lt.shape().dims() != want {
+        candle_core::bail!(
+            "packed-matmul-offsets: a table of {:?} for a ({}, {}) weight, not {want:?}",
+            lt.shape().dims(),
+            w.n,
+            w.k,
+        )
+    }
+    let table = crate::f32_slice(t, lt, "packed-matmul-offsets")?;
+    let xs = crate::f32_slice(x, lx, "packed-matmul-offsets")?;
+    // Each block's sum in order (as `x.reshape((m, k / 32, 32)).sum(2)`).
+    let sums: Vec<f32> = xs.chunks_exact(super::BLOCK).map(|b| b.iter().sum()).collect();
+    let ep = Epilogue {
+        offsets: Some(Offsets {
+            sums: &sums,
+            table,
+            blocks,
+        }),
+        ..ep
+    };
+    w.forward_cpu(x, lx, ep)
 }
 
 /// The epilogue (offsets, bias, then GELU) on columns `col0..col0 + cols` of `y`'s rows
