@@ -535,7 +535,6 @@ impl CausalSelfAttention {
                 gpt_kernels::infer::rotate_qkv(rows, heads, &positions, tables, norm)
             })
         })?;
-        drop(storage);
         Ok(Some(Tensor::from_vec(y, qkv.shape(), qkv.device())?))
     }
 

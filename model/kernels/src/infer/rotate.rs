@@ -9,8 +9,6 @@
 //! `x1 cos - x2 sin`, `x1 sin + x2 cos` over the two halves of each head), so the values are the
 //! same bits as those ops give.
 
-use std::mem::MaybeUninit;
-
 /// The heads of a fused projection's row: `n_head` query heads, then `n_kv_head` key heads, then
 /// as many value heads, each `head_dim` wide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,9 +84,8 @@ pub fn rotate_qkv(
         }
     }
     let rotated = (n_head + n_kv_head) * head_dim;
-    let mut out: Vec<f32> = Vec::with_capacity(qkv.len());
-    let spare = &mut out.spare_capacity_mut()[..qkv.len()];
-    let row_pass = |(row, (x, y)): (usize, (&[f32], &mut [MaybeUninit<f32>]))| {
+    let mut out = vec![0f32; qkv.len()];
+    for (row, (x, y)) in qkv.chunks_exact(width).zip(out.chunks_exact_mut(width)).enumerate() {
         let angles = tables.map(|(cos, sin)| {
             let at = positions[row] as usize * half;
             (&cos[at..at + half], &sin[at..at + half])
@@ -105,59 +102,32 @@ pub fn rotate_qkv(
                 norm.map(|n| (if h < n_head { n.q } else { n.k }, n.eps)),
             );
         }
-        for (y, &x) in y[rotated..].iter_mut().zip(&x[rotated..]) {
-            y.write(x);
-        }
-    };
-    qkv.chunks_exact(width)
-        .zip(spare.chunks_exact_mut(width))
-        .enumerate()
-        .for_each(row_pass);
-    // SAFETY: every row's values were written above (its q and k heads by `head`, the rest copied),
-    // and the rows cover `qkv.len()` values.
-    unsafe { out.set_len(qkv.len()) };
+        y[rotated..].copy_from_slice(&x[rotated..]);
+    }
     Ok(out)
 }
 
 /// One head `x` into `y`: normalised by `norm` (its gain and epsilon), then rotated by `angles`.
+/// Each normalised value is computed where the rotation reads it (the same operations, so the
+/// same bits as normalising first).
 #[inline(always)]
-fn head(x: &[f32], y: &mut [MaybeUninit<f32>], angles: Option<(&[f32], &[f32])>, norm: Option<(&[f32], f32)>) {
-    let mut buf = [0f32; 512];
-    let normed: &[f32] = match norm {
-        Some((gain, eps)) if x.len() <= buf.len() => {
-            let sum2: f32 = x.iter().map(|&v| v * v).sum();
-            let m = (sum2 / x.len() as f32 + eps).sqrt();
-            for ((b, &v), &g) in buf.iter_mut().zip(x).zip(gain) {
-                *b = v / m * g;
-            }
-            &buf[..x.len()]
-        }
-        Some((gain, eps)) => {
-            // Heads wider than the buffer (none of the families' are): normalise into `y` first.
-            let sum2: f32 = x.iter().map(|&v| v * v).sum();
-            let m = (sum2 / x.len() as f32 + eps).sqrt();
-            let v: Vec<f32> = x.iter().zip(gain).map(|(&v, &g)| v / m * g).collect();
-            return head_rotated(&v, y, angles);
-        }
-        None => x,
+fn head(x: &[f32], y: &mut [f32], angles: Option<(&[f32], &[f32])>, norm: Option<(&[f32], f32)>) {
+    let norm = norm.map(|(gain, eps)| {
+        let sum2: f32 = x.iter().map(|&v| v * v).sum();
+        (gain, (sum2 / x.len() as f32 + eps).sqrt())
+    });
+    let value = |i: usize| match norm {
+        Some((gain, m)) => x[i] / m * gain[i],
+        None => x[i],
     };
-    head_rotated(normed, y, angles)
-}
-
-/// `x` rotated by `angles` (or copied) into `y`.
-#[inline(always)]
-fn head_rotated(x: &[f32], y: &mut [MaybeUninit<f32>], angles: Option<(&[f32], &[f32])>) {
     let Some((cos, sin)) = angles else {
-        for (y, &x) in y.iter_mut().zip(x) {
-            y.write(x);
-        }
+        y.iter_mut().enumerate().for_each(|(i, y)| *y = value(i));
         return;
     };
     let half = x.len() / 2;
-    let (x1, x2) = x.split_at(half);
-    let (y1, y2) = y.split_at_mut(half);
     for j in 0..half {
-        y1[j].write(x1[j] * cos[j] - x2[j] * sin[j]);
-        y2[j].write(x1[j] * sin[j] + x2[j] * cos[j]);
+        let (x1, x2) = (value(j), value(j + half));
+        y[j] = x1 * cos[j] - x2 * sin[j];
+        y[j + half] = x1 * sin[j] + x2 * cos[j];
     }
 }

@@ -93,16 +93,8 @@ fn with_offsets(
     lt: &Layout,
     ep: Epilogue,
 ) -> Result<(CpuStorage, Shape)> {
+    w.check_grouped(lt.dims())?;
     let blocks = w.k / super::BLOCK;
-    let want = [w.n.div_ceil(super::OFFSET_GROUP) * blocks, super::OFFSET_GROUP];
-    if !w.k.is_multiple_of(super::BLOCK) || lt.shape().dims() != want {
-        candle_core::bail!(
-            "packed-matmul-offsets: a table of {:?} for a ({}, {}) weight, not {want:?}",
-            lt.shape().dims(),
-            w.n,
-            w.k,
-        )
-    }
     let table = crate::f32_slice(t, lt, "packed-matmul-offsets")?;
     let xs = crate::f32_slice(x, lx, "packed-matmul-offsets")?;
     // Each block's sum in order (as `x.reshape((m, k / 32, 32)).sum(2)`).

@@ -303,7 +303,7 @@ impl PackedMatrix {
     /// [`Self::group_offsets`]'s table back in its `(k / 32, n)` order.
     pub fn offsets_by_block(&self, grouped: &Tensor) -> Result<Tensor> {
         let (blocks, groups) = (self.k / BLOCK, self.column_groups());
-        self.check_grouped(grouped)?;
+        self.check_grouped(grouped.dims())?;
         grouped
             .reshape((groups, blocks, OFFSET_GROUP))?
             .transpose(0, 1)?
@@ -314,31 +314,33 @@ impl PackedMatrix {
     }
 
     /// The offsets of output columns `ids` from [`Self::group_offsets`]'s table, `(ids.len(), k
-    /// / 32)`: a tied LM head's rows as token embeddings.
+    /// / 32)`: a tied LM head's rows as token embeddings (only those values gathered).
     pub fn offsets_of_rows(&self, grouped: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        self.check_grouped(grouped)?;
+        self.check_grouped(grouped.dims())?;
         let blocks = self.k / BLOCK;
-        let table = grouped.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let mut values = Vec::with_capacity(ids.len() * blocks);
+        let mut at = Vec::with_capacity(ids.len() * blocks);
         for &id in ids {
             let c = id as usize;
             if c >= self.n {
                 candle_core::bail!("token id {id} is outside the embedding's {} rows", self.n)
             }
             let (group, lane) = (c / OFFSET_GROUP, c % OFFSET_GROUP);
-            values.extend((0..blocks).map(|b| table[(group * blocks + b) * OFFSET_GROUP + lane]));
+            at.extend((0..blocks).map(|b| ((group * blocks + b) * OFFSET_GROUP + lane) as u32));
         }
-        Tensor::from_vec(values, (ids.len(), blocks), &Device::Cpu)
+        let at = Tensor::from_vec(at, ids.len() * blocks, grouped.device())?;
+        grouped
+            .flatten_all()?
+            .index_select(&at, 0)?
+            .reshape((ids.len(), blocks))
     }
 
-    /// Whether `grouped` is of [`Self::group_offsets`]'s shape for this matrix.
-    fn check_grouped(&self, grouped: &Tensor) -> Result<()> {
+    /// Whether a table of `dims` is of [`Self::group_offsets`]'s shape for this matrix.
+    pub(crate) fn check_grouped(&self, dims: &[usize]) -> Result<()> {
         let want = [self.column_groups() * (self.k / BLOCK), OFFSET_GROUP];
-        if !self.k.is_multiple_of(BLOCK) || grouped.dims() != want {
+        if !self.k.is_multiple_of(BLOCK) || dims != want {
             candle_core::bail!(
-                "offsets: a table of {:?} for a ({}, {}) weight, not {want:?} (blocks of {BLOCK} by groups of \
+                "offsets: a table of {dims:?} for a ({}, {}) weight, not {want:?} (blocks of {BLOCK} by groups of \
                  {OFFSET_GROUP} columns)",
-                grouped.dims(),
                 self.n,
                 self.k
             )
