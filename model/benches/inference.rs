@@ -7,6 +7,9 @@
 //!     [DEVICE=cpu|cuda] [DTYPE=f32|bf16|f16] [WEIGHTS=f32|f16|bf16|q8_0|q4_0] [LAYOUT=inference|gpt2] [PRECISION=highest|high] [PREFILL=128] [BATCH=1] [NEW_TOKENS=128] \
 //!         cargo bench -p gpt --bench inference
 //!
+//! `KV_CACHE=auto|f32|f16` picks what the KV cache holds, default `auto` as `gpt-server`'s
+//! `--kv-cache-dtype` (f16 where the weights are lossy, as llama.cpp's cache, f32 where all are f32).
+//!
 //! `GGUF=FILE` benchmarks a llama.cpp GGUF file's model instead (its own formats, or `WEIGHTS`
 //! where given): what `bench/smollm2_llamacpp.sh` runs beside `llama-bench`.
 
@@ -116,6 +119,9 @@ fn run(
     batch: usize,
     new_tokens: usize,
 ) -> anyhow::Result<()> {
+    let kv: gpt::KvCacheDtype = env_or("KV_CACHE", "auto".to_string()).parse()?;
+    let kv_dtype = kv.resolve(&model);
+    let model = model.with_kv_cache_dtype(kv_dtype)?;
     let cfg = model.config().clone();
     let ids = prompt(prefill, cfg.vocab_size);
     let mut prefill_s = Vec::new();
@@ -163,6 +169,7 @@ fn run(
         "layout": layout,
         "weights": weights,
         "precision": precision.to_string(),
+        "kv_cache": format!("{kv_dtype:?}").to_lowercase(),
         "threads": candle_core::utils::get_num_threads(),
         "prefill_tokens": prefill,
         "prefill_tok_per_s": prefill as f64 / median(prefill_s),
