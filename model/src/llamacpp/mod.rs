@@ -497,8 +497,13 @@ pub fn weight(q: QTensor, dtype: DType, device: &Device) -> Result<Weight> {
     Ok(match (recoded, WeightFormat::from_ggml(q.dtype())) {
         (Some((codes, offsets)), _) => {
             let codes = PackedMatrix::from_qtensor(&codes)?;
+            // Q4_1's and Q5_1's minima as the file holds them (f16), Q4_K's offsets in f32.
+            let group = |o: Tensor| match o.dtype() {
+                DType::F16 => codes.group_mins(&o),
+                _ => codes.group_offsets(&o),
+            };
             Weight::Recoded {
-                offsets: offsets.map(|o| codes.group_offsets(&o)).transpose()?,
+                offsets: offsets.map(group).transpose()?,
                 codes: Arc::new(codes),
                 stored: q.dtype(),
             }
@@ -509,17 +514,18 @@ pub fn weight(q: QTensor, dtype: DType, device: &Device) -> Result<Weight> {
 }
 
 /// A Q4_1, Q5_0 or Q5_1 matrix as codes of a format the packed kernel has, and for Q4_1 and Q5_1
-/// each block's offset `(in / 32, out)`: each block (`d`, for Q4_1 and Q5_1 `m`, for Q5 the fifth
+/// each block's `m` `(in / 32, out)` f16: each block (`d`, for Q4_1 and Q5_1 `m`, for Q5 the fifth
 /// bits `qh`, then the low four bits) as a block of the same scale `d` and the codes `q − 8`
-/// (Q4_0) or `q − 16` (Q8_0, a byte each), and the offset `m + 8d` or `m + 16d`: the same values
-/// (ggml's `dequantize_row_q5_0` reads the codes this way).
+/// (Q4_0) or `q − 16` (Q8_0, a byte each), with the offset `m + 8d` or `m + 16d`
+/// ([`PackedMatrix::group_mins`]): the same values (ggml's `dequantize_row_q5_0` reads the codes
+/// this way).
 fn recoded_codes(q: &QTensor) -> Result<(QTensor, Option<Tensor>)> {
     let (rows, cols) = q.shape().dims2()?;
     let stored = q.dtype();
-    let (block_bytes, codes_dtype, offset) = match stored {
-        GgmlDType::Q4_1 => (20, GgmlDType::Q4_0, Some(8.0)),
-        GgmlDType::Q5_0 => (22, GgmlDType::Q8_0, None),
-        GgmlDType::Q5_1 => (24, GgmlDType::Q8_0, Some(16.0)),
+    let (block_bytes, codes_dtype, minima) = match stored {
+        GgmlDType::Q4_1 => (20, GgmlDType::Q4_0, true),
+        GgmlDType::Q5_0 => (22, GgmlDType::Q8_0, false),
+        GgmlDType::Q5_1 => (24, GgmlDType::Q8_0, true),
         other => return Err(candle_core::Error::Msg(format!("{other:?} has no recoded form")).into()),
     };
     let blocks = cols / 32;
@@ -533,16 +539,15 @@ fn recoded_codes(q: &QTensor) -> Result<(QTensor, Option<Tensor>)> {
         .into());
     }
     let mut codes = Vec::with_capacity(rows * blocks * codes_dtype.type_size());
-    let mut offsets = Vec::with_capacity(if offset.is_some() { rows * blocks } else { 0 });
+    let mut mins = Vec::with_capacity(if minima { rows * blocks } else { 0 });
     for block in data.chunks_exact(block_bytes) {
-        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
         codes.extend_from_slice(&block[..2]);
-        let rest = match offset {
-            Some(shift) => {
-                offsets.push(half::f16::from_le_bytes([block[2], block[3]]).to_f32() + shift * d);
+        let rest = match minima {
+            true => {
+                mins.push(half::f16::from_le_bytes([block[2], block[3]]));
                 &block[4..]
             }
-            None => &block[2..],
+            false => &block[2..],
         };
         match stored {
             GgmlDType::Q4_1 => codes.extend_from_slice(rest),
@@ -561,15 +566,15 @@ fn recoded_codes(q: &QTensor) -> Result<(QTensor, Option<Tensor>)> {
         }
     }
     let codes = qtensor_from_ggml(codes_dtype, &codes, vec![rows, cols], &Device::Cpu)?;
-    let offsets = match offset {
-        Some(_) => Some(
-            Tensor::from_vec(offsets, (rows, blocks), &Device::Cpu)?
+    let mins = match minima {
+        true => Some(
+            Tensor::from_vec(mins, (rows, blocks), &Device::Cpu)?
                 .t()?
                 .contiguous()?, // (in / 32, out)
         ),
-        None => None,
+        false => None,
     };
-    Ok((codes, offsets))
+    Ok((codes, mins))
 }
 
 /// A Q4_K matrix as Q4_0 codes with an offset per block of 32: each of a super-block's eight

@@ -21,8 +21,57 @@ pub(crate) struct Epilogue<'a> {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Offsets<'a> {
     pub sums: &'a [f32],
-    pub table: &'a [f32],
+    pub table: Table<'a>,
     pub blocks: usize,
+}
+
+impl Epilogue<'_> {
+    /// Asks for the offsets of the task at `col0` to be brought into cache, where the CPU has such
+    /// a hint, before its product runs: the epilogue then finds them there. A task's table is
+    /// 18-48 lines that the hardware's prefetcher barely learns; after the product, the loads of
+    /// the table had stalled on memory (most of a Q4_1 decode's epilogue samples, perf).
+    #[inline]
+    pub(super) fn prefetch(&self, col0: usize) {
+        let Some(o) = self.offsets else { return };
+        let first = col0 / super::OFFSET_GROUP * o.blocks * super::OFFSET_GROUP;
+        let bytes: &[u8] = match o.table {
+            Table::Values(t) => bytemuck_f32(&t[first..first + o.blocks * super::OFFSET_GROUP]),
+            Table::Mins { mins, .. } => bytemuck_f16(&mins[first..first + o.blocks * super::OFFSET_GROUP]),
+        };
+        #[cfg(target_arch = "x86_64")]
+        for line in bytes.chunks(64) {
+            // SAFETY: SSE is part of x86-64; a prefetch reads nothing and does not fault.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8)
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = bytes;
+    }
+}
+
+/// The bytes of f32 values.
+fn bytemuck_f32(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 is plain bytes; the length is the slice's in bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// The bytes of f16 values.
+fn bytemuck_f16(v: &[half::f16]) -> &[u8] {
+    // SAFETY: f16 is plain bytes; the length is the slice's in bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// The offsets themselves, or each block's `m` ([`PackedMatrix::group_mins`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Table<'a> {
+    Values(&'a [f32]),
+    /// The offset `m + shift · d`, `d` the block's scale in `w`'s panels.
+    Mins {
+        mins: &'a [half::f16],
+        shift: f32,
+        w: &'a PackedMatrix,
+    },
 }
 
 /// [`PackedMatrix::matmul_bias`] as a candle op of `x` and the bias, and
@@ -95,7 +144,17 @@ fn with_offsets(
 ) -> Result<(CpuStorage, Shape)> {
     w.check_grouped(lt.dims())?;
     let blocks = w.k / super::BLOCK;
-    let table = crate::f32_slice(t, lt, "packed-matmul-offsets")?;
+    let table = match t {
+        CpuStorage::F16(mins) => match lt.contiguous_offsets() {
+            Some((start, end)) => Table::Mins {
+                mins: &mins[start..end],
+                shift: w.min_shift()?,
+                w,
+            },
+            None => candle_core::bail!("packed-matmul-offsets: the table must be contiguous"),
+        },
+        _ => Table::Values(crate::f32_slice(t, lt, "packed-matmul-offsets")?),
+    };
     let xs = crate::f32_slice(x, lx, "packed-matmul-offsets")?;
     // Each block's sum in order (as `x.reshape((m, k / 32, 32)).sum(2)`).
     let sums: Vec<f32> = xs.chunks_exact(super::BLOCK).map(|b| b.iter().sum()).collect();
@@ -140,7 +199,7 @@ pub(super) unsafe fn epilogue(
         fn run<V: Vec16>(self) {
             let (r0, m, n, col0, cols) = self.shape;
             // SAFETY: the caller's contract (the columns are its own).
-            unsafe { epilogue_any(self.ep, self.y, r0, m, n, col0, cols) }
+            unsafe { epilogue_any::<V>(self.ep, self.y, r0, m, n, col0, cols) }
         }
     }
     simd.run(EpilogueKernel {
@@ -155,22 +214,50 @@ pub(super) unsafe fn epilogue(
 /// # Safety
 /// As [`epilogue`]'s.
 #[inline(always)]
-unsafe fn epilogue_any(ep: Epilogue, y: *mut f32, r0: usize, m: usize, n: usize, col0: usize, cols: usize) {
+unsafe fn epilogue_any<V: Vec16>(ep: Epilogue, y: *mut f32, r0: usize, m: usize, n: usize, col0: usize, cols: usize) {
+    const G: usize = super::OFFSET_GROUP;
     if let Some(o) = ep.offsets {
-        debug_assert!(col0.is_multiple_of(super::OFFSET_GROUP) && cols <= super::OFFSET_GROUP);
+        debug_assert!(col0.is_multiple_of(G) && cols <= G);
+        // The task's group of columns: its offsets, block after block, in one run.
+        let first = col0 / G * o.blocks * G;
         for i in 0..m {
             // SAFETY: the caller's columns of row `i`, in bounds.
             let out = unsafe { std::slice::from_raw_parts_mut(y.add(i * n + col0), cols) };
             let sums = &o.sums[(r0 + i) * o.blocks..(r0 + i + 1) * o.blocks];
-            // A task's columns are at most `GROUP * LANES`: the blocks' terms summed first, then
-            // added (as `y + sums.matmul(table)`).
-            let mut acc = [0f32; super::GROUP * super::LANES];
-            // The task's group of columns: its offsets, block after block, in one run.
-            let group = &o.table[col0 / super::OFFSET_GROUP * o.blocks * super::OFFSET_GROUP..];
-            for (b, &s) in sums.iter().enumerate() {
-                let row = &group[b * super::OFFSET_GROUP..b * super::OFFSET_GROUP + cols];
-                for (a, &t) in acc.iter_mut().zip(row) {
-                    *a += s * t;
+            // A task's columns are at most `G`: the blocks' terms summed first, then added (as
+            // `y + sums.matmul(table)`).
+            let mut acc = [0f32; G];
+            match o.table {
+                Table::Values(table) => {
+                    for (b, &s) in sums.iter().enumerate() {
+                        let row = &table[first + b * G..first + b * G + cols];
+                        for (a, &t) in acc.iter_mut().zip(row) {
+                            *a += s * t;
+                        }
+                    }
+                }
+                Table::Mins { mins, shift, w } => {
+                    let mins = &mins[first..first + o.blocks * G];
+                    let (bytes, codes) = (w.bytes(), super::code_bytes(w.format));
+                    for (b, &s) in sums.iter().enumerate() {
+                        let (mut t, mut d) = ([0f32; G], [0f32; G]);
+                        for p in 0..super::GROUP {
+                            let lanes = p * super::LANES;
+                            // The panel's 16 scales of block `b` (the matrix is padded to whole
+                            // groups of panels), and the group's 16 minima.
+                            let scales = &bytes[w.block_start(col0 + lanes, b) + codes..][..2 * super::LANES];
+                            // SAFETY: 32 bytes each, in bounds (the slices above).
+                            unsafe {
+                                V::load_f16(scales.as_ptr()).store(d[lanes..].as_mut_ptr());
+                                V::load_f16(mins[b * G + lanes..][..super::LANES].as_ptr() as *const u8)
+                                    .store(t[lanes..].as_mut_ptr());
+                            }
+                        }
+                        for ((a, t), d) in acc.iter_mut().zip(t).zip(d) {
+                            // `shift · d` is exact: the one rounding of the f32 offset.
+                            *a += s * (t + shift * d);
+                        }
+                    }
                 }
             }
             for (v, a) in out.iter_mut().zip(acc) {

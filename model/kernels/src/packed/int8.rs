@@ -194,6 +194,7 @@ pub(super) fn run(
                 accumulate,
                 q4,
             };
+            ep.prefetch(t.col0);
             // Tasks write disjoint columns of `y`; the panels of group `g` exist (the matrix is
             // padded to whole groups).
             #[cfg(target_arch = "x86_64")]

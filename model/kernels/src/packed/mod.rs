@@ -281,6 +281,32 @@ impl PackedMatrix {
     /// Q4_1 matrix's bytes) took about a quarter of its decode products' time; in this order
     /// SmolLM2's Q4_1 decode ran 1.10-1.35x faster (four alternated pairs, EPYC Zen 4).
     pub fn group_offsets(&self, table: &Tensor) -> Result<Tensor> {
+        self.grouped(table, DType::F32)
+    }
+
+    /// Q4_1's and Q5_1's offsets as each block's `m` (`(k / 32, n)`, f16 as the file holds it),
+    /// in [`Self::group_offsets`]'s order: a block's offset is `m + shift · d` ([`Self::min_shift`]:
+    /// 8 over Q4_0 codes, 16 over Q8_0 ones), `d` the block's scale that the panels hold already,
+    /// computed where a task adds it. Half the bytes of the f32 offsets, which were a sixth of a
+    /// Q4_1 matrix's; the same values (`shift · d` is exact, so the sum rounds once, as the f32
+    /// offset was rounded).
+    pub fn group_mins(&self, mins: &Tensor) -> Result<Tensor> {
+        self.min_shift()?;
+        self.grouped(mins, DType::F16)
+    }
+
+    /// What an f16 table's `m` adds `d` times ([`Self::group_mins`]): the codes' zero point, 8
+    /// for Q4_0's (Q4_1's codes `q − 8`), 16 for Q8_0's (Q5_1's `q − 16`).
+    pub fn min_shift(&self) -> Result<f32> {
+        match self.format {
+            WeightFormat::Q4_0 => Ok(8.0),
+            WeightFormat::Q8_0 => Ok(16.0),
+            other => candle_core::bail!("offsets as each block's minimum need Q4_0 or Q8_0 codes, not {other}"),
+        }
+    }
+
+    /// `table` `(k / 32, n)` in the tasks' order, in `dtype`.
+    fn grouped(&self, table: &Tensor, dtype: DType) -> Result<Tensor> {
         let blocks = self.k / BLOCK;
         if table.dims() != [blocks, self.n] {
             candle_core::bail!(
@@ -292,7 +318,7 @@ impl PackedMatrix {
         }
         let groups = self.column_groups();
         table
-            .to_dtype(DType::F32)?
+            .to_dtype(dtype)?
             .pad_with_zeros(1, 0, groups * OFFSET_GROUP - self.n)?
             .reshape((blocks, groups, OFFSET_GROUP))?
             .transpose(0, 1)?
@@ -300,11 +326,34 @@ impl PackedMatrix {
             .reshape((groups * blocks, OFFSET_GROUP))
     }
 
-    /// [`Self::group_offsets`]'s table back in its `(k / 32, n)` order.
+    /// Block `b`'s scale of output column `r` (quantized formats; a padded column's is 0).
+    fn scale(&self, r: usize, b: usize) -> f32 {
+        let at = self.block_start(r, b) + code_bytes(self.format) + 2 * (r % LANES);
+        let bytes = self.bytes();
+        half::f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+    }
+
+    /// A grouped table's offsets in f32: as they are, or from an f16 table of minima
+    /// ([`Self::group_mins`]) `m + shift · d`.
+    fn offset_values(&self, grouped: &Tensor) -> Result<Tensor> {
+        self.check_grouped(grouped.dims())?;
+        if grouped.dtype() != DType::F16 {
+            return grouped.to_dtype(DType::F32);
+        }
+        let (shift, blocks) = (self.min_shift()?, self.k / BLOCK);
+        let mins = grouped.flatten_all()?.to_vec1::<half::f16>()?;
+        let values = mins.iter().enumerate().map(|(i, m)| {
+            let (group, b, lane) = (i / (blocks * OFFSET_GROUP), i / OFFSET_GROUP % blocks, i % OFFSET_GROUP);
+            m.to_f32() + shift * self.scale(group * OFFSET_GROUP + lane, b)
+        });
+        Tensor::from_vec(values.collect(), grouped.shape(), &Device::Cpu)
+    }
+
+    /// [`Self::group_offsets`]'s (or [`Self::group_mins`]'s) table back in its `(k / 32, n)`
+    /// order, the offsets in f32.
     pub fn offsets_by_block(&self, grouped: &Tensor) -> Result<Tensor> {
         let (blocks, groups) = (self.k / BLOCK, self.column_groups());
-        self.check_grouped(grouped.dims())?;
-        grouped
+        self.offset_values(grouped)?
             .reshape((groups, blocks, OFFSET_GROUP))?
             .transpose(0, 1)?
             .contiguous()?
@@ -313,8 +362,9 @@ impl PackedMatrix {
             .contiguous()
     }
 
-    /// The offsets of output columns `ids` from [`Self::group_offsets`]'s table, `(ids.len(), k
-    /// / 32)`: a tied LM head's rows as token embeddings (only those values gathered).
+    /// The offsets (f32) of output columns `ids` from [`Self::group_offsets`]'s (or
+    /// [`Self::group_mins`]'s) table, `(ids.len(), k / 32)`: a tied LM head's rows as token
+    /// embeddings (only those values gathered).
     pub fn offsets_of_rows(&self, grouped: &Tensor, ids: &[u32]) -> Result<Tensor> {
         self.check_grouped(grouped.dims())?;
         let blocks = self.k / BLOCK;
@@ -328,10 +378,19 @@ impl PackedMatrix {
             at.extend((0..blocks).map(|b| ((group * blocks + b) * OFFSET_GROUP + lane) as u32));
         }
         let at = Tensor::from_vec(at, ids.len() * blocks, grouped.device())?;
-        grouped
-            .flatten_all()?
-            .index_select(&at, 0)?
-            .reshape((ids.len(), blocks))
+        let picked = grouped.flatten_all()?.index_select(&at, 0)?;
+        let picked = if grouped.dtype() == DType::F16 {
+            let shift = self.min_shift()?;
+            let mins = picked.to_vec1::<half::f16>()?;
+            let values = mins
+                .iter()
+                .enumerate()
+                .map(|(i, m)| m.to_f32() + shift * self.scale(ids[i / blocks] as usize, i % blocks));
+            Tensor::from_vec(values.collect(), picked.shape(), &Device::Cpu)?
+        } else {
+            picked.to_dtype(DType::F32)?
+        };
+        picked.reshape((ids.len(), blocks))
     }
 
     /// Whether a table of `dims` is of [`Self::group_offsets`]'s shape for this matrix.
@@ -413,9 +472,10 @@ impl PackedMatrix {
     /// ([`WeightFormat`]) computes, `offsets` in the tasks' order ([`Self::group_offsets`]). Each
     /// task adds its columns' offsets to the outputs it has just written: at decode the separate
     /// product, sum and add had taken 8% of a Q4_1 model's time on the main thread, the pool
-    /// waiting (perf). Not differentiable.
+    /// waiting (perf). `offsets` may hold each block's `m` instead ([`Self::group_mins`]). Not
+    /// differentiable.
     pub fn matmul_offsets(&self, x: &Tensor, offsets: &Tensor) -> Result<Tensor> {
-        let offsets = offsets.to_dtype(DType::F32)?.contiguous()?;
+        let offsets = offsets_operand(offsets)?;
         x.contiguous()?.apply_op2_no_bwd(&offsets, &WithOffsets(self))
     }
 
@@ -432,7 +492,7 @@ impl PackedMatrix {
                 self.n
             )
         }
-        let offsets = offsets.to_dtype(DType::F32)?.contiguous()?;
+        let offsets = offsets_operand(offsets)?;
         let bias = bias.to_dtype(DType::F32)?.contiguous()?;
         x.contiguous()?
             .apply_op3_no_bwd(&offsets, &bias, &WithEpilogue { w: self, gelu })
@@ -602,6 +662,14 @@ impl PackedMatrix {
     }
 }
 
+/// An offsets' table as the products read it: f32 offsets, or f16 minima as they are.
+fn offsets_operand(table: &Tensor) -> Result<Tensor> {
+    match table.dtype() {
+        DType::F16 => table.contiguous(),
+        _ => table.to_dtype(DType::F32)?.contiguous(),
+    }
+}
+
 mod amx;
 mod epilogue;
 mod format;
@@ -640,6 +708,75 @@ mod tests {
             let wide = PackedMatrix::from_strided_f32(&wide, 0, (n, k), (ld, 1));
             assert_eq!(wide.bytes(), want.bytes(), "{n}x{k} rows {ld} apart");
         }
+        Ok(())
+    }
+
+    /// A table of each block's `m` ([`PackedMatrix::group_mins`], Q4_1's and Q5_1's) gives the
+    /// bits of the f32 offsets `m + shift · d` with `d` read from GGML's blocks of the same
+    /// matrix: through the products (one row, a few, a prefill's 37; with a bias and GELU), the
+    /// table by block and a tied head's rows. 70 columns: a partial last group.
+    #[test]
+    fn minima_give_the_bits_of_their_offsets() -> Result<()> {
+        let device = candle_core::Device::Cpu;
+        let (n, k) = (70, 256);
+        let blocks = k / BLOCK;
+        let w = Tensor::from_vec((0..n * k).map(|i| (i as f32 * 0.61).sin()).collect(), (n, k), &device)?;
+        let mins: Vec<half::f16> = (0..blocks * n)
+            .map(|i| half::f16::from_f32((i as f32 * 0.29).cos() * 0.3))
+            .collect();
+        let mins = Tensor::from_vec(mins, (blocks, n), &device)?;
+        let bias = Tensor::from_vec((0..n).map(|i| (i as f32 * 0.7).sin()).collect(), n, &device)?;
+        for (format, shift, block_bytes) in [(WeightFormat::Q4_0, 8f32, 18), (WeightFormat::Q8_0, 16f32, 34)] {
+            let packed = PackedMatrix::from_dense(&w, format)?;
+            assert_eq!(packed.min_shift()?, shift);
+            // Each block's `d`, from GGML's blocks: the f16 before the codes.
+            let ggml = packed.to_qtensor()?.data()?.to_vec();
+            let d = |r: usize, b: usize| {
+                let at = (r * blocks + b) * block_bytes;
+                half::f16::from_le_bytes([ggml[at], ggml[at + 1]]).to_f32()
+            };
+            let m = mins.to_vec2::<half::f16>()?;
+            let table: Vec<f32> = (0..blocks * n)
+                .map(|i| m[i / n][i % n].to_f32() + shift * d(i % n, i / n))
+                .collect();
+            let table = Tensor::from_vec(table, (blocks, n), &device)?;
+            let (grouped, values) = (packed.group_mins(&mins)?, packed.group_offsets(&table)?);
+            assert_eq!(grouped.dtype(), DType::F16);
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+            };
+            assert_eq!(
+                bits(&packed.offsets_by_block(&grouped)?)?,
+                bits(&table)?,
+                "{format} by block"
+            );
+            let ids = [69u32, 0, 31, 32, 40];
+            assert_eq!(
+                bits(&packed.offsets_of_rows(&grouped, &ids)?)?,
+                bits(&packed.offsets_of_rows(&values, &ids)?)?,
+                "{format} rows"
+            );
+            for rows in [1, 3, 37] {
+                let x = Tensor::from_vec(
+                    (0..rows * k).map(|i| (i as f32 * 0.17).cos()).collect(),
+                    (rows, k),
+                    &device,
+                )?;
+                assert_eq!(
+                    bits(&packed.matmul_offsets(&x, &grouped)?)?,
+                    bits(&packed.matmul_offsets(&x, &values)?)?,
+                    "{format} m={rows}"
+                );
+                assert_eq!(
+                    bits(&packed.matmul_offsets_bias(&x, &grouped, &bias, true)?)?,
+                    bits(&packed.matmul_offsets_bias(&x, &values, &bias, true)?)?,
+                    "{format} m={rows} with bias and GELU"
+                );
+            }
+        }
+        // Minima need codes with a zero point.
+        let f32_panels = PackedMatrix::from_dense(&w, WeightFormat::F32)?;
+        assert!(f32_panels.group_mins(&mins).is_err());
         Ok(())
     }
 
