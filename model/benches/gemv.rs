@@ -152,7 +152,13 @@ fn main() -> anyhow::Result<()> {
             ("qtensor_f16", candle_core::quantized::GgmlDType::F16, 2.0),
             ("qtensor_q8_0", candle_core::quantized::GgmlDType::Q8_0, 34.0 / 32.0),
             ("qtensor_q4_0", candle_core::quantized::GgmlDType::Q4_0, 18.0 / 32.0),
+            // The k-quants a GGUF file's Q5_K and Q6_K matrices run as (rows of whole 256-blocks).
+            ("qtensor_q5_k", candle_core::quantized::GgmlDType::Q5K, 176.0 / 256.0),
+            ("qtensor_q6_k", candle_core::quantized::GgmlDType::Q6K, 210.0 / 256.0),
         ] {
+            if dt.block_size() == 256 && !d_in.is_multiple_of(256) {
+                continue;
+            }
             let qs = qt(dt)?;
             let y = xt.apply_op1_no_bwd(&qs[0])?.flatten_all()?.to_vec1::<f32>()?;
             let diff = y
