@@ -209,6 +209,42 @@ pub(super) unsafe fn epilogue(
     })
 }
 
+/// Block `b`'s offsets of the task at `col0` (its group's minima from `first`) from a table of
+/// minima: `m + shift · d` (`shift · d` is exact: the one rounding of the f32 offset), `d` the
+/// panels' 16 scales of the block (the matrix is padded to whole groups of panels). A function
+/// rather than a closure, so that it compiles within the instruction set's function.
+#[inline(always)]
+fn min_offsets<V: Vec16>(
+    mins: &[half::f16],
+    shift: f32,
+    w: &PackedMatrix,
+    col0: usize,
+    first: usize,
+    b: usize,
+) -> [f32; super::OFFSET_GROUP] {
+    let (bytes, codes) = (w.bytes(), super::code_bytes(w.format));
+    let (mut t, mut d) = ([0f32; super::OFFSET_GROUP], [0f32; super::OFFSET_GROUP]);
+    for p in 0..super::GROUP {
+        let lanes = p * super::LANES;
+        let scales = &bytes[w.block_start(col0 + lanes, b) + codes..][..2 * super::LANES];
+        let mins = &mins[first + b * super::OFFSET_GROUP + lanes..][..super::LANES];
+        // SAFETY: 32 bytes each, in bounds (the slices above).
+        unsafe {
+            V::load_f16(scales.as_ptr()).store(d[lanes..].as_mut_ptr());
+            V::load_f16(mins.as_ptr() as *const u8).store(t[lanes..].as_mut_ptr());
+        }
+    }
+    for (t, d) in t.iter_mut().zip(d) {
+        *t += shift * d;
+    }
+    t
+}
+
+thread_local! {
+    /// A task's offsets computed from a table of minima, for its rows to read ([`epilogue_any`]).
+    static EXPANDED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// [`epilogue`] on any lanes.
 ///
 /// # Safety
@@ -220,6 +256,26 @@ unsafe fn epilogue_any<V: Vec16>(ep: Epilogue, y: *mut f32, r0: usize, m: usize,
         debug_assert!(col0.is_multiple_of(G) && cols <= G);
         // The task's group of columns: its offsets, block after block, in one run.
         let first = col0 / G * o.blocks * G;
+        // The offsets each row reads: a row alone computes a table of minima's as it goes;
+        // several rows (a batch, a prompt) read them computed once into this thread's buffer
+        // (each row recomputing them had been ~6% of an 8-sequence decode's samples, perf).
+        let takes_buffer = m > 1 && matches!(o.table, Table::Mins { .. });
+        let mut expanded = match takes_buffer {
+            true => EXPANDED.with_borrow_mut(std::mem::take),
+            false => Vec::new(),
+        };
+        let (table, direct) = match o.table {
+            Table::Values(table) => (&table[first..first + o.blocks * G], None),
+            Table::Mins { mins, shift, w } if m == 1 => (&[][..], Some((mins, shift, w))),
+            Table::Mins { mins, shift, w } => {
+                // (Loops, not closures: a closure would compile outside the instruction set.)
+                expanded.clear();
+                for b in 0..o.blocks {
+                    expanded.extend_from_slice(&min_offsets::<V>(mins, shift, w, col0, first, b));
+                }
+                (&expanded[..], None)
+            }
+        };
         for i in 0..m {
             // SAFETY: the caller's columns of row `i`, in bounds.
             let out = unsafe { std::slice::from_raw_parts_mut(y.add(i * n + col0), cols) };
@@ -227,35 +283,22 @@ unsafe fn epilogue_any<V: Vec16>(ep: Epilogue, y: *mut f32, r0: usize, m: usize,
             // A task's columns are at most `G`: the blocks' terms summed first, then added (as
             // `y + sums.matmul(table)`).
             let mut acc = [0f32; G];
-            match o.table {
-                Table::Values(table) => {
+            match direct {
+                Some((mins, shift, w)) => {
                     for (b, &s) in sums.iter().enumerate() {
-                        let row = &table[first + b * G..first + b * G + cols];
-                        for (a, &t) in acc.iter_mut().zip(row) {
+                        for (a, t) in acc.iter_mut().zip(min_offsets::<V>(mins, shift, w, col0, first, b)) {
                             *a += s * t;
                         }
                     }
                 }
-                Table::Mins { mins, shift, w } => {
-                    let mins = &mins[first..first + o.blocks * G];
-                    let (bytes, codes) = (w.bytes(), super::code_bytes(w.format));
-                    for (b, &s) in sums.iter().enumerate() {
-                        let (mut t, mut d) = ([0f32; G], [0f32; G]);
-                        for p in 0..super::GROUP {
-                            let lanes = p * super::LANES;
-                            // The panel's 16 scales of block `b` (the matrix is padded to whole
-                            // groups of panels), and the group's 16 minima.
-                            let scales = &bytes[w.block_start(col0 + lanes, b) + codes..][..2 * super::LANES];
-                            // SAFETY: 32 bytes each, in bounds (the slices above).
-                            unsafe {
-                                V::load_f16(scales.as_ptr()).store(d[lanes..].as_mut_ptr());
-                                V::load_f16(mins[b * G + lanes..][..super::LANES].as_ptr() as *const u8)
-                                    .store(t[lanes..].as_mut_ptr());
-                            }
-                        }
-                        for ((a, t), d) in acc.iter_mut().zip(t).zip(d) {
-                            // `shift · d` is exact: the one rounding of the f32 offset.
-                            *a += s * (t + shift * d);
+                None => {
+                    // Whole groups of `G` (the table is padded with zeros past `n`), so that the
+                    // sums stay in registers: over the task's `cols` they had gone through the
+                    // stack, each block's adds waiting on the last one's stores (perf annotate).
+                    let (blocks, _) = table.as_chunks::<G>();
+                    for (row, &s) in blocks.iter().zip(sums) {
+                        for (a, &t) in acc.iter_mut().zip(row) {
+                            *a += s * t;
                         }
                     }
                 }
@@ -263,6 +306,9 @@ unsafe fn epilogue_any<V: Vec16>(ep: Epilogue, y: *mut f32, r0: usize, m: usize,
             for (v, a) in out.iter_mut().zip(acc) {
                 *v += a;
             }
+        }
+        if takes_buffer {
+            EXPANDED.with_borrow_mut(|buffer| *buffer = expanded);
         }
     }
     let Some(bias) = ep.bias else { return };
