@@ -309,14 +309,31 @@ fn cached_attention_matches_candle() {
 /// Grouped-query attention (fewer key/value heads than query heads, as Llama 3 and Qwen hold
 /// them) gives, bit for bit, what the same attention gives with every key/value head repeated for
 /// its group of query heads (the multi-head kernel, checked against candle's ops above), on every
-/// instruction set the host runs and for head sizes of each kernel; a head count that the
+/// instruction set the host runs and for head sizes of each kernel, over a prompt's rows and a
+/// decode step's (where AVX-512 shares each key/value head among its query heads); a head count that the
 /// key/value heads do not divide is an error.
 #[test]
 fn grouped_attention_equals_attention_with_the_kv_heads_repeated() {
     let dev = Device::Cpu;
     for &simd in Simd::available() {
-        for (n_head, n_kv, hs) in [(4usize, 2usize, 64usize), (6, 2, 32), (3, 1, 128), (4, 1, 24)] {
-            let (lens, cached) = ([1usize, 6, 3], [4usize, 11, 0]);
+        // A prompt's rows, then a decode step of 16 sequences (one token each: AVX-512 takes a
+        // task per key/value head and up to 4 of its query heads, 2 of 128 values, where that
+        // makes two tasks a thread; 5 and 7 a group split).
+        let shapes = [
+            (4usize, 2usize, 64usize),
+            (6, 2, 32),
+            (3, 1, 128),
+            (4, 1, 24),
+            (9, 3, 64),
+            (7, 1, 32),
+            (5, 1, 128),
+        ];
+        let prompt = (vec![1usize, 6, 3], vec![4usize, 11, 0]);
+        let decode = (vec![1usize; 16], (0..16).map(|i| i * 7 % 41).collect::<Vec<usize>>());
+        for ((n_head, n_kv, hs), (lens, cached)) in shapes
+            .into_iter()
+            .flat_map(|s| [(s, prompt.clone()), (s, decode.clone())])
+        {
             let n: usize = lens.iter().sum();
             let (qw, kvw) = (n_head * hs, n_kv * hs);
             let qkv = Tensor::randn(0f32, 1.0, (n, qw + 2 * kvw), &dev).unwrap();
@@ -352,7 +369,7 @@ fn grouped_attention_equals_attention_with_the_kv_heads_repeated() {
             assert_eq!(
                 max_diff(&got, &expected),
                 0.0,
-                "{simd:?}, {n_head} heads, {n_kv} kv heads of {hs}"
+                "{simd:?}, {n_head} heads, {n_kv} kv heads of {hs}, lengths {lens:?}"
             );
         }
     }
