@@ -45,8 +45,9 @@ pub enum Weight {
     Recoded {
         codes: Arc<PackedMatrix>,
         /// Each block's offset per output (none: Q5_0), in the order the product's tasks read
-        /// them ([`PackedMatrix::group_offsets`]; [`PackedMatrix::offsets_by_block`] gives them
-        /// back as `(in / 32, out)`).
+        /// them: Q4_1's and Q5_1's as each block's f16 minimum `m` ([`PackedMatrix::group_mins`]),
+        /// Q4_K's as f32 offsets ([`PackedMatrix::group_offsets`]);
+        /// [`PackedMatrix::offsets_by_block`] gives them back as f32 `(in / 32, out)`.
         offsets: Option<Tensor>,
         /// The format the values came in (and go back out in: `gpt::gguf`).
         stored: candle_core::quantized::GgmlDType,

@@ -316,9 +316,9 @@ fn cached_attention_matches_candle() {
 fn grouped_attention_equals_attention_with_the_kv_heads_repeated() {
     let dev = Device::Cpu;
     for &simd in Simd::available() {
-        // A prompt's rows, then a decode step of 16 sequences (one token each: AVX-512 takes a
+        // A prompt's rows, then a decode step of 64 sequences (one token each: AVX-512 takes a
         // task per key/value head and up to 4 of its query heads, 2 of 128 values, where that
-        // makes two tasks a thread; 5 and 7 a group split).
+        // makes two tasks a thread: here on up to 32 threads; 5 and 7 a group split).
         let shapes = [
             (4usize, 2usize, 64usize),
             (6, 2, 32),
@@ -329,7 +329,7 @@ fn grouped_attention_equals_attention_with_the_kv_heads_repeated() {
             (5, 1, 128),
         ];
         let prompt = (vec![1usize, 6, 3], vec![4usize, 11, 0]);
-        let decode = (vec![1usize; 16], (0..16).map(|i| i * 7 % 41).collect::<Vec<usize>>());
+        let decode = (vec![1usize; 64], (0..64).map(|i| i * 7 % 41).collect::<Vec<usize>>());
         for ((n_head, n_kv, hs), (lens, cached)) in shapes
             .into_iter()
             .flat_map(|s| [(s, prompt.clone()), (s, decode.clone())])

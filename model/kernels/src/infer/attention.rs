@@ -415,38 +415,39 @@ fn attend_all<T: Kv>(
     // value's loads, where there are at least two such tasks a thread. (SmolLM2's 3 key/value
     // heads at batch 1 on 2 threads: the attention's samples fell from 12% to 8% of a decode
     // after 512 tokens, and the idle thread's rose by as much, perf.)
-    // Query heads a task: as many rows as `attend512`'s tiles take at this head size.
-    let per = if hs == 128 { 2 } else { 4 };
-    let shared_tasks = seqs.len() * n_kv_head * group.div_ceil(per);
     #[cfg(target_arch = "x86_64")]
-    if plain
-        && group > 1
-        && simd == Simd::Avx512
-        && matches!(hs, 32 | 64 | 128)
-        && lens.iter().all(|&l| l == 1)
-        && shared_tasks >= 2 * candle_core::utils::get_num_threads()
     {
-        let chunks = group.div_ceil(per);
-        candle_core::utils::barrier_pool().execute_chunked(shared_tasks, |range| {
-            for task in range {
-                let (kv_h, chunk) = (task / chunks % n_kv_head, task % chunks);
-                let first = chunk * per;
-                let head = head_of(task / (n_kv_head * chunks), kv_h * group + first);
-                let heads = (group - first).min(per);
-                // SAFETY: each task writes these heads' columns of its sequence's row only, and
-                // `y` outlives the pool's call; AVX-512 is available (asserted by the caller).
-                unsafe {
-                    let y = y_at as *mut f32;
-                    match hs {
-                        32 => x86::attend512_heads::<T, 2>(&head, heads, y),
-                        64 => x86::attend512_heads::<T, 4>(&head, heads, y),
-                        _ => x86::attend512_heads::<T, 8>(&head, heads, y),
+        let per = x86::heads_per_task(hs / 16);
+        let shared_tasks = seqs.len() * n_kv_head * group.div_ceil(per);
+        if plain
+            && group > 1
+            && simd == Simd::Avx512
+            && matches!(hs, 32 | 64 | 128)
+            && lens.iter().all(|&l| l == 1)
+            && shared_tasks >= 2 * candle_core::utils::get_num_threads()
+        {
+            let chunks = group.div_ceil(per);
+            candle_core::utils::barrier_pool().execute_chunked(shared_tasks, |range| {
+                for task in range {
+                    let (kv_h, chunk) = (task / chunks % n_kv_head, task % chunks);
+                    let first = chunk * per;
+                    let head = head_of(task / (n_kv_head * chunks), kv_h * group + first);
+                    let heads = (group - first).min(per);
+                    // SAFETY: each task writes these heads' columns of its sequence's row only, and
+                    // `y` outlives the pool's call; AVX-512 is available (asserted by the caller).
+                    unsafe {
+                        let y = y_at as *mut f32;
+                        match hs {
+                            32 => x86::attend512_heads::<T, 2>(&head, heads, y),
+                            64 => x86::attend512_heads::<T, 4>(&head, heads, y),
+                            _ => x86::attend512_heads::<T, 8>(&head, heads, y),
+                        }
                     }
                 }
-            }
-        });
-        drop(guards);
-        return Ok(y);
+            });
+            drop(guards);
+            return Ok(y);
+        }
     }
     candle_core::utils::barrier_pool().execute_chunked(seqs.len() * n_head, |range| {
         for task in range {
@@ -661,7 +662,19 @@ mod x86 {
         }
     }
 
-    /// One new token's query heads `head.h..head.h + heads` (`heads` at most 4, all reading
+    /// Query heads an [`attend512_heads`] task takes at head size `16 * ch`: as many rows as
+    /// [`attend512`]'s tiles take there (each row's query and sums in registers: 4 rows of up to
+    /// 64 values, 2 of 128).
+    pub(crate) const fn heads_per_task(ch: usize) -> usize {
+        if ch > 4 {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// One new token's query heads `head.h..head.h + heads` (`heads` at most
+    /// [`heads_per_task`], all reading
     /// key/value head `head.kv_h`; `head.len == 1`) as the rows of one group: each key's and
     /// value's loads shared by the heads of a grouped-query layer instead of repeated by a task per
     /// head (SmolLM2's 9 query heads read 3 key/value heads). Each head's output has the bits of
@@ -671,7 +684,7 @@ mod x86 {
     /// As [`attend512`]'s, for these heads' columns of the row.
     #[target_feature(enable = "avx512f")]
     pub(crate) unsafe fn attend512_heads<T: Load, const CH: usize>(head: &Head<T>, heads: usize, y: *mut f32) {
-        debug_assert!(head.len == 1 && (1..=4).contains(&heads));
+        debug_assert!(head.len == 1 && heads >= 1 && heads <= heads_per_task(CH));
         let mut scores = vec![0f32; heads * head.t];
         // SAFETY: the caller's contract, for these heads of the task's row.
         unsafe {

@@ -17,7 +17,8 @@ pub(crate) struct Epilogue<'a> {
 
 /// A block format's offsets per block of 32 inputs ([`PackedMatrix::matmul_offsets`]):
 /// `y[i, c] += Σ_b sums[i, b] · table[b, c]`, `sums` `(m, blocks)` the sums of `x` over each
-/// block, `table` in the tasks' order ([`PackedMatrix::group_offsets`]).
+/// block, `table` in the tasks' order ([`PackedMatrix::group_offsets`]), or each block's minimum
+/// from which the offsets are formed ([`PackedMatrix::group_mins`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Offsets<'a> {
     pub sums: &'a [f32],

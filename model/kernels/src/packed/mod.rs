@@ -292,6 +292,12 @@ impl PackedMatrix {
     /// offset was rounded).
     pub fn group_mins(&self, mins: &Tensor) -> Result<Tensor> {
         self.min_shift()?;
+        if mins.dtype() != DType::F16 {
+            candle_core::bail!(
+                "offsets: minima in {:?}, not f16 as a GGUF file holds them",
+                mins.dtype()
+            )
+        }
         self.grouped(mins, DType::F16)
     }
 
@@ -472,8 +478,8 @@ impl PackedMatrix {
     /// ([`WeightFormat`]) computes, `offsets` in the tasks' order ([`Self::group_offsets`]). Each
     /// task adds its columns' offsets to the outputs it has just written: at decode the separate
     /// product, sum and add had taken 8% of a Q4_1 model's time on the main thread, the pool
-    /// waiting (perf). `offsets` may hold each block's `m` instead ([`Self::group_mins`]). Not
-    /// differentiable.
+    /// waiting (perf). An f16 `offsets` table is read as each block's minimum `m` instead
+    /// ([`Self::group_mins`]); any other dtype as the offsets. Not differentiable.
     pub fn matmul_offsets(&self, x: &Tensor, offsets: &Tensor) -> Result<Tensor> {
         let offsets = offsets_operand(offsets)?;
         x.contiguous()?.apply_op2_no_bwd(&offsets, &WithOffsets(self))
@@ -742,6 +748,7 @@ mod tests {
             let table = Tensor::from_vec(table, (blocks, n), &device)?;
             let (grouped, values) = (packed.group_mins(&mins)?, packed.group_offsets(&table)?);
             assert_eq!(grouped.dtype(), DType::F16);
+            assert!(packed.group_mins(&mins.to_dtype(DType::F32)?).is_err(), "f32 minima");
             let bits = |t: &Tensor| -> Result<Vec<u32>> {
                 Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
             };
