@@ -35,32 +35,20 @@ impl Epilogue<'_> {
     pub(super) fn prefetch(&self, col0: usize) {
         let Some(o) = self.offsets else { return };
         let first = col0 / super::OFFSET_GROUP * o.blocks * super::OFFSET_GROUP;
-        let bytes: &[u8] = match o.table {
-            Table::Values(t) => bytemuck_f32(&t[first..first + o.blocks * super::OFFSET_GROUP]),
-            Table::Mins { mins, .. } => bytemuck_f16(&mins[first..first + o.blocks * super::OFFSET_GROUP]),
+        let len = o.blocks * super::OFFSET_GROUP;
+        // The run's start and length in bytes (checked in bounds once, here).
+        let (start, bytes) = match o.table {
+            Table::Values(t) => (t[first..first + len].as_ptr() as *const i8, 4 * len),
+            Table::Mins { mins, .. } => (mins[first..first + len].as_ptr() as *const i8, 2 * len),
         };
         #[cfg(target_arch = "x86_64")]
-        for line in bytes.chunks(64) {
+        for at in (0..bytes).step_by(64) {
             // SAFETY: SSE is part of x86-64; a prefetch reads nothing and does not fault.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8)
-            };
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(start.wrapping_add(at)) };
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = bytes;
+        let _ = (start, bytes);
     }
-}
-
-/// The bytes of f32 values.
-fn bytemuck_f32(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 is plain bytes; the length is the slice's in bytes.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
-}
-
-/// The bytes of f16 values.
-fn bytemuck_f16(v: &[half::f16]) -> &[u8] {
-    // SAFETY: f16 is plain bytes; the length is the slice's in bytes.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
 /// The offsets themselves, or each block's `m` ([`PackedMatrix::group_mins`]).
