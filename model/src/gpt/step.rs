@@ -48,6 +48,9 @@ fn block_updates<'a>(
     cfg: &crate::Config,
     layer: usize,
 ) -> BlockUpdates<'a> {
+    if groups.is_empty() {
+        return Default::default(); // no names to format: a step without adapters
+    }
     crate::lora::block_products(cfg, layer).map(|name| {
         groups
             .iter()

@@ -424,7 +424,8 @@ fn attend_all<T: Kv>(
             && simd == Simd::Avx512
             && matches!(hs, 32 | 64 | 128)
             && lens.iter().all(|&l| l == 1)
-            && shared_tasks >= 2 * candle_core::utils::get_num_threads()
+            // The pool's threads (candle's `get_num_threads` reads the environment at each call.)
+            && shared_tasks >= 2 * (candle_core::utils::barrier_pool().n_workers() + 1)
         {
             let chunks = group.div_ceil(per);
             candle_core::utils::barrier_pool().execute_chunked(shared_tasks, |range| {
