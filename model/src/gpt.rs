@@ -16,7 +16,9 @@ use crate::attention::{CausalSelfAttention, RopeTables, Segments};
 use crate::config::{Activation, Config, PositionEmbedding};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::layers::{dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, RowUpdate, Weight};
+use crate::layers::{
+    add_then_norm, dropout, layer_norm, load_layer_norm, Autocast, Conv1D, Dropout, RowUpdate, Weight,
+};
 
 mod step;
 mod train;
@@ -224,28 +226,30 @@ impl Block {
     }
 
     /// Inference on packed rows ([`CausalSelfAttention::forward_packed`]), with the adapters'
-    /// updates of this block's layers on their rows.
+    /// updates of this block's layers on their rows: `x` the residual stream and `normed` its
+    /// `ln_1`; gives the stream after the block and, where `next` (the next block's `ln_1`) is
+    /// given, its norm, each residual add fused with the norm after it ([`add_then_norm`]).
+    #[allow(clippy::too_many_arguments)]
     fn forward_packed(
         &self,
         x: &Tensor,
+        normed: &Tensor,
+        next: Option<&LayerNorm>,
         lens: &[usize],
         positions: &Tensor,
         caches: &mut [&mut crate::kv_cache::LayerKv],
         updates: &BlockUpdates<'_>,
-    ) -> candle_core::Result<Tensor> {
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         let [c_attn, attn_proj, c_fc, mlp_proj] = updates;
-        let h = self.attn.forward_packed(
-            &layer_norm(&self.ln_1, x, false)?,
-            lens,
-            positions,
-            caches,
-            (c_attn, attn_proj),
-        )?;
-        let x = (x + self.post_attn(h, false)?)?;
         let h = self
-            .mlp
-            .forward_updated(&layer_norm(&self.ln_2, &x, false)?, c_fc, mlp_proj)?;
-        &x + self.post_mlp(h, false)?
+            .attn
+            .forward_packed(normed, lens, positions, caches, (c_attn, attn_proj))?;
+        let (x, normed) = add_then_norm(x, &self.post_attn(h, false)?, &self.ln_2)?;
+        let h = self.post_mlp(self.mlp.forward_updated(&normed, c_fc, mlp_proj)?, false)?;
+        match next {
+            Some(ln) => add_then_norm(&x, &h, ln).map(|(x, normed)| (x, Some(normed))),
+            None => Ok(((&x + h)?, None)),
+        }
     }
 }
 

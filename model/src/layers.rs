@@ -615,12 +615,29 @@ impl Module for Conv1D {
 pub(crate) fn layer_norm(ln: &LayerNorm, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
     match (train, ln.bias()) {
         (true, Some(bias)) => gpt_kernels::layer_norm(x, ln.weight(), bias, ln.eps() as f32),
-        (false, _) if !ln.remove_mean() => candle_nn::ops::rms_norm(&x.contiguous()?, ln.weight(), ln.eps() as f32),
+        // On the CPU in f32 the kernels' pass, whose bits `add_then_norm`'s fused one gives too.
+        (false, _) if !ln.remove_mean() => match gpt_kernels::fused(x) && x.device().is_cpu() {
+            true => gpt_kernels::rms_norm(x, ln.weight(), ln.eps() as f32),
+            false => candle_nn::ops::rms_norm(&x.contiguous()?, ln.weight(), ln.eps() as f32),
+        },
         // candle's fused RMSNorm has no backward pass: training takes the kernels' (a composite
         // of candle's ops off the CPU).
         (true, None) if !ln.remove_mean() => gpt_kernels::rms_norm(x, ln.weight(), ln.eps() as f32),
         _ => ln.forward(&x.contiguous()?),
     }
+}
+
+/// Inference's residual add and the norm after it: `(x + h, ln(x + h))`, in one pass for an
+/// RMSNorm on the CPU in f32 ([`gpt_kernels::add_rms_norm`], the same bits), else the two ops.
+pub(crate) fn add_then_norm(x: &Tensor, h: &Tensor, ln: &LayerNorm) -> candle_core::Result<(Tensor, Tensor)> {
+    if !ln.remove_mean() {
+        if let Some(pair) = gpt_kernels::add_rms_norm(x, h, ln.weight(), ln.eps() as f32)? {
+            return Ok(pair);
+        }
+    }
+    let sum = (x + h)?;
+    let normed = layer_norm(ln, &sum, false)?;
+    Ok((sum, normed))
 }
 
 /// `ln` with its gain and bias detached from gradient tracking; `eps` is its epsilon (candle's

@@ -42,7 +42,8 @@ use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
 pub use elementwise::gated::GateActivation;
 pub use elementwise::{
-    add_dropout, add_tiled, causal_mask, causal_softmax, dropout, gated, gelu, layer_norm, relu2, rms_norm, rope,
+    add_dropout, add_rms_norm, add_tiled, causal_mask, causal_softmax, dropout, gated, gelu, layer_norm, relu2,
+    rms_norm, rope,
 };
 pub use error::ParseError;
 pub use infer::{

@@ -1153,3 +1153,28 @@ fn rotate_qkv_is_candles_norm_and_rope_bit_for_bit() {
         "gains of another width"
     );
 }
+
+/// The fused residual add and RMSNorm of inference give the bits of the two ops (`x + h`, then
+/// [`rms_norm`]), at one row, a few, and enough rows for the pool's threads; within candle-nn's
+/// own fused `rms_norm`'s rounding; and nothing off f32.
+#[test]
+fn add_rms_norm_gives_the_bits_of_the_add_and_the_norm() {
+    let dev = &Device::Cpu;
+    for (rows, c) in [(1, 576), (3, 64), (700, 96)] {
+        let x = Tensor::randn(0f32, 2.0, (rows, c), dev).unwrap();
+        let h = Tensor::randn(0f32, 1.0, (rows, c), dev).unwrap();
+        let gamma = Tensor::randn(1f32, 0.5, c, dev).unwrap();
+        let (s, y) = add_rms_norm(&x, &h, &gamma, 1e-6).unwrap().expect("f32 on the CPU");
+        let want_s = (&x + &h).unwrap();
+        let want_y = rms_norm(&want_s, &gamma, 1e-6).unwrap();
+        assert_eq!((s.dims(), y.dims()), (x.dims(), x.dims()));
+        let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(bits(&s), bits(&want_s), "sums at {rows} x {c}");
+        assert_eq!(bits(&y), bits(&want_y), "norms at {rows} x {c}");
+        let candle = candle_nn::ops::rms_norm(&want_s, &gamma, 1e-6).unwrap();
+        assert!(max_diff(&y, &candle) < 1e-5, "{rows} x {c}: {}", max_diff(&y, &candle));
+    }
+    let x = Tensor::zeros((2, 8), candle_core::DType::BF16, dev).unwrap();
+    let gamma = Tensor::ones(8, candle_core::DType::BF16, dev).unwrap();
+    assert!(add_rms_norm(&x, &x, &gamma, 1e-6).unwrap().is_none());
+}

@@ -163,10 +163,16 @@ impl Gpt {
             x = (x + wpe.embedding(&positions)?)?;
         }
         let groups = adapter_rows(adapters, &lens, device)?;
+        let mut normed = None; // the next block's ln_1 of x, where the last one gave it
         for (layer, block) in self.blocks.iter().enumerate() {
             let mut caches: Vec<_> = seqs.iter_mut().map(|s| s.cache.layer(layer)).collect();
             let updates = block_updates(&groups, &self.cfg, layer);
-            x = block.forward_packed(&x, &lens, &positions, &mut caches, &updates)?;
+            let input = match normed.take() {
+                Some(n) => n,
+                None => layer_norm(&block.ln_1, &x, false)?,
+            };
+            let next = self.blocks.get(layer + 1).map(|b| &b.ln_1);
+            (x, normed) = block.forward_packed(&x, &input, next, &lens, &positions, &mut caches, &updates)?;
             // (N, C)
         }
         for (seq, &len) in seqs.iter_mut().zip(&lens) {

@@ -154,6 +154,22 @@ pub fn rms_norm(x: &Tensor, gamma: &Tensor, eps: f32) -> Result<Tensor> {
     }
 }
 
+/// Inference's `(x + h, rms_norm(x + h))` in one pass over each row, the same bits as the two
+/// ops ([`rms_norm`]); `None` (nothing computed) off the CPU or outside f32, where the caller
+/// takes the two ops. Not differentiable.
+pub fn add_rms_norm(x: &Tensor, h: &Tensor, gamma: &Tensor, eps: f32) -> Result<Option<(Tensor, Tensor)>> {
+    if !(fused(x) && x.device().is_cpu() && h.dtype() == DType::F32 && gamma.dtype() == DType::F32) {
+        return Ok(None);
+    }
+    let c = gamma.elem_count();
+    let rows = x.elem_count() / c.max(1);
+    let out =
+        x.contiguous()?
+            .apply_op3_no_bwd(&h.contiguous()?, &gamma.contiguous()?, &rms_norm::AddRmsNorm { eps })?;
+    let half = |at: usize| out.narrow(0, at, rows)?.reshape(x.shape());
+    Ok(Some((half(0)?, half(rows)?)))
+}
+
 /// Rotary position embedding of `x` `(1, N, H, D)` (rows of heads), row `n` by the angles of
 /// `cos[n]` and `sin[n]` `(N, D / 2)`, the two halves of each head as the pairs (`transformers`'
 /// `rotate_half`); differentiable. Fused on the CPU in f32, else candle-nn's `rope_slow`.

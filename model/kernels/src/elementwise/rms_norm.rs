@@ -70,6 +70,58 @@ impl CustomOp2 for RmsNorm {
     }
 }
 
+/// Inference's residual add and the RMSNorm after it in one pass over each row: `s = x + h`, then
+/// `s / sqrt(mean(s²) + eps) * gamma` as [`RmsNorm`] computes it (the same bits as the two ops),
+/// packed as the rows of a `(2 rows, C)` matrix: the sums, then the normalised rows. (A decode
+/// step's two ops a norm had each been a candle tensor and a pass.)
+pub(crate) struct AddRmsNorm {
+    pub(crate) eps: f32,
+}
+
+impl candle_core::CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "fused-add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, h) = (f32_slice(s1, l1, "add-rms-norm")?, f32_slice(s2, l2, "add-rms-norm")?);
+        let gamma = f32_slice(s3, l3, "add-rms-norm")?;
+        let c = check("add-rms-norm", x, gamma, l1, l3)?;
+        if h.len() != x.len() {
+            candle_core::bail!("add-rms-norm: x {:?}, h {:?}", l1.dims(), l2.dims())
+        }
+        let rows = x.len() / c;
+        let mut out = vec![0f32; 2 * rows * c];
+        let (sums, normed) = out.split_at_mut(rows * c);
+        let mut normed: Vec<&mut [f32]> = normed.chunks_exact_mut(c).collect();
+        parallel::rows_with(
+            sums,
+            c,
+            &mut normed,
+            #[inline(always)]
+            |row, sr, yr| {
+                let (xr, hr) = (&x[row * c..(row + 1) * c], &h[row * c..(row + 1) * c]);
+                for ((s, &x), &h) in sr.iter_mut().zip(xr).zip(hr) {
+                    *s = x + h;
+                }
+                let r = rstd(sr, self.eps);
+                for ((y, &s), &g) in yr.iter_mut().zip(&*sr).zip(gamma) {
+                    *y = s * r * g;
+                }
+            },
+        );
+        Ok((CpuStorage::F32(out), Shape::from((2 * rows, c))))
+    }
+}
+
 /// Both RMSNorm gradients in one pass, packed as the rows of a `(rows + 1, C)` matrix: dx, then
 /// d gamma. With x̂ = x r the normalised row and ĝ = g ⊙ gamma:
 /// dx = r (ĝ − x̂ mean(ĝ ⊙ x̂)), d gamma = Σ g ⊙ x̂.
