@@ -761,6 +761,12 @@ mod x86 {
                 }
                 acc
             };
+            // A decode step's keys and values come from memory (the step's weights have pushed
+            // them out of cache since the last step), a head's few KiB at a time: streams too
+            // short for the hardware's prefetchers, whose loads had stalled most of the
+            // attention's time (perf annotate). Each run's keys are asked into L2 before they are
+            // scored, and the values before the softmax. (A prompt's were just written.)
+            let decode = head.len == 1;
             // Run by run of positions stored together (a block of the cache), 16 keys at once
             // while a run has them. (The run of a position the rows do not all see ends at the
             // last row's bound; a row's extra scores are never read.)
@@ -769,6 +775,9 @@ mod x86 {
                 let (keys, run, stride) = head.keys.run(head.kv_h, j0, hs);
                 let run = run.min(n[R - 1] - j0);
                 let full = run / 16 * 16;
+                if decode {
+                    (0..run).for_each(|j| prefetch_row(keys.add(j * stride), hs));
+                }
                 for j in (0..full).step_by(16) {
                     let block = keys.add(j * stride);
                     for (r, q) in q.iter().enumerate() {
@@ -784,6 +793,14 @@ mod x86 {
                         scores[r * t + j0 + j] = sum16(dot(q, keys.add(j * stride))) * head.scale;
                     }
                 }
+                j0 += run;
+            }
+            // The values asked into L2 while the softmax runs.
+            let mut j0 = 0;
+            while decode && j0 < n[R - 1] {
+                let (values, run, stride) = head.values.run(head.kv_h, j0, hs);
+                let run = run.min(n[R - 1] - j0);
+                (0..run).for_each(|j| prefetch_row(values.add(j * stride), hs));
                 j0 += run;
             }
             // Softmax's numerators and their sum, row by row.
@@ -826,6 +843,16 @@ mod x86 {
                     _mm512_storeu_ps(out[r].add(16 * c), _mm512_mul_ps(*a, inv));
                 }
             }
+        }
+    }
+
+    /// The row of `hs` values at `row` asked into L2, line by line.
+    #[inline(always)]
+    fn prefetch_row<T>(row: *const T, hs: usize) {
+        let bytes = hs * std::mem::size_of::<T>();
+        for line in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch reads nothing architecturally and faults on no address.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>((row as *const i8).wrapping_add(line)) };
         }
     }
 
