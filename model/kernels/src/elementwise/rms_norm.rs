@@ -28,6 +28,28 @@ fn check(op: &str, x: &[f32], gamma: &[f32], l1: &Layout, l2: &Layout) -> Result
     Ok(c)
 }
 
+/// `(x, gamma, other, C)`: see [`with_gamma_and`].
+type Operands<'a> = (&'a [f32], &'a [f32], &'a [f32], usize);
+
+/// `x`, `gamma` and a second operand of `x`'s size (`what` in errors) as f32 values, with `C`.
+fn with_gamma_and<'a>(
+    op: &str,
+    (x, lx): (&'a CpuStorage, &Layout),
+    (gamma, lg): (&'a CpuStorage, &Layout),
+    (other, lo, what): (&'a CpuStorage, &Layout, &str),
+) -> Result<Operands<'a>> {
+    let (x, gamma, other) = (
+        f32_slice(x, lx, op)?,
+        f32_slice(gamma, lg, op)?,
+        f32_slice(other, lo, op)?,
+    );
+    let c = check(op, x, gamma, lx, lg)?;
+    if other.len() != x.len() {
+        candle_core::bail!("{op}: x {:?}, {what} {:?}", lx.dims(), lo.dims())
+    }
+    Ok((x, gamma, other, c))
+}
+
 impl CustomOp2 for RmsNorm {
     fn name(&self) -> &'static str {
         "fused-rms-norm"
@@ -92,12 +114,7 @@ impl candle_core::CustomOp3 for AddRmsNorm {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, h) = (f32_slice(s1, l1, "add-rms-norm")?, f32_slice(s2, l2, "add-rms-norm")?);
-        let gamma = f32_slice(s3, l3, "add-rms-norm")?;
-        let c = check("add-rms-norm", x, gamma, l1, l3)?;
-        if h.len() != x.len() {
-            candle_core::bail!("add-rms-norm: x {:?}, h {:?}", l1.dims(), l2.dims())
-        }
+        let (x, gamma, h, c) = with_gamma_and("add-rms-norm", (s1, l1), (s3, l3), (s2, l2, "h"))?;
         let rows = x.len() / c;
         let mut out = vec![0f32; 2 * rows * c];
         let (sums, normed) = out.split_at_mut(rows * c);
@@ -143,12 +160,7 @@ impl candle_core::CustomOp3 for RmsNormGrad {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, gamma) = (f32_slice(s1, l1, "rms-norm-grad")?, f32_slice(s2, l2, "rms-norm-grad")?);
-        let g = f32_slice(s3, l3, "rms-norm-grad")?;
-        let c = check("rms-norm-grad", x, gamma, l1, l2)?;
-        if g.len() != x.len() {
-            candle_core::bail!("rms-norm-grad: x {:?}, grad {:?}", l1.dims(), l3.dims())
-        }
+        let (x, gamma, g, c) = with_gamma_and("rms-norm-grad", (s1, l1), (s2, l2), (s3, l3, "grad"))?;
         let rows = x.len() / c;
         let mut out = vec![0f32; (rows + 1) * c];
         let (dx, dgamma) = out.split_at_mut(rows * c);

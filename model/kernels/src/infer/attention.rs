@@ -846,14 +846,11 @@ mod x86 {
         }
     }
 
-    /// The row of `hs` values at `row` asked into L2, line by line.
+    /// The row of `hs` values at `row` asked into L2.
     #[inline(always)]
     fn prefetch_row<T>(row: *const T, hs: usize) {
         let bytes = hs * std::mem::size_of::<T>();
-        for line in (0..bytes).step_by(64) {
-            // SAFETY: a prefetch reads nothing architecturally and faults on no address.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>((row as *const i8).wrapping_add(line)) };
-        }
+        crate::simd::prefetch_lines(row as *const u8, bytes, crate::simd::CacheLevel::L2);
     }
 
     /// The 16 lanes' sum: halves added (lanes l and l + 8, then l + 4, l + 2, l + 1), written

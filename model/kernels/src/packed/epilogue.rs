@@ -38,16 +38,10 @@ impl Epilogue<'_> {
         let len = o.blocks * super::OFFSET_GROUP;
         // The run's start and length in bytes (checked in bounds once, here).
         let (start, bytes) = match o.table {
-            Table::Values(t) => (t[first..first + len].as_ptr() as *const i8, 4 * len),
-            Table::Mins { mins, .. } => (mins[first..first + len].as_ptr() as *const i8, 2 * len),
+            Table::Values(t) => (t[first..first + len].as_ptr() as *const u8, 4 * len),
+            Table::Mins { mins, .. } => (mins[first..first + len].as_ptr() as *const u8, 2 * len),
         };
-        #[cfg(target_arch = "x86_64")]
-        for at in (0..bytes).step_by(64) {
-            // SAFETY: SSE is part of x86-64; a prefetch reads nothing and does not fault.
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(start.wrapping_add(at)) };
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (start, bytes);
+        crate::simd::prefetch_lines(start, bytes, crate::simd::CacheLevel::L1);
     }
 }
 

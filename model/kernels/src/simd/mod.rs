@@ -110,6 +110,34 @@ impl Simd {
     }
 }
 
+/// The cache a prefetch asks lines into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CacheLevel {
+    L1,
+    L2,
+}
+
+/// The `bytes` from `start` asked into `level`, a line (64 bytes) at a time, where the CPU has
+/// such a hint (nothing elsewhere): for short streams that the hardware's prefetchers learn too
+/// late. A prefetch reads nothing architecturally and faults on no address, so any range will do.
+#[inline(always)]
+pub(crate) fn prefetch_lines(start: *const u8, bytes: usize, level: CacheLevel) {
+    #[cfg(target_arch = "x86_64")]
+    for at in (0..bytes).step_by(64) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        let line = start.wrapping_add(at) as *const i8;
+        // SAFETY: SSE is part of x86-64; a prefetch reads nothing and does not fault.
+        unsafe {
+            match level {
+                CacheLevel::L1 => _mm_prefetch::<_MM_HINT_T0>(line),
+                CacheLevel::L2 => _mm_prefetch::<_MM_HINT_T1>(line),
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (start, bytes, level);
+}
+
 /// MXCSR's DAZ (subnormal inputs read as zero) and FTZ (subnormal results flushed to zero) set
 /// on this thread while it lives, and the previous value back when it drops: `vdpbf16ps`'s
 /// arithmetic for f32 instructions (the bf16 products on f32 fused multiply-adds), without a
